@@ -1,0 +1,272 @@
+//! `stepguard-lab` (also `cargo xtask lab`): bring up, inspect, restart, reconfigure and remove
+//! simulated Cilium nodes.
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use stepguard_lab::{parse_duration, AttachMode, Lab, LabSpec, Profile, RestartOpts};
+
+#[derive(Parser)]
+#[command(
+    name = "stepguard-lab",
+    version,
+    about = "A simulated Cilium node in network namespaces (needs root)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Create a lab: namespaces, devices, bpffs with Cilium's maps, fake datapath, DNS/HTTP VIPs.
+    Up {
+        /// Unique name prefix for the lab's namespaces (default: a fresh `sglabXXXXX`).
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Cilium version whose map names the lab imitates: 1.16, 1.18 or 1.20.
+        #[arg(long, default_value = "1.18")]
+        cilium: Profile,
+        /// How the datapath attaches: tcx (bpf_link, pinned) or tc (legacy clsact filters).
+        #[arg(long, default_value = "tcx")]
+        attach: AttachMode,
+        /// Also attach cil_xdp_entry to the host devices.
+        #[arg(long)]
+        xdp: bool,
+        /// Number of pods (lxc veths, each into its own namespace).
+        #[arg(long, default_value_t = 3)]
+        pods: u32,
+        /// enable-ipv6 (adds the IPv6 maps).
+        #[arg(long)]
+        ipv6: bool,
+        /// Turn kube-proxy replacement off (no SNAT map).
+        #[arg(long)]
+        no_kpr: bool,
+        /// Turn L2 announcements off (no L2 responder map).
+        #[arg(long)]
+        no_l2: bool,
+        /// max_entries of cilium_ct4_global (LRU, preallocated).
+        #[arg(long, default_value_t = 65536)]
+        ct_entries: u32,
+        /// Entries written into cilium_ct4_global.
+        #[arg(long, default_value_t = 64)]
+        ct_fill: u32,
+    },
+    /// Show a lab (or all labs) as text or JSON.
+    Status {
+        #[arg(long)]
+        prefix: Option<String>,
+        #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+        format: String,
+    },
+    /// Simulate a cilium-agent restart; prints what really happened as JSON.
+    Restart {
+        #[arg(long)]
+        prefix: Option<String>,
+        /// How long the datapath blackholes traffic (e.g. 300ms, 2s).
+        #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+        gap: std::time::Duration,
+        /// Fault: nothing is replaced (same program IDs afterwards).
+        #[arg(long)]
+        no_reload: bool,
+        /// Fault: the new datapath is no longer attached to this device.
+        #[arg(long, value_name = "DEV")]
+        drop_device: Option<String>,
+        /// Fault: this pinned map disappears from tc/globals.
+        #[arg(long, value_name = "NAME")]
+        lose_map: Option<String>,
+        /// Fault: this map comes back empty.
+        #[arg(long, value_name = "NAME")]
+        flush_map: Option<String>,
+    },
+    /// Change the lab's cilium-config the way kubelet does: `config set KEY=VALUE...`.
+    Config {
+        #[arg(long)]
+        prefix: Option<String>,
+        #[arg(value_parser = ["set", "show"])]
+        action: String,
+        /// KEY=VALUE pairs (for `set`).
+        pairs: Vec<String>,
+    },
+    /// Remove a lab and everything it created.
+    Down {
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Remove every lab on this machine.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+/// The lab to act on: the given prefix, or the only one there is.
+fn pick(prefix: Option<String>) -> Result<Lab> {
+    match prefix {
+        Some(p) => Lab::open(&p),
+        None => {
+            let labs = Lab::list();
+            match labs.as_slice() {
+                [one] => Lab::open(one),
+                [] => bail!("no lab is up: run `cargo xtask lab up`"),
+                many => bail!("several labs are up ({}): pass --prefix", many.join(", ")),
+            }
+        }
+    }
+}
+
+fn print_status(lab: &Lab) {
+    let s = lab.status();
+    println!(
+        "lab {}  ({}, Cilium {} profile, {} attach{})",
+        s["prefix"].as_str().unwrap_or(""),
+        if lab.state.ready {
+            "ready"
+        } else {
+            "NOT ready"
+        },
+        lab.state.spec.profile,
+        s["attach"].as_str().unwrap_or(""),
+        if lab.state.spec.xdp { ", XDP" } else { "" }
+    );
+    println!(
+        "  node namespace   {}  ({})",
+        lab.node_ns(),
+        s["node_netns_path"].as_str().unwrap_or("")
+    );
+    println!("  bpffs            {}", lab.state.bpffs.display());
+    println!("  cilium-config    {}", lab.state.cilium_config.display());
+    println!("  devices          {}", lab.state.devices.join(", "));
+    println!("  pods (lxc)       {}", lab.state.lxc.len());
+    println!(
+        "  gateway VIP      {}:{} (http /healthz)",
+        stepguard_lab::GATEWAY_VIP,
+        stepguard_lab::GATEWAY_PORT
+    );
+    println!(
+        "  DNS VIP          {}:{} (gateway.{})",
+        stepguard_lab::DNS_VIP,
+        stepguard_lab::DNS_PORT,
+        stepguard_lab::DNS_ZONE
+    );
+    println!("  stepguard config {}", lab.stepguard_config().display());
+    println!(
+        "  run the agent:   nsenter --net={} -- stepguard check --config {}",
+        s["node_netns_path"].as_str().unwrap_or(""),
+        lab.stepguard_config().display()
+    );
+}
+
+fn main() {
+    if let Err(e) = real_main() {
+        eprintln!("stepguard-lab: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Up {
+            prefix,
+            cilium,
+            attach,
+            xdp,
+            pods,
+            ipv6,
+            no_kpr,
+            no_l2,
+            ct_entries,
+            ct_fill,
+        } => {
+            stepguard_lab::check_root()?;
+            let mut spec = LabSpec::new(prefix.unwrap_or_else(stepguard_lab::unique_prefix));
+            spec.profile = cilium;
+            spec.attach = attach;
+            spec.xdp = xdp;
+            spec.pods = pods;
+            spec.features.ipv6 = ipv6;
+            spec.features.kube_proxy_replacement = !no_kpr;
+            spec.features.l2_announcements = !no_l2;
+            spec.capacity.ct_entries = ct_entries;
+            spec.ct_fill = ct_fill;
+            let lab = Lab::up(spec)?;
+            print_status(&lab);
+        }
+        Cmd::Status { prefix, format } => {
+            let labs: Vec<Lab> = match prefix {
+                Some(p) => vec![Lab::open(&p)?],
+                None => Lab::list()
+                    .iter()
+                    .map(|p| Lab::open(p))
+                    .collect::<Result<_>>()?,
+            };
+            if format == "json" {
+                let v: Vec<_> = labs.iter().map(|l| l.status()).collect();
+                let out = if v.len() == 1 {
+                    v[0].clone()
+                } else {
+                    serde_json::Value::Array(v)
+                };
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else if labs.is_empty() {
+                println!("no lab is up");
+            } else {
+                labs.iter().for_each(print_status);
+            }
+        }
+        Cmd::Restart {
+            prefix,
+            gap,
+            no_reload,
+            drop_device,
+            lose_map,
+            flush_map,
+        } => {
+            let mut lab = pick(prefix)?;
+            let r = lab.restart(&RestartOpts {
+                gap,
+                no_reload,
+                drop_device,
+                lose_map,
+                flush_map,
+            })?;
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        }
+        Cmd::Config {
+            prefix,
+            action,
+            pairs,
+        } => {
+            let lab = pick(prefix)?;
+            let values = if action == "set" {
+                if pairs.is_empty() {
+                    bail!("config set needs KEY=VALUE pairs");
+                }
+                let changes = pairs
+                    .iter()
+                    .map(|p| {
+                        p.split_once('=')
+                            .map(|(k, v)| (k.to_string(), v.to_string()))
+                            .with_context(|| format!("{p:?} is not KEY=VALUE"))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                lab.config_set(&changes)?
+            } else {
+                stepguard_lab::ciliumconfig::read(&lab.state.cilium_config)?
+            };
+            for (k, v) in values {
+                println!("{k}={v}");
+            }
+        }
+        Cmd::Down { prefix, all } => {
+            stepguard_lab::check_root()?;
+            let prefixes = if all {
+                Lab::list()
+            } else {
+                vec![pick(prefix)?.state.spec.prefix]
+            };
+            for p in prefixes {
+                Lab::open(&p)?.down()?;
+                println!("lab {p} removed");
+            }
+        }
+    }
+    Ok(())
+}

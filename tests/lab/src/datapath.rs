@@ -1,0 +1,355 @@
+//! The fake Cilium datapath: loads the lab's eBPF object once per device (so every device has
+//! its own program IDs, as Cilium's per-device compiled objects do), attaches the programs where
+//! Cilium attaches them, and replaces them atomically on a simulated restart.
+use crate::netns::in_netns;
+use crate::sys;
+use anyhow::{bail, Context, Result};
+use aya::programs::links::{FdLink, LinkOrder};
+use aya::programs::tc::{self, TcAttachOptions};
+use aya::programs::{SchedClassifier, TcAttachType, Xdp, XdpMode};
+use aya::{Ebpf, EbpfLoader};
+use serde::{Deserialize, Serialize};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+/// The lab's eBPF object, built by `cargo xtask build`.
+static LAB_EBPF: &[u8] = aya::include_bytes_aligned!(env!("LAB_EBPF_OBJ"));
+
+/// How Cilium attaches its tc programs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttachMode {
+    /// bpf_link on tcx (kernel >= 6.6, Cilium >= 1.16 with enable-tcx), links pinned in bpffs.
+    Tcx,
+    /// Legacy clsact qdisc with direct-action filters `<prog>-<dev>`, handle 1.
+    Tc,
+}
+
+impl std::str::FromStr for AttachMode {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "tcx" => Ok(Self::Tcx),
+            "tc" => Ok(Self::Tc),
+            _ => bail!("unknown attach mode {s:?}: expected tcx or tc"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hook {
+    Ingress,
+    Egress,
+    Xdp,
+}
+
+/// One program on one device, as the lab attached it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Attachment {
+    pub device: String,
+    pub program: String,
+    pub hook: Hook,
+    /// Endpoint id for lxc devices (their tcx links live under `cilium/endpoints/<id>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<u16>,
+    /// `tcx`, `tc` or `xdp` (XDP always uses a bpf_link).
+    pub via: String,
+    pub prog_id: u32,
+    /// Pinned bpf_link (tcx and XDP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_pin: Option<PathBuf>,
+}
+
+impl Attachment {
+    pub fn tc_filter_name(&self) -> String {
+        format!("{}-{}", self.program, self.device)
+    }
+}
+
+/// What goes where: `(device, program, hook, endpoint id)`.
+pub type Plan = Vec<(String, &'static str, Hook, Option<u16>)>;
+
+pub fn plan(host_devices: &[String], lxc: &[(String, u16)], xdp: bool) -> Plan {
+    let mut p: Plan = Vec::new();
+    for d in host_devices {
+        p.push((d.clone(), "cil_from_netdev", Hook::Ingress, None));
+        p.push((d.clone(), "cil_to_netdev", Hook::Egress, None));
+        if xdp {
+            p.push((d.clone(), "cil_xdp_entry", Hook::Xdp, None));
+        }
+    }
+    p.push(("cilium_host".into(), "cil_to_host", Hook::Ingress, None));
+    p.push(("cilium_host".into(), "cil_from_host", Hook::Egress, None));
+    p.push(("cilium_net".into(), "cil_to_host", Hook::Ingress, None));
+    for (dev, ep) in lxc {
+        p.push((dev.clone(), "cil_from_container", Hook::Ingress, Some(*ep)));
+    }
+    p
+}
+
+pub fn blackhole_pin(bpffs: &Path) -> PathBuf {
+    bpffs.join("stepguard-lab/blackhole")
+}
+
+fn load_object(bpffs: &Path) -> Result<Ebpf> {
+    let metrics = bpffs.join("tc/globals/cilium_metrics");
+    let blackhole = blackhole_pin(bpffs);
+    EbpfLoader::new()
+        .map_pin_path("cilium_metrics", metrics.as_path())
+        .map_pin_path("LAB_BLACKHOLE", blackhole.as_path())
+        .load(LAB_EBPF)
+        .context("load the lab's eBPF object")
+}
+
+fn link_pin_path(bpffs: &Path, device: &str, program: &str, endpoint: Option<u16>) -> PathBuf {
+    match endpoint {
+        Some(ep) => bpffs.join(format!("cilium/endpoints/{ep}/links/{program}")),
+        None => bpffs.join(format!(
+            "cilium/devices/{}/links/{program}",
+            device.replace('.', "-")
+        )),
+    }
+}
+
+fn tc_attach_type(h: Hook) -> TcAttachType {
+    if h == Hook::Egress {
+        TcAttachType::Egress
+    } else {
+        TcAttachType::Ingress
+    }
+}
+
+/// A loaded (not yet attached) program instance for one plan entry.
+struct Loaded {
+    obj: Ebpf,
+    entry: (String, &'static str, Hook, Option<u16>),
+}
+
+impl Loaded {
+    fn prog_fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+        let p = self
+            .obj
+            .program(self.entry.1)
+            .context("program missing from object")?;
+        Ok(p.fd().context("program fd")?.as_fd())
+    }
+}
+
+fn load_entry(bpffs: &Path, entry: &(String, &'static str, Hook, Option<u16>)) -> Result<Loaded> {
+    let mut obj = load_object(bpffs)?;
+    let name = entry.1;
+    let prog = obj
+        .program_mut(name)
+        .with_context(|| format!("program {name} in lab object"))?;
+    match entry.2 {
+        Hook::Xdp => {
+            let p: &mut Xdp = prog.try_into()?;
+            p.load().with_context(|| format!("load {name}"))?;
+        }
+        _ => {
+            let p: &mut SchedClassifier = prog.try_into()?;
+            p.load().with_context(|| format!("load {name}"))?;
+        }
+    }
+    Ok(Loaded {
+        obj,
+        entry: entry.clone(),
+    })
+}
+
+/// Attaches one freshly loaded instance per plan entry; returns what was attached.
+pub fn attach_all(
+    ns: &str,
+    bpffs: &Path,
+    mode: AttachMode,
+    plan: &Plan,
+) -> Result<Vec<Attachment>> {
+    let bpffs_owned = bpffs.to_path_buf();
+    let plan_owned = plan.clone();
+    let atts = in_netns(ns, move || {
+        let bpffs = bpffs_owned.as_path();
+        let mut atts = Vec::new();
+        let mut qdisc_done = std::collections::BTreeSet::new();
+        for entry in &plan_owned {
+            let mut l = load_entry(bpffs, entry)?;
+            let (dev, name, hook, ep) = entry.clone();
+            let prog = l.obj.program_mut(name).context("program")?;
+            let prog_id = prog.info()?.id();
+            let (via, link_pin) = match (hook, mode) {
+                (Hook::Xdp, _) => {
+                    let p: &mut Xdp = prog.try_into()?;
+                    let id = p
+                        .attach(&dev, XdpMode::Default)
+                        .with_context(|| format!("attach {name} (XDP) to {dev}"))?;
+                    let link =
+                        FdLink::try_from(p.take_link(id)?).context("XDP link is not a bpf_link")?;
+                    let pin = link_pin_path(bpffs, &dev, name, ep);
+                    std::fs::create_dir_all(pin.parent().unwrap())?;
+                    link.pin(&pin)
+                        .with_context(|| format!("pin link {}", pin.display()))?;
+                    ("xdp", Some(pin))
+                }
+                (_, AttachMode::Tcx) => {
+                    let p: &mut SchedClassifier = prog.try_into()?;
+                    let id = p
+                        .attach_with_options(
+                            &dev,
+                            tc_attach_type(hook),
+                            TcAttachOptions::TcxOrder(LinkOrder::last()),
+                        )
+                        .with_context(|| format!("attach {name} (tcx) to {dev}"))?;
+                    let link =
+                        FdLink::try_from(p.take_link(id)?).context("tcx link is not a bpf_link")?;
+                    let pin = link_pin_path(bpffs, &dev, name, ep);
+                    std::fs::create_dir_all(pin.parent().unwrap())?;
+                    link.pin(&pin)
+                        .with_context(|| format!("pin link {}", pin.display()))?;
+                    ("tcx", Some(pin))
+                }
+                (_, AttachMode::Tc) => {
+                    if qdisc_done.insert(dev.clone()) {
+                        if let Err(e) = tc::qdisc_add_clsact(&dev) {
+                            if !e.to_string().contains("exists") {
+                                return Err(anyhow::anyhow!("add clsact qdisc on {dev}: {e}"));
+                            }
+                        }
+                    }
+                    let fd = prog.fd()?.as_fd();
+                    tc_set(&dev, hook, Some((&fd, &format!("{name}-{dev}"))))?;
+                    ("tc", None)
+                }
+            };
+            atts.push(Attachment {
+                device: dev,
+                program: name.into(),
+                hook,
+                endpoint: ep,
+                via: via.into(),
+                prog_id,
+                link_pin,
+            });
+            drop(l);
+        }
+        Ok(atts)
+    })?;
+    Ok(atts)
+}
+
+/// Adds/replaces or deletes the legacy tc filter of `hook` on `dev` (current thread's netns).
+fn tc_set(dev: &str, hook: Hook, prog: Option<(&dyn std::os::fd::AsRawFd, &str)>) -> Result<()> {
+    let c = std::ffi::CString::new(dev)?;
+    // SAFETY: if_nametoindex reads a NUL-terminated string.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 {
+        bail!("no device {dev}");
+    }
+    let what = if prog.is_some() { "replace" } else { "delete" };
+    sys::tc_filter(idx, hook == Hook::Egress, prog)
+        .with_context(|| format!("{what} tc filter on {dev} {hook:?}"))
+}
+
+/// New program instances, loaded ahead of a restart so the swap itself is quick.
+pub struct Prepared {
+    loaded: Vec<Loaded>,
+}
+
+pub fn prepare(
+    ns: &str,
+    bpffs: &Path,
+    atts: &[Attachment],
+    skip_device: Option<&str>,
+) -> Result<Prepared> {
+    let bpffs = bpffs.to_path_buf();
+    let entries: Vec<_> = atts
+        .iter()
+        .filter(|a| Some(a.device.as_str()) != skip_device)
+        .map(|a| {
+            Ok((
+                a.device.clone(),
+                program_static(&a.program)?,
+                a.hook,
+                a.endpoint,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let _ = ns;
+    let loaded = entries
+        .iter()
+        .map(|e| load_entry(&bpffs, e))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Prepared { loaded })
+}
+
+fn program_static(name: &str) -> Result<&'static str> {
+    const ALL: [&str; 6] = [
+        "cil_from_netdev",
+        "cil_to_netdev",
+        "cil_to_host",
+        "cil_from_host",
+        "cil_from_container",
+        "cil_xdp_entry",
+    ];
+    ALL.iter()
+        .copied()
+        .find(|p| *p == name)
+        .with_context(|| format!("unknown lab program {name}"))
+}
+
+/// Swaps every prepared program in (tcx/XDP: BPF_LINK_UPDATE on the pinned link; tc: filter
+/// replace at the same handle and priority), and detaches everything on `drop_device`.
+/// Returns the attachments as they are afterwards.
+pub fn replace(
+    ns: &str,
+    atts: &[Attachment],
+    prepared: Prepared,
+    drop_device: Option<&str>,
+) -> Result<Vec<Attachment>> {
+    let atts = atts.to_vec();
+    let drop_device = drop_device.map(str::to_string);
+    in_netns(ns, move || {
+        let mut out = Vec::new();
+        for l in &prepared.loaded {
+            let (dev, name, hook, _) = &l.entry;
+            let old = atts
+                .iter()
+                .find(|a| &a.device == dev && a.program == *name && a.hook == *hook)
+                .context("prepared program has no attachment")?;
+            let prog_fd = l.prog_fd()?;
+            let new_id = sys::obj_id(&prog_fd)?;
+            match &old.link_pin {
+                Some(pin) => {
+                    let link = sys::obj_get(pin)
+                        .with_context(|| format!("open pinned link {}", pin.display()))?;
+                    sys::link_update(&link, &prog_fd)
+                        .with_context(|| format!("update link {}", pin.display()))?;
+                }
+                None => tc_set(dev, *hook, Some((&prog_fd, &old.tc_filter_name())))?,
+            }
+            out.push(Attachment {
+                prog_id: new_id,
+                ..old.clone()
+            });
+        }
+        if let Some(drop) = &drop_device {
+            for a in atts.iter().filter(|a| &a.device == drop) {
+                match &a.link_pin {
+                    // Only the pin holds the link: removing it detaches the program.
+                    Some(pin) => std::fs::remove_file(pin)
+                        .with_context(|| format!("unpin {}", pin.display()))?,
+                    None => tc_set(&a.device, a.hook, None)?,
+                }
+            }
+        }
+        drop(prepared);
+        Ok(out)
+    })
+}
+
+/// Sets or clears the lab's blackhole flag.
+pub fn set_blackhole(bpffs: &Path, on: bool) -> Result<()> {
+    let pin = blackhole_pin(bpffs);
+    let fd = sys::obj_get(&pin).with_context(|| format!("open blackhole map {}", pin.display()))?;
+    sys::map_update(&fd, &0u32.to_ne_bytes(), &(on as u32).to_ne_bytes())
+        .context("write blackhole flag")
+}

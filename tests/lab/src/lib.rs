@@ -1,0 +1,803 @@
+//! The lab: a simulated Cilium node in network namespaces, faithful to `shared/cilium-facts.md`,
+//! used by stepguard's demo, integration tests and benchmarks.
+//!
+//! One lab = one unique name prefix. Everything it creates (namespaces, a private bpffs mount,
+//! servers, files) is recorded in `/run/stepguard-lab/<prefix>/state.json` *before* it is
+//! created, so `down` removes exactly that, even after the creating process crashed.
+pub mod ciliumconfig;
+pub mod datapath;
+pub mod maps;
+pub mod netns;
+pub mod services;
+pub mod sys;
+
+use anyhow::{bail, Context, Result};
+pub use datapath::{AttachMode, Attachment, Hook};
+pub use maps::{Capacity, Features, Profile};
+use serde::{Deserialize, Serialize};
+use services::Proc;
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub const RUN_ROOT: &str = "/run/stepguard-lab";
+pub const GATEWAY_VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+pub const GATEWAY_PORT: u16 = 80;
+pub const DNS_VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
+pub const DNS_PORT: u16 = 53;
+pub const DNS_ZONE: &str = "lab.stepguard.test";
+const NODE_ETH0: &str = "192.0.2.1";
+const FABRIC_ETH0: &str = "192.0.2.254";
+const NODE_ETH1: &str = "203.0.113.1";
+const FABRIC_ETH1: &str = "203.0.113.254";
+const CILIUM_HOST_IP: &str = "169.254.100.1";
+
+/// What to build.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LabSpec {
+    pub prefix: String,
+    pub profile: Profile,
+    pub attach: AttachMode,
+    pub xdp: bool,
+    pub pods: u32,
+    pub features: Features,
+    #[serde(default)]
+    pub capacity: Capacity,
+    /// Entries written into `cilium_ct4_global` (benchmarks ask for ~500k).
+    pub ct_fill: u32,
+}
+
+impl LabSpec {
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+            profile: Profile::V1_18,
+            attach: AttachMode::Tcx,
+            xdp: false,
+            pods: 3,
+            features: Features {
+                ipv6: false,
+                kube_proxy_replacement: true,
+                l2_announcements: true,
+            },
+            capacity: Capacity::default(),
+            ct_fill: 64,
+        }
+    }
+}
+
+/// A fresh prefix nobody uses: `sglab` + 5 hex digits.
+pub fn unique_prefix() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    let seed = nanos ^ (std::process::id() << 12);
+    for i in 0..64u32 {
+        let p = format!(
+            "sglab{:05x}",
+            (seed.wrapping_add(i.wrapping_mul(0x9e37_79b9))) & 0xfffff
+        );
+        if !prefix_in_use(&p) {
+            return p;
+        }
+    }
+    format!("sglab{:05x}", seed & 0xfffff)
+}
+
+fn prefix_in_use(p: &str) -> bool {
+    Path::new(RUN_ROOT).join(p).exists()
+        || netns::netns_exists(&format!("{p}-node"))
+        || netns::netns_exists(&format!("{p}-fabric"))
+}
+
+/// Everything a lab created, persisted as it is created.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LabState {
+    pub spec: LabSpec,
+    pub run_dir: PathBuf,
+    pub netns: Vec<String>,
+    pub bpffs: PathBuf,
+    pub bpffs_mounted: bool,
+    pub cilium_config: PathBuf,
+    pub procs: Vec<Proc>,
+    pub devices: Vec<String>,
+    pub lxc: Vec<(String, u16)>,
+    pub attachments: Vec<Attachment>,
+    pub host_endpoint: u16,
+    pub ready: bool,
+}
+
+/// A lab handle. Dropping it does nothing; call [`Lab::down`] (tests use [`LabGuard`]).
+pub struct Lab {
+    pub state: LabState,
+}
+
+/// Takes a lab down when dropped, also while a test panics.
+pub struct LabGuard(pub Lab);
+
+impl Drop for LabGuard {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.down() {
+            eprintln!("lab {}: down failed: {e:#}", self.0.state.spec.prefix);
+        }
+    }
+}
+
+impl std::ops::Deref for LabGuard {
+    type Target = Lab;
+    fn deref(&self) -> &Lab {
+        &self.0
+    }
+}
+impl std::ops::DerefMut for LabGuard {
+    fn deref_mut(&mut self) -> &mut Lab {
+        &mut self.0
+    }
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos()
+}
+
+fn lxc_name(prefix: &str, i: u32) -> String {
+    // Cilium names host-side veths `lxc` + 11 hex characters of a hash.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in prefix.bytes().chain(i.to_le_bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    format!("lxc{:011x}", h & 0xfff_ffff_ffff)
+}
+
+fn pod_ip(i: u32) -> [u8; 4] {
+    [169, 254, 101 + (i / 250) as u8, (i % 250 + 2) as u8]
+}
+
+pub fn check_root() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the lab needs root (network namespaces, bpffs mounts, eBPF): run it as root, e.g. `sudo -E cargo xtask lab up`");
+    }
+    Ok(())
+}
+
+fn validate_prefix(p: &str) -> Result<()> {
+    if p.is_empty()
+        || p.len() > 16
+        || !p
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    {
+        bail!("invalid lab prefix {p:?}: use 1-16 lowercase letters or digits");
+    }
+    Ok(())
+}
+
+impl Lab {
+    pub fn state_file(run_dir: &Path) -> PathBuf {
+        run_dir.join("state.json")
+    }
+
+    fn save(&self) -> Result<()> {
+        let path = Self::state_file(&self.state.run_dir);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.state)?)
+            .with_context(|| format!("write {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))
+    }
+
+    /// Opens the state of a running lab.
+    pub fn open(prefix: &str) -> Result<Lab> {
+        validate_prefix(prefix)?;
+        let path = Self::state_file(&Path::new(RUN_ROOT).join(prefix));
+        let data = std::fs::read(&path)
+            .with_context(|| format!("no lab {prefix:?} (read {})", path.display()))?;
+        let state =
+            serde_json::from_slice(&data).with_context(|| format!("parse {}", path.display()))?;
+        Ok(Lab { state })
+    }
+
+    /// All labs with a state file.
+    pub fn list() -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(RUN_ROOT)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| Self::state_file(&e.path()).exists())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    pub fn node_ns(&self) -> String {
+        format!("{}-node", self.state.spec.prefix)
+    }
+    pub fn fabric_ns(&self) -> String {
+        format!("{}-fabric", self.state.spec.prefix)
+    }
+
+    /// Builds a lab. On any error, what was created so far is removed again.
+    pub fn up(spec: LabSpec) -> Result<Lab> {
+        check_root()?;
+        validate_prefix(&spec.prefix)?;
+        if prefix_in_use(&spec.prefix) {
+            bail!("lab prefix {:?} is already in use (see `cargo xtask lab status`; remove it with `cargo xtask lab down --prefix {}`)", spec.prefix, spec.prefix);
+        }
+        if spec.pods > 2000 {
+            bail!("--pods {} is more than the lab supports (2000)", spec.pods);
+        }
+        let run_dir = Path::new(RUN_ROOT).join(&spec.prefix);
+        std::fs::create_dir_all(&run_dir)
+            .with_context(|| format!("create {}", run_dir.display()))?;
+        let mut lab = Lab {
+            state: LabState {
+                bpffs: run_dir.join("bpffs"),
+                cilium_config: run_dir.join("cilium-config"),
+                run_dir,
+                spec,
+                netns: vec![],
+                bpffs_mounted: false,
+                procs: vec![],
+                devices: vec!["eth0".into(), "eth1".into()],
+                lxc: vec![],
+                attachments: vec![],
+                host_endpoint: 1,
+                ready: false,
+            },
+        };
+        lab.save()?;
+        match lab.build() {
+            Ok(()) => Ok(lab),
+            Err(e) => {
+                if let Err(d) = lab.down() {
+                    eprintln!(
+                        "lab {}: cleanup after a failed up also failed: {d:#}",
+                        lab.state.spec.prefix
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn build(&mut self) -> Result<()> {
+        let p = self.state.spec.prefix.clone();
+        let node = self.node_ns();
+        let fabric = self.fabric_ns();
+        // Namespaces: recorded first, then made.
+        let pods: Vec<String> = (0..self.state.spec.pods)
+            .map(|i| format!("{p}-pod{i}"))
+            .collect();
+        self.state.netns = [node.clone(), fabric.clone()]
+            .into_iter()
+            .chain(pods.iter().cloned())
+            .collect();
+        self.save()?;
+        for ns in [&node, &fabric] {
+            netns::add_netns(ns)?;
+        }
+        let mut batch = String::new();
+        for ns in &pods {
+            batch.push_str(&format!("netns add {ns}\n"));
+        }
+        self.ip_batch(None, &batch)?;
+
+        // Host devices: eth0/eth1 are veths into the fabric, which holds the VIPs.
+        netns::add_veth(&node, "eth0", &fabric, "fab0")?;
+        netns::add_veth(&node, "eth1", &fabric, "fab1")?;
+        netns::add_addr(&node, "eth0", &format!("{NODE_ETH0}/24"))?;
+        netns::add_addr(&node, "eth1", &format!("{NODE_ETH1}/24"))?;
+        netns::add_addr(&fabric, "fab0", &format!("{FABRIC_ETH0}/24"))?;
+        netns::add_addr(&fabric, "fab1", &format!("{FABRIC_ETH1}/24"))?;
+        for vip in [GATEWAY_VIP, DNS_VIP] {
+            netns::add_addr(&fabric, "lo", &format!("{vip}/32"))?;
+        }
+        netns::ip(
+            &node,
+            &[
+                "route",
+                "add",
+                "198.51.100.0/24",
+                "via",
+                FABRIC_ETH0,
+                "dev",
+                "eth0",
+            ],
+        )?;
+        // cilium_host/cilium_net are a veth pair in Cilium too.
+        netns::ip(
+            &node,
+            &[
+                "link",
+                "add",
+                "cilium_host",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "cilium_net",
+            ],
+        )?;
+        netns::ip(&node, &["link", "set", "cilium_host", "up"])?;
+        netns::ip(&node, &["link", "set", "cilium_net", "up"])?;
+        netns::add_addr(&node, "cilium_host", &format!("{CILIUM_HOST_IP}/32"))?;
+
+        // Pods: lxc veths into their own namespaces, with a /32 route each (as Cilium does).
+        let mut node_batch = String::new();
+        let mut lxc = Vec::new();
+        for (i, ns) in pods.iter().enumerate() {
+            let name = lxc_name(&p, i as u32);
+            let ip = Ipv4Addr::from(pod_ip(i as u32));
+            node_batch.push_str(&format!("link add {name} type veth peer name eth0 netns {ns}\nlink set {name} up\nroute add {ip}/32 dev {name}\n"));
+            lxc.push((name, 1000 + i as u16));
+        }
+        self.ip_batch(Some(&node), &node_batch)?;
+        for (i, ns) in pods.iter().enumerate() {
+            let ip = Ipv4Addr::from(pod_ip(i as u32));
+            self.ip_batch(
+                Some(ns),
+                &format!("link set eth0 up\naddr add {ip}/32 dev eth0\n"),
+            )?;
+        }
+        self.state.lxc = lxc;
+        self.save()?;
+
+        // Private bpffs, outside /sys.
+        std::fs::create_dir_all(&self.state.bpffs)?;
+        self.state.bpffs_mounted = true;
+        self.save()?;
+        netns::run(
+            "mount",
+            &["-t", "bpf", "bpffs", &self.state.bpffs.to_string_lossy()],
+        )?;
+        std::fs::create_dir_all(maps::globals_dir(&self.state.bpffs))?;
+        std::fs::create_dir_all(self.state.bpffs.join("stepguard-lab"))?;
+
+        self.create_maps()?;
+        self.write_cilium_config()?;
+
+        let plan = datapath::plan(&self.state.devices, &self.state.lxc, self.state.spec.xdp);
+        self.state.attachments =
+            datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
+        self.create_tail_call_maps()?;
+        self.save()?;
+
+        self.start_services()?;
+        self.write_stepguard_config()?;
+        self.state.ready = true;
+        self.save()
+    }
+
+    fn ip_batch(&self, ns: Option<&str>, cmds: &str) -> Result<()> {
+        if cmds.is_empty() {
+            return Ok(());
+        }
+        let file = self.state.run_dir.join("ip-batch");
+        std::fs::write(&file, cmds)?;
+        let f = file.to_string_lossy().into_owned();
+        let r = match ns {
+            Some(ns) => netns::run("ip", &["-n", ns, "-batch", &f]),
+            None => netns::run("ip", &["-batch", &f]),
+        };
+        let _ = std::fs::remove_file(&file);
+        r.map(|_| ())
+    }
+
+    fn facts_and_create(&self, only: Option<&str>) -> Result<()> {
+        let pod_ips: Vec<[u8; 4]> = (0..self.state.spec.pods).map(pod_ip).collect();
+        let node_ips = [[192, 0, 2, 1], [203, 0, 113, 1]];
+        let vips = [
+            (GATEWAY_VIP.octets(), GATEWAY_PORT),
+            (DNS_VIP.octets(), DNS_PORT),
+        ];
+        let facts = maps::NodeFacts {
+            pod_ips: &pod_ips,
+            node_ips: &node_ips,
+            vips: &vips,
+        };
+        let s = &self.state.spec;
+        for m in maps::global_maps(s.profile, s.features, s.capacity) {
+            if only.is_some_and(|o| o != m.name) {
+                continue;
+            }
+            let fd = maps::create_pinned(&self.state.bpffs, &m)?;
+            maps::populate(&fd, &m, &facts, s.ct_fill)?;
+        }
+        Ok(())
+    }
+
+    fn create_maps(&self) -> Result<()> {
+        self.facts_and_create(None)?;
+        // Per-endpoint maps: policy + tail calls for every pod and the host endpoint.
+        let s = &self.state.spec;
+        let eps = self
+            .state
+            .lxc
+            .iter()
+            .map(|l| l.1)
+            .chain([self.state.host_endpoint]);
+        for ep in eps {
+            let policy = maps::MapSpec {
+                name: maps::policy_map_name(s.profile, ep),
+                map_type: if s.profile == Profile::V1_20 {
+                    maps::LPM_TRIE
+                } else {
+                    maps::HASH
+                },
+                key_size: 12,
+                value_size: 8,
+                max_entries: 16384,
+                flags: if s.profile == Profile::V1_20 {
+                    sys::BPF_F_NO_PREALLOC
+                } else {
+                    0
+                },
+            };
+            let fd = maps::create_pinned(&self.state.bpffs, &policy)?;
+            let mut k = vec![0u8; 12];
+            if s.profile == Profile::V1_20 {
+                k[..4].copy_from_slice(&64u32.to_ne_bytes());
+            }
+            sys::map_update(&fd, &k, &[0u8; 8])
+                .with_context(|| format!("write {}", policy.name))?;
+            let calls = maps::MapSpec {
+                name: format!("cilium_calls_{ep:05}"),
+                map_type: maps::PROG_ARRAY,
+                key_size: 4,
+                value_size: 4,
+                max_entries: 33,
+                flags: 0,
+            };
+            maps::create_pinned(&self.state.bpffs, &calls)?;
+        }
+        Ok(())
+    }
+
+    /// `cilium_calls_netdev_<ifindex>`, `cilium_calls_hostns_<id>` (and `_xdp_` with XDP):
+    /// Cilium re-creates these on every load and replaces the pin after attaching.
+    fn create_tail_call_maps(&self) -> Result<()> {
+        let node = self.node_ns();
+        let mut names = vec![format!(
+            "cilium_calls_hostns_{:05}",
+            self.state.host_endpoint
+        )];
+        for d in &self.state.devices {
+            if let Ok(idx) = netns::ifindex(&node, d) {
+                names.push(format!("cilium_calls_netdev_{idx:05}"));
+                if self.state.spec.xdp {
+                    names.push(format!("cilium_calls_xdp_{idx:05}"));
+                }
+            }
+        }
+        for name in names {
+            let m = maps::MapSpec {
+                name,
+                map_type: maps::PROG_ARRAY,
+                key_size: 4,
+                value_size: 4,
+                max_entries: 33,
+                flags: 0,
+            };
+            maps::create_pinned(&self.state.bpffs, &m)?;
+        }
+        Ok(())
+    }
+
+    fn write_cilium_config(&self) -> Result<()> {
+        let s = &self.state.spec;
+        let b = |v: bool| {
+            if v {
+                "true".to_string()
+            } else {
+                "false".to_string()
+            }
+        };
+        let values: BTreeMap<String, String> = [
+            ("cluster-name", "stepguard-lab".to_string()),
+            ("devices", self.state.devices.join(" ")),
+            ("enable-ipv4", "true".into()),
+            ("enable-ipv6", b(s.features.ipv6)),
+            (
+                "kube-proxy-replacement",
+                b(s.features.kube_proxy_replacement),
+            ),
+            ("enable-l2-announcements", b(s.features.l2_announcements)),
+            ("enable-tcx", b(s.attach == AttachMode::Tcx)),
+            (
+                "enable-xdp-acceleration",
+                if s.xdp {
+                    "native".into()
+                } else {
+                    "disabled".into()
+                },
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        ciliumconfig::write(&self.state.cilium_config, &values)
+    }
+
+    fn start_services(&mut self) -> Result<()> {
+        let dir = self.state.run_dir.join("services");
+        std::fs::create_dir_all(&dir)?;
+        let fabric = self.fabric_ns();
+        let records = [
+            (format!("gateway.{DNS_ZONE}"), GATEWAY_VIP.to_string()),
+            (format!("dns.{DNS_ZONE}"), DNS_VIP.to_string()),
+            (format!("media.{DNS_ZONE}"), "198.51.100.20".to_string()),
+        ];
+        let p = services::start_dnsmasq(&fabric, &dir, &DNS_VIP.to_string(), &records)?;
+        self.state.procs.push(p);
+        self.save()?;
+        let p = services::start_nginx(&fabric, &dir, &GATEWAY_VIP.to_string(), GATEWAY_PORT)?;
+        self.state.procs.push(p);
+        self.save()?;
+        // Ready means reachable from the node namespace, through eth0 and the fake datapath.
+        let node = self.node_ns();
+        services::wait_until("gateway VIP (nginx)", Duration::from_secs(10), || {
+            netns::in_netns(&node, || {
+                std::net::TcpStream::connect_timeout(
+                    &(GATEWAY_VIP, GATEWAY_PORT).into(),
+                    Duration::from_millis(500),
+                )?;
+                Ok(())
+            })
+        })?;
+        let node = self.node_ns();
+        services::wait_until("DNS VIP (dnsmasq)", Duration::from_secs(10), || {
+            let out = netns::run(
+                "nsenter",
+                &[
+                    &format!("--net={}", netns::netns_path(&node).display()),
+                    "--",
+                    "dig",
+                    "+time=1",
+                    "+tries=1",
+                    "+short",
+                    &format!("@{DNS_VIP}"),
+                    &format!("gateway.{DNS_ZONE}"),
+                ],
+            )?;
+            if out.trim() == GATEWAY_VIP.to_string() {
+                Ok(())
+            } else {
+                bail!("unexpected answer {out:?}")
+            }
+        })
+    }
+
+    /// A ready stepguard config for this lab (schema: deploy/stepguard.example.yaml).
+    fn write_stepguard_config(&self) -> Result<()> {
+        let s = &self.state;
+        let yaml = format!(
+            "# stepguard config for lab {prefix} (written by the lab; run the agent in {node})\n\
+             bpffs: {bpffs}\n\
+             cilium_config: {cfg}\n\
+             cilium: \"{profile}\"\n\
+             targets:\n\
+             \x20 - name: gateway\n    address: {gw}\n    port: {gwp}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\
+             \x20 - name: dns\n    address: {dns}\n    port: {dnsp}\n    probe: dns\n    query: gateway.{zone}\n    timeout: 500ms\n\
+             dns:\n  resolvers: [\"{dns}:{dnsp}\"]\n  names: [\"gateway.{zone}\", \"dns.{zone}\"]\n",
+            prefix = s.spec.prefix,
+            node = self.node_ns(),
+            bpffs = s.bpffs.display(),
+            cfg = s.cilium_config.display(),
+            profile = s.spec.profile,
+            gw = GATEWAY_VIP,
+            gwp = GATEWAY_PORT,
+            dns = DNS_VIP,
+            dnsp = DNS_PORT,
+            zone = DNS_ZONE,
+        );
+        std::fs::write(self.stepguard_config(), yaml).context("write stepguard config")
+    }
+
+    pub fn stepguard_config(&self) -> PathBuf {
+        self.state.run_dir.join("stepguard.yaml")
+    }
+
+    /// What a script needs to use the lab (`lab status --format json`).
+    pub fn status(&self) -> serde_json::Value {
+        let s = &self.state;
+        serde_json::json!({
+            "prefix": s.spec.prefix,
+            "ready": s.ready,
+            "node_netns": self.node_ns(),
+            "node_netns_path": netns::netns_path(&self.node_ns()),
+            "fabric_netns": self.fabric_ns(),
+            "bpffs": s.bpffs,
+            "cilium_config": s.cilium_config,
+            "profile": s.spec.profile,
+            "attach": s.spec.attach,
+            "xdp": s.spec.xdp,
+            "features": s.spec.features,
+            "devices": s.devices,
+            "lxc": s.lxc.iter().map(|l| &l.0).collect::<Vec<_>>(),
+            "vips": {
+                "gateway": {"address": GATEWAY_VIP, "port": GATEWAY_PORT, "probe": "http", "path": "/healthz"},
+                "dns": {"address": DNS_VIP, "port": DNS_PORT, "probe": "dns", "names": [format!("gateway.{DNS_ZONE}"), format!("dns.{DNS_ZONE}")]},
+            },
+            "stepguard_config": self.stepguard_config(),
+            "programs": s.attachments,
+            "processes": s.procs,
+        })
+    }
+
+    /// `lab config set KEY=VALUE...`, the way kubelet updates a mounted ConfigMap.
+    pub fn config_set(&self, changes: &[(String, String)]) -> Result<BTreeMap<String, String>> {
+        ciliumconfig::set(&self.state.cilium_config, changes)
+    }
+
+    /// Simulates a cilium-agent restart; see [`RestartOpts`].
+    pub fn restart(&mut self, o: &RestartOpts) -> Result<RestartReport> {
+        check_root()?;
+        if !self.state.ready {
+            bail!("lab {} is not ready", self.state.spec.prefix);
+        }
+        if let Some(d) = &o.drop_device {
+            if !self.state.attachments.iter().any(|a| &a.device == d) {
+                bail!("--drop-device {d}: no lab programs are attached to {d}");
+            }
+        }
+        let globals = maps::globals_dir(&self.state.bpffs);
+        for m in [&o.lose_map, &o.flush_map].into_iter().flatten() {
+            if !globals.join(m).exists() {
+                bail!("no pinned map {m} in {}", globals.display());
+            }
+        }
+        let bpffs = self.state.bpffs.clone();
+        let node = self.node_ns();
+        let old = self.state.attachments.clone();
+        let prepared = if o.no_reload {
+            None
+        } else {
+            Some(datapath::prepare(
+                &node,
+                &bpffs,
+                &old,
+                o.drop_device.as_deref(),
+            )?)
+        };
+
+        let start = now_ns();
+        datapath::set_blackhole(&bpffs, true)?;
+        let result = (|| -> Result<Vec<Attachment>> {
+            std::thread::sleep(o.gap);
+            if let Some(m) = &o.lose_map {
+                std::fs::remove_file(globals.join(m))
+                    .with_context(|| format!("remove pinned map {m}"))?;
+            }
+            if let Some(m) = &o.flush_map {
+                let fd = sys::obj_get(&globals.join(m))?;
+                maps::flush(&fd, sys::map_key_size(&fd)?)?;
+            }
+            match prepared {
+                Some(p) => datapath::replace(&node, &old, p, o.drop_device.as_deref()),
+                None => Ok(old.clone()),
+            }
+        })();
+        // Whatever happened, the blackhole is lifted.
+        let lift = datapath::set_blackhole(&bpffs, false);
+        let end = now_ns();
+        let new = result?;
+        lift?;
+        if !o.no_reload {
+            self.create_tail_call_maps()?;
+        }
+        self.state.attachments = new.clone();
+        self.save()?;
+        Ok(RestartReport {
+            prefix: self.state.spec.prefix.clone(),
+            gap_requested_ns: o.gap.as_nanos(),
+            blackhole_start_ns: start,
+            blackhole_end_ns: end,
+            reloaded: !o.no_reload,
+            drop_device: o.drop_device.clone(),
+            lose_map: o.lose_map.clone(),
+            flush_map: o.flush_map.clone(),
+            old_programs: old,
+            new_programs: new,
+        })
+    }
+
+    /// Removes everything this lab recorded. Safe to call twice and after a crash.
+    pub fn down(&mut self) -> Result<()> {
+        let mut errors = Vec::new();
+        for p in std::mem::take(&mut self.state.procs) {
+            services::stop(&p);
+        }
+        for ns in self.state.netns.iter().rev() {
+            if let Err(e) = netns::del_netns(ns) {
+                errors.push(format!("{e:#}"));
+            }
+        }
+        if self.state.bpffs_mounted && is_mountpoint(&self.state.bpffs) {
+            if let Err(e) = netns::run("umount", &[&self.state.bpffs.to_string_lossy()]) {
+                errors.push(format!("{e:#}"));
+            }
+        }
+        if errors.is_empty() {
+            if let Err(e) = std::fs::remove_dir_all(&self.state.run_dir) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    errors.push(format!("remove {}: {e}", self.state.run_dir.display()));
+                }
+            }
+            self.state.ready = false;
+            Ok(())
+        } else {
+            bail!("lab {} down: {}", self.state.spec.prefix, errors.join("; "))
+        }
+    }
+}
+
+fn is_mountpoint(p: &Path) -> bool {
+    let target = match std::fs::canonicalize(p) {
+        Ok(t) => t,
+        Err(_) => return false,
+    };
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|m| {
+            m.lines()
+                .any(|l| l.split_whitespace().nth(4) == Some(&*target.to_string_lossy()))
+        })
+        .unwrap_or(false)
+}
+
+/// A simulated cilium-agent restart: blackhole for `gap`, then new program instances replace
+/// the old ones atomically, then the blackhole is lifted. Fault flags change what comes back.
+#[derive(Clone, Debug, Default)]
+pub struct RestartOpts {
+    pub gap: Duration,
+    pub no_reload: bool,
+    pub drop_device: Option<String>,
+    pub lose_map: Option<String>,
+    pub flush_map: Option<String>,
+}
+
+/// What really happened, for tests to compare against.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RestartReport {
+    pub prefix: String,
+    pub gap_requested_ns: u128,
+    /// Wall clock (CLOCK_REALTIME, ns since the epoch) just before the blackhole was set.
+    pub blackhole_start_ns: u128,
+    /// Wall clock just after it was lifted.
+    pub blackhole_end_ns: u128,
+    pub reloaded: bool,
+    pub drop_device: Option<String>,
+    pub lose_map: Option<String>,
+    pub flush_map: Option<String>,
+    pub old_programs: Vec<Attachment>,
+    pub new_programs: Vec<Attachment>,
+}
+
+/// Parses `500ms`, `2s`, `1.5s`, `300us`, `1m`.
+pub fn parse_duration(s: &str) -> Result<Duration> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("invalid duration {s:?}: expected e.g. 500ms or 2s"))?;
+    let secs = match unit {
+        "ns" => n / 1e9,
+        "us" | "µs" => n / 1e6,
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => bail!("invalid duration {s:?}: unit must be ns, us, ms, s or m"),
+    };
+    if !(0.0..=3600.0).contains(&secs) {
+        bail!("duration {s:?} out of range (0 to 1h)");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}

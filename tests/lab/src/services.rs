@@ -1,0 +1,176 @@
+//! Real servers behind the lab's VIPs, run in the fabric namespace: dnsmasq (Debian's
+//! dnsmasq-base) answering a few names on the DNS VIP, and nginx on the gateway VIP.
+//! They run detached (own session) so they outlive the `lab up` process; `down` stops them
+//! by the pid and start time recorded in the lab's state.
+use crate::netns::netns_path;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A process the lab started, identified beyond pid reuse by its start time.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Proc {
+    pub what: String,
+    pub pid: i32,
+    pub start_ticks: u64,
+}
+
+/// Field 22 of /proc/PID/stat: start time in clock ticks since boot.
+pub fn start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+fn spawn_in(ns: &str, what: &str, program: &str, args: &[String], log: &Path) -> Result<Proc> {
+    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
+    let err = out.try_clone()?;
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--net={}", netns_path(ns).display()))
+        .arg("--")
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    // SAFETY: setsid is async-signal-safe; detaches the server from our session and terminal.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().with_context(|| {
+        format!("start {what} ({program}): is it installed? (cargo xtask setup)")
+    })?;
+    let pid = child.id() as i32;
+    // nsenter execs the server in place: the pid is the server's.
+    std::thread::sleep(Duration::from_millis(20));
+    let start_ticks = start_ticks(pid)
+        .with_context(|| format!("{what} exited at once; see {}", log.display()))?;
+    Ok(Proc {
+        what: what.into(),
+        pid,
+        start_ticks,
+    })
+}
+
+pub fn start_dnsmasq(
+    ns: &str,
+    dir: &Path,
+    vip: &str,
+    records: &[(String, String)],
+) -> Result<Proc> {
+    let mut args: Vec<String> = vec![
+        "--keep-in-foreground".into(),
+        "--conf-file=/dev/null".into(),
+        "--no-resolv".into(),
+        "--no-hosts".into(),
+        "--no-negcache".into(),
+        "--bind-interfaces".into(),
+        format!("--listen-address={vip}"),
+        "--port=53".into(),
+        "--cache-size=0".into(),
+        "--pid-file=".into(),
+        "--log-facility=-".into(),
+        "--user=root".into(),
+        "--local=/lab.stepguard.test/".into(),
+    ];
+    for (name, addr) in records {
+        args.push(format!("--host-record={name},{addr}"));
+    }
+    spawn_in(ns, "dnsmasq", "dnsmasq", &args, &dir.join("dnsmasq.log"))
+}
+
+pub fn start_nginx(ns: &str, dir: &Path, vip: &str, port: u16) -> Result<Proc> {
+    let tmp = dir.join("nginx-tmp");
+    std::fs::create_dir_all(&tmp)?;
+    let conf = format!(
+        r#"daemon off;
+master_process on;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    server {{
+        listen {vip}:{port};
+        location = /healthz {{ return 200 "ok\n"; }}
+        location = /unhealthy {{ return 503 "not ready\n"; }}
+        location / {{ return 200 "stepguard lab gateway\n"; }}
+    }}
+}}
+"#,
+        dir = dir.display(),
+        tmp = tmp.display()
+    );
+    let conf_path = dir.join("nginx.conf");
+    std::fs::write(&conf_path, conf)?;
+    let args = vec![
+        "-e".into(),
+        dir.join("nginx-error.log").display().to_string(),
+        "-c".into(),
+        conf_path.display().to_string(),
+    ];
+    spawn_in(ns, "nginx", "nginx", &args, &dir.join("nginx.log"))
+}
+
+/// Stops a recorded process if it is still the one we started: SIGTERM, then SIGKILL.
+pub fn stop(p: &Proc) {
+    if start_ticks(p.pid) != Some(p.start_ticks) {
+        return; // gone, or the pid now belongs to someone else
+    }
+    // SAFETY: plain kill(2) on a pid we verified is ours.
+    unsafe { libc::kill(p.pid, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        if start_ticks(p.pid) != Some(p.start_ticks) || is_zombie(p.pid) {
+            reap(p.pid);
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(p.pid, libc::SIGKILL) };
+    reap(p.pid);
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
+        .unwrap_or(false)
+}
+
+fn reap(pid: i32) {
+    // Only reaps if it is our child (same process started it); harmless otherwise.
+    let mut status = 0;
+    unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+}
+
+/// Waits until `check` succeeds, up to `timeout`.
+pub fn wait_until(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match check() {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => {
+                bail!("{what} not ready after {timeout:?}: {e:#}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
