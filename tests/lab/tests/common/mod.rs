@@ -1,0 +1,172 @@
+//! Shared helpers for the privileged integration tests. They need root and real kernel objects;
+//! without root they fail loudly, they never skip.
+#![allow(dead_code)]
+use serde_json::Value;
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use stepguard_lab::{Lab, LabGuard, LabSpec};
+
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this integration test needs root (network namespaces, bpffs, eBPF): run `sudo -E cargo xtask test`"
+    );
+}
+
+pub fn lab(f: impl FnOnce(&mut LabSpec)) -> LabGuard {
+    require_root();
+    let mut spec = LabSpec::new(stepguard_lab::unique_prefix());
+    f(&mut spec);
+    LabGuard(Lab::up(spec).expect("lab up"))
+}
+
+/// Runs a command, asserting success, returning stdout.
+pub fn sh(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command inside the lab's node namespace (host /sys kept: nsenter, not ip netns exec).
+pub fn in_node(lab: &Lab, program: &str, args: &[&str]) -> std::process::Output {
+    Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", lab.node_ns()))
+        .arg("--")
+        .arg(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("nsenter {program}: {e}"))
+}
+
+pub fn bpftool_json(args: &[&str]) -> Value {
+    let mut a = vec!["-j"];
+    a.extend_from_slice(args);
+    serde_json::from_str(&sh("bpftool", &a)).expect("bpftool JSON")
+}
+
+pub fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+pub fn bin(env: &str, name: &str) -> PathBuf {
+    std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/debug")
+            .join(name)
+    })
+}
+
+/// The stepguard agent as a child process; killed on drop.
+pub struct Agent {
+    pub child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Agent {
+    /// Starts `stepguard agent` (in `netns` when given) and waits until /readyz answers.
+    pub fn start(netns: Option<&str>, port: u16) -> Agent {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let stepguard = bin("STEPGUARD_BIN", "stepguard");
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}"))
+                    .arg("--")
+                    .arg(&stepguard);
+                c
+            }
+            None => Command::new(&stepguard),
+        };
+        cmd.args(["agent", "--listen", &addr.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", stepguard.display()));
+        let agent = Agent { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if agent
+                .get_in(netns, "/readyz")
+                .map(|b| b.contains("ready"))
+                .unwrap_or(false)
+            {
+                return agent;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("stepguard agent did not become ready on {addr}");
+    }
+
+    /// GET over plain HTTP/1.1, from inside `netns` when given.
+    pub fn get_in(&self, netns: Option<&str>, path: &str) -> std::io::Result<String> {
+        let addr = self.addr;
+        let path = path.to_string();
+        let work = move || -> std::io::Result<String> {
+            use std::io::{Read, Write};
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+            )?;
+            let mut body = String::new();
+            s.read_to_string(&mut body)?;
+            Ok(body)
+        };
+        match netns {
+            None => work(),
+            Some(ns) => stepguard_lab::netns::in_netns(ns, move || Ok(work()?))
+                .map_err(std::io::Error::other),
+        }
+    }
+
+    /// `stepguard_kernel_drops_total{reason=...}` from /metrics.
+    pub fn kernel_drops(&self, netns: Option<&str>, reason: &str) -> u64 {
+        let body = self.get_in(netns, "/metrics").expect("scrape /metrics");
+        metric_value(
+            &body,
+            &format!("stepguard_kernel_drops_total{{reason=\"{reason}\"}}"),
+        )
+        .unwrap_or(0.0) as u64
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Value of one exposition line `name{labels} value`.
+pub fn metric_value(body: &str, series: &str) -> Option<f64> {
+    body.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+    })
+}
+
+/// A port nobody listens on yet, for an agent under test.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -1,0 +1,159 @@
+//! `cargo xtask setup`: installs what the build and the tests need, only when missing.
+//! Debian packages go in with --no-install-recommends and with service starts denied
+//! (policy-rc.d), so no system dnsmasq/nginx/prometheus starts; the tests start their own.
+use crate::{run, which};
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+use std::process::Command;
+
+/// Debian packages, each with why it is needed.
+const PACKAGES: &[(&str, &str)] = &[
+    (
+        "rustc-web",
+        "Rust compiler for the eBPF crates (has library sources for build-std)",
+    ),
+    ("cargo-web", "cargo matching rustc-web"),
+    ("rust-web-src", "core library sources for -Z build-std=core"),
+    ("llvm-22-dev", "LLVM that bpf-linker links against"),
+    ("zlib1g-dev", "bpf-linker build dependency"),
+    ("libzstd-dev", "bpf-linker build dependency"),
+    (
+        "iproute2",
+        "ip/tc for the lab's namespaces, veths and filters",
+    ),
+    (
+        "bpftool",
+        "independent view of programs, maps and links in tests",
+    ),
+    ("dnsmasq-base", "the lab's DNS server on the DNS VIP"),
+    ("nginx", "the lab's HTTP server on the gateway VIP"),
+    ("dnsutils", "dig, an independent DNS client in tests"),
+    ("iputils-ping", "ping, an independent prober in tests"),
+    ("curl", "an independent HTTP client in tests"),
+    (
+        "libcap2-bin",
+        "capsh, to drop capabilities in fail-closed tests",
+    ),
+    ("util-linux", "nsenter and setpriv"),
+    (
+        "prometheus",
+        "promtool and a real Prometheus for scrape tests",
+    ),
+    ("wrk", "HTTP load for /metrics benchmarks"),
+    ("buildah", "builds the OCI image without a daemon"),
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+fn installed(pkg: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", pkg])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .unwrap_or(false)
+}
+
+fn bpf_linker_ok() -> bool {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let candidates = [
+        which("bpf-linker"),
+        Some(Path::new(&home).join(".cargo/bin/bpf-linker")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .filter(|p| p.exists())
+        .any(|p| {
+            Command::new(p)
+                .arg("--version")
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
+                .unwrap_or(false)
+        })
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+pub fn setup(check_only: bool) -> Result<()> {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .map(|p| p.0)
+        .filter(|p| !installed(p))
+        .collect();
+    let linker = bpf_linker_ok();
+    if check_only || (!missing.is_empty() && !is_root()) {
+        for (p, why) in PACKAGES.iter().filter(|p| missing.contains(&p.0)) {
+            println!("missing Debian package {p}: {why}");
+        }
+        if !linker {
+            println!("missing bpf-linker {BPF_LINKER_VERSION} (built against llvm-22)");
+        }
+        report_uninstallable();
+        if !missing.is_empty() && !is_root() {
+            bail!("installing packages needs root: run `sudo -E cargo xtask setup`");
+        }
+        return Ok(());
+    }
+    if !missing.is_empty() {
+        install_packages(&missing)?;
+    }
+    if !linker {
+        println!("installing bpf-linker {BPF_LINKER_VERSION} against llvm-22 (about 2 minutes on 2 cores)");
+        run(
+            Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+                .env("LLVM_PREFIX", "/usr/lib/llvm-22")
+                .args([
+                    "install",
+                    "bpf-linker",
+                    "--version",
+                    BPF_LINKER_VERSION,
+                    "--locked",
+                    "--no-default-features",
+                    "--features",
+                    "llvm-22",
+                ]),
+        )?;
+    }
+    if missing.is_empty() && linker {
+        println!("setup: everything is installed");
+    }
+    report_uninstallable();
+    Ok(())
+}
+
+fn install_packages(missing: &[&str]) -> Result<()> {
+    // Deny service starts during the install, and leave an existing policy alone.
+    let policy = Path::new("/usr/sbin/policy-rc.d");
+    let ours = !policy.exists();
+    if ours {
+        std::fs::write(policy, "#!/bin/sh\n# stepguard xtask setup: no service starts during package installs\nexit 101\n").context("write policy-rc.d")?;
+        run(Command::new("chmod").args(["755", "/usr/sbin/policy-rc.d"]))?;
+    }
+    let result = (|| -> Result<()> {
+        for p in missing {
+            println!("installing Debian package {p}");
+        }
+        run(Command::new("apt-get").args(["update", "-q"]))?;
+        run(Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(missing))
+    })();
+    if ours {
+        let _ = std::fs::remove_file(policy);
+    }
+    result
+}
+
+/// Tools that are not Debian packages: named when missing, never faked.
+fn report_uninstallable() {
+    if which("kubectl").is_none() {
+        println!("note: kubectl is not installed and is not a Debian package; the manifest tests (issue 5) will say so");
+    }
+}
