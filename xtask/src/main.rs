@@ -1,5 +1,6 @@
 //! `cargo xtask`: set up a fresh machine, build (eBPF with Debian's rustc-web, userspace with
 //! rustup's stable), test, run the demo, drive the lab, benchmark, build the image.
+mod demo;
 mod setup;
 
 use anyhow::{bail, Context, Result};
@@ -155,6 +156,8 @@ fn is_root() -> bool {
 }
 
 fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
+    // Set-up is idempotent and takes seconds on a machine that has everything.
+    setup::setup(false)?;
     build(false)?;
     println!("== unit tests (no root needed)");
     run(cargo()
@@ -213,5 +216,10 @@ fn main() {
 }
 
 fn demo() -> Result<()> {
-    bail!("not yet implemented: the demo (a step around a simulated restart) arrives with the agent daemon (issue 4); meanwhile try `cargo xtask lab up` and `cargo xtask lab restart --gap 300ms`")
+    if !is_root() {
+        bail!("the demo needs root (it builds a simulated node in network namespaces): run `sudo -E cargo xtask demo`");
+    }
+    setup::setup(false)?;
+    build(false)?;
+    demo::demo()
 }

@@ -1,0 +1,283 @@
+//! `restart` blackholes the datapath for the recorded window and swaps program IDs; each fault
+//! variant does exactly what it claims. The test probes on its own (TCP connects to the gateway
+//! VIP from the node namespace) and compares with the recorded, not the requested, window.
+mod common;
+use common::*;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+use stepguard_lab::{AttachMode, Lab, RestartOpts, RestartReport};
+
+/// Probes the gateway VIP every ~2 ms while `restart` runs; returns (report, probes).
+fn restart_while_probing(lab: &mut Lab, opts: RestartOpts) -> (RestartReport, Vec<(u128, bool)>) {
+    let ns = lab.node_ns();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let prober = std::thread::spawn(move || {
+        stepguard_lab::netns::in_netns(&ns, move || {
+            let vip: SocketAddr = "198.51.100.10:80".parse().unwrap();
+            let mut probes = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stop2.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
+                let sent = now_ns();
+                let ok = TcpStream::connect_timeout(&vip, Duration::from_millis(5)).is_ok();
+                probes.push((sent, ok));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Ok(probes)
+        })
+        .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let report = lab.restart(&opts).expect("restart");
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    (report, prober.join().unwrap())
+}
+
+/// The outage the probes saw: first failed send → next successful send.
+fn observed_outage(probes: &[(u128, bool)]) -> (u128, u128) {
+    let first_fail = probes
+        .iter()
+        .position(|p| !p.1)
+        .expect("probes saw an outage");
+    let recovered = probes[first_fail..]
+        .iter()
+        .find(|p| p.1)
+        .expect("probes saw the recovery");
+    assert!(
+        probes[..first_fail].iter().all(|p| p.1),
+        "no failures before the blackhole"
+    );
+    (probes[first_fail].0, recovered.0)
+}
+
+fn gap_is_measured_within_20ms(attach: AttachMode) {
+    let mut lab = lab(|s| s.attach = attach);
+    let (r, probes) = restart_while_probing(
+        &mut lab,
+        RestartOpts {
+            gap: Duration::from_millis(500),
+            ..Default::default()
+        },
+    );
+    let (down, up) = observed_outage(&probes);
+    let tol = 20_000_000i128;
+    let (start, end) = (r.blackhole_start_ns as i128, r.blackhole_end_ns as i128);
+    assert!(
+        end - start >= 500_000_000,
+        "blackhole lasted at least the requested gap"
+    );
+    assert!(
+        (down as i128 - start).abs() <= tol,
+        "outage began {} ms off the recorded start",
+        (down as i128 - start) / 1_000_000
+    );
+    assert!(
+        (up as i128 - end).abs() <= tol,
+        "outage ended {} ms off the recorded end",
+        (up as i128 - end) / 1_000_000
+    );
+    // New program IDs everywhere, and the kernel agrees.
+    assert_eq!(r.old_programs.len(), r.new_programs.len());
+    for (o, n) in r.old_programs.iter().zip(&r.new_programs) {
+        assert_eq!((&o.device, &o.program), (&n.device, &n.program));
+        assert_ne!(
+            o.prog_id, n.prog_id,
+            "{} on {} was replaced",
+            o.program, o.device
+        );
+    }
+    let eth0 = r
+        .new_programs
+        .iter()
+        .find(|a| a.device == "eth0" && a.program == "cil_from_netdev")
+        .unwrap();
+    match attach {
+        AttachMode::Tc => {
+            let f = sh(
+                "tc",
+                &[
+                    "-n",
+                    &lab.node_ns(),
+                    "filter",
+                    "show",
+                    "dev",
+                    "eth0",
+                    "ingress",
+                ],
+            );
+            assert!(
+                f.contains(&format!(
+                    "handle 0x1 cil_from_netdev-eth0 direct-action not_in_hw id {} ",
+                    eth0.prog_id
+                )),
+                "{f}"
+            );
+        }
+        AttachMode::Tcx => {
+            let pin = eth0.link_pin.as_ref().unwrap();
+            let link = bpftool_json(&["link", "show", "pinned", &pin.to_string_lossy()]);
+            assert_eq!(link["prog_id"].as_u64(), Some(eth0.prog_id as u64));
+        }
+    }
+}
+
+#[test]
+fn a_500ms_restart_blackholes_the_vip_for_the_recorded_window_tcx() {
+    gap_is_measured_within_20ms(AttachMode::Tcx);
+}
+
+#[test]
+fn a_500ms_restart_blackholes_the_vip_for_the_recorded_window_tc() {
+    gap_is_measured_within_20ms(AttachMode::Tc);
+}
+
+#[test]
+fn no_reload_keeps_every_program_id() {
+    let mut lab = lab(|_| {});
+    let r = lab
+        .restart(&RestartOpts {
+            gap: Duration::from_millis(50),
+            no_reload: true,
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(!r.reloaded);
+    for (o, n) in r.old_programs.iter().zip(&r.new_programs) {
+        assert_eq!(o.prog_id, n.prog_id);
+        let pin = o.link_pin.as_ref().unwrap();
+        assert_eq!(
+            bpftool_json(&["link", "show", "pinned", &pin.to_string_lossy()])["prog_id"].as_u64(),
+            Some(o.prog_id as u64)
+        );
+    }
+    let curl = in_node(
+        &lab,
+        "curl",
+        &[
+            "-s",
+            "-m",
+            "2",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "http://198.51.100.10/healthz",
+        ],
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&curl.stdout),
+        "200",
+        "traffic flows again after the blackhole"
+    );
+}
+
+fn drop_device_detaches_only_that_device(attach: AttachMode) {
+    let mut lab = lab(|s| s.attach = attach);
+    let r = lab
+        .restart(&RestartOpts {
+            gap: Duration::from_millis(50),
+            drop_device: Some("eth1".into()),
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(r.new_programs.iter().all(|a| a.device != "eth1"));
+    assert!(r.new_programs.iter().any(|a| a.device == "eth0"));
+    let ns = lab.node_ns();
+    match attach {
+        AttachMode::Tc => {
+            for dir in ["ingress", "egress"] {
+                let f1 = sh("tc", &["-n", &ns, "filter", "show", "dev", "eth1", dir]);
+                assert!(!f1.contains("cil_"), "eth1 {dir} has no program:\n{f1}");
+                let f0 = sh("tc", &["-n", &ns, "filter", "show", "dev", "eth0", dir]);
+                assert!(f0.contains("cil_"), "eth0 {dir} keeps its program:\n{f0}");
+            }
+        }
+        AttachMode::Tcx => {
+            assert!(!lab
+                .state
+                .bpffs
+                .join("cilium/devices/eth1/links/cil_from_netdev")
+                .exists());
+            let old_eth1: Vec<u32> = r
+                .old_programs
+                .iter()
+                .filter(|a| a.device == "eth1")
+                .map(|a| a.prog_id)
+                .collect();
+            // The detached programs are gone from the kernel altogether.
+            let progs = bpftool_json(&["prog", "show"]);
+            assert!(progs
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|p| !old_eth1.contains(&(p["id"].as_u64().unwrap() as u32))));
+        }
+    }
+}
+
+#[test]
+fn drop_device_eth1_leaves_eth1_without_the_datapath_tcx() {
+    drop_device_detaches_only_that_device(AttachMode::Tcx);
+}
+
+#[test]
+fn drop_device_eth1_leaves_eth1_without_the_datapath_tc() {
+    drop_device_detaches_only_that_device(AttachMode::Tc);
+}
+
+#[test]
+fn lose_map_removes_exactly_that_pin_and_flush_map_empties_exactly_that_map() {
+    let mut lab = lab(|_| {});
+    let globals = lab.state.bpffs.join("tc/globals");
+    let count = |m: &str| {
+        bpftool_json(&["map", "dump", "pinned", &globals.join(m).to_string_lossy()])
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    let before: Vec<String> = std::fs::read_dir(&globals)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let ct_before = count("cilium_ct4_global");
+    assert!(ct_before > 0);
+    assert!(count("cilium_ipcache_v2") > 0);
+
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(20),
+        lose_map: Some("cilium_lb4_services_v2".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let after: Vec<String> = std::fs::read_dir(&globals)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let gone: Vec<&String> = before.iter().filter(|m| !after.contains(m)).collect();
+    assert_eq!(gone, vec!["cilium_lb4_services_v2"]);
+
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(20),
+        flush_map: Some("cilium_ipcache_v2".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(count("cilium_ipcache_v2"), 0, "flushed map is empty");
+    assert_eq!(
+        count("cilium_ct4_global"),
+        ct_before,
+        "other maps keep their entries"
+    );
+
+    let err = lab
+        .restart(&RestartOpts {
+            lose_map: Some("cilium_nope".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no pinned map cilium_nope"),
+        "{err}"
+    );
+}
