@@ -1,6 +1,16 @@
 //! stepguard: verifies a node's Cilium datapath around cilium-agent restarts.
 //!
-//! Pure logic lives in modules that need no root; kernel access stays under [`kernel`].
+//! Pure logic (verdicts, config, profiles, statistics) lives in modules that need no root;
+//! kernel access stays under [`kernel`] and [`probe`].
+pub mod checks;
+pub mod ciliumconfig;
+pub mod config;
+pub mod duration;
 pub mod kernel;
 pub mod metrics;
+pub mod node;
+pub mod probe;
+pub mod profile;
+pub mod report;
 pub mod server;
+pub mod stats;

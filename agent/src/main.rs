@@ -1,11 +1,17 @@
 //! `stepguard`: the per-node agent and its command-line hooks.
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use stepguard::checks::exit_code;
+use stepguard::config::Config;
 use stepguard::kernel::drops::KernelDrops;
 use stepguard::metrics::Metrics;
+use stepguard::node::NodeOptions;
+use stepguard::report;
 use stepguard::server::{router, AppState};
 
 #[derive(Parser)]
@@ -39,12 +45,82 @@ enum Cmd {
         #[arg(long, default_value = "0.0.0.0:9969", env = "STEPGUARD_LISTEN")]
         listen: SocketAddr,
     },
+    /// Run the node checks once and print the result; exit 0 all pass, 1 any fail, 2 any unknown or usage/config error.
+    Check(CheckArgs),
     /// Count kernel packet drops by reason for a while and print them (needs CAP_BPF+CAP_PERFMON).
     Drops {
         /// How long to count.
         #[arg(long, default_value = "5", value_name = "SECONDS")]
         seconds: u64,
     },
+}
+
+#[derive(clap::Args)]
+struct CheckArgs {
+    /// YAML config (see deploy/stepguard.example.yaml). Without it: a default Cilium node at /sys/fs/bpf.
+    #[arg(long, env = "STEPGUARD_CONFIG")]
+    config: Option<PathBuf>,
+    /// bpffs root holding Cilium's pins (overrides the config).
+    #[arg(long)]
+    bpffs: Option<PathBuf>,
+    /// Mounted cilium-config ConfigMap directory (overrides the config).
+    #[arg(long)]
+    cilium_config: Option<PathBuf>,
+    /// Cilium version whose map profile to expect: auto, 1.16, 1.18, 1.20 (overrides the config).
+    #[arg(long, value_parser = ["auto", "1.16", "1.18", "1.20"])]
+    cilium: Option<String>,
+    /// Only these checks (repeat or comma-separate): devices, maps, vips, dns, config.
+    #[arg(long, value_delimiter = ',', value_parser = ["devices", "maps", "vips", "dns", "config"])]
+    only: Vec<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    format: OutputFormat,
+    /// Directory for the agent's state (cilium-config snapshots, to name changed keys).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OutputFormat {
+    Text,
+    Json,
+}
+
+fn load_config(args: &CheckArgs) -> Result<Config> {
+    let mut cfg = match &args.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(b) = &args.bpffs {
+        cfg.bpffs = b.clone();
+    }
+    if let Some(c) = &args.cilium_config {
+        cfg.cilium_config = Some(c.clone());
+    }
+    if let Some(v) = &args.cilium {
+        cfg.cilium = v.clone();
+    }
+    Ok(cfg)
+}
+
+fn check(args: CheckArgs) -> Result<i32> {
+    let cfg = load_config(&args)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start tokio runtime")?;
+    let only: BTreeSet<String> = args.only.iter().cloned().collect();
+    let opts = NodeOptions {
+        state_dir: args.state_dir.clone(),
+    };
+    let (results, _) = rt.block_on(stepguard::node::run(&cfg, &opts, &only));
+    match args.format {
+        OutputFormat::Text => print!("{}", report::text(&results)),
+        OutputFormat::Json => {
+            println!("{}", serde_json::to_string_pretty(&report::json(&results))?)
+        }
+    }
+    Ok(exit_code(&results))
 }
 
 fn init_logging(format: LogFormat) {
@@ -75,6 +151,7 @@ fn main() {
 fn run(cmd: Cmd) -> Result<i32> {
     match cmd {
         Cmd::Agent { listen } => agent(listen),
+        Cmd::Check(args) => check(args),
         Cmd::Drops { seconds } => {
             let drops = KernelDrops::start();
             if let Some(reason) = drops.unavailable_reason() {

@@ -1,4 +1,7 @@
-//! Kernel access: BTF, the agent's own eBPF programs. Everything that needs privileges or a
-//! kernel object lives below this module.
+//! Kernel access: BTF, bpf(2), rtnetlink, bpffs, the agent's own eBPF programs. Everything
+//! that needs privileges or a kernel object lives below this module.
+pub mod bpf;
+pub mod bpffs;
 pub mod btf;
 pub mod drops;
+pub mod links;

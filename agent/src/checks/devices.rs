@@ -1,0 +1,374 @@
+//! `devices`: which host devices carry Cilium's `cil_from_netdev`, against the expected set
+//! (an explicit list, Cilium-style patterns like `eth+`, the `devices` key of cilium-config,
+//! or Cilium's own auto-detection rules). Evidence per device: program ids and load times,
+//! the baseline for "was the datapath reloaded?".
+use super::CheckResult;
+use crate::kernel::links::{Device, Observation};
+use serde_json::json;
+use std::collections::BTreeSet;
+
+pub const CHECK: &str = "devices";
+
+/// Where the expected set came from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expected {
+    /// Names/patterns and where they were read.
+    Patterns {
+        patterns: Vec<String>,
+        source: String,
+    },
+    /// Cilium's auto-detection (no list configured anywhere).
+    Auto,
+}
+
+/// Splits a cilium-config `devices` value (`eth0 eth1`, `eth0,eth1`, `eth+`).
+pub fn split_devices(value: &str) -> Vec<String> {
+    value
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Cilium-style match: `eth+` matches any name starting with `eth`; otherwise exact.
+pub fn matches(pattern: &str, name: &str) -> bool {
+    match pattern.strip_suffix('+') {
+        Some(prefix) => name.starts_with(prefix),
+        None => pattern == name,
+    }
+}
+
+/// Cilium never selects these as host devices.
+pub fn excluded(d: &Device) -> bool {
+    const PREFIXES: [&str; 5] = ["cilium_", "lo", "lxc", "cni", "docker"];
+    PREFIXES.iter().any(|p| d.name.starts_with(p))
+        || d.has_controller
+        || matches!(d.kind.as_deref(), Some("bridge") | Some("openvswitch"))
+}
+
+/// Devices carrying `cil_from_netdev` on ingress.
+pub fn carrying(devices: &[Device]) -> BTreeSet<String> {
+    devices
+        .iter()
+        .filter(|d| {
+            d.programs
+                .iter()
+                .any(|p| p.hook == "ingress" && p.is("cil_from_netdev"))
+        })
+        .map(|d| d.name.clone())
+        .collect()
+}
+
+/// The expected device names on this node, plus names listed explicitly that do not exist.
+pub fn expected_set(devices: &[Device], exp: &Expected) -> BTreeSet<String> {
+    match exp {
+        Expected::Patterns { patterns, .. } => {
+            let mut out: BTreeSet<String> = devices
+                .iter()
+                .filter(|d| !excluded(d) && patterns.iter().any(|p| matches(p, &d.name)))
+                .map(|d| d.name.clone())
+                .collect();
+            // An explicit name that is not there at all is expected and missing.
+            for p in patterns.iter().filter(|p| !p.ends_with('+')) {
+                if !devices.iter().any(|d| &d.name == p) {
+                    out.insert(p.clone());
+                }
+            }
+            out
+        }
+        Expected::Auto => devices
+            .iter()
+            .filter(|d| !excluded(d) && d.up && !d.global_addrs.is_empty())
+            .map(|d| d.name.clone())
+            .collect(),
+    }
+}
+
+/// Decides the check from an observation.
+pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
+    let expected = expected_set(&obs.devices, exp);
+    let have = carrying(&obs.devices);
+    let missing: Vec<&String> = expected.difference(&have).collect();
+    let unexpected: Vec<&String> = have.difference(&expected).collect();
+    let per_device: Vec<_> = obs
+        .devices
+        .iter()
+        .filter(|d| {
+            !d.programs.is_empty() || expected.contains(&d.name) || d.name.starts_with("cilium_")
+        })
+        .map(
+            |d| json!({"device": d.name, "ifindex": d.ifindex, "up": d.up, "programs": d.programs}),
+        )
+        .collect();
+    let source = match exp {
+        Expected::Patterns { patterns, source } => json!({"patterns": patterns, "source": source}),
+        Expected::Auto => {
+            json!({"source": "auto-detection (up, global unicast address, not cilium_/lxc/lo/cni/docker, not enslaved)"})
+        }
+    };
+    let evidence = json!({
+        "expected": expected,
+        "selected": have,
+        "missing": missing,
+        "unexpected": unexpected,
+        "expected_from": source,
+        "devices": per_device,
+        "endpoint_devices": obs.endpoint_devices,
+        "problems": obs.problems,
+    });
+    if obs.prog_details_unreadable {
+        return CheckResult::unknown(
+            CHECK,
+            "no_permission",
+            format!(
+                "cannot read program details: {}",
+                obs.problems
+                    .first()
+                    .map(String::as_str)
+                    .unwrap_or("permission denied")
+            ),
+            evidence,
+        );
+    }
+    if let Some(p) = obs
+        .problems
+        .iter()
+        .find(|p| !p.starts_with("open pinned link"))
+    {
+        return CheckResult::unknown(CHECK, "kernel_error", p.clone(), evidence);
+    }
+    if expected.is_empty() {
+        return CheckResult::unknown(
+            CHECK,
+            "no_expected_devices",
+            "no expected devices: none configured and none auto-detected",
+            evidence,
+        );
+    }
+    // cilium_host must carry the host programs whenever the datapath is there at all.
+    let host_ok = obs
+        .devices
+        .iter()
+        .find(|d| d.name == "cilium_host")
+        .map(|d| {
+            d.programs
+                .iter()
+                .any(|p| p.hook == "ingress" && p.is("cil_to_host"))
+                && d.programs
+                    .iter()
+                    .any(|p| p.hook == "egress" && p.is("cil_from_host"))
+        });
+    let list = |v: &[&String]| v.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ");
+    match (missing.is_empty(), unexpected.is_empty()) {
+        (true, true) => match host_ok {
+            Some(true) => CheckResult::pass(
+                CHECK,
+                "devices_ok",
+                format!(
+                    "cil_from_netdev on {} (as expected)",
+                    list(&have.iter().collect::<Vec<_>>())
+                ),
+                evidence,
+            ),
+            Some(false) => CheckResult::fail(
+                CHECK,
+                "host_device_missing",
+                "cilium_host lacks cil_to_host/cil_from_host",
+                evidence,
+            ),
+            None => CheckResult::fail(
+                CHECK,
+                "host_device_missing",
+                "no cilium_host device: the datapath is not set up",
+                evidence,
+            ),
+        },
+        (false, true) => CheckResult::fail(
+            CHECK,
+            "device_missing",
+            format!("cil_from_netdev missing on {}", list(&missing)),
+            evidence,
+        ),
+        (true, false) => CheckResult::fail(
+            CHECK,
+            "device_unexpected",
+            format!("cil_from_netdev on unexpected {}", list(&unexpected)),
+            evidence,
+        ),
+        (false, false) => CheckResult::fail(
+            CHECK,
+            "device_set_mismatch",
+            format!(
+                "cil_from_netdev missing on {}; unexpected on {}",
+                list(&missing),
+                list(&unexpected)
+            ),
+            evidence,
+        ),
+    }
+}
+
+/// Oldest load time of the programs on selected devices: when the running datapath started.
+pub fn datapath_loaded_at(obs: &Observation) -> Option<f64> {
+    let sel = carrying(&obs.devices);
+    obs.devices
+        .iter()
+        .filter(|d| sel.contains(&d.name) || d.name == "cilium_host")
+        .flat_map(|d| d.programs.iter())
+        .filter_map(|p| p.loaded_at)
+        .min_by(|a, b| a.total_cmp(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::Status;
+    use crate::kernel::links::AttachedProgram;
+
+    fn prog(hook: &'static str, name: &str) -> AttachedProgram {
+        AttachedProgram {
+            hook,
+            via: "tcx",
+            prog_id: 7,
+            name: Some(name.into()),
+            filter: None,
+            loaded_at: Some(1.0),
+            link_pin: None,
+        }
+    }
+    fn dev(name: &str, progs: &[(&'static str, &str)]) -> Device {
+        Device {
+            name: name.into(),
+            ifindex: 2,
+            up: true,
+            kind: Some("veth".into()),
+            has_controller: false,
+            global_addrs: vec!["192.0.2.1".parse().unwrap()],
+            programs: progs.iter().map(|(h, n)| prog(h, n)).collect(),
+        }
+    }
+    fn node(extra: Vec<Device>) -> Observation {
+        let mut devices = vec![
+            dev(
+                "eth0",
+                &[("ingress", "cil_from_netdev"), ("egress", "cil_to_netdev")],
+            ),
+            dev("eth1", &[("ingress", "cil_from_netdev")]),
+            dev(
+                "cilium_host",
+                &[("ingress", "cil_to_host"), ("egress", "cil_from_host")],
+            ),
+            dev("lo", &[]),
+        ];
+        devices.extend(extra);
+        Observation {
+            devices,
+            ..Default::default()
+        }
+    }
+    fn pats(p: &[&str]) -> Expected {
+        Expected::Patterns {
+            patterns: p.iter().map(|s| s.to_string()).collect(),
+            source: "test".into(),
+        }
+    }
+
+    #[test]
+    fn patterns_match_like_cilium() {
+        assert!(matches("eth+", "eth12"));
+        assert!(!matches("eth+", "ens3"));
+        assert!(matches("eth0", "eth0") && !matches("eth0", "eth01"));
+        assert_eq!(
+            split_devices("eth0 eth1,bond0"),
+            vec!["eth0", "eth1", "bond0"]
+        );
+    }
+
+    #[test]
+    fn the_expected_set_passes_with_program_evidence() {
+        let r = evaluate(&node(vec![]), &pats(&["eth+"]));
+        assert_eq!(r.status, Status::Pass, "{r:?}");
+        assert_eq!(r.evidence["selected"], json!(["eth0", "eth1"]));
+    }
+
+    #[test]
+    fn a_missing_device_is_named() {
+        let mut o = node(vec![]);
+        o.devices[1].programs.clear();
+        let r = evaluate(&o, &pats(&["eth0", "eth1"]));
+        assert_eq!(
+            (r.status, r.code.as_str()),
+            (Status::Fail, "device_missing")
+        );
+        assert!(r.reason.contains("eth1"), "{}", r.reason);
+    }
+
+    #[test]
+    fn an_unexpected_device_is_named() {
+        let r = evaluate(
+            &node(vec![dev("eth2", &[("ingress", "cil_from_netdev")])]),
+            &pats(&["eth0", "eth1"]),
+        );
+        assert_eq!(
+            (r.status, r.code.as_str()),
+            (Status::Fail, "device_unexpected")
+        );
+        assert!(r.reason.contains("eth2"));
+    }
+
+    #[test]
+    fn an_explicit_device_that_does_not_exist_is_missing() {
+        let r = evaluate(&node(vec![]), &pats(&["eth0", "eth1", "bond0"]));
+        assert_eq!(r.code, "device_missing");
+        assert!(r.reason.contains("bond0"));
+    }
+
+    #[test]
+    fn auto_detection_follows_ciliums_rules() {
+        let mut br = dev("br0", &[]);
+        br.kind = Some("bridge".into());
+        let mut down = dev("eth9", &[]);
+        down.up = false;
+        let o = node(vec![br, down]);
+        assert_eq!(
+            expected_set(&o.devices, &Expected::Auto),
+            ["eth0", "eth1"].iter().map(|s| s.to_string()).collect()
+        );
+    }
+
+    #[test]
+    fn unreadable_program_details_are_unknown_never_pass() {
+        let mut o = node(vec![]);
+        o.prog_details_unreadable = true;
+        o.problems
+            .push("program 7 on eth0: permission denied".into());
+        assert_eq!(evaluate(&o, &pats(&["eth+"])).status, Status::Unknown);
+    }
+
+    #[test]
+    fn a_node_without_cilium_host_fails() {
+        let mut o = node(vec![]);
+        o.devices.retain(|d| d.name != "cilium_host");
+        assert_eq!(evaluate(&o, &pats(&["eth+"])).code, "host_device_missing");
+    }
+
+    #[test]
+    fn truncated_kernel_names_and_tc_filter_names_are_recognised() {
+        let p = AttachedProgram {
+            hook: "ingress",
+            via: "tc",
+            prog_id: 1,
+            name: None,
+            filter: Some("cil_from_container-lxc12".into()),
+            loaded_at: None,
+            link_pin: None,
+        };
+        assert!(p.is("cil_from_container"));
+        let p = AttachedProgram {
+            name: Some("cil_from_contai".into()),
+            filter: None,
+            ..p
+        };
+        assert!(p.is("cil_from_container"));
+    }
+}

@@ -1,0 +1,218 @@
+//! `dns`: resolvers × names × record types, queried in a short burst with a real DNS client
+//! (hickory-proto messages over UDP): no cache, no retries. Success ratio and p50/p99 latency
+//! against configured thresholds. SERVFAIL, wrong answers and timeouts are failures.
+use super::CheckResult;
+use crate::config::DnsConfig;
+use crate::probe::dns::{self, RecordKind};
+use crate::stats::quantile;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+pub const CHECK: &str = "dns";
+
+/// One resolver's burst.
+#[derive(Clone, Debug, Default)]
+pub struct ResolverSample {
+    pub resolver: String,
+    pub sent: u32,
+    pub ok: u32,
+    pub not_run: u32,
+    pub latencies: Vec<Duration>,
+    pub errors: Vec<String>,
+}
+
+pub async fn burst(resolver: SocketAddr, cfg: &DnsConfig) -> ResolverSample {
+    let mut s = ResolverSample {
+        resolver: resolver.to_string(),
+        ..Default::default()
+    };
+    for name in &cfg.names {
+        for t in &cfg.types {
+            let kind = RecordKind::parse(t).unwrap_or(RecordKind::A);
+            for _ in 0..cfg.burst {
+                let start = Instant::now();
+                let r = dns::query(resolver, name, kind, cfg.timeout, None).await;
+                s.sent += 1;
+                match r {
+                    Ok(_) => {
+                        s.ok += 1;
+                        s.latencies.push(start.elapsed());
+                    }
+                    Err(e) => {
+                        if e.starts_with("udp socket") || e.starts_with("bad name") {
+                            s.not_run += 1;
+                        }
+                        if s.errors.len() < 3 && !s.errors.contains(&e) {
+                            s.errors.push(e);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    s
+}
+
+pub async fn run(cfg: &DnsConfig) -> CheckResult {
+    let resolvers = match cfg.resolver_addrs() {
+        Ok(r) => r,
+        Err(e) => return CheckResult::unknown(CHECK, "config_error", e.to_string(), json!({})),
+    };
+    if resolvers.is_empty() || cfg.names.is_empty() {
+        return CheckResult::unknown(
+            CHECK,
+            "no_resolvers",
+            "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)",
+            json!({}),
+        );
+    }
+    let samples = futures_util::future::join_all(resolvers.iter().map(|r| burst(*r, cfg))).await;
+    evaluate(cfg, &samples)
+}
+
+fn ms(d: Option<Duration>) -> Option<f64> {
+    d.map(|d| (d.as_secs_f64() * 1e6).round() / 1e3)
+}
+
+pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
+    let sent: u32 = samples.iter().map(|s| s.sent).sum();
+    let ok: u32 = samples.iter().map(|s| s.ok).sum();
+    let not_run: u32 = samples.iter().map(|s| s.not_run).sum();
+    let all: Vec<Duration> = samples
+        .iter()
+        .flat_map(|s| s.latencies.iter().copied())
+        .collect();
+    let (p50, p99) = (quantile(&all, 0.5), quantile(&all, 0.99));
+    let ratio = if sent == 0 {
+        0.0
+    } else {
+        ok as f64 / sent as f64
+    };
+    let evidence = json!({
+        "queries": sent, "answered": ok, "success_ratio": ratio,
+        "p50_ms": ms(p50), "p99_ms": ms(p99),
+        "min_success_ratio": cfg.min_success_ratio, "max_p99_ms": cfg.max_p99.as_millis() as u64,
+        "names": cfg.names, "types": cfg.types, "burst": cfg.burst,
+        "resolvers": samples.iter().map(|s| json!({
+            "resolver": s.resolver, "queries": s.sent, "answered": s.ok,
+            "p50_ms": ms(quantile(&s.latencies, 0.5)), "p99_ms": ms(quantile(&s.latencies, 0.99)), "errors": s.errors,
+        })).collect::<Vec<_>>(),
+    });
+    if sent == 0 || not_run == sent {
+        let why = samples
+            .iter()
+            .flat_map(|s| s.errors.first())
+            .next()
+            .cloned()
+            .unwrap_or_else(|| "no queries sent".into());
+        return CheckResult::unknown(
+            CHECK,
+            "probe_not_run",
+            format!("could not query: {why}"),
+            evidence,
+        );
+    }
+    if ratio < cfg.min_success_ratio {
+        let worst: Vec<String> = samples
+            .iter()
+            .filter(|s| s.ok < s.sent)
+            .map(|s| {
+                format!(
+                    "{}: {}/{} answered ({})",
+                    s.resolver,
+                    s.ok,
+                    s.sent,
+                    s.errors.join("; ")
+                )
+            })
+            .collect();
+        let code = if ok == 0
+            && samples
+                .iter()
+                .all(|s| s.errors.iter().all(|e| e.starts_with("timeout")))
+        {
+            "dns_timeout"
+        } else {
+            "dns_failures"
+        };
+        return CheckResult::fail(
+            CHECK,
+            code,
+            format!(
+                "success {:.0}% < {:.0}%: {}",
+                ratio * 100.0,
+                cfg.min_success_ratio * 100.0,
+                worst.join(" | ")
+            ),
+            evidence,
+        );
+    }
+    if let Some(p) = p99.filter(|p| *p > cfg.max_p99) {
+        return CheckResult::fail(
+            CHECK,
+            "dns_slow",
+            format!(
+                "p99 {:.1}ms > {}ms",
+                p.as_secs_f64() * 1e3,
+                cfg.max_p99.as_millis()
+            ),
+            evidence,
+        );
+    }
+    CheckResult::pass(
+        CHECK,
+        "dns_ok",
+        format!(
+            "{ok}/{sent} answered, p50 {:.1}ms, p99 {:.1}ms",
+            p50.unwrap_or_default().as_secs_f64() * 1e3,
+            p99.unwrap_or_default().as_secs_f64() * 1e3
+        ),
+        evidence,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::Status;
+
+    fn sample(ok: u32, sent: u32, lat_ms: u64, err: &str) -> ResolverSample {
+        ResolverSample {
+            resolver: "192.0.2.53:53".into(),
+            sent,
+            ok,
+            not_run: 0,
+            latencies: vec![Duration::from_millis(lat_ms); ok as usize],
+            errors: if err.is_empty() {
+                vec![]
+            } else {
+                vec![err.into()]
+            },
+        }
+    }
+
+    #[test]
+    fn thresholds_decide() {
+        let cfg = DnsConfig {
+            names: vec!["a.test".into()],
+            resolvers: vec!["192.0.2.53".into()],
+            ..Default::default()
+        };
+        assert_eq!(evaluate(&cfg, &[sample(5, 5, 2, "")]).status, Status::Pass);
+        let r = evaluate(&cfg, &[sample(4, 5, 2, "Server Failure for a.test")]);
+        assert_eq!((r.status, r.code.as_str()), (Status::Fail, "dns_failures"));
+        let r = evaluate(&cfg, &[sample(0, 5, 0, "timeout after 1000ms")]);
+        assert_eq!(r.code, "dns_timeout");
+        let r = evaluate(&cfg, &[sample(5, 5, 900, "")]);
+        assert_eq!(r.code, "dns_slow");
+    }
+
+    #[test]
+    fn queries_that_could_not_be_sent_are_unknown() {
+        let cfg = DnsConfig::default();
+        let mut s = sample(0, 5, 0, "udp socket: permission denied");
+        s.not_run = 5;
+        assert_eq!(evaluate(&cfg, &[s]).status, Status::Unknown);
+    }
+}

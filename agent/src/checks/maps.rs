@@ -1,0 +1,217 @@
+//! `maps`: every map of the expected profile (Cilium version × features, adjusted by the
+//! config's `required`/`optional`) is pinned under `<bpffs>/tc/globals/` and opens read-only;
+//! evidence: type, key/value size, max entries, entry count of every global map.
+use super::CheckResult;
+use crate::kernel::bpffs::{BpffsError, MapsObservation};
+use crate::profile::{self, CiliumVersion, Features};
+use serde_json::json;
+use std::collections::BTreeSet;
+
+pub const CHECK: &str = "maps";
+
+/// What the maps check expects.
+#[derive(Clone, Debug)]
+pub struct MapsExpectation {
+    /// None = infer from the names present (`--cilium auto`).
+    pub version: Option<CiliumVersion>,
+    pub features: Features,
+    pub features_from: String,
+    pub required: Vec<String>,
+    pub optional: Vec<String>,
+}
+
+pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectation) -> CheckResult {
+    let obs = match obs {
+        Ok(o) => o,
+        Err(e) => return CheckResult::unknown(CHECK, "bpffs_missing", e.to_string(), json!({})),
+    };
+    let present: BTreeSet<String> = obs
+        .globals
+        .keys()
+        .chain(obs.unreadable.keys())
+        .cloned()
+        .collect();
+    // Per-endpoint names are not kept one by one; their prefix is what inference needs.
+    let mut all_names = present.clone();
+    all_names.extend(policy_prefix_hint(obs));
+    let (version, how) = match exp.version {
+        Some(v) => (v, "configured".to_string()),
+        None => match profile::infer_version(&all_names) {
+            Some((v, why)) => (v, format!("inferred: {why}")),
+            None => return CheckResult::unknown(
+                CHECK,
+                "version_unknown",
+                format!(
+                    "cannot infer the Cilium version from {} pinned maps; set `cilium:` / --cilium",
+                    present.len()
+                ),
+                json!({"present": present}),
+            ),
+        },
+    };
+    let mut required = profile::required_maps(version, exp.features);
+    required.extend(exp.required.iter().cloned());
+    for o in &exp.optional {
+        required.remove(o);
+    }
+    let missing: Vec<&String> = required.iter().filter(|n| !present.contains(*n)).collect();
+    let maps: Vec<_> = obs.globals.values().map(|m| json!({"name": m.name, "type": m.map_type, "key_size": m.key_size, "value_size": m.value_size, "max_entries": m.max_entries, "entries": m.entries, "required": required.contains(&m.name)})).collect();
+    let foreign = profile::foreign_names(version, exp.features, &all_names);
+    let inferred = profile::infer_version(&all_names).map(|(v, _)| v.as_str());
+    let evidence = json!({
+        "bpffs_dir": "tc/globals",
+        "cilium": version.as_str(),
+        "cilium_from": how,
+        "features": exp.features,
+        "features_from": exp.features_from,
+        "required": required,
+        "missing": missing,
+        "other_versions_names": foreign,
+        "maps": maps,
+        "endpoint_maps": obs.endpoint_maps,
+        "unreadable": obs.unreadable,
+    });
+    if obs.permission_denied {
+        return CheckResult::unknown(
+            CHECK,
+            "no_permission",
+            "cannot open pinned maps: permission denied (needs CAP_BPF, or CAP_SYS_ADMIN)",
+            evidence,
+        );
+    }
+    if let Some((name, why)) = obs.unreadable.iter().find(|(n, _)| required.contains(*n)) {
+        return CheckResult::fail(CHECK, "map_unreadable", format!("{name}: {why}"), evidence);
+    }
+    if !missing.is_empty() {
+        let mut reason = format!(
+            "{} of {} maps of the Cilium {} profile missing: {}",
+            missing.len(),
+            required.len(),
+            version.as_str(),
+            missing
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if !foreign.is_empty() {
+            reason.push_str(&format!(
+                " (present instead: {}{})",
+                foreign.join(", "),
+                inferred
+                    .filter(|i| *i != version.as_str())
+                    .map(|i| format!("; looks like Cilium {i}"))
+                    .unwrap_or_default()
+            ));
+        }
+        return CheckResult::fail(CHECK, "map_missing", reason, evidence);
+    }
+    CheckResult::pass(
+        CHECK,
+        "maps_ok",
+        format!(
+            "all {} maps of the Cilium {} profile present and readable",
+            required.len(),
+            version.as_str()
+        ),
+        evidence,
+    )
+}
+
+/// The per-endpoint policy prefix seen, as a pseudo-name for version inference.
+fn policy_prefix_hint(obs: &MapsObservation) -> Vec<String> {
+    ["v2", "v3"]
+        .iter()
+        .filter(|v| obs.endpoint_maps.contains_key(&format!("policy_{v}")))
+        .map(|v| format!("cilium_policy_{v}_00000"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::Status;
+    use crate::kernel::bpffs::PinnedMap;
+
+    fn obs(names: &[&str]) -> MapsObservation {
+        let mut o = MapsObservation::default();
+        for n in names {
+            o.globals.insert(
+                n.to_string(),
+                PinnedMap {
+                    name: n.to_string(),
+                    map_type: "hash",
+                    key_size: 4,
+                    value_size: 4,
+                    max_entries: 10,
+                    entries: Some(3),
+                    id: 1,
+                },
+            );
+        }
+        o
+    }
+    fn exp(v: Option<CiliumVersion>) -> MapsExpectation {
+        MapsExpectation {
+            version: v,
+            features: Features::default(),
+            features_from: "test".into(),
+            required: vec![],
+            optional: vec![],
+        }
+    }
+
+    #[test]
+    fn a_complete_profile_passes_and_a_missing_map_is_named() {
+        let names: Vec<String> = profile::required_maps(CiliumVersion::V1_18, Features::default())
+            .into_iter()
+            .collect();
+        let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let r = evaluate(Ok(&obs(&refs)), &exp(Some(CiliumVersion::V1_18)));
+        assert_eq!(r.status, Status::Pass, "{}", r.reason);
+        let without: Vec<&str> = refs
+            .iter()
+            .copied()
+            .filter(|n| *n != "cilium_lb4_services_v2")
+            .collect();
+        let r = evaluate(Ok(&obs(&without)), &exp(Some(CiliumVersion::V1_18)));
+        assert_eq!((r.status, r.code.as_str()), (Status::Fail, "map_missing"));
+        assert!(r.reason.contains("cilium_lb4_services_v2"));
+    }
+
+    #[test]
+    fn optional_and_required_adjust_the_profile() {
+        let names: Vec<String> = profile::required_maps(CiliumVersion::V1_18, Features::default())
+            .into_iter()
+            .filter(|n| n != "cilium_auth_map")
+            .collect();
+        let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+        let mut e = exp(Some(CiliumVersion::V1_18));
+        e.optional = vec!["cilium_auth_map".into()];
+        assert_eq!(evaluate(Ok(&obs(&refs)), &e).status, Status::Pass);
+        e.required = vec!["cilium_custom".into()];
+        assert!(evaluate(Ok(&obs(&refs)), &e)
+            .reason
+            .contains("cilium_custom"));
+    }
+
+    #[test]
+    fn missing_bpffs_and_uninferable_versions_are_unknown() {
+        let err = BpffsError::NotBpffs("/tmp/x".into());
+        assert_eq!(evaluate(Err(&err), &exp(None)).status, Status::Unknown);
+        assert_eq!(evaluate(Ok(&obs(&[])), &exp(None)).code, "version_unknown");
+    }
+
+    #[test]
+    fn permission_problems_are_unknown_never_pass() {
+        let mut o = obs(&[]);
+        o.permission_denied = true;
+        o.unreadable.insert("cilium_lxc".into(), "EPERM".into());
+        o.unreadable
+            .insert("cilium_ipcache_v2".into(), "EPERM".into());
+        assert_eq!(
+            evaluate(Ok(&o), &exp(Some(CiliumVersion::V1_18))).status,
+            Status::Unknown
+        );
+    }
+}

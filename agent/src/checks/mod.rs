@@ -1,0 +1,131 @@
+//! The five node checks. Each lives in its own module with one entry point returning a
+//! [`CheckResult`]: a status, a machine reason code, a one-line human reason, and the evidence
+//! (what was read, from where). A check that could not run is `unknown`, never `pass`.
+pub mod config;
+pub mod devices;
+pub mod dns;
+pub mod maps;
+pub mod vips;
+
+use serde::Serialize;
+use serde_json::Value;
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Pass,
+    Fail,
+    Unknown,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pass => "pass",
+            Self::Fail => "fail",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+/// Node check names: the `check` label, the `--only` values and the JSON keys.
+pub const NODE_CHECKS: [&str; 5] = ["devices", "maps", "vips", "dns", "config"];
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CheckResult {
+    pub check: &'static str,
+    pub status: Status,
+    /// Stable machine reason code, e.g. `device_missing`.
+    pub code: String,
+    /// One line for a human.
+    pub reason: String,
+    #[serde(serialize_with = "ser_ms")]
+    pub duration_ms: Duration,
+    pub evidence: Value,
+}
+
+fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
+}
+
+impl CheckResult {
+    pub fn new(
+        check: &'static str,
+        status: Status,
+        code: &str,
+        reason: impl Into<String>,
+        evidence: Value,
+    ) -> Self {
+        Self {
+            check,
+            status,
+            code: code.into(),
+            reason: reason.into(),
+            duration_ms: Duration::ZERO,
+            evidence,
+        }
+    }
+    pub fn pass(
+        check: &'static str,
+        code: &str,
+        reason: impl Into<String>,
+        evidence: Value,
+    ) -> Self {
+        Self::new(check, Status::Pass, code, reason, evidence)
+    }
+    pub fn fail(
+        check: &'static str,
+        code: &str,
+        reason: impl Into<String>,
+        evidence: Value,
+    ) -> Self {
+        Self::new(check, Status::Fail, code, reason, evidence)
+    }
+    pub fn unknown(
+        check: &'static str,
+        code: &str,
+        reason: impl Into<String>,
+        evidence: Value,
+    ) -> Self {
+        Self::new(check, Status::Unknown, code, reason, evidence)
+    }
+}
+
+/// Overall exit code of a set of results: 0 all pass, 1 any fail, 2 any unknown (none failed).
+pub fn exit_code(results: &[CheckResult]) -> i32 {
+    if results.iter().any(|r| r.status == Status::Fail) {
+        1
+    } else if results.iter().any(|r| r.status == Status::Unknown) || results.is_empty() {
+        2
+    } else {
+        0
+    }
+}
+
+/// One line for an I/O error that came from the kernel: permission problems say which
+/// capability is missing.
+pub fn io_reason(what: &str, e: &std::io::Error) -> (String, &'static str) {
+    match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => (
+            format!("{what}: permission denied (needs CAP_BPF and CAP_SYS_ADMIN)"),
+            "no_permission",
+        ),
+        _ => (format!("{what}: {e}"), "kernel_error"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn exit_codes_follow_the_worst_status() {
+        let p = CheckResult::pass("maps", "ok", "", Value::Null);
+        let f = CheckResult::fail("maps", "x", "", Value::Null);
+        let u = CheckResult::unknown("maps", "x", "", Value::Null);
+        assert_eq!(exit_code(&[p.clone(), p.clone()]), 0);
+        assert_eq!(exit_code(&[p.clone(), u.clone()]), 2);
+        assert_eq!(exit_code(&[u, f, p]), 1);
+        assert_eq!(exit_code(&[]), 2, "nothing checked is not a pass");
+    }
+}

@@ -1,0 +1,175 @@
+//! Reading a mounted cilium-config ConfigMap directory (kubelet layout: `..data` symlink to a
+//! timestamped directory, one file per key), and remembering what it held when, so a changed
+//! key can be named later.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// When the content last changed (mtime of the `..data` symlink swap), unix seconds.
+    pub changed_at: f64,
+    /// The timestamped directory `..data` points at (kubelet's version marker).
+    pub version: String,
+    pub values: BTreeMap<String, String>,
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Reads the ConfigMap as mounted now.
+pub fn read(dir: &Path) -> std::io::Result<Snapshot> {
+    let data = dir.join("..data");
+    let (base, changed_at, version) = match std::fs::symlink_metadata(&data) {
+        Ok(m) => {
+            let target = std::fs::read_link(&data)?;
+            (
+                data.clone(),
+                unix(m.modified()?),
+                target.to_string_lossy().into_owned(),
+            )
+        }
+        // Not kubelet-style: plain files; the newest file's mtime is the change time.
+        Err(_) => (dir.to_path_buf(), 0.0, String::new()),
+    };
+    let mut values = BTreeMap::new();
+    let mut newest = changed_at;
+    for e in std::fs::read_dir(&base)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        let path = e.path();
+        if !path.is_file() {
+            continue;
+        }
+        if changed_at == 0.0 {
+            newest = newest.max(
+                std::fs::metadata(&path)
+                    .and_then(|m| m.modified())
+                    .map(unix)
+                    .unwrap_or(0.0),
+            );
+        }
+        values.insert(name, std::fs::read_to_string(&path)?.trim_end().to_string());
+    }
+    Ok(Snapshot {
+        changed_at: newest,
+        version,
+        values,
+    })
+}
+
+/// Keys whose values differ between two snapshots.
+pub fn changed_keys(old: &BTreeMap<String, String>, new: &BTreeMap<String, String>) -> Vec<String> {
+    old.keys()
+        .chain(new.keys())
+        .filter(|k| old.get(*k) != new.get(*k))
+        .cloned()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Snapshots remembered under `<state_dir>/cilium-config/`, one file per ConfigMap version.
+pub struct SnapshotStore {
+    dir: PathBuf,
+}
+
+impl SnapshotStore {
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            dir: state_dir.join("cilium-config"),
+        }
+    }
+
+    pub fn remember(&self, s: &Snapshot) -> std::io::Result<()> {
+        std::fs::create_dir_all(&self.dir)?;
+        let name = if s.version.is_empty() {
+            format!("plain-{}", s.changed_at as u64)
+        } else {
+            s.version.trim_start_matches('.').to_string()
+        };
+        let path = self.dir.join(format!("{name}.json"));
+        if path.exists() {
+            return Ok(());
+        }
+        let body = serde_json::json!({"changed_at": s.changed_at, "version": s.version, "values": s.values});
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&body)?)?;
+        std::fs::rename(tmp, path)
+    }
+
+    /// The newest remembered snapshot that was already in place at `t` (unix seconds).
+    pub fn in_effect_at(&self, t: f64) -> Option<Snapshot> {
+        let rd = std::fs::read_dir(&self.dir).ok()?;
+        let mut best: Option<Snapshot> = None;
+        for e in rd.flatten() {
+            let Ok(text) = std::fs::read(e.path()) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(&text) else {
+                continue;
+            };
+            let changed_at = v["changed_at"].as_f64().unwrap_or(f64::MAX);
+            if changed_at > t {
+                continue;
+            }
+            let values = v["values"]
+                .as_object()
+                .map(|o| {
+                    o.iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let s = Snapshot {
+                changed_at,
+                version: v["version"].as_str().unwrap_or("").into(),
+                values,
+            };
+            if best.as_ref().is_none_or(|b| b.changed_at < s.changed_at) {
+                best = Some(s);
+            }
+        }
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn changed_keys_lists_added_removed_and_modified() {
+        let a: BTreeMap<String, String> = [("devices", "eth0"), ("x", "1")]
+            .into_iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        let b: BTreeMap<String, String> = [("devices", "eth+"), ("y", "2"), ("x", "1")]
+            .into_iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        assert_eq!(changed_keys(&a, &b), vec!["devices", "y"]);
+    }
+
+    #[test]
+    fn snapshots_are_found_by_time() {
+        let dir = std::env::temp_dir().join(format!("sg-snap-{}", std::process::id()));
+        let store = SnapshotStore::new(&dir);
+        let mk = |t: f64, v: &str| Snapshot {
+            changed_at: t,
+            version: format!("..v{t}"),
+            values: [("devices".to_string(), v.to_string())].into(),
+        };
+        store.remember(&mk(100.0, "eth0")).unwrap();
+        store.remember(&mk(200.0, "eth+")).unwrap();
+        assert_eq!(store.in_effect_at(150.0).unwrap().values["devices"], "eth0");
+        assert_eq!(store.in_effect_at(250.0).unwrap().values["devices"], "eth+");
+        assert!(store.in_effect_at(50.0).is_none());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

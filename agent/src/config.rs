@@ -1,0 +1,334 @@
+//! The agent's configuration: one YAML file, every field documented in
+//! `deploy/stepguard.example.yaml`. Unknown keys, bad addresses and bad durations are errors
+//! naming the field; an empty file checks a default Cilium node at `/sys/fs/bpf`.
+use crate::duration;
+use serde::Deserialize;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// bpffs root holding Cilium's pins.
+    pub bpffs: PathBuf,
+    /// A mounted cilium-config ConfigMap directory (optional).
+    pub cilium_config: Option<PathBuf>,
+    /// `auto`, `1.16`, `1.18` or `1.20`.
+    pub cilium: String,
+    pub devices: DevicesConfig,
+    pub maps: MapsConfig,
+    pub targets: Vec<Target>,
+    pub dns: DnsConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            bpffs: PathBuf::from("/sys/fs/bpf"),
+            cilium_config: None,
+            cilium: "auto".into(),
+            devices: DevicesConfig::default(),
+            maps: MapsConfig::default(),
+            targets: vec![],
+            dns: DnsConfig::default(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesConfig {
+    /// Expected devices: names or Cilium-style patterns (`eth+`). Empty: the `devices` key of
+    /// cilium-config, else Cilium's auto-detection rules.
+    pub expected: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MapsConfig {
+    /// Maps required on top of the profile.
+    pub required: Vec<String>,
+    /// Profile maps that may be missing.
+    pub optional: Vec<String>,
+    /// Feature overrides when there is no cilium-config: ipv6, snat (KPR/BPF masquerade),
+    /// l2_announcements.
+    pub ipv6: Option<bool>,
+    pub snat: Option<bool>,
+    pub l2_announcements: Option<bool>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeKind {
+    Tcp,
+    Http,
+    Icmp,
+    Dns,
+}
+
+impl ProbeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Http => "http",
+            Self::Icmp => "icmp",
+            Self::Dns => "dns",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Target {
+    pub name: String,
+    pub address: IpAddr,
+    #[serde(default)]
+    pub port: Option<u16>,
+    pub probe: ProbeKind,
+    #[serde(
+        default = "default_timeout",
+        deserialize_with = "duration::deserialize"
+    )]
+    pub timeout: Duration,
+    /// http: expected status (default 200).
+    #[serde(default)]
+    pub expect: Option<u16>,
+    /// http: request path (default `/`).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// dns: the name to resolve (default `kubernetes.default.svc.cluster.local`).
+    #[serde(default)]
+    pub query: Option<String>,
+    /// Longest acceptable outage during a step (default: the step's `max_gap`).
+    #[serde(default, deserialize_with = "duration::deserialize_opt")]
+    pub max_gap: Option<Duration>,
+    /// Source address for the probe (e.g. to leave the node like an outside client would).
+    #[serde(default)]
+    pub source: Option<IpAddr>,
+}
+
+impl Target {
+    pub fn port(&self) -> u16 {
+        self.port.unwrap_or(match self.probe {
+            ProbeKind::Http => 80,
+            ProbeKind::Dns => 53,
+            ProbeKind::Tcp | ProbeKind::Icmp => 0,
+        })
+    }
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_millis(1000)
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DnsConfig {
+    /// Resolvers, `IP` or `IP:PORT`.
+    pub resolvers: Vec<String>,
+    pub names: Vec<String>,
+    /// Record types: A, AAAA (default A).
+    pub types: Vec<String>,
+    /// Queries per resolver × name × type in one check.
+    pub burst: u32,
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub timeout: Duration,
+    /// Lowest acceptable share of successful queries (0..1).
+    pub min_success_ratio: f64,
+    /// Highest acceptable p99 latency.
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub max_p99: Duration,
+}
+
+impl Default for DnsConfig {
+    fn default() -> Self {
+        Self {
+            resolvers: vec![],
+            names: vec![],
+            types: vec!["A".into()],
+            burst: 5,
+            timeout: Duration::from_millis(1000),
+            min_success_ratio: 1.0,
+            max_p99: Duration::from_millis(250),
+        }
+    }
+}
+
+impl DnsConfig {
+    pub fn resolver_addrs(&self) -> Result<Vec<SocketAddr>, ConfigError> {
+        self.resolvers.iter().map(|r| parse_resolver(r)).collect()
+    }
+}
+
+pub fn parse_resolver(r: &str) -> Result<SocketAddr, ConfigError> {
+    if let Ok(a) = r.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    r.parse::<IpAddr>()
+        .map(|ip| SocketAddr::new(ip, 53))
+        .map_err(|_| ConfigError::Field {
+            field: "dns.resolvers".into(),
+            problem: format!("{r:?} is not an IP or IP:PORT"),
+        })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("read config {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("config: {field}: {problem}")]
+    Field { field: String, problem: String },
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+                path: String::new(),
+                message: one_line(&e.to_string()),
+            })?
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let field = |f: &str, p: String| {
+            Err(ConfigError::Field {
+                field: f.into(),
+                problem: p,
+            })
+        };
+        if self.cilium != "auto" && crate::profile::CiliumVersion::parse(&self.cilium).is_none() {
+            return field(
+                "cilium",
+                format!("{:?} is not auto, 1.16, 1.18 or 1.20", self.cilium),
+            );
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, t) in self.targets.iter().enumerate() {
+            let f = format!("targets[{i}]");
+            if t.name.is_empty()
+                || !t
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+            {
+                return field(
+                    &format!("{f}.name"),
+                    format!("{:?}: use letters, digits, '-', '_' or '.'", t.name),
+                );
+            }
+            if !names.insert(t.name.clone()) {
+                return field(&format!("{f}.name"), format!("{:?} is used twice", t.name));
+            }
+            if t.probe == ProbeKind::Tcp && t.port.is_none() {
+                return field(&format!("{f}.port"), "a tcp probe needs a port".into());
+            }
+            if t.timeout.is_zero() || t.timeout > Duration::from_secs(30) {
+                return field(
+                    &format!("{f}.timeout"),
+                    "must be between 1ms and 30s".into(),
+                );
+            }
+            if let Some(p) = &t.path {
+                if !p.starts_with('/') || p.contains(char::is_whitespace) {
+                    return field(
+                        &format!("{f}.path"),
+                        format!("{p:?} must start with / and hold no spaces"),
+                    );
+                }
+            }
+            if t.expect.is_some_and(|s| !(100..=599).contains(&s)) {
+                return field(&format!("{f}.expect"), "an HTTP status is 100..599".into());
+            }
+        }
+        self.dns.resolver_addrs()?;
+        if !(0.0..=1.0).contains(&self.dns.min_success_ratio) {
+            return field("dns.min_success_ratio", "must be between 0 and 1".into());
+        }
+        if self.dns.burst == 0 || self.dns.burst > 1000 {
+            return field("dns.burst", "must be between 1 and 1000".into());
+        }
+        for t in &self.dns.types {
+            if !matches!(t.as_str(), "A" | "AAAA") {
+                return field(
+                    "dns.types",
+                    format!("{t:?}: supported types are A and AAAA"),
+                );
+            }
+        }
+        if self.dns.timeout.is_zero() {
+            return field("dns.timeout", "must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_config_checks_a_default_cilium_node() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c.bpffs, PathBuf::from("/sys/fs/bpf"));
+        assert_eq!(c.cilium, "auto");
+        assert!(c.targets.is_empty());
+    }
+
+    #[test]
+    fn a_full_config_parses() {
+        let c = Config::parse(
+            "bpffs: /run/x\ncilium: \"1.18\"\ntargets:\n  - {name: gw, address: 198.51.100.10, probe: http, path: /healthz, expect: 200, timeout: 500ms, max_gap: 2s}\n  - {name: dns, address: 198.51.100.53, probe: dns, query: a.test}\ndns:\n  resolvers: [198.51.100.53, \"127.0.0.1:5353\"]\n  names: [a.test]\n  max_p99: 100ms\n",
+        )
+        .unwrap();
+        assert_eq!(c.targets[0].max_gap, Some(Duration::from_secs(2)));
+        assert_eq!(c.targets[1].port(), 53);
+        assert_eq!(c.dns.resolver_addrs().unwrap()[1].port(), 5353);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_fit_on_one_line() {
+        for (text, needle) in [
+            ("bogus: 1\n", "unknown field `bogus`"),
+            ("targets:\n  - {name: gw, address: 300.1.1.1, probe: tcp, port: 80}\n", "targets"),
+            ("targets:\n  - {name: gw, address: 192.0.2.1, probe: tcp, port: 80, timeout: soon}\n", "invalid duration"),
+            ("targets:\n  - {name: gw, address: 192.0.2.1, probe: tcp}\n", "targets[0].port"),
+            ("targets:\n  - {name: gw, address: 192.0.2.1, probe: smoke}\n", "unknown variant"),
+            ("dns:\n  resolvers: [not-an-ip]\n", "dns.resolvers"),
+            ("cilium: \"1.2\"\n", "cilium"),
+            ("dns:\n  min_success_ratio: 2\n", "dns.min_success_ratio"),
+        ] {
+            let e = Config::parse(text).unwrap_err().to_string();
+            assert!(e.contains(needle), "{text:?} -> {e}");
+            assert_eq!(e.lines().count(), 1, "{e}");
+        }
+    }
+}

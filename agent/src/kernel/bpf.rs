@@ -1,0 +1,455 @@
+//! Read-only bpf(2) access: open pinned objects with BPF_F_RDONLY, read program/map/link info,
+//! query tcx attachments, and count map entries cheaply (batched lookups). Nothing here writes
+//! to a map, link or program: the agent never changes Cilium's datapath.
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// `file_flags` for BPF_OBJ_GET: the returned fd cannot write.
+pub const BPF_F_RDONLY: u32 = 1 << 3;
+pub const BPF_TCX_INGRESS: u32 = 46;
+pub const BPF_TCX_EGRESS: u32 = 47;
+
+pub const MAP_TYPE_HASH: u32 = 1;
+pub const MAP_TYPE_ARRAY: u32 = 2;
+pub const MAP_TYPE_PROG_ARRAY: u32 = 3;
+pub const MAP_TYPE_PERF_EVENT_ARRAY: u32 = 4;
+pub const MAP_TYPE_PERCPU_HASH: u32 = 5;
+pub const MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+pub const MAP_TYPE_LRU_HASH: u32 = 9;
+pub const MAP_TYPE_LRU_PERCPU_HASH: u32 = 10;
+pub const MAP_TYPE_LPM_TRIE: u32 = 11;
+
+pub fn map_type_name(t: u32) -> &'static str {
+    match t {
+        1 => "hash",
+        2 => "array",
+        3 => "prog_array",
+        4 => "perf_event_array",
+        5 => "percpu_hash",
+        6 => "percpu_array",
+        9 => "lru_hash",
+        10 => "lru_percpu_hash",
+        11 => "lpm_trie",
+        12 => "array_of_maps",
+        13 => "hash_of_maps",
+        27 => "ringbuf",
+        _ => "other",
+    }
+}
+
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: attr is a #[repr(C)] prefix of union bpf_attr for `cmd`, valid for the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T as *mut libc::c_void,
+            std::mem::size_of::<T>(),
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn owned(r: libc::c_long) -> OwnedFd {
+    // SAFETY: the kernel just returned this fd; nothing else owns it.
+    unsafe { OwnedFd::from_raw_fd(r as RawFd) }
+}
+
+#[repr(C)]
+struct ObjAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+}
+
+/// BPF_OBJ_GET with BPF_F_RDONLY: a pinned map/link/program, opened read-only.
+pub fn obj_get_rdonly(path: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    let mut attr = ObjAttr {
+        pathname: c.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: BPF_F_RDONLY,
+    };
+    bpf(BPF_OBJ_GET, &mut attr).map(owned)
+}
+
+#[repr(C)]
+struct IdAttr {
+    id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    let mut attr = IdAttr {
+        id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    bpf(BPF_PROG_GET_FD_BY_ID, &mut attr).map(owned)
+}
+
+#[repr(C)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+fn info(fd: &impl AsRawFd, buf: &mut [u8]) -> io::Result<()> {
+    let mut attr = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: buf.len() as u32,
+        info: buf.as_mut_ptr() as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(|_| ())
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_ne_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_ne_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]))
+}
+fn name_at(b: &[u8], o: usize) -> String {
+    let raw = &b[o..o + 16];
+    let end = raw.iter().position(|&c| c == 0).unwrap_or(16);
+    String::from_utf8_lossy(&raw[..end]).into_owned()
+}
+
+/// `struct bpf_map_info`, the fields stepguard reports.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MapInfo {
+    pub id: u32,
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+    pub flags: u32,
+    /// The kernel's (15-character) name; the pin name is the full one.
+    pub name: String,
+}
+
+pub fn map_info(fd: &impl AsRawFd) -> io::Result<MapInfo> {
+    let mut b = [0u8; 128];
+    info(fd, &mut b)?;
+    Ok(MapInfo {
+        map_type: u32_at(&b, 0),
+        id: u32_at(&b, 4),
+        key_size: u32_at(&b, 8),
+        value_size: u32_at(&b, 12),
+        max_entries: u32_at(&b, 16),
+        flags: u32_at(&b, 20),
+        name: name_at(&b, 24),
+    })
+}
+
+/// `struct bpf_prog_info`, the fields stepguard reports.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ProgInfo {
+    pub id: u32,
+    pub prog_type: u32,
+    /// 15-character kernel name (`cil_from_contai` for `cil_from_container`).
+    pub name: String,
+    /// Load time, nanoseconds since boot (CLOCK_BOOTTIME).
+    pub load_time_boot_ns: u64,
+}
+
+impl ProgInfo {
+    /// Wall-clock load time.
+    pub fn loaded_at(&self) -> SystemTime {
+        boot_ns_to_wall(self.load_time_boot_ns)
+    }
+}
+
+/// Converts a CLOCK_BOOTTIME instant to wall clock.
+pub fn boot_ns_to_wall(boot_ns: u64) -> SystemTime {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into ts.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    let now_boot = Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
+    let since = now_boot.saturating_sub(Duration::from_nanos(boot_ns));
+    SystemTime::now() - since
+}
+
+pub fn prog_info(fd: &impl AsRawFd) -> io::Result<ProgInfo> {
+    let mut b = [0u8; 256];
+    info(fd, &mut b)?;
+    Ok(ProgInfo {
+        prog_type: u32_at(&b, 0),
+        id: u32_at(&b, 4),
+        load_time_boot_ns: u64_at(&b, 40),
+        name: name_at(&b, 64),
+    })
+}
+
+/// Program info by id (needs CAP_SYS_ADMIN on current kernels).
+pub fn prog_info_by_id(id: u32) -> io::Result<ProgInfo> {
+    prog_info(&prog_fd_by_id(id)?)
+}
+
+/// `struct bpf_link_info`: type, id, prog_id, and for tcx links the ifindex and attach type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub link_type: u32,
+    pub id: u32,
+    pub prog_id: u32,
+    pub ifindex: u32,
+    pub attach_type: u32,
+}
+
+pub fn link_info(fd: &impl AsRawFd) -> io::Result<LinkInfo> {
+    let mut b = [0u8; 128];
+    info(fd, &mut b)?;
+    Ok(LinkInfo {
+        link_type: u32_at(&b, 0),
+        id: u32_at(&b, 4),
+        prog_id: u32_at(&b, 8),
+        ifindex: u32_at(&b, 16),
+        attach_type: u32_at(&b, 20),
+    })
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct QueryAttr {
+    target_ifindex: u32,
+    attach_type: u32,
+    query_flags: u32,
+    attach_flags: u32,
+    prog_ids: u64,
+    count: u32,
+    _pad: u32,
+    prog_attach_flags: u64,
+    link_ids: u64,
+    link_attach_flags: u64,
+    revision: u64,
+}
+
+/// Program ids attached by tcx to `ifindex` (in the caller's network namespace).
+pub fn tcx_prog_ids(ifindex: u32, attach_type: u32) -> io::Result<Vec<u32>> {
+    let mut ids = vec![0u32; 64];
+    let mut attr = QueryAttr {
+        target_ifindex: ifindex,
+        attach_type,
+        prog_ids: ids.as_mut_ptr() as u64,
+        count: ids.len() as u32,
+        ..Default::default()
+    };
+    bpf(BPF_PROG_QUERY, &mut attr)?;
+    ids.truncate(attr.count as usize);
+    Ok(ids)
+}
+
+#[repr(C)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value_or_next: u64,
+    flags: u64,
+}
+
+fn possible_cpus() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|s| {
+            s.trim()
+                .split(',')
+                .map(|r| match r.split_once('-') {
+                    Some((a, b)) => b
+                        .parse::<usize>()
+                        .ok()
+                        .zip(a.parse::<usize>().ok())
+                        .map(|(b, a)| b - a + 1),
+                    None => r.parse::<usize>().ok().map(|_| 1),
+                })
+                .sum::<Option<usize>>()
+        })
+        .unwrap_or(1)
+}
+
+/// Entries in a map. Hash-like maps are counted with batched lookups (a few syscalls per
+/// thousand entries), falling back to walking keys; arrays report `None` (every slot exists).
+pub fn count_entries(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<Option<u64>> {
+    match info.map_type {
+        MAP_TYPE_ARRAY
+        | MAP_TYPE_PERCPU_ARRAY
+        | MAP_TYPE_PROG_ARRAY
+        | MAP_TYPE_PERF_EVENT_ARRAY => return Ok(None),
+        _ => {}
+    }
+    match count_batched(fd, info) {
+        Ok(n) => Ok(Some(n)),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EINVAL) | Some(ENOTSUPP_KERNEL) | Some(libc::EOPNOTSUPP)
+            ) =>
+        {
+            count_by_keys(fd, info).map(Some)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+const ENOTSUPP_KERNEL: i32 = 524;
+
+fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
+    let percpu = matches!(
+        info.map_type,
+        MAP_TYPE_PERCPU_HASH | MAP_TYPE_LRU_PERCPU_HASH
+    );
+    let value_size = if percpu {
+        (info.value_size as usize).div_ceil(8) * 8 * possible_cpus()
+    } else {
+        info.value_size as usize
+    };
+    let chunk = (1 << 20) / (info.key_size as usize + value_size).max(1);
+    let chunk = chunk.clamp(64, 8192);
+    let mut keys = vec![0u8; chunk * info.key_size as usize];
+    let mut values = vec![0u8; chunk * value_size];
+    let mut in_token = [0u8; 8];
+    let mut out_token = [0u8; 8];
+    let mut total = 0u64;
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                in_token.as_mut_ptr() as u64
+            },
+            out_batch: out_token.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        total += attr.count as u64;
+        match r {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(total),
+            Err(e) if e.raw_os_error() == Some(ENOTSUPP_KERNEL) => {
+                return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+            }
+            Err(e) => return Err(e),
+        }
+        in_token = out_token;
+        first = false;
+    }
+}
+
+fn count_by_keys(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
+    let mut key = vec![0u8; info.key_size as usize];
+    let mut next = vec![0u8; info.key_size as usize];
+    let mut n = 0u64;
+    let mut first = true;
+    loop {
+        let mut attr = ElemAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            _pad: 0,
+            key: if first { 0 } else { key.as_ptr() as u64 },
+            value_or_next: next.as_mut_ptr() as u64,
+            flags: 0,
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => n += 1,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(n),
+            Err(e) => return Err(e),
+        }
+        std::mem::swap(&mut key, &mut next);
+        first = false;
+        if n > u32::MAX as u64 {
+            return Ok(n);
+        }
+    }
+}
+
+/// Reads one value (used for per-CPU counters such as `cilium_metrics`).
+pub fn lookup(fd: &impl AsRawFd, key: &[u8], value: &mut [u8]) -> io::Result<bool> {
+    let mut attr = ElemAttr {
+        map_fd: fd.as_raw_fd() as u32,
+        _pad: 0,
+        key: key.as_ptr() as u64,
+        value_or_next: value.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Every key of a map (small maps only, e.g. `cilium_metrics`).
+pub fn keys(fd: &impl AsRawFd, key_size: u32, limit: usize) -> io::Result<Vec<Vec<u8>>> {
+    let mut out: Vec<Vec<u8>> = Vec::new();
+    loop {
+        let mut next = vec![0u8; key_size as usize];
+        let prev = out.last();
+        let mut attr = ElemAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            _pad: 0,
+            key: prev.map(|k| k.as_ptr() as u64).unwrap_or(0),
+            value_or_next: next.as_mut_ptr() as u64,
+            flags: 0,
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => out.push(next),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        if out.len() >= limit {
+            return Ok(out);
+        }
+    }
+}
+
+pub fn num_possible_cpus() -> usize {
+    possible_cpus()
+}
+
+/// True when `path` is on a bpf filesystem.
+pub fn is_bpffs(path: &Path) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs writes into st; c is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+}

@@ -1,0 +1,116 @@
+//! Cilium's pinned maps under `<bpffs>/tc/globals/`, each opened read-only (BPF_OBJ_GET with
+//! BPF_F_RDONLY): type, sizes, entry count. Per-endpoint maps are only counted by name.
+use super::bpf;
+use crate::profile;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PinnedMap {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub map_type: &'static str,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+    /// None for arrays (every slot exists) or when counting failed.
+    pub entries: Option<u64>,
+    pub id: u32,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MapsObservation {
+    pub globals: BTreeMap<String, PinnedMap>,
+    /// Per-endpoint/per-load maps by kind (`policy`, `calls`, `other`).
+    pub endpoint_maps: BTreeMap<String, u64>,
+    /// Maps that are pinned but could not be opened or read, with the reason.
+    pub unreadable: BTreeMap<String, String>,
+    pub permission_denied: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BpffsError {
+    #[error("{0} does not exist (is the bpffs mounted? set `bpffs` / --bpffs)")]
+    Missing(String),
+    #[error("{0} is not a bpf filesystem (mount -t bpf, or point --bpffs at Cilium's)")]
+    NotBpffs(String),
+    #[error("read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Reads every pin under `<bpffs>/tc/globals/`. With `count`, counts entries of global maps.
+pub fn observe(bpffs: &Path, count: bool) -> Result<MapsObservation, BpffsError> {
+    if !bpffs.exists() {
+        return Err(BpffsError::Missing(bpffs.display().to_string()));
+    }
+    if !bpf::is_bpffs(bpffs) {
+        return Err(BpffsError::NotBpffs(bpffs.display().to_string()));
+    }
+    let dir = bpffs.join("tc/globals");
+    let mut obs = MapsObservation::default();
+    let rd = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(obs),
+        Err(source) => {
+            return Err(BpffsError::Read {
+                path: dir.display().to_string(),
+                source,
+            })
+        }
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(kind) = profile::is_per_endpoint(&name) {
+            *obs.endpoint_maps.entry(kind.to_string()).or_insert(0) += 1;
+            continue;
+        }
+        let path = e.path();
+        let fd = match bpf::obj_get_rdonly(&path) {
+            Ok(fd) => fd,
+            Err(err) => {
+                if matches!(err.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) {
+                    obs.permission_denied = true;
+                }
+                obs.unreadable
+                    .insert(name, format!("open read-only: {err}"));
+                continue;
+            }
+        };
+        let info = match bpf::map_info(&fd) {
+            Ok(i) => i,
+            Err(err) => {
+                obs.unreadable.insert(name, format!("map info: {err}"));
+                continue;
+            }
+        };
+        let entries = if count {
+            match bpf::count_entries(&fd, &info) {
+                Ok(n) => n,
+                Err(err) => {
+                    obs.unreadable
+                        .insert(name.clone(), format!("count entries: {err}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        obs.globals.insert(
+            name.clone(),
+            PinnedMap {
+                name,
+                map_type: bpf::map_type_name(info.map_type),
+                key_size: info.key_size,
+                value_size: info.value_size,
+                max_entries: info.max_entries,
+                entries,
+                id: info.id,
+            },
+        );
+    }
+    Ok(obs)
+}

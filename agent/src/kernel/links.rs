@@ -1,0 +1,312 @@
+//! What is attached where: host devices from an rtnetlink link/address dump, their tcx
+//! programs (BPF_PROG_QUERY), legacy clsact filters (rtnetlink filter dump: name and program
+//! id), XDP programs (link attribute), and Cilium's pinned tcx links. Read-only.
+use super::bpf;
+use futures_util::TryStreamExt;
+use netlink_packet_route::address::AddressAttribute;
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkXdp};
+use netlink_packet_route::tc::{TcAttribute, TcFilterBpfOption, TcOption};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AttachedProgram {
+    /// `ingress`, `egress` or `xdp`.
+    pub hook: &'static str,
+    /// `tcx`, `tc` or `xdp`.
+    pub via: &'static str,
+    pub prog_id: u32,
+    /// Kernel program name (15 characters at most), when readable.
+    pub name: Option<String>,
+    /// Legacy tc filter name (`cil_from_netdev-eth0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub filter: Option<String>,
+    /// Load time, unix seconds (wall clock), when readable.
+    pub loaded_at: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub link_pin: Option<PathBuf>,
+}
+
+impl AttachedProgram {
+    /// The program's Cilium name: from the kernel name, or the tc filter name `<prog>-<dev>`.
+    pub fn cilium_name(&self) -> Option<&str> {
+        self.name.as_deref().or_else(|| {
+            self.filter
+                .as_deref()
+                .and_then(|f| f.rsplit_once('-').map(|(p, _)| p))
+        })
+    }
+    /// True if this is `prog` (matching the kernel's 15-character truncation).
+    pub fn is(&self, prog: &str) -> bool {
+        let short = &prog[..prog.len().min(15)];
+        self.cilium_name().is_some_and(|n| n == prog || n == short)
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Device {
+    pub name: String,
+    pub ifindex: u32,
+    pub up: bool,
+    /// Link kind (`veth`, `bridge`, ...), when the kernel says.
+    pub kind: Option<String>,
+    /// Enslaved to a bridge/bond.
+    pub has_controller: bool,
+    pub global_addrs: Vec<IpAddr>,
+    pub programs: Vec<AttachedProgram>,
+}
+
+/// Everything observed, plus what could not be read (each entry one line).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Observation {
+    pub devices: Vec<Device>,
+    /// lxc* devices seen (counted, not inspected: they are endpoints, not host devices).
+    pub endpoint_devices: usize,
+    pub problems: Vec<String>,
+    /// A program id was seen but its details were unreadable (permissions).
+    pub prog_details_unreadable: bool,
+}
+
+/// Endpoint devices are never host devices and are not inspected one by one.
+pub fn is_endpoint_device(name: &str) -> bool {
+    name.starts_with("lxc")
+}
+
+fn global_unicast(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            !(v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_multicast()
+                || v4.is_unspecified()
+                || v4.is_broadcast())
+        }
+        IpAddr::V6(v6) => {
+            !(v6.is_loopback()
+                || v6.is_multicast()
+                || v6.is_unspecified()
+                || (v6.segments()[0] & 0xffc0) == 0xfe80)
+        }
+    }
+}
+
+fn kind_name(k: &InfoKind) -> String {
+    format!("{k:?}").to_lowercase()
+}
+
+/// Observes the current network namespace. `bpffs` is where Cilium pins its tcx links.
+pub async fn observe(bpffs: &Path) -> Result<Observation, String> {
+    let (conn, handle, _) =
+        rtnetlink::new_connection().map_err(|e| format!("open rtnetlink socket: {e}"))?;
+    let task = tokio::spawn(conn);
+    let r = observe_with(&handle, bpffs).await;
+    task.abort();
+    r
+}
+
+async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observation, String> {
+    let mut obs = Observation::default();
+    let mut links = handle.link().get().execute();
+    let mut devices = Vec::new();
+    while let Some(msg) = links
+        .try_next()
+        .await
+        .map_err(|e| format!("rtnetlink link dump: {e}"))?
+    {
+        let mut d = Device {
+            name: String::new(),
+            ifindex: msg.header.index,
+            up: msg.header.flags.contains(LinkFlags::Up),
+            kind: None,
+            has_controller: false,
+            global_addrs: vec![],
+            programs: vec![],
+        };
+        for a in &msg.attributes {
+            match a {
+                LinkAttribute::IfName(n) => d.name = n.clone(),
+                LinkAttribute::Controller(_) => d.has_controller = true,
+                LinkAttribute::LinkInfo(infos) => {
+                    for i in infos {
+                        if let LinkInfo::Kind(k) = i {
+                            d.kind = Some(kind_name(k));
+                        }
+                    }
+                }
+                LinkAttribute::Xdp(xdp) => {
+                    for x in xdp {
+                        if let LinkXdp::ProgId(id) = x {
+                            if *id != 0 {
+                                d.programs.push(AttachedProgram {
+                                    hook: "xdp",
+                                    via: "xdp",
+                                    prog_id: *id,
+                                    name: None,
+                                    filter: None,
+                                    loaded_at: None,
+                                    link_pin: None,
+                                });
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        if is_endpoint_device(&d.name) {
+            obs.endpoint_devices += 1;
+            continue;
+        }
+        devices.push(d);
+    }
+    // Addresses, for Cilium's auto-detection rule (global unicast).
+    let mut addrs = handle.address().get().execute();
+    let mut by_index: BTreeMap<u32, Vec<IpAddr>> = BTreeMap::new();
+    while let Some(msg) = addrs
+        .try_next()
+        .await
+        .map_err(|e| format!("rtnetlink address dump: {e}"))?
+    {
+        for a in &msg.attributes {
+            if let AddressAttribute::Address(ip) = a {
+                if global_unicast(ip) {
+                    by_index.entry(msg.header.index).or_default().push(*ip);
+                }
+            }
+        }
+    }
+    let pins = pinned_tcx_links(bpffs, &mut obs.problems);
+    for d in &mut devices {
+        d.global_addrs = by_index.remove(&d.ifindex).unwrap_or_default();
+        for (hook, at) in [
+            ("ingress", bpf::BPF_TCX_INGRESS),
+            ("egress", bpf::BPF_TCX_EGRESS),
+        ] {
+            match bpf::tcx_prog_ids(d.ifindex, at) {
+                Ok(ids) => {
+                    for id in ids {
+                        d.programs.push(AttachedProgram {
+                            hook,
+                            via: "tcx",
+                            prog_id: id,
+                            name: None,
+                            filter: None,
+                            loaded_at: None,
+                            link_pin: pins.get(&id).cloned(),
+                        });
+                    }
+                }
+                // No tcx on this kernel: nothing attached that way.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
+                    ) => {}
+                Err(e) => obs.problems.push(format!(
+                    "tcx query on {} {hook}: {}",
+                    d.name,
+                    super::super::checks::io_reason("bpf prog query", &e).0
+                )),
+            }
+        }
+        for (hook, ingress) in [("ingress", true), ("egress", false)] {
+            let req = handle.traffic_filter(d.ifindex as i32).get();
+            let req = if ingress { req.ingress() } else { req.egress() };
+            let mut stream = req.execute();
+            loop {
+                match stream.try_next().await {
+                    Ok(Some(msg)) => {
+                        let (mut name, mut id) = (None, None);
+                        for a in &msg.attributes {
+                            if let TcAttribute::Options(opts) = a {
+                                for o in opts {
+                                    match o {
+                                        TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => {
+                                            name = Some(n.clone())
+                                        }
+                                        TcOption::Bpf(TcFilterBpfOption::ProgId(i)) => {
+                                            id = Some(*i)
+                                        }
+                                        _ => {}
+                                    }
+                                }
+                            }
+                        }
+                        if let Some(id) = id {
+                            d.programs.push(AttachedProgram {
+                                hook,
+                                via: "tc",
+                                prog_id: id,
+                                name: None,
+                                filter: name,
+                                loaded_at: None,
+                                link_pin: None,
+                            });
+                        }
+                    }
+                    Ok(None) => break,
+                    // No clsact qdisc on this device: no filters.
+                    Err(rtnetlink::Error::NetlinkError(e))
+                        if matches!(e.raw_code().abs(), libc::EINVAL | libc::ENOENT) =>
+                    {
+                        break
+                    }
+                    Err(e) => {
+                        obs.problems
+                            .push(format!("tc filter dump on {} {hook}: {e}", d.name));
+                        break;
+                    }
+                }
+            }
+        }
+        for p in &mut d.programs {
+            match bpf::prog_info_by_id(p.prog_id) {
+                Ok(info) => {
+                    p.name = Some(info.name.clone());
+                    p.loaded_at = info
+                        .loaded_at()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .ok()
+                        .map(|d| d.as_secs_f64());
+                }
+                Err(e) => {
+                    obs.prog_details_unreadable = true;
+                    let (line, _) = super::super::checks::io_reason(
+                        &format!("program {} on {}", p.prog_id, d.name),
+                        &e,
+                    );
+                    if !obs.problems.contains(&line) {
+                        obs.problems.push(line);
+                    }
+                }
+            }
+        }
+    }
+    obs.devices = devices;
+    Ok(obs)
+}
+
+/// Cilium's pinned tcx links (`<bpffs>/cilium/devices/<dev>/links/<prog>`), by program id.
+fn pinned_tcx_links(bpffs: &Path, problems: &mut Vec<String>) -> BTreeMap<u32, PathBuf> {
+    let mut out = BTreeMap::new();
+    let Ok(devs) = std::fs::read_dir(bpffs.join("cilium/devices")) else {
+        return out;
+    };
+    for dev in devs.flatten() {
+        let Ok(links) = std::fs::read_dir(dev.path().join("links")) else {
+            continue;
+        };
+        for l in links.flatten() {
+            let path = l.path();
+            match bpf::obj_get_rdonly(&path).and_then(|fd| bpf::link_info(&fd)) {
+                Ok(info) => {
+                    out.insert(info.prog_id, path);
+                }
+                Err(e) => problems.push(format!("open pinned link {}: {e}", path.display())),
+            }
+        }
+    }
+    out
+}

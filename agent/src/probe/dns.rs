@@ -1,0 +1,218 @@
+//! One DNS query over UDP with hickory-proto messages: no cache, no retry. SERVFAIL, a
+//! mismatched reply, an empty answer and a timeout are all failures.
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{Name, RData, RecordType};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+use tokio::net::UdpSocket;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    A,
+    Aaaa,
+}
+
+impl RecordKind {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "A" => Some(Self::A),
+            "AAAA" => Some(Self::Aaaa),
+            _ => None,
+        }
+    }
+    fn rtype(self) -> RecordType {
+        match self {
+            Self::A => RecordType::A,
+            Self::Aaaa => RecordType::AAAA,
+        }
+    }
+}
+
+/// A successful answer.
+#[derive(Clone, Debug)]
+pub struct Answer {
+    pub addresses: Vec<IpAddr>,
+}
+
+impl Answer {
+    pub fn summary(&self) -> String {
+        self.addresses
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+fn query_id() -> u16 {
+    let mut b = [0u8; 2];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 2, 0) };
+    if n == 2 {
+        u16::from_ne_bytes(b)
+    } else {
+        (std::process::id() as u16) ^ (super::unix_now().fract() * 65535.0) as u16
+    }
+}
+
+/// Sends one query and waits for its answer, up to `timeout`.
+pub async fn query(
+    resolver: SocketAddr,
+    name: &str,
+    kind: RecordKind,
+    timeout: Duration,
+    expect: Option<&[IpAddr]>,
+) -> Result<Answer, String> {
+    let qname = Name::from_ascii(name).map_err(|e| format!("bad name {name:?}: {e}"))?;
+    let id = query_id();
+    let mut msg = Message::new(id, MessageType::Query, OpCode::Query);
+    msg.metadata.recursion_desired = true;
+    msg.add_query(Query::query(qname, kind.rtype()));
+    let wire = msg.to_vec().map_err(|e| format!("encode query: {e}"))?;
+    let bind: SocketAddr = if resolver.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let sock = UdpSocket::bind(bind)
+        .await
+        .map_err(|e| format!("udp socket: {e}"))?;
+    sock.connect(resolver)
+        .await
+        .map_err(|e| format!("connect {resolver}: {e}"))?;
+    let exchange = async {
+        sock.send(&wire)
+            .await
+            .map_err(|e| format!("send to {resolver}: {e}"))?;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = sock
+                .recv(&mut buf)
+                .await
+                .map_err(|e| format!("receive from {resolver}: {e}"))?;
+            let reply = match Message::from_vec(&buf[..n]) {
+                Ok(m) => m,
+                Err(e) => return Err(format!("malformed reply from {resolver}: {e}")),
+            };
+            // A stray datagram with another id is not our answer: keep waiting.
+            if reply.metadata.id != id {
+                continue;
+            }
+            return check_reply(&reply, name, kind, expect);
+        }
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("timeout after {}ms", timeout.as_millis())),
+    }
+}
+
+/// Judges a reply that carries our id.
+pub fn check_reply(
+    reply: &Message,
+    name: &str,
+    kind: RecordKind,
+    expect: Option<&[IpAddr]>,
+) -> Result<Answer, String> {
+    if reply.metadata.message_type != MessageType::Response {
+        return Err("reply is not a response".into());
+    }
+    if reply.metadata.response_code != ResponseCode::NoError {
+        return Err(format!("{} for {name}", reply.metadata.response_code));
+    }
+    let q_ok = reply.queries.first().is_some_and(|q| {
+        q.name()
+            .to_ascii()
+            .trim_end_matches('.')
+            .eq_ignore_ascii_case(name.trim_end_matches('.'))
+            && q.query_type() == kind.rtype()
+    });
+    if !q_ok {
+        return Err("reply is for another question".into());
+    }
+    let addresses: Vec<IpAddr> = reply
+        .answers
+        .iter()
+        .filter_map(|r| match (&r.data, kind) {
+            (RData::A(a), RecordKind::A) => Some(IpAddr::V4(a.0)),
+            (RData::AAAA(a), RecordKind::Aaaa) => Some(IpAddr::V6(a.0)),
+            _ => None,
+        })
+        .collect();
+    if addresses.is_empty() {
+        return Err(format!("no {:?} record for {name}", kind.rtype()));
+    }
+    if let Some(want) = expect {
+        if !addresses.iter().any(|a| want.contains(a)) {
+            return Err(format!(
+                "wrong answer for {name}: {} (expected one of {})",
+                Answer { addresses }.summary(),
+                want.iter()
+                    .map(|a| a.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
+        }
+    }
+    Ok(Answer { addresses })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_proto::rr::{rdata, Record};
+
+    fn reply(rcode: ResponseCode, answers: Vec<Record>) -> Message {
+        let mut m = Message::new(7, MessageType::Response, OpCode::Query);
+        m.metadata.response_code = rcode;
+        m.add_query(Query::query(
+            Name::from_ascii("gw.test.").unwrap(),
+            RecordType::A,
+        ));
+        for a in answers {
+            m.answers.push(a);
+        }
+        m
+    }
+    fn a(ip: [u8; 4]) -> Record {
+        Record::from_rdata(
+            Name::from_ascii("gw.test.").unwrap(),
+            5,
+            RData::A(rdata::A(ip.into())),
+        )
+    }
+
+    #[test]
+    fn servfail_empty_and_wrong_answers_fail() {
+        assert!(check_reply(
+            &reply(ResponseCode::ServFail, vec![]),
+            "gw.test",
+            RecordKind::A,
+            None
+        )
+        .unwrap_err()
+        .contains("Server Failure"));
+        assert!(check_reply(
+            &reply(ResponseCode::NoError, vec![]),
+            "gw.test",
+            RecordKind::A,
+            None
+        )
+        .unwrap_err()
+        .contains("no A record"));
+        let ok = reply(ResponseCode::NoError, vec![a([198, 51, 100, 10])]);
+        assert_eq!(
+            check_reply(&ok, "gw.test", RecordKind::A, None)
+                .unwrap()
+                .summary(),
+            "198.51.100.10"
+        );
+        let want: Vec<IpAddr> = vec!["203.0.113.9".parse().unwrap()];
+        assert!(check_reply(&ok, "gw.test", RecordKind::A, Some(&want))
+            .unwrap_err()
+            .contains("wrong answer"));
+        assert!(check_reply(&ok, "other.test", RecordKind::A, None)
+            .unwrap_err()
+            .contains("another question"));
+    }
+}

@@ -1,0 +1,220 @@
+//! Probes: one request, sent and timed. `tcp` connect, `http` GET (expected status), `icmp`
+//! echo, `dns` query. An answer that arrives after the timeout (e.g. after a SYN retransmit)
+//! is a failure, even if it eventually succeeded.
+pub mod dns;
+mod icmp;
+
+use crate::config::{ProbeKind, Target};
+use serde::Serialize;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpSocket;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ProbeOutcome {
+    pub ok: bool,
+    /// Wall clock when the request was sent (unix seconds).
+    pub sent_at: f64,
+    #[serde(serialize_with = "ser_ms")]
+    pub latency: Duration,
+    /// What went wrong, one line; or what came back (status, answer).
+    pub detail: String,
+    /// False when the probe could not even be sent (no socket, no permission): its result
+    /// says nothing about the target.
+    pub ran: bool,
+}
+
+/// Errors that mean "could not send", not "the target did not answer".
+fn could_not_run(detail: &str) -> bool {
+    [
+        "socket:",
+        "udp socket",
+        "icmp socket",
+        "bind source",
+        "bad name",
+        "encode query",
+        "icmp probes support",
+        "icmp task",
+    ]
+    .iter()
+    .any(|p| detail.starts_with(p))
+}
+
+fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
+}
+
+pub fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Runs one probe against a target.
+pub async fn probe(t: &Target) -> ProbeOutcome {
+    let sent_at = unix_now();
+    let start = Instant::now();
+    let addr = SocketAddr::new(t.address, t.port());
+    let result: Result<String, String> = match t.probe {
+        ProbeKind::Tcp => within(t.timeout, tcp_connect(addr, t.source))
+            .await
+            .map(|_| "connected".into()),
+        ProbeKind::Http => {
+            within(
+                t.timeout,
+                http_get(
+                    addr,
+                    t.source,
+                    t.path.as_deref().unwrap_or("/"),
+                    t.expect.unwrap_or(200),
+                ),
+            )
+            .await
+        }
+        ProbeKind::Icmp => icmp::echo(t.address, t.timeout).await,
+        ProbeKind::Dns => {
+            let name = t
+                .query
+                .clone()
+                .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
+            dns::query(addr, &name, dns::RecordKind::A, t.timeout, None)
+                .await
+                .map(|a| a.summary())
+        }
+    };
+    let latency = start.elapsed();
+    match result {
+        Ok(detail) if latency <= t.timeout => ProbeOutcome {
+            ok: true,
+            sent_at,
+            latency,
+            detail,
+            ran: true,
+        },
+        Ok(detail) => ProbeOutcome {
+            ok: false,
+            sent_at,
+            latency,
+            detail: format!(
+                "answered after the {}ms timeout ({detail})",
+                t.timeout.as_millis()
+            ),
+            ran: true,
+        },
+        Err(detail) => ProbeOutcome {
+            ok: false,
+            sent_at,
+            latency,
+            ran: !could_not_run(&detail),
+            detail,
+        },
+    }
+}
+
+async fn within<T>(
+    timeout: Duration,
+    f: impl std::future::Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("timeout after {}ms", timeout.as_millis())),
+    }
+}
+
+async fn tcp_connect(
+    addr: SocketAddr,
+    source: Option<IpAddr>,
+) -> Result<tokio::net::TcpStream, String> {
+    let sock = if addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .map_err(|e| format!("socket: {e}"))?;
+    if let Some(src) = source {
+        sock.bind(SocketAddr::new(src, 0))
+            .map_err(|e| format!("bind source {src}: {e}"))?;
+    }
+    sock.connect(addr)
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))
+}
+
+async fn http_get(
+    addr: SocketAddr,
+    source: Option<IpAddr>,
+    path: &str,
+    expect: u16,
+) -> Result<String, String> {
+    let mut s = tcp_connect(addr, source).await?;
+    let host = match addr.ip() {
+        IpAddr::V6(v6) => format!("[{v6}]"),
+        IpAddr::V4(v4) => v4.to_string(),
+    };
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: stepguard\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes())
+        .await
+        .map_err(|e| format!("send request: {e}"))?;
+    // The status line is all we need; read until it is complete.
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 256];
+    while !buf.windows(2).any(|w| w == b"\r\n") {
+        let n = s
+            .read(&mut chunk)
+            .await
+            .map_err(|e| format!("read response: {e}"))?;
+        if n == 0 {
+            return Err("connection closed before a status line".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > 8192 {
+            return Err("no status line in the first 8 KiB".into());
+        }
+    }
+    let status = parse_status_line(&buf)?;
+    if status == expect {
+        Ok(format!("HTTP {status}"))
+    } else {
+        Err(format!("HTTP {status}, expected {expect}"))
+    }
+}
+
+/// `HTTP/1.1 200 OK` → 200.
+pub fn parse_status_line(buf: &[u8]) -> Result<u16, String> {
+    let line_end = buf
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .unwrap_or(buf.len());
+    let line = String::from_utf8_lossy(&buf[..line_end]);
+    let mut parts = line.split_whitespace();
+    match (
+        parts.next(),
+        parts.next().and_then(|c| c.parse::<u16>().ok()),
+    ) {
+        (Some(v), Some(code)) if v.starts_with("HTTP/") && (100..=599).contains(&code) => Ok(code),
+        _ => Err(format!(
+            "not an HTTP status line: {:?}",
+            line.chars().take(60).collect::<String>()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn status_lines_are_parsed_strictly() {
+        assert_eq!(parse_status_line(b"HTTP/1.1 200 OK\r\n"), Ok(200));
+        assert_eq!(
+            parse_status_line(b"HTTP/1.0 503 Service Unavailable\r\nx"),
+            Ok(503)
+        );
+        assert!(parse_status_line(b"SSH-2.0-OpenSSH\r\n").is_err());
+        assert!(parse_status_line(b"HTTP/1.1 abc\r\n").is_err());
+        assert!(parse_status_line(b"HTTP/1.1 999 odd\r\n").is_err());
+    }
+}

@@ -1,0 +1,36 @@
+//! Small statistics used by verdicts: quantiles over latencies.
+use std::time::Duration;
+
+/// Nearest-rank quantile (q in 0..=1) of unsorted samples; None when empty.
+pub fn quantile(samples: &[Duration], q: f64) -> Option<Duration> {
+    if samples.is_empty() {
+        return None;
+    }
+    let mut v = samples.to_vec();
+    v.sort();
+    let rank = ((q.clamp(0.0, 1.0) * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn nearest_rank_quantiles() {
+        let ms = |v: &[u64]| {
+            v.iter()
+                .map(|m| Duration::from_millis(*m))
+                .collect::<Vec<_>>()
+        };
+        let s = ms(&[5, 1, 3, 2, 4]);
+        assert_eq!(quantile(&s, 0.5), Some(Duration::from_millis(3)));
+        assert_eq!(quantile(&s, 0.99), Some(Duration::from_millis(5)));
+        assert_eq!(quantile(&s, 0.0), Some(Duration::from_millis(1)));
+        assert_eq!(quantile(&[], 0.5), None);
+        let hundred: Vec<u64> = (1..=100).collect();
+        assert_eq!(
+            quantile(&ms(&hundred), 0.99),
+            Some(Duration::from_millis(99))
+        );
+    }
+}
