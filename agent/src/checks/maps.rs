@@ -38,15 +38,17 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
         Some(v) => (v, "configured".to_string()),
         None => match profile::infer_version(&all_names) {
             Some((v, why)) => (v, format!("inferred: {why}")),
-            None => return CheckResult::unknown(
-                CHECK,
-                "version_unknown",
-                format!(
+            None => {
+                return CheckResult::unknown(
+                    CHECK,
+                    "version_unknown",
+                    format!(
                     "cannot infer the Cilium version from {} pinned maps; set `cilium:` / --cilium",
                     present.len()
                 ),
-                json!({"present": present}),
-            ),
+                    json!({"present": present}),
+                )
+            }
         },
     };
     let mut required = profile::required_maps(version, exp.features);

@@ -77,15 +77,25 @@ struct ObjAttr {
     file_flags: u32,
 }
 
-/// BPF_OBJ_GET with BPF_F_RDONLY: a pinned map/link/program, opened read-only.
-pub fn obj_get_rdonly(path: &Path) -> io::Result<OwnedFd> {
+fn obj_get(path: &Path, file_flags: u32) -> io::Result<OwnedFd> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
     let mut attr = ObjAttr {
         pathname: c.as_ptr() as u64,
         bpf_fd: 0,
-        file_flags: BPF_F_RDONLY,
+        file_flags,
     };
     bpf(BPF_OBJ_GET, &mut attr).map(owned)
+}
+
+/// BPF_OBJ_GET with BPF_F_RDONLY: a pinned map, opened read-only (writes through it fail).
+pub fn obj_get_rdonly(path: &Path) -> io::Result<OwnedFd> {
+    obj_get(path, BPF_F_RDONLY)
+}
+
+/// BPF_OBJ_GET of a pinned link. Links have no read-only mode (the kernel rejects
+/// BPF_F_RDONLY for them); stepguard only ever reads their info through this fd.
+pub fn obj_get_link(path: &Path) -> io::Result<OwnedFd> {
+    obj_get(path, 0)
 }
 
 #[repr(C)]

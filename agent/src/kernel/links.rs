@@ -300,7 +300,7 @@ fn pinned_tcx_links(bpffs: &Path, problems: &mut Vec<String>) -> BTreeMap<u32, P
         };
         for l in links.flatten() {
             let path = l.path();
-            match bpf::obj_get_rdonly(&path).and_then(|fd| bpf::link_info(&fd)) {
+            match bpf::obj_get_link(&path).and_then(|fd| bpf::link_info(&fd)) {
                 Ok(info) => {
                     out.insert(info.prog_id, path);
                 }

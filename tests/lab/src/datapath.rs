@@ -70,7 +70,8 @@ impl Attachment {
 /// What goes where: `(device, program, hook, endpoint id)`.
 pub type Plan = Vec<(String, &'static str, Hook, Option<u16>)>;
 
-pub fn plan(host_devices: &[String], lxc: &[(String, u16)], xdp: bool) -> Plan {
+/// The attachments for host devices, endpoints and (with `cilium_host`) the host device pair.
+pub fn plan(host_devices: &[String], lxc: &[(String, u16)], xdp: bool, cilium_host: bool) -> Plan {
     let mut p: Plan = Vec::new();
     for d in host_devices {
         p.push((d.clone(), "cil_from_netdev", Hook::Ingress, None));
@@ -79,9 +80,11 @@ pub fn plan(host_devices: &[String], lxc: &[(String, u16)], xdp: bool) -> Plan {
             p.push((d.clone(), "cil_xdp_entry", Hook::Xdp, None));
         }
     }
-    p.push(("cilium_host".into(), "cil_to_host", Hook::Ingress, None));
-    p.push(("cilium_host".into(), "cil_from_host", Hook::Egress, None));
-    p.push(("cilium_net".into(), "cil_to_host", Hook::Ingress, None));
+    if cilium_host {
+        p.push(("cilium_host".into(), "cil_to_host", Hook::Ingress, None));
+        p.push(("cilium_host".into(), "cil_from_host", Hook::Egress, None));
+        p.push(("cilium_net".into(), "cil_to_host", Hook::Ingress, None));
+    }
     for (dev, ep) in lxc {
         p.push((dev.clone(), "cil_from_container", Hook::Ingress, Some(*ep)));
     }

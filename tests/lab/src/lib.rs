@@ -362,7 +362,12 @@ impl Lab {
         self.create_maps()?;
         self.write_cilium_config()?;
 
-        let plan = datapath::plan(&self.state.devices, &self.state.lxc, self.state.spec.xdp);
+        let plan = datapath::plan(
+            &self.state.devices,
+            &self.state.lxc,
+            self.state.spec.xdp,
+            true,
+        );
         self.state.attachments =
             datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
         self.create_tail_call_maps()?;
@@ -705,6 +710,24 @@ impl Lab {
             old_programs: old,
             new_programs: new,
         })
+    }
+
+    /// A new host device (veth into the fabric) that the datapath attaches to, as when a node
+    /// gains a NIC matching Cilium's selection: `cil_from_netdev`/`cil_to_netdev` on it.
+    pub fn add_host_device(&mut self, name: &str) -> Result<()> {
+        check_root()?;
+        if name.is_empty() || name.len() > 15 || self.state.devices.iter().any(|d| d == name) {
+            bail!("invalid or existing device name {name:?}");
+        }
+        let node = self.node_ns();
+        let peer = format!("fab{}", self.state.devices.len());
+        netns::add_veth(&node, name, &self.fabric_ns(), &peer)?;
+        self.state.devices.push(name.to_string());
+        self.save()?;
+        let plan = datapath::plan(&[name.to_string()], &[], self.state.spec.xdp, false);
+        let atts = datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
+        self.state.attachments.extend(atts);
+        self.save()
     }
 
     /// Removes everything this lab recorded. Safe to call twice and after a crash.

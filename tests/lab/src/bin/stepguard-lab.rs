@@ -86,6 +86,14 @@ enum Cmd {
         /// KEY=VALUE pairs (for `set`).
         pairs: Vec<String>,
     },
+    /// Add a host device (a veth into the fabric) carrying the datapath: `device add eth2`.
+    Device {
+        #[arg(long)]
+        prefix: Option<String>,
+        #[arg(value_parser = ["add"])]
+        action: String,
+        name: String,
+    },
     /// Remove a lab and everything it created.
     Down {
         #[arg(long)]
@@ -254,6 +262,18 @@ fn real_main() -> Result<()> {
             for (k, v) in values {
                 println!("{k}={v}");
             }
+        }
+        Cmd::Device {
+            prefix,
+            action: _,
+            name,
+        } => {
+            let mut lab = pick(prefix)?;
+            lab.add_host_device(&name)?;
+            println!(
+                "device {name} added to lab {} with the datapath attached",
+                lab.state.spec.prefix
+            );
         }
         Cmd::Down { prefix, all } => {
             stepguard_lab::check_root()?;

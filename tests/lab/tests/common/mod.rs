@@ -170,3 +170,58 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// `stepguard check --format json` in the lab's node namespace with the lab's config.
+/// Returns (exit code, parsed JSON, stderr).
+pub fn check(lab: &Lab, extra: &[&str]) -> (i32, Value, String) {
+    let stepguard = bin("STEPGUARD_BIN", "stepguard");
+    let cfg = lab.stepguard_config();
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", lab.node_ns()))
+        .arg("--")
+        .arg(&stepguard)
+        .args(["check", "--format", "json"])
+        .args(if extra.contains(&"--config") {
+            vec![]
+        } else {
+            vec!["--config".to_string(), cfg.to_string_lossy().into_owned()]
+        })
+        .args(extra)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", stepguard.display()));
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.code().unwrap_or(-1), v, stderr)
+}
+
+/// One check's result from `check`'s JSON.
+pub fn result<'a>(v: &'a Value, name: &str) -> &'a Value {
+    v["checks"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["check"] == name))
+        .unwrap_or_else(|| panic!("no {name} in {v}"))
+}
+
+/// Sets or clears the lab's blackhole flag directly (bpftool, not the lab library).
+pub fn blackhole(lab: &Lab, on: bool) {
+    let pin = lab.state.bpffs.join("stepguard-lab/blackhole");
+    sh(
+        "bpftool",
+        &[
+            "map",
+            "update",
+            "pinned",
+            &pin.to_string_lossy(),
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+            "value",
+            if on { "1" } else { "0" },
+            "0",
+            "0",
+            "0",
+        ],
+    );
+}

@@ -1,0 +1,438 @@
+//! `stepguard check` against the lab: a healthy node passes every check in every profile and
+//! attach mode; each fault is caught with its reason code; what cannot be checked is never a
+//! pass; and the check leaves Cilium's maps and attachments exactly as they were.
+mod common;
+use common::*;
+use std::time::Duration;
+use stepguard_lab::{AttachMode, Profile, RestartOpts};
+
+fn healthy(profile: Profile, attach: AttachMode) {
+    let lab = lab(|s| {
+        s.profile = profile;
+        s.attach = attach;
+    });
+    let (code, v, err) = check(&lab, &[]);
+    assert_eq!(code, 0, "all checks pass: {v:#}\n{err}");
+    for c in ["devices", "maps", "vips", "dns", "config"] {
+        assert_eq!(result(&v, c)["status"], "pass", "{c}: {}", result(&v, c));
+    }
+    let dev = &result(&v, "devices")["evidence"];
+    assert_eq!(dev["selected"], serde_json::json!(["eth0", "eth1"]));
+    for d in ["eth0", "eth1"] {
+        let e = dev["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["device"] == d)
+            .unwrap();
+        let p = e["programs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["hook"] == "ingress")
+            .unwrap();
+        let want = lab
+            .state
+            .attachments
+            .iter()
+            .find(|a| a.device == d && a.program == "cil_from_netdev")
+            .unwrap()
+            .prog_id;
+        assert_eq!(p["prog_id"].as_u64(), Some(want as u64), "{d} program id");
+        assert_eq!(
+            p["via"],
+            if attach == AttachMode::Tcx {
+                "tcx"
+            } else {
+                "tc"
+            }
+        );
+        assert!(
+            p["loaded_at"].as_f64().unwrap() > 1.7e9,
+            "load time is wall clock"
+        );
+    }
+    let maps = &result(&v, "maps")["evidence"];
+    assert_eq!(maps["cilium"], profile.to_string());
+    let entries = |n: &str| {
+        maps["maps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == n)
+            .unwrap_or_else(|| panic!("{n} listed"))["entries"]
+            .as_u64()
+    };
+    let ipcache = if profile == Profile::V1_16 {
+        "cilium_ipcache"
+    } else {
+        "cilium_ipcache_v2"
+    };
+    for m in [
+        "cilium_ct4_global",
+        "cilium_lb4_services_v2",
+        ipcache,
+        "cilium_lxc",
+    ] {
+        assert!(entries(m).unwrap() > 0, "{m} has entries");
+    }
+    assert_eq!(
+        entries("cilium_ct4_global"),
+        Some(64),
+        "exact count of the lab's conntrack entries"
+    );
+    // auto infers the same version.
+    let (code, v, _) = check(&lab, &["--cilium", "auto", "--only", "maps"]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        result(&v, "maps")["evidence"]["cilium"],
+        profile.to_string()
+    );
+    assert!(result(&v, "maps")["evidence"]["cilium_from"]
+        .as_str()
+        .unwrap()
+        .starts_with("inferred"));
+}
+
+#[test]
+fn a_healthy_node_passes_1_16_tcx() {
+    healthy(Profile::V1_16, AttachMode::Tcx);
+}
+#[test]
+fn a_healthy_node_passes_1_16_tc() {
+    healthy(Profile::V1_16, AttachMode::Tc);
+}
+#[test]
+fn a_healthy_node_passes_1_18_tcx() {
+    healthy(Profile::V1_18, AttachMode::Tcx);
+}
+#[test]
+fn a_healthy_node_passes_1_18_tc() {
+    healthy(Profile::V1_18, AttachMode::Tc);
+}
+#[test]
+fn a_healthy_node_passes_1_20_tcx() {
+    healthy(Profile::V1_20, AttachMode::Tcx);
+}
+#[test]
+fn a_healthy_node_passes_1_20_tc() {
+    healthy(Profile::V1_20, AttachMode::Tc);
+}
+
+fn dropped_device_is_named(attach: AttachMode) {
+    let mut lab = lab(|s| s.attach = attach);
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(10),
+        drop_device: Some("eth1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let (code, v, _) = check(&lab, &["--only", "devices"]);
+    assert_eq!(code, 1);
+    let r = result(&v, "devices");
+    assert_eq!(r["code"], "device_missing");
+    assert!(r["reason"].as_str().unwrap().contains("eth1"), "{r}");
+    assert_eq!(r["evidence"]["missing"], serde_json::json!(["eth1"]));
+}
+
+#[test]
+fn a_dropped_device_is_caught_and_named_tcx() {
+    dropped_device_is_named(AttachMode::Tcx);
+}
+#[test]
+fn a_dropped_device_is_caught_and_named_tc() {
+    dropped_device_is_named(AttachMode::Tc);
+}
+
+#[test]
+fn an_unexpected_extra_device_is_caught_and_named() {
+    let mut lab = lab(|_| {});
+    lab.add_host_device("eth2").unwrap();
+    let (code, v, _) = check(&lab, &["--only", "devices"]);
+    assert_eq!(code, 1);
+    let r = result(&v, "devices");
+    assert_eq!(r["code"], "device_unexpected");
+    assert!(r["reason"].as_str().unwrap().contains("eth2"), "{r}");
+}
+
+#[test]
+fn a_lost_map_is_caught_and_named() {
+    let mut lab = lab(|_| {});
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(10),
+        lose_map: Some("cilium_lb4_services_v2".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let (code, v, _) = check(&lab, &["--only", "maps"]);
+    assert_eq!(code, 1);
+    let r = result(&v, "maps");
+    assert_eq!(r["code"], "map_missing");
+    assert_eq!(
+        r["evidence"]["missing"],
+        serde_json::json!(["cilium_lb4_services_v2"])
+    );
+}
+
+#[test]
+fn a_blackholed_datapath_fails_vips_and_dns() {
+    let lab = lab(|_| {});
+    blackhole(&lab, true);
+    let (code, v, _) = check(&lab, &["--only", "vips,dns"]);
+    blackhole(&lab, false);
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(result(&v, "vips")["status"], "fail");
+    assert_eq!(result(&v, "vips")["code"], "vip_unreachable");
+    assert_eq!(result(&v, "dns")["status"], "fail");
+    let (code, _, _) = check(&lab, &["--only", "vips,dns"]);
+    assert_eq!(code, 0, "both recover once the blackhole is lifted");
+}
+
+#[test]
+fn a_wrong_profile_names_the_differences() {
+    let lab = lab(|s| s.profile = Profile::V1_20);
+    let (code, v, _) = check(&lab, &["--cilium", "1.16", "--only", "maps"]);
+    assert_eq!(code, 1);
+    let r = result(&v, "maps");
+    assert_eq!(r["code"], "map_missing");
+    let reason = r["reason"].as_str().unwrap();
+    for n in [
+        "cilium_ipcache",
+        "cilium_tunnel_map",
+        "cilium_ipcache_v2",
+        "cilium_policy_v3_*",
+        "looks like Cilium 1.20",
+    ] {
+        assert!(reason.contains(n), "{n} in {reason}");
+    }
+}
+
+#[test]
+fn a_config_change_without_a_restart_fails_until_the_restart() {
+    let mut lab = lab(|_| {});
+    let state = lab.state.run_dir.join("agent-state");
+    let state_arg = state.to_string_lossy().into_owned();
+    let (code, _, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
+    assert_eq!(code, 0, "config in effect at first");
+    std::thread::sleep(Duration::from_millis(1100)); // past the clock slack
+    lab.config_set(&[("devices".into(), "eth0 eth1 eth2".into())])
+        .unwrap();
+    let (code, v, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
+    assert_eq!(code, 1);
+    let r = result(&v, "config");
+    assert_eq!(r["code"], "config_not_applied");
+    assert!(
+        r["reason"]
+            .as_str()
+            .unwrap()
+            .contains("changed keys: devices"),
+        "{r}"
+    );
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(10),
+        ..Default::default()
+    })
+    .unwrap();
+    let (code, v, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
+    assert_eq!(code, 0, "{}", result(&v, "config"));
+}
+
+#[test]
+fn an_empty_bpffs_is_never_a_pass() {
+    let lab = lab(|_| {});
+    let empty = lab.state.run_dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let (code, v, _) = check(
+        &lab,
+        &[
+            "--only",
+            "maps,devices",
+            "--bpffs",
+            &empty.to_string_lossy(),
+        ],
+    );
+    assert_ne!(code, 0);
+    assert_eq!(result(&v, "maps")["status"], "unknown");
+    assert_eq!(result(&v, "maps")["code"], "bpffs_missing");
+    // A bpffs without Cilium's pins: the profile's maps are all missing.
+    sh("mount", &["-t", "bpf", "bpf", &empty.to_string_lossy()]);
+    let (code, v, _) = check(
+        &lab,
+        &["--only", "maps", "--bpffs", &empty.to_string_lossy()],
+    );
+    sh("umount", &[&empty.to_string_lossy()]);
+    assert_eq!(code, 1);
+    assert_eq!(result(&v, "maps")["code"], "map_missing");
+    let (code, v, _) = check(
+        &lab,
+        &[
+            "--only",
+            "maps",
+            "--bpffs",
+            &empty.to_string_lossy(),
+            "--cilium",
+            "auto",
+        ],
+    );
+    assert_ne!(code, 0, "{v}");
+}
+
+#[test]
+fn a_stopped_dns_server_is_never_a_pass() {
+    let lab = lab(|_| {});
+    let dnsmasq = lab
+        .state
+        .procs
+        .iter()
+        .find(|p| p.what == "dnsmasq")
+        .unwrap();
+    stepguard_lab::services::stop(dnsmasq);
+    let (code, v, _) = check(&lab, &["--only", "dns,vips"]);
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(result(&v, "dns")["status"], "fail");
+    assert!(
+        result(&v, "dns")["reason"]
+            .as_str()
+            .unwrap()
+            .contains("refused"),
+        "{}",
+        result(&v, "dns")
+    );
+}
+
+#[test]
+fn without_cap_bpf_and_cap_sys_admin_nothing_passes_overall() {
+    let lab = lab(|_| {});
+    let stepguard = bin("STEPGUARD_BIN", "stepguard");
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", lab.node_ns()))
+        .args(["--", "capsh", "--drop=cap_bpf,cap_sys_admin", "--", "-c"])
+        .arg(format!(
+            "{} check --format json --config {}",
+            stepguard.display(),
+            lab.stepguard_config().display()
+        ))
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_ne!(out.status.code(), Some(0), "{v:#}");
+    assert_eq!(result(&v, "devices")["status"], "unknown");
+    assert_eq!(result(&v, "devices")["code"], "no_permission");
+    assert_eq!(result(&v, "config")["status"], "unknown");
+}
+
+#[test]
+fn bad_config_stops_with_one_line_naming_the_field_and_exit_2() {
+    let lab = lab(|_| {});
+    for (text, needle) in [
+        (
+            "targets:\n  - {name: gw, address: 198.51.100.999, probe: tcp, port: 80}\n",
+            "targets",
+        ),
+        ("dns:\n  timeout: fast\n", "invalid duration"),
+        ("frobnicate: true\n", "unknown field `frobnicate`"),
+    ] {
+        let path = lab.state.run_dir.join("bad.yaml");
+        std::fs::write(&path, text).unwrap();
+        let (code, v, err) = check(&lab, &["--config", &path.to_string_lossy()]);
+        assert_eq!(code, 2);
+        assert_eq!(v, serde_json::Value::Null, "nothing else runs");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{needle} in {err}");
+    }
+    let (code, _, err) = check(&lab, &["--config", "/nonexistent/stepguard.yaml"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("/nonexistent/stepguard.yaml"), "{err}");
+}
+
+/// Everything the datapath holds: every pinned map's contents and every attachment.
+fn datapath_fingerprint(lab: &stepguard_lab::Lab) -> String {
+    let mut out = String::new();
+    let globals = lab.state.bpffs.join("tc/globals");
+    let mut names: Vec<_> = std::fs::read_dir(&globals)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    for p in names {
+        let info = bpftool_json(&["map", "show", "pinned", &p.to_string_lossy()]);
+        out.push_str(&format!("{} {}\n", p.display(), info["id"]));
+        if !matches!(
+            info["type"].as_str(),
+            Some("perf_event_array") | Some("prog_array")
+        ) {
+            out.push_str(&sh(
+                "bpftool",
+                &["map", "dump", "pinned", &p.to_string_lossy()],
+            ));
+        }
+    }
+    for d in ["eth0", "eth1", "cilium_host", "cilium_net"] {
+        for dir in ["ingress", "egress"] {
+            out.push_str(&sh(
+                "tc",
+                &["-n", &lab.node_ns(), "filter", "show", "dev", d, dir],
+            ));
+        }
+    }
+    for a in &lab.state.attachments {
+        if let Some(pin) = &a.link_pin {
+            out.push_str(&sh(
+                "bpftool",
+                &["link", "show", "pinned", &pin.to_string_lossy()],
+            ));
+        }
+    }
+    out
+}
+
+fn check_changes_nothing(attach: AttachMode) {
+    let lab = lab(|s| s.attach = attach);
+    let before = datapath_fingerprint(&lab);
+    let (code, _, _) = check(&lab, &[]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        datapath_fingerprint(&lab),
+        before,
+        "maps and attachments are identical after a full check"
+    );
+}
+
+#[test]
+fn a_full_check_changes_no_map_and_no_attachment_tcx() {
+    check_changes_nothing(AttachMode::Tcx);
+}
+#[test]
+fn a_full_check_changes_no_map_and_no_attachment_tc() {
+    check_changes_nothing(AttachMode::Tc);
+}
+
+#[test]
+fn a_write_through_the_agents_map_handle_fails() {
+    use aya::maps::{HashMap, Map, MapData};
+    let lab = lab(|_| {});
+    let pin = lab.state.bpffs.join("tc/globals/cilium_lb4_backends_v3");
+    let fd = stepguard::kernel::bpf::obj_get_rdonly(&pin).expect("open read-only");
+    let map = Map::HashMap(MapData::from_fd(fd).expect("aya from the read-only fd"));
+    let mut backends: HashMap<_, u32, [u8; 12]> = HashMap::try_from(map).unwrap();
+    assert!(
+        backends.get(&1u32.to_be(), 0).is_ok() || backends.keys().count() > 0,
+        "reads work"
+    );
+    let err = backends
+        .insert(777u32, [0u8; 12], 0)
+        .expect_err("the write must fail");
+    assert!(
+        format!("{err:?}").contains("PermissionDenied")
+            || format!("{err}").to_lowercase().contains("permission")
+            || format!("{err:?}").contains("os error 1"),
+        "{err:?}"
+    );
+    let err = backends
+        .remove(&1u32.to_be())
+        .expect_err("delete must fail too");
+    let _ = err;
+    // And the map is unchanged.
+    let dump = bpftool_json(&["map", "dump", "pinned", &pin.to_string_lossy()]);
+    assert_eq!(dump.as_array().unwrap().len(), 2);
+}
