@@ -1,5 +1,6 @@
 //! `cargo xtask`: set up a fresh machine, build (eBPF with Debian's rustc-web, userspace with
 //! rustup's stable), test, run the demo, drive the lab, benchmark, build the image.
+mod bench;
 mod demo;
 mod setup;
 
@@ -46,8 +47,12 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Benchmarks (speed and memory targets), written to a report.
-    Bench,
+    /// Benchmarks (speed and memory targets), written to target/bench/report.md (root).
+    Bench {
+        /// Smaller sizes, for a quick look.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Build the OCI image.
     Image,
 }
@@ -206,8 +211,18 @@ fn main() {
         Cmd::Test { unit, filter } => test(unit, filter),
         Cmd::Demo => demo(),
         Cmd::Lab { args } => lab(args),
-        Cmd::Bench => Err(anyhow::anyhow!("not yet implemented: the benchmarks arrive with the checks and the daemon (issues 3 and 4)")),
-        Cmd::Image => Err(anyhow::anyhow!("not yet implemented: the OCI image arrives with the deployment work (issue 5)")),
+        Cmd::Bench { quick } => {
+            if !is_root() {
+                eprintln!("xtask: the benchmarks build labs: run as root");
+                std::process::exit(1);
+            }
+            setup::setup(false)
+                .and_then(|_| build(true))
+                .and_then(|_| bench::bench(quick))
+        }
+        Cmd::Image => Err(anyhow::anyhow!(
+            "not yet implemented: the OCI image arrives with the deployment work (issue 5)"
+        )),
     };
     if let Err(e) = r {
         eprintln!("xtask: {e:#}");
