@@ -3,8 +3,10 @@
 //! Pure logic (verdicts, config, profiles, statistics) lives in modules that need no root;
 //! kernel access stays under [`kernel`] and [`probe`].
 pub mod checks;
+pub mod client;
 pub mod ciliumconfig;
 pub mod config;
+pub mod daemon;
 pub mod duration;
 pub mod kernel;
 pub mod metrics;
@@ -12,5 +14,5 @@ pub mod node;
 pub mod probe;
 pub mod profile;
 pub mod report;
-pub mod server;
 pub mod stats;
+pub mod step;

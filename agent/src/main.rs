@@ -5,14 +5,14 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use stepguard::checks::exit_code;
 use stepguard::config::Config;
 use stepguard::kernel::drops::KernelDrops;
-use stepguard::metrics::Metrics;
 use stepguard::node::NodeOptions;
 use stepguard::report;
-use stepguard::server::{router, AppState};
+use stepguard::daemon::api::router;
+use stepguard::daemon::{spawn_loops, Daemon, DaemonOptions};
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -39,12 +39,12 @@ enum LogFormat {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the agent: serves /metrics, /livez, /readyz.
-    Agent {
-        /// Address to serve on (9962-9965 are Cilium's metrics ports; 9969 is stepguard's).
-        #[arg(long, default_value = "0.0.0.0:9969", env = "STEPGUARD_LISTEN")]
-        listen: SocketAddr,
-    },
+    /// Run the agent: probes, node checks, the step protocol; serves the HTTP API and /metrics.
+    Agent(AgentArgs),
+    /// Begin a step on an agent (POST /v1/steps); prints the step id on the last line.
+    Step(StepArgs),
+    /// Wait for a step's verdict; exit 0 passed, 1 failed, 2 timed out / agent unreachable / usage.
+    Wait(WaitArgs),
     /// Run the node checks once and print the result; exit 0 all pass, 1 any fail, 2 any unknown or usage/config error.
     Check(CheckArgs),
     /// Count kernel packet drops by reason for a while and print them (needs CAP_BPF+CAP_PERFMON).
@@ -53,6 +53,72 @@ enum Cmd {
         #[arg(long, default_value = "5", value_name = "SECONDS")]
         seconds: u64,
     },
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// YAML config (see deploy/stepguard.example.yaml).
+    #[arg(long, env = "STEPGUARD_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to serve on (9962-9965 are Cilium's metrics ports; 9969 is stepguard's).
+    #[arg(long, default_value = "0.0.0.0:9969", env = "STEPGUARD_LISTEN")]
+    listen: SocketAddr,
+    /// Where steps and cilium-config snapshots are kept (survives agent restarts).
+    #[arg(long, default_value = "/var/lib/stepguard", env = "STEPGUARD_STATE_DIR")]
+    state_dir: PathBuf,
+    /// File holding a bearer token that POST/DELETE requests must carry.
+    #[arg(long, env = "STEPGUARD_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// VIP and DNS probe cadence outside steps.
+    #[arg(long, default_value = "1s", value_parser = parse_dur)]
+    probe_interval: Duration,
+    /// Cadence of the devices/maps/config checks.
+    #[arg(long, default_value = "10s", value_parser = parse_dur)]
+    slow_interval: Duration,
+    /// VIP probe cadence during a step (a step may ask for its own).
+    #[arg(long, default_value = "10ms", value_parser = parse_dur)]
+    burst_interval: Duration,
+}
+
+fn parse_dur(s: &str) -> Result<Duration, String> {
+    stepguard::duration::parse(s).map_err(|e| e.to_string())
+}
+
+#[derive(clap::Args)]
+struct StepArgs {
+    /// The agent, e.g. http://10.0.0.5:9969
+    #[arg(long)]
+    agent: String,
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Step id (default: the agent makes one). Re-using the active id is idempotent.
+    #[arg(long)]
+    id: Option<String>,
+    /// Give up (datapath_not_reloaded / not_settled) after this long.
+    #[arg(long)]
+    timeout: Option<String>,
+    /// How long everything must stay green after the reload.
+    #[arg(long)]
+    settle: Option<String>,
+    /// Longest acceptable outage per target (targets may set their own).
+    #[arg(long)]
+    max_gap: Option<String>,
+    /// Probe cadence during the step.
+    #[arg(long)]
+    burst_interval: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct WaitArgs {
+    #[arg(long)]
+    agent: String,
+    #[arg(long)]
+    step: String,
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Stop waiting after this long (exit 2).
+    #[arg(long, default_value = "15m", value_parser = parse_dur)]
+    timeout: Duration,
 }
 
 #[derive(clap::Args)]
@@ -150,7 +216,9 @@ fn main() {
 
 fn run(cmd: Cmd) -> Result<i32> {
     match cmd {
-        Cmd::Agent { listen } => agent(listen),
+        Cmd::Agent(args) => agent(args),
+        Cmd::Step(args) => step_cmd(args),
+        Cmd::Wait(args) => wait_cmd(args),
         Cmd::Check(args) => check(args),
         Cmd::Drops { seconds } => {
             let drops = KernelDrops::start();
@@ -171,44 +239,152 @@ fn run(cmd: Cmd) -> Result<i32> {
     }
 }
 
-fn agent(listen: SocketAddr) -> Result<i32> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("start tokio runtime")?;
-    rt.block_on(async move {
-        let drops = KernelDrops::start();
-        match (drops.attach_point(), drops.unavailable_reason()) {
-            (Some(at), _) => tracing::info!(attach = at, "kernel drop accounting active"),
-            (_, Some(r)) => tracing::warn!(
-                reason = r,
-                "kernel drop accounting unavailable: the drops signal is unknown"
-            ),
-            _ => {}
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("start tokio runtime")
+}
+
+fn agent(args: AgentArgs) -> Result<i32> {
+    let cfg = match &args.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let token = stepguard::client::read_token(args.token_file.as_deref())?;
+    let opts = DaemonOptions { state_dir: args.state_dir.clone(), probe_interval: args.probe_interval, slow_interval: args.slow_interval, burst_interval: args.burst_interval, token };
+    runtime()?.block_on(async move {
+        let d = Daemon::new(cfg, opts)?;
+        {
+            let kd = d.kernel_drops.lock().unwrap_or_else(|e| e.into_inner());
+            match (kd.attach_point(), kd.unavailable_reason()) {
+                (Some(at), _) => tracing::info!(attach = at, "kernel drop accounting active"),
+                (_, Some(r)) => tracing::warn!(reason = r, "kernel drop accounting unavailable: the drops signal is unknown"),
+                _ => {}
+            }
         }
-        let state = Arc::new(AppState {
-            ready: false.into(),
-            metrics: Mutex::new(Metrics::new()),
-            drops: Mutex::new(drops),
-        });
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("listen on {listen}"))?;
-        tracing::info!(%listen, "serving /metrics /livez /readyz");
-        state.ready.store(true, Ordering::SeqCst);
-        let s2 = state.clone();
-        axum::serve(listener, router(state))
+        let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
+        spawn_loops(&d);
+        tracing::info!(listen = %args.listen, state_dir = %args.state_dir.display(), targets = d.cfg.targets.len(), "stepguard agent serving");
+        d.ready.store(true, Ordering::SeqCst);
+        let d2 = d.clone();
+        axum::serve(listener, router(d))
             .with_graceful_shutdown(async move {
                 shutdown_signal().await;
-                // Readiness goes false first, so load balancers stop sending before we close.
-                s2.ready.store(false, Ordering::SeqCst);
+                // Readiness goes false first, so nothing new is sent our way before we close.
+                d2.ready.store(false, Ordering::SeqCst);
                 tracing::info!("shutting down");
+                tokio::time::sleep(Duration::from_millis(200)).await;
             })
             .await
             .context("serve HTTP")?;
         Ok(0)
     })
+}
+
+fn step_cmd(args: StepArgs) -> Result<i32> {
+    let token = stepguard::client::read_token(args.token_file.as_deref())?;
+    let agent = stepguard::client::Agent::new(&args.agent, token)?;
+    let mut body = serde_json::Map::new();
+    for (k, v) in [("id", &args.id), ("timeout", &args.timeout), ("settle", &args.settle), ("max_gap", &args.max_gap), ("burst_interval", &args.burst_interval)] {
+        if let Some(v) = v {
+            body.insert(k.into(), serde_json::Value::String(v.clone()));
+        }
+    }
+    let (status, v) = runtime()?.block_on(agent.call("POST", "/v1/steps", Some(serde_json::Value::Object(body)), Duration::from_secs(60)))?;
+    match status {
+        200 | 201 => {
+            println!("step begun on {} (baseline: {} devices, {} maps)", args.agent, v["baseline"]["programs"].as_object().map(|o| o.len()).unwrap_or(0), v["baseline"]["maps"].as_object().map(|o| o.len()).unwrap_or(0));
+            println!("{}", v["id"].as_str().unwrap_or(""));
+            Ok(0)
+        }
+        _ => {
+            eprintln!("stepguard: agent answered {status}: {}", v["error"].as_str().map(String::from).unwrap_or_else(|| v.to_string()));
+            Ok(2)
+        }
+    }
+}
+
+fn wait_cmd(args: WaitArgs) -> Result<i32> {
+    let token = stepguard::client::read_token(args.token_file.as_deref())?;
+    let agent = stepguard::client::Agent::new(&args.agent, token)?;
+    let deadline = std::time::Instant::now() + args.timeout;
+    let rt = runtime()?;
+    let mut last_line = String::new();
+    let mut last_err = String::new();
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            eprintln!("stepguard: step {} not decided within {}{}", args.step, stepguard::duration::human(args.timeout), if last_err.is_empty() { String::new() } else { format!(" (last error: {last_err})") });
+            return Ok(2);
+        }
+        let wait = left.min(Duration::from_secs(20));
+        let path = format!("/v1/steps/{}?wait={}ms", args.step, wait.as_millis().max(1));
+        match rt.block_on(agent.call("GET", &path, None, wait + Duration::from_secs(10))) {
+            Ok((200, v)) => {
+                let verdict = &v["verdict"];
+                println!("{}", step_table(&v));
+                return Ok(match verdict["status"].as_str() {
+                    Some("passed") => 0,
+                    _ => 1,
+                });
+            }
+            Ok((202, v)) => {
+                let line = format!("{}: {}", v["phase"].as_str().unwrap_or("?"), v["checks"]["reload"]["reason"].as_str().unwrap_or("taking baseline"));
+                if line != last_line {
+                    println!("{line}");
+                    last_line = line;
+                }
+            }
+            Ok((404, _)) => {
+                eprintln!("stepguard: the agent has no step {}", args.step);
+                return Ok(2);
+            }
+            Ok((status, v)) => {
+                last_err = format!("{status}: {}", v["error"].as_str().unwrap_or(""));
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            Err(e) => {
+                // The agent may be restarting (it resumes the step from disk): keep trying.
+                last_err = format!("{e:#}");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// The verdict and gaps, as `wait` prints them.
+fn step_table(v: &serde_json::Value) -> String {
+    let mut out = format!(
+        "step {}: {}{}
+  {}
+",
+        v["id"].as_str().unwrap_or(""),
+        v["verdict"]["status"].as_str().unwrap_or("?").to_uppercase(),
+        v["verdict"]["reasons"].as_array().filter(|r| !r.is_empty()).map(|r| format!(" ({})", r.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(", "))).unwrap_or_default(),
+        v["verdict"]["summary"].as_str().unwrap_or("")
+    );
+    if let Some(gaps) = v["gaps"].as_array().filter(|g| !g.is_empty()) {
+        out.push_str(&format!("  {:<14} {:<6} {:>14} {:>10} {:>8} {:>9}\n", "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"));
+        for g in gaps {
+            let f = |k: &str| g[k].as_f64().unwrap_or(0.0) * 1e3;
+            out.push_str(&format!(
+                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>9}\n",
+                g["target"].as_str().unwrap_or(""),
+                g["kind"].as_str().unwrap_or(""),
+                format!("{:.0}±{:.0}ms", f("longest_s"), f("error_bound_s")),
+                format!("{:.0}ms", f("total_s")),
+                g["count"],
+                format!("{:.0}ms", f("budget_s"))
+            ));
+        }
+    }
+    if let Some(checks) = v["checks"].as_object() {
+        for (k, c) in checks {
+            out.push_str(&format!("  {k:<9} {:<7} {}\n", c["status"].as_str().unwrap_or(""), c["reason"].as_str().unwrap_or("")));
+        }
+    }
+    if let Some(d) = v["drops"].as_object().filter(|d| !d.is_empty()) {
+        out.push_str(&format!("  drops in the step window: {}\n", d.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")));
+    }
+    out
 }
 
 async fn shutdown_signal() {

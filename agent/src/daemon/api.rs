@@ -1,0 +1,278 @@
+//! The HTTP API (axum): `/metrics`, `/livez`, `/readyz`, `/v1/verdict`, `/v1/checks`,
+//! `/v1/steps[/{id}]`. Malformed input gets a 4xx with one line; bodies are size-limited;
+//! mutating routes need the bearer token when one is configured.
+use super::{lock, watch, Daemon};
+use crate::checks::{exit_code, CheckResult};
+use crate::duration;
+use crate::node::{self, NodeOptions};
+use crate::probe::unix_now;
+use crate::report;
+use crate::step::{self, Step, StepParams, StepRequest};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde_json::{json, Value};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub const BODY_LIMIT: usize = 16 * 1024;
+const MAX_WAIT: Duration = Duration::from_secs(900);
+
+pub fn router(d: Arc<Daemon>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/v1/verdict", get(verdict))
+        .route("/v1/checks", get(checks))
+        .route("/v1/steps", get(list_steps).post(post_step))
+        .route("/v1/steps/{id}", get(get_step).delete(delete_step))
+        .fallback(|| async { err(StatusCode::NOT_FOUND, "no such route; see /v1/verdict, /v1/checks, /v1/steps, /metrics") })
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(d)
+}
+
+fn err(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, axum::Json(json!({"error": msg.into()}))).into_response()
+}
+
+fn wants_text(headers: &HeaderMap, q: &HashMap<String, String>) -> bool {
+    if let Some(f) = q.get("format") {
+        return f == "text";
+    }
+    headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/plain") && !a.contains("json"))
+}
+
+fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &d.opts.token else { return Ok(()) };
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // Constant-time comparison: the token is a secret.
+    let ok = given.is_some_and(|g| g.len() == token.len() && g.bytes().zip(token.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0);
+    if ok {
+        Ok(())
+    } else {
+        Err(err(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer <token>)"))
+    }
+}
+
+async fn metrics(State(d): State<Arc<Daemon>>) -> Response {
+    let body = {
+        let kd = d.kernel_drops_now();
+        let cd = d.cilium_drops_now();
+        let mut m = lock(&d.metrics);
+        m.set_kernel_drops(kd.as_ref());
+        if let Some(cd) = cd {
+            m.set_cilium_drops(&cd);
+        }
+        for r in [d.vips_result(), d.dns_result()] {
+            m.record_check(&r);
+        }
+        m.encode()
+    };
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body).into_response()
+}
+
+async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
+    if d.ready.load(Ordering::SeqCst) {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
+    }
+}
+
+fn last_step(d: &Daemon) -> Option<Step> {
+    lock(&d.step).clone().or_else(|| d.store.list().into_iter().next())
+}
+
+fn step_json(s: &Step) -> Value {
+    json!({
+        "id": s.id,
+        "phase": s.phase,
+        "created_at": s.created_at,
+        "verdict": s.verdict,
+        "params": s.params,
+        "checks": s.checks.iter().map(|(k, (st, why))| (k.clone(), json!({"status": st, "reason": why}))).collect::<serde_json::Map<_, _>>(),
+        "gaps": s.gaps,
+        "reload": {"changed": s.reload.changed, "lost": s.reload.lost, "complete_at": s.reload.complete_at},
+        "baseline": s.baseline,
+        "drops": s.drops,
+        "dns_p50_after_ms": s.dns_p50_after_ms,
+        "holes": s.holes,
+        "evidence_incomplete": s.evidence_incomplete,
+    })
+}
+
+/// Gaps as a table for people.
+pub fn gaps_text(s: &Step) -> String {
+    let mut out = format!("step {}: {}", s.id, s.verdict.as_ref().map(|v| v.status.to_uppercase()).unwrap_or_else(|| s.phase.clone()));
+    if let Some(v) = &s.verdict {
+        if !v.reasons.is_empty() {
+            out.push_str(&format!(" ({})", v.reasons.join(", ")));
+        }
+        out.push_str(&format!("\n  {}\n", v.summary));
+    } else {
+        out.push('\n');
+    }
+    if !s.gaps.is_empty() {
+        out.push_str(&format!("  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n", "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"));
+        for g in &s.gaps {
+            out.push_str(&format!(
+                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
+                g.target,
+                g.kind,
+                format!("{:.0}±{:.0}ms", g.longest_s * 1e3, g.error_bound_s * 1e3),
+                format!("{:.0}ms", g.total_s * 1e3),
+                g.count,
+                format!("{:.0}ms", g.budget_s * 1e3)
+            ));
+        }
+    }
+    for (k, (st, why)) in &s.checks {
+        out.push_str(&format!("  {k:<9} {st:<7} {why}\n"));
+    }
+    out
+}
+
+async fn verdict(State(d): State<Arc<Daemon>>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+    let results = d.node_results();
+    let code = if exit_code(&results) == 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let step = last_step(&d);
+    if wants_text(&headers, &q) {
+        let mut body = report::text(&results);
+        body.push('\n');
+        match &step {
+            Some(s) => body.push_str(&gaps_text(s)),
+            None => body.push_str("no step yet\n"),
+        }
+        return (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response();
+    }
+    let mut v = report::json(&results);
+    v["last_step"] = step.as_ref().map(step_json).unwrap_or(Value::Null);
+    (code, axum::Json(v)).into_response()
+}
+
+async fn checks(State(d): State<Arc<Daemon>>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+    let opts = NodeOptions { state_dir: Some(d.opts.state_dir.clone()) };
+    let (results, _): (Vec<CheckResult>, _) = node::run(&d.cfg, &opts, &BTreeSet::new()).await;
+    if wants_text(&headers, &q) {
+        return ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], report::text(&results)).into_response();
+    }
+    axum::Json(report::json(&results)).into_response()
+}
+
+async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
+    let steps: Vec<Value> = d.store.list().iter().take(20).map(|s| json!({"id": s.id, "created_at": s.created_at, "phase": s.phase, "verdict": s.verdict.as_ref().map(|v| &v.status)})).collect();
+    axum::Json(json!({"steps": steps})).into_response()
+}
+
+async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorized(&d, &headers) {
+        return r;
+    }
+    let req: StepRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
+        StepRequest::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => return err(StatusCode::BAD_REQUEST, format!("invalid step request: {e}")),
+        }
+    };
+    let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval) {
+        Ok(v) => v,
+        Err(e) => return err(StatusCode::BAD_REQUEST, format!("invalid step request: {e}")),
+    };
+    // One step at a time; re-POSTing the active id is idempotent.
+    if let Some(active) = lock(&d.step).as_ref().filter(|s| !s.is_final()) {
+        if id.as_deref() == Some(active.id.as_str()) {
+            return (StatusCode::OK, axum::Json(step_json(active))).into_response();
+        }
+        return (StatusCode::CONFLICT, axum::Json(json!({"error": format!("step {} is active; wait for it or DELETE it", active.id), "active_id": active.id}))).into_response();
+    }
+    if let Some(id) = &id {
+        if let Some(done) = d.store.load(id) {
+            return (StatusCode::OK, axum::Json(step_json(&done))).into_response();
+        }
+    }
+    let id = id.unwrap_or_else(|| step::new_id(unix_now()));
+    let mut s = match watch::begin(&d, id, params).await {
+        Ok(s) => s,
+        Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e),
+    };
+    {
+        let mut guard = lock(&d.step);
+        if let Some(active) = guard.as_ref().filter(|a| !a.is_final()) {
+            return (StatusCode::CONFLICT, axum::Json(json!({"error": format!("step {} is active", active.id), "active_id": active.id}))).into_response();
+        }
+        watch::persist(&d, &mut s);
+        *guard = Some(s.clone());
+    }
+    d.burst.store(true, Ordering::SeqCst);
+    lock(&d.metrics).step_active.set(1);
+    d.bump();
+    tracing::info!(step = %s.id, "step begun; probing in burst mode");
+    (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) && !id.starts_with('.')
+}
+
+fn find(d: &Daemon, id: &str) -> Option<Step> {
+    lock(&d.step).as_ref().filter(|s| s.id == id).cloned().or_else(|| d.store.load(id))
+}
+
+async fn get_step(State(d): State<Arc<Daemon>>, Path(id): Path<String>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+    if !valid_id(&id) {
+        return err(StatusCode::BAD_REQUEST, format!("invalid step id {id:?}"));
+    }
+    let wait = match q.get("wait").map(|w| duration::parse(w)) {
+        None => Duration::ZERO,
+        Some(Ok(w)) if w <= MAX_WAIT => w,
+        Some(Ok(_)) => return err(StatusCode::BAD_REQUEST, format!("wait: at most {}", duration::human(MAX_WAIT))),
+        Some(Err(e)) => return err(StatusCode::BAD_REQUEST, format!("wait: {e}")),
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut rx = d.changed.subscribe();
+    loop {
+        let Some(s) = find(&d, &id) else { return err(StatusCode::NOT_FOUND, format!("no step {id}")) };
+        let done = s.is_final();
+        if done || tokio::time::Instant::now() >= deadline {
+            let code = if done { StatusCode::OK } else { StatusCode::ACCEPTED };
+            if wants_text(&headers, &q) {
+                return (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], gaps_text(&s)).into_response();
+            }
+            return (code, axum::Json(step_json(&s))).into_response();
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => {}
+            r = rx.changed() => { if r.is_err() { tokio::time::sleep_until(deadline).await; } }
+        }
+    }
+}
+
+async fn delete_step(State(d): State<Arc<Daemon>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorized(&d, &headers) {
+        return r;
+    }
+    if !valid_id(&id) {
+        return err(StatusCode::BAD_REQUEST, format!("invalid step id {id:?}"));
+    }
+    let mut guard = lock(&d.step);
+    if let Some(s) = guard.as_mut().filter(|s| s.id == id) {
+        watch::cancel(&d, s);
+        let v = step_json(s);
+        drop(guard);
+        d.bump();
+        return axum::Json(v).into_response();
+    }
+    drop(guard);
+    match d.store.load(&id) {
+        Some(s) => axum::Json(step_json(&s)).into_response(),
+        None => err(StatusCode::NOT_FOUND, format!("no step {id}")),
+    }
+}

@@ -1,0 +1,428 @@
+//! `stepguard agent`: probes at a steady cadence (bursts during a step), node checks on a
+//! slower one, the step protocol, and the state behind the HTTP API.
+pub mod api;
+mod watch;
+
+use crate::checks::{self, dns as dns_check, vips as vips_check, CheckResult, Status};
+use crate::config::Config;
+use crate::kernel::drops::KernelDrops;
+use crate::kernel::{bpffs, ciliumdrops, links};
+use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
+use crate::node::{self, NodeOptions};
+use crate::probe::{self, dns as dns_probe, unix_now, ProbeOutcome};
+use crate::step::{Step, StepStore};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct DaemonOptions {
+    pub state_dir: PathBuf,
+    pub probe_interval: Duration,
+    pub slow_interval: Duration,
+    pub burst_interval: Duration,
+    pub token: Option<String>,
+}
+
+/// One resolver query in the steady DNS window.
+#[derive(Clone, Debug)]
+pub struct DnsSample {
+    pub at: f64,
+    pub resolver: String,
+    pub latency: Option<Duration>,
+    pub error: Option<String>,
+}
+
+#[derive(Default)]
+pub struct ProbeView {
+    pub latest: BTreeMap<String, ProbeOutcome>,
+    pub dns: VecDeque<DnsSample>,
+}
+
+#[derive(Default)]
+pub struct NodeView {
+    /// devices, maps, config from the slow loop.
+    pub results: BTreeMap<String, CheckResult>,
+    pub links: Option<links::Observation>,
+    pub maps: Option<bpffs::MapsObservation>,
+    pub checked_at: f64,
+}
+
+pub struct Daemon {
+    pub cfg: Config,
+    pub opts: DaemonOptions,
+    pub ready: AtomicBool,
+    pub metrics: Mutex<Metrics>,
+    pub kernel_drops: Mutex<KernelDrops>,
+    pub node: Mutex<NodeView>,
+    pub probes: Mutex<ProbeView>,
+    pub step: Mutex<Option<Step>>,
+    pub store: StepStore,
+    /// Bumped whenever a step changes, to wake long-polls.
+    pub changed: tokio::sync::watch::Sender<u64>,
+    pub burst: AtomicBool,
+    pub wake_slow: tokio::sync::Notify,
+    /// Set after a restart with an unfinished step, until the first observation is judged.
+    pub resumed: AtomicBool,
+}
+
+/// How long DNS samples are kept (the baseline uses the last minute).
+const DNS_WINDOW_S: f64 = 120.0;
+/// The `dns` node check looks at this recent window, so it recovers soon after an outage.
+const DNS_CHECK_WINDOW_S: f64 = 10.0;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Daemon {
+    pub fn new(cfg: Config, opts: DaemonOptions) -> anyhow::Result<Arc<Daemon>> {
+        let store = StepStore::new(&opts.state_dir).map_err(|e| anyhow::anyhow!("state directory {}: {e}", opts.state_dir.display()))?;
+        let metrics = Metrics::new();
+        for t in &cfg.targets {
+            let l = ProbeLabels { kind: t.probe.as_str().into(), target: t.name.clone() };
+            let _ = metrics.probe_failures.get_or_create(&l);
+            if let Some(g) = t.max_gap {
+                metrics.gap_budget.get_or_create(&l).set(g.as_secs_f64());
+            }
+        }
+        let (tx, _) = tokio::sync::watch::channel(0u64);
+        let d = Arc::new(Daemon {
+            cfg,
+            opts,
+            ready: AtomicBool::new(false),
+            metrics: Mutex::new(metrics),
+            kernel_drops: Mutex::new(KernelDrops::start()),
+            node: Mutex::new(NodeView::default()),
+            probes: Mutex::new(ProbeView::default()),
+            step: Mutex::new(None),
+            store,
+            changed: tx,
+            burst: AtomicBool::new(false),
+            wake_slow: tokio::sync::Notify::new(),
+            resumed: AtomicBool::new(false),
+        });
+        d.resume();
+        Ok(d)
+    }
+
+    /// Picks up an unfinished step from disk: the time the agent was away is a hole in the
+    /// evidence, judged on the first observation (see `watch`).
+    fn resume(&self) {
+        let Some(mut s) = self.store.list().into_iter().find(|s| !s.is_final()) else { return };
+        let now = unix_now();
+        s.holes.push((s.updated_at, now));
+        for (name, t) in &s.targets {
+            if matches!(t.persisted_through, Some((_, false))) {
+                s.evidence_incomplete = Some(format!("the agent went down during an outage of {name} and was away {:.1}s", now - s.updated_at));
+            }
+        }
+        tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
+        self.burst.store(true, Ordering::SeqCst);
+        self.resumed.store(true, Ordering::SeqCst);
+        *lock(&self.step) = Some(s);
+    }
+
+    pub fn bump(&self) {
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    pub fn probe_interval(&self) -> Duration {
+        if self.burst.load(Ordering::SeqCst) {
+            lock(&self.step).as_ref().map(|s| s.params.burst_interval).unwrap_or(self.opts.burst_interval)
+        } else {
+            self.opts.probe_interval
+        }
+    }
+
+    /// Records one VIP probe: metrics, latest outcome, and the step timeline.
+    pub fn record_probe(&self, target: &crate::config::Target, o: &ProbeOutcome) {
+        {
+            let m = lock(&self.metrics);
+            let l = ProbeLabels { kind: t_kind(target), target: target.name.clone() };
+            m.probe_duration.get_or_create(&l).observe(o.latency.as_secs_f64());
+            if !o.ok {
+                m.probe_failures.get_or_create(&l).inc();
+            }
+        }
+        lock(&self.probes).latest.insert(target.name.clone(), o.clone());
+        if let Some(s) = lock(&self.step).as_mut() {
+            if !s.is_final() && o.sent_at >= s.created_at && o.ran {
+                if let Some(t) = s.targets.get_mut(&target.name) {
+                    t.samples.push((o.sent_at, o.ok));
+                    t.probes += 1;
+                    if !o.ok {
+                        t.failures += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The `vips` check from the latest probe of every target.
+    pub fn vips_result(&self) -> CheckResult {
+        let started = Instant::now();
+        if self.cfg.targets.is_empty() {
+            return vips_check::evaluate(&[], &[]).with_duration(started.elapsed()).or_unknown_when_empty();
+        }
+        let latest = lock(&self.probes).latest.clone();
+        let mut outcomes = Vec::new();
+        for t in &self.cfg.targets {
+            match latest.get(&t.name) {
+                Some(o) => outcomes.push(o.clone()),
+                None => return CheckResult::unknown(vips_check::CHECK, "no_probe_yet", format!("{} not probed yet", t.name), serde_json::json!({})),
+            }
+        }
+        vips_check::evaluate(&self.cfg.targets, &outcomes).with_duration(started.elapsed())
+    }
+
+    /// The `dns` check from the recent window of steady resolver queries.
+    pub fn dns_result(&self) -> CheckResult {
+        let resolvers = self.cfg.dns.resolver_addrs().unwrap_or_default();
+        if resolvers.is_empty() || self.cfg.dns.names.is_empty() {
+            return CheckResult::unknown(dns_check::CHECK, "no_resolvers", "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)", serde_json::json!({}));
+        }
+        let now = unix_now();
+        let probes = lock(&self.probes);
+        let mut samples = Vec::new();
+        let mut ever_answered = false;
+        for r in &resolvers {
+            let key = r.to_string();
+            let mut s = dns_check::ResolverSample { resolver: key.clone(), ..Default::default() };
+            for d in probes.dns.iter().filter(|d| d.resolver == key) {
+                ever_answered |= d.latency.is_some();
+                if d.at < now - DNS_CHECK_WINDOW_S {
+                    continue;
+                }
+                s.sent += 1;
+                match (&d.latency, &d.error) {
+                    (Some(l), _) => {
+                        s.ok += 1;
+                        s.latencies.push(*l);
+                    }
+                    (None, Some(e)) => {
+                        if s.errors.len() < 3 && !s.errors.contains(e) {
+                            s.errors.push(e.clone());
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            samples.push(s);
+        }
+        drop(probes);
+        if samples.iter().all(|s| s.sent == 0) {
+            return CheckResult::unknown(dns_check::CHECK, "no_probe_yet", "no DNS query in the last 10s yet", serde_json::json!({}));
+        }
+        let mut r = dns_check::evaluate(&self.cfg.dns, &samples);
+        // A resolver that never answered since the agent started: unknown, not fail.
+        if r.status == Status::Fail && !ever_answered {
+            r = CheckResult::unknown(dns_check::CHECK, "resolver_never_answered", format!("no resolver has answered since the agent started: {}", r.reason), r.evidence);
+        }
+        r
+    }
+
+    /// DNS p50 (ms) of successful queries since `since`.
+    pub fn dns_p50_since(&self, since: f64) -> Option<f64> {
+        let lat: Vec<Duration> = lock(&self.probes).dns.iter().filter(|d| d.at >= since).filter_map(|d| d.latency).collect();
+        crate::stats::quantile(&lat, 0.5).map(|d| d.as_secs_f64() * 1e3)
+    }
+
+    /// All five node checks as last known (devices/maps/config from the slow loop).
+    pub fn node_results(&self) -> Vec<CheckResult> {
+        let view = lock(&self.node);
+        let mut out = Vec::new();
+        for c in checks::NODE_CHECKS {
+            let r = match c {
+                "vips" => self.vips_result(),
+                "dns" => self.dns_result(),
+                other => view.results.get(other).cloned().unwrap_or_else(|| CheckResult::unknown(leak(other), "not_checked_yet", "not checked yet", serde_json::json!({}))),
+            };
+            out.push(r);
+        }
+        out
+    }
+
+    /// Kernel drops by reason now (None: the signal is unknown).
+    pub fn kernel_drops_now(&self) -> Option<BTreeMap<String, u64>> {
+        lock(&self.kernel_drops).by_reason().ok()
+    }
+
+    pub fn cilium_drops_now(&self) -> Option<BTreeMap<String, u64>> {
+        ciliumdrops::read(&self.cfg.bpffs).ok()
+    }
+
+    /// Runs devices/maps/config now, stores and exports them.
+    pub async fn refresh_node(&self) {
+        let only: BTreeSet<String> = ["devices", "maps", "config"].iter().map(|s| s.to_string()).collect();
+        let opts = NodeOptions { state_dir: Some(self.opts.state_dir.clone()) };
+        let (results, obs) = node::run(&self.cfg, &opts, &only).await;
+        let vips = self.vips_result();
+        let dns = self.dns_result();
+        {
+            let mut m = lock(&self.metrics);
+            for r in results.iter().chain([&vips, &dns]) {
+                m.record_check(r);
+            }
+            if let Some(l) = &obs.links {
+                let sel = checks::devices::carrying(&l.devices);
+                for d in l.devices.iter().filter(|d| !checks::devices::excluded(d) || sel.contains(&d.name)) {
+                    m.device_selected.get_or_create(&DeviceLabels { device: d.name.clone() }).set(sel.contains(&d.name) as i64);
+                }
+            }
+            if let Some(mo) = &obs.maps {
+                for (name, pm) in &mo.globals {
+                    m.map_present.get_or_create(&MapLabels { map: name.clone() }).set(1);
+                    if let Some(n) = pm.entries {
+                        m.map_entries.get_or_create(&MapLabels { map: name.clone() }).set(n as i64);
+                    }
+                }
+                for name in mo.unreadable.keys() {
+                    m.map_present.get_or_create(&MapLabels { map: name.clone() }).set(0);
+                }
+                for (kind, n) in &mo.endpoint_maps {
+                    m.endpoint_maps.get_or_create(&KindLabels { kind: kind.clone() }).set(*n as i64);
+                }
+            }
+            let kd = self.kernel_drops_now();
+            m.set_kernel_drops(kd.as_ref());
+            if let Some(cd) = self.cilium_drops_now() {
+                m.set_cilium_drops(&cd);
+            }
+        }
+        // Maps the profile requires but that are gone: present = 0.
+        if let Some(r) = results.iter().find(|r| r.check == "maps") {
+            if let Some(missing) = r.evidence["missing"].as_array() {
+                let m = lock(&self.metrics);
+                for n in missing.iter().filter_map(|v| v.as_str()) {
+                    m.map_present.get_or_create(&MapLabels { map: n.into() }).set(0);
+                }
+            }
+        }
+        let mut view = lock(&self.node);
+        view.results = results.into_iter().map(|r| (r.check.to_string(), r)).collect();
+        view.links = obs.links;
+        view.maps = obs.maps;
+        view.checked_at = unix_now();
+    }
+}
+
+fn t_kind(t: &crate::config::Target) -> String {
+    t.probe.as_str().to_string()
+}
+
+fn leak(s: &str) -> &'static str {
+    checks::NODE_CHECKS.iter().find(|c| **c == s).copied().unwrap_or("unknown")
+}
+
+trait ResultExt {
+    fn with_duration(self, d: Duration) -> Self;
+    fn or_unknown_when_empty(self) -> Self;
+}
+impl ResultExt for CheckResult {
+    fn with_duration(mut self, d: Duration) -> Self {
+        self.duration_ms = d;
+        self
+    }
+    fn or_unknown_when_empty(self) -> Self {
+        CheckResult::unknown(vips_check::CHECK, "no_targets", "no VIP targets configured (`targets:`)", serde_json::json!({"targets": []}))
+    }
+}
+
+/// Probes one target forever at the current cadence; probes overlap when a target is slow
+/// (bounded), so a timeout never stretches the cadence.
+async fn probe_loop(d: Arc<Daemon>, idx: usize) {
+    let target = Arc::new(d.cfg.targets[idx].clone());
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let max_in_flight = 256;
+    let mut next = tokio::time::Instant::now();
+    loop {
+        let interval = d.probe_interval();
+        if in_flight.load(Ordering::SeqCst) < max_in_flight {
+            in_flight.fetch_add(1, Ordering::SeqCst);
+            let (d2, t2, f2) = (d.clone(), target.clone(), in_flight.clone());
+            tokio::spawn(async move {
+                let o = probe::probe(&t2).await;
+                d2.record_probe(&t2, &o);
+                f2.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+        next += interval;
+        let now = tokio::time::Instant::now();
+        if next + interval < now {
+            next = now; // fell behind (suspend, overload): do not fire a backlog
+        }
+        // A step beginning switches to burst cadence at once.
+        tokio::select! {
+            _ = tokio::time::sleep_until(next) => {}
+            _ = wait_for_burst(&d, interval) => { next = tokio::time::Instant::now(); }
+        }
+    }
+}
+
+async fn wait_for_burst(d: &Daemon, current: Duration) {
+    let mut rx = d.changed.subscribe();
+    loop {
+        if d.probe_interval() < current {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Steady DNS queries (one per name and type per interval) into the window.
+async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
+    let mut tick = tokio::time::interval(d.opts.probe_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        for name in &d.cfg.dns.names {
+            for t in &d.cfg.dns.types {
+                let kind = dns_probe::RecordKind::parse(t).unwrap_or(dns_probe::RecordKind::A);
+                let at = unix_now();
+                let start = Instant::now();
+                let r = dns_probe::query(resolver, name, kind, d.cfg.dns.timeout, None).await;
+                let latency = start.elapsed();
+                {
+                    let m = lock(&d.metrics);
+                    let l = ProbeLabels { kind: "dns_resolver".into(), target: resolver.to_string() };
+                    m.probe_duration.get_or_create(&l).observe(latency.as_secs_f64());
+                    if r.is_err() {
+                        m.probe_failures.get_or_create(&l).inc();
+                    }
+                }
+                let mut p = lock(&d.probes);
+                p.dns.push_back(DnsSample { at, resolver: resolver.to_string(), latency: r.as_ref().ok().map(|_| latency), error: r.err() });
+                while p.dns.front().is_some_and(|s| s.at < at - DNS_WINDOW_S) {
+                    p.dns.pop_front();
+                }
+            }
+        }
+    }
+}
+
+async fn slow_loop(d: Arc<Daemon>) {
+    loop {
+        d.refresh_node().await;
+        tokio::select! {
+            _ = tokio::time::sleep(d.opts.slow_interval) => {}
+            _ = d.wake_slow.notified() => {}
+        }
+    }
+}
+
+/// Starts every loop; returns when they are running.
+pub fn spawn_loops(d: &Arc<Daemon>) {
+    for i in 0..d.cfg.targets.len() {
+        tokio::spawn(probe_loop(d.clone(), i));
+    }
+    for r in d.cfg.dns.resolver_addrs().unwrap_or_default() {
+        tokio::spawn(dns_loop(d.clone(), r));
+    }
+    tokio::spawn(slow_loop(d.clone()));
+    tokio::spawn(watch::step_loop(d.clone()));
+}

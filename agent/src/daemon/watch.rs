@@ -1,0 +1,227 @@
+//! The step lifecycle inside the daemon: taking the baseline, watching the reload and the
+//! probes, deciding, persisting, and exporting the outcome.
+use super::{lock, Daemon};
+use crate::checks::{devices, Status};
+use crate::kernel::links;
+use crate::metrics::ProbeLabels;
+use crate::probe::unix_now;
+use crate::step::verdict::{self, Observed};
+use crate::step::{Baseline, Step, StepParams, TargetTimeline, Verdict};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Program id per baseline device: `cil_from_netdev` on host devices, `cil_to_host` on
+/// cilium_host. None when the program is gone.
+pub fn current_programs(obs: &links::Observation, devices: &[String]) -> BTreeMap<String, Option<u32>> {
+    devices
+        .iter()
+        .map(|dev| {
+            let prog = if dev == "cilium_host" { "cil_to_host" } else { "cil_from_netdev" };
+            let id = obs.devices.iter().find(|d| &d.name == dev).and_then(|d| d.programs.iter().find(|p| p.hook == "ingress" && p.is(prog))).map(|p| p.prog_id);
+            (dev.clone(), id)
+        })
+        .collect()
+}
+
+fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Option<u64>> {
+    m.globals.iter().map(|(k, v)| (k.clone(), v.entries)).collect()
+}
+
+/// Takes the baseline and creates the step. Err = cannot take a baseline (one line).
+pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, String> {
+    let now = unix_now();
+    let obs = links::observe(&d.cfg.bpffs).await?;
+    if obs.prog_details_unreadable {
+        return Err(format!("cannot take a baseline: {}", obs.problems.first().cloned().unwrap_or_default()));
+    }
+    let selected: Vec<String> = devices::carrying(&obs.devices).into_iter().collect();
+    if selected.is_empty() {
+        return Err("cannot take a baseline: no device carries cil_from_netdev".into());
+    }
+    let mut tracked = selected.clone();
+    if obs.devices.iter().any(|x| x.name == "cilium_host") {
+        tracked.push("cilium_host".into());
+    }
+    let programs: BTreeMap<String, u32> = current_programs(&obs, &tracked).into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect();
+    let maps = crate::kernel::bpffs::observe(&d.cfg.bpffs, true).map(|m| map_counts(&m)).unwrap_or_default();
+    let node_checks = d.node_results().into_iter().map(|r| (r.check.to_string(), r.status.as_str().to_string())).collect();
+    let baseline = Baseline {
+        programs,
+        selected,
+        maps,
+        dns_p50_ms: d.dns_p50_since(now - 60.0),
+        kernel_drops: d.kernel_drops_now().unwrap_or_default(),
+        cilium_drops: d.cilium_drops_now().unwrap_or_default(),
+        node_checks,
+    };
+    let targets = d
+        .cfg
+        .targets
+        .iter()
+        .map(|t| (t.name.clone(), TargetTimeline { kind: t.probe.as_str().into(), budget: t.max_gap.unwrap_or(params.max_gap).as_secs_f64(), ..Default::default() }))
+        .collect();
+    Ok(Step {
+        id,
+        created_at: now,
+        params,
+        phase: "watching".into(),
+        baseline,
+        reload: Default::default(),
+        targets,
+        holes: vec![],
+        evidence_incomplete: None,
+        green_since: None,
+        checks: BTreeMap::new(),
+        gaps: vec![],
+        drops: BTreeMap::new(),
+        dns_p50_after_ms: None,
+        verdict: None,
+        updated_at: now,
+    })
+}
+
+/// The step as persisted: this run's samples folded into outages.
+fn persistable(s: &Step) -> Step {
+    let mut c = s.clone();
+    for t in c.targets.values_mut() {
+        let mut samples = t.samples.clone();
+        samples.sort_by(|a, b| a.0.total_cmp(&b.0));
+        t.prior = t.outages();
+        if let Some(last) = samples.last() {
+            t.persisted_through = Some(*last);
+        }
+        t.samples.clear();
+    }
+    c
+}
+
+pub fn persist(d: &Daemon, s: &mut Step) {
+    s.updated_at = unix_now();
+    if let Err(e) = d.store.save(&persistable(s)) {
+        tracing::error!(step = %s.id, error = %e, "cannot persist the step");
+    }
+}
+
+/// Exports a finished step and leaves burst mode.
+pub fn finished(d: &Daemon, s: &Step) {
+    let Some(v) = &s.verdict else { return };
+    let m = lock(&d.metrics);
+    m.steps.get_or_create(&crate::metrics::VerdictLabels { verdict: v.status.clone() }).inc();
+    m.last_step_passed.set((v.status == "passed") as i64);
+    m.last_step_started.set(s.created_at);
+    m.last_step_finished.set(v.finished_at);
+    m.step_active.set(0);
+    for g in &s.gaps {
+        let l = ProbeLabels { kind: g.kind.clone(), target: g.target.clone() };
+        m.last_step_gap.get_or_create(&l).set(g.longest_s);
+        m.step_gap.observe(g.longest_s);
+    }
+    drop(m);
+    d.burst.store(false, Ordering::SeqCst);
+    d.store.prune(100);
+    tracing::info!(step = %s.id, verdict = %v.status, reasons = ?v.reasons, summary = %v.summary, "step decided");
+}
+
+pub fn cancel(d: &Daemon, s: &mut Step) {
+    if s.is_final() {
+        return;
+    }
+    let now = unix_now();
+    s.phase = "done".into();
+    s.verdict = Some(Verdict { status: "cancelled".into(), reasons: vec!["cancelled".into()], summary: "cancelled by DELETE".into(), finished_at: now });
+    persist(d, s);
+    finished(d, s);
+}
+
+/// Watches the active step: device programs every 200 ms, maps and node checks every second,
+/// decides every 100 ms, persists every 500 ms.
+pub async fn step_loop(d: Arc<Daemon>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut n: u64 = 0;
+    let mut last_maps: Option<BTreeMap<String, Option<u64>>> = None;
+    let mut last_programs: Option<BTreeMap<String, Option<u32>>> = None;
+    loop {
+        tick.tick().await;
+        n += 1;
+        let active = lock(&d.step).as_ref().map(|s| (s.is_final(), s.baseline.programs.keys().cloned().collect::<Vec<_>>()));
+        let Some((false, tracked)) = active else {
+            last_maps = None;
+            last_programs = None;
+            continue;
+        };
+        lock(&d.metrics).step_active.set(1);
+        if n % 2 == 0 || last_programs.is_none() {
+            last_programs = links::observe(&d.cfg.bpffs).await.ok().filter(|o| !o.prog_details_unreadable).map(|o| current_programs(&o, &tracked));
+        }
+        if n % 10 == 0 || last_maps.is_none() {
+            d.refresh_node().await;
+            last_maps = lock(&d.node).maps.as_ref().map(super::watch::map_counts);
+        }
+        let node_not_green: Vec<String> = d.node_results().into_iter().filter(|r| r.status != Status::Pass).map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason)).collect();
+        let now = unix_now();
+        let kd = d.kernel_drops_now();
+        let cd = d.cilium_drops_now();
+        let max_timeout = d.cfg.targets.iter().map(|t| t.timeout.as_secs_f64()).fold(0.0, f64::max);
+        let mut guard = lock(&d.step);
+        let Some(s) = guard.as_mut() else { continue };
+        if last_programs.is_some() && d.resumed.swap(false, Ordering::SeqCst) {
+            // Judge the hole: a reload or an outage while the agent was away is unseen evidence.
+            if let Some(p) = &last_programs {
+                let before = if s.reload.last_seen.is_empty() { s.baseline.programs.iter().map(|(k, v)| (k.clone(), Some(*v))).collect() } else { s.reload.last_seen.clone() };
+                if p != &before {
+                    s.evidence_incomplete = Some("the datapath changed while the agent was down: the outage was not observed".into());
+                }
+            }
+        }
+        let mut drops = BTreeMap::new();
+        if let Some(k) = &kd {
+            for (r, v) in k {
+                let d0 = s.baseline.kernel_drops.get(r).copied().unwrap_or(0);
+                if *v > d0 {
+                    drops.insert(format!("kernel:{r}"), v - d0);
+                }
+            }
+        }
+        if let Some(c) = &cd {
+            for (r, v) in c {
+                let d0 = s.baseline.cilium_drops.get(r).copied().unwrap_or(0);
+                if *v > d0 {
+                    drops.insert(format!("cilium:{r}"), v - d0);
+                }
+            }
+        }
+        let after = s.reload.complete_at;
+        drop(guard);
+        let dns_after = after.and_then(|t| d.dns_p50_since(t));
+        let mut guard = lock(&d.step);
+        let Some(s) = guard.as_mut() else { continue };
+        // The first samples after a resume: failing at once means an outage began unseen.
+        if !s.holes.is_empty() && s.evidence_incomplete.is_none() {
+            let hole_end = s.holes.last().map(|h| h.1).unwrap_or(0.0);
+            for (name, t) in &s.targets {
+                let mut after_hole: Vec<&(f64, bool)> = t.samples.iter().filter(|x| x.0 >= hole_end).collect();
+                after_hole.sort_by(|a, b| a.0.total_cmp(&b.0));
+                if after_hole.first().is_some_and(|x| !x.1) && t.samples.iter().all(|x| x.0 >= hole_end) {
+                    s.evidence_incomplete = Some(format!("{name} was already failing when the agent came back: the outage began unseen"));
+                }
+            }
+        }
+        let o = Observed { now, programs: last_programs.clone(), maps: last_maps.clone(), node_not_green, dns_p50_after_ms: dns_after, drops, complete_until: now - max_timeout };
+        verdict::decide(s, &o);
+        let done = s.is_final();
+        if done || n % 5 == 0 {
+            persist(&d, s);
+        }
+        if done {
+            let snapshot = s.clone();
+            drop(guard);
+            finished(&d, &snapshot);
+        } else {
+            drop(guard);
+        }
+        d.bump();
+    }
+}

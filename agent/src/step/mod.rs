@@ -1,0 +1,292 @@
+//! The step protocol's state: a step's parameters, its baseline, what it has observed (reload,
+//! probe timelines, holes in the evidence) and its verdict; persisted under the state
+//! directory so a restarted agent resumes it. The decision itself is in [`verdict`].
+pub mod gaps;
+pub mod verdict;
+
+use crate::duration;
+use gaps::Outage;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// `POST /v1/steps` body. Every field optional; unknown fields are rejected.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepRequest {
+    pub id: Option<String>,
+    pub timeout: Option<String>,
+    pub settle: Option<String>,
+    pub max_gap: Option<String>,
+    pub burst_interval: Option<String>,
+    pub dns_slower_ratio: Option<f64>,
+    /// Budget per drop reason for the step window, e.g. {"TC_INGRESS": 1000, "202_host_datapath_not_ready": 500}.
+    pub drops_budget: Option<BTreeMap<String, u64>>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct StepParams {
+    #[serde(with = "secs")]
+    pub timeout: Duration,
+    #[serde(with = "secs")]
+    pub settle: Duration,
+    #[serde(with = "secs")]
+    pub max_gap: Duration,
+    #[serde(with = "secs")]
+    pub burst_interval: Duration,
+    pub dns_slower_ratio: f64,
+    pub drops_budget: BTreeMap<String, u64>,
+}
+
+mod secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(v).map_err(serde::de::Error::custom)
+    }
+}
+
+impl StepParams {
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+    /// Validates a request; errors name the field, on one line.
+    pub fn from_request(r: &StepRequest, default_burst: Duration) -> Result<(Option<String>, StepParams), String> {
+        let dur = |field: &str, v: &Option<String>, default: Duration, min: Duration, max: Duration| -> Result<Duration, String> {
+            let d = match v {
+                None => default,
+                Some(s) => duration::parse(s).map_err(|e| format!("{field}: {e}"))?,
+            };
+            if d < min || d > max {
+                return Err(format!("{field}: {} is out of range ({} to {})", duration::human(d), duration::human(min), duration::human(max)));
+            }
+            Ok(d)
+        };
+        let timeout = dur("timeout", &r.timeout, Self::DEFAULT_TIMEOUT, Duration::from_secs(1), Duration::from_secs(6 * 3600))?;
+        let settle = dur("settle", &r.settle, Duration::from_secs(10), Duration::ZERO, Duration::from_secs(3600))?;
+        if settle >= timeout {
+            return Err(format!("settle: {} must be shorter than timeout {}", duration::human(settle), duration::human(timeout)));
+        }
+        let max_gap = dur("max_gap", &r.max_gap, Duration::from_secs(5), Duration::from_millis(1), Duration::from_secs(3600))?;
+        let burst_interval = dur("burst_interval", &r.burst_interval, default_burst, Duration::from_millis(1), Duration::from_secs(10))?;
+        let dns_slower_ratio = r.dns_slower_ratio.unwrap_or(2.0);
+        if !(1.0..=100.0).contains(&dns_slower_ratio) {
+            return Err("dns_slower_ratio: must be between 1 and 100".into());
+        }
+        if let Some(id) = &r.id {
+            if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) || id.starts_with('.') {
+                return Err(format!("id: {id:?} must be 1-64 characters of letters, digits, '-', '_' or '.'"));
+            }
+        }
+        Ok((r.id.clone(), StepParams { timeout, settle, max_gap, burst_interval, dns_slower_ratio, drops_budget: r.drops_budget.clone().unwrap_or_default() }))
+    }
+}
+
+/// What the node looked like when the step began.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Baseline {
+    /// Program id of `cil_from_netdev` per selected device (plus cilium_host's `cil_to_host`).
+    pub programs: BTreeMap<String, u32>,
+    /// Selected devices (carrying cil_from_netdev).
+    pub selected: Vec<String>,
+    /// Entry counts of global maps (None: array or unreadable).
+    pub maps: BTreeMap<String, Option<u64>>,
+    /// DNS p50 over the last minute, milliseconds.
+    pub dns_p50_ms: Option<f64>,
+    pub kernel_drops: BTreeMap<String, u64>,
+    pub cilium_drops: BTreeMap<String, u64>,
+    /// Node check statuses at the start.
+    pub node_checks: BTreeMap<String, String>,
+}
+
+/// Watching the datapath reload.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Reload {
+    /// Device → (new program id, first seen at).
+    pub changed: BTreeMap<String, (u32, f64)>,
+    /// Devices whose program vanished.
+    pub lost: Vec<String>,
+    /// Last time any observed id changed.
+    pub last_change_at: Option<f64>,
+    /// All devices changed and nothing changed for the quiet period.
+    pub complete_at: Option<f64>,
+    /// Last observation (device → id), to see changes.
+    pub last_seen: BTreeMap<String, Option<u32>>,
+}
+
+/// A target's evidence during the step.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TargetTimeline {
+    pub kind: String,
+    /// Budget for the longest outage, seconds.
+    pub budget: f64,
+    /// Outages from before an agent restart (persisted).
+    pub prior: Vec<Outage>,
+    /// Send time of the last sample persisted, and whether it succeeded.
+    pub persisted_through: Option<(f64, bool)>,
+    pub probes: u64,
+    pub failures: u64,
+    /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
+    #[serde(skip)]
+    pub samples: Vec<(f64, bool)>,
+}
+
+impl TargetTimeline {
+    pub fn outages(&self) -> Vec<Outage> {
+        let mut o = self.prior.clone();
+        let mut s = self.samples.clone();
+        s.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut cur = gaps::outages(&s);
+        // An outage still open when the agent went down continues into this run.
+        if let Some(last) = o.last_mut().filter(|l| l.end.is_none()) {
+            match s.first() {
+                Some((t, true)) => last.end = Some(*t),
+                Some((t, false)) if cur.first().is_some_and(|c| c.start == *t) => {
+                    last.end = cur[0].end;
+                    cur.remove(0);
+                }
+                _ => {}
+            }
+        }
+        o.extend(cur);
+        o
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TargetGap {
+    pub target: String,
+    pub kind: String,
+    pub longest_s: f64,
+    pub error_bound_s: f64,
+    pub total_s: f64,
+    pub count: usize,
+    pub budget_s: f64,
+    pub open: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Verdict {
+    /// `passed`, `failed` or `cancelled`.
+    pub status: String,
+    pub reasons: Vec<String>,
+    pub summary: String,
+    pub finished_at: f64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Step {
+    pub id: String,
+    pub created_at: f64,
+    pub params: StepParams,
+    /// `watching` (waiting for the reload), `settling`, `done`.
+    pub phase: String,
+    pub baseline: Baseline,
+    pub reload: Reload,
+    pub targets: BTreeMap<String, TargetTimeline>,
+    /// Periods the agent was not watching (down), unix seconds.
+    pub holes: Vec<(f64, f64)>,
+    pub evidence_incomplete: Option<String>,
+    pub green_since: Option<f64>,
+    /// Step checks (reload, gaps, baseline, drops) as last decided: name → (status, reason).
+    pub checks: BTreeMap<String, (String, String)>,
+    pub gaps: Vec<TargetGap>,
+    /// Drops in the step window, by reason (kernel: `kernel:<REASON>`, Cilium: `cilium:<code>_<name>`).
+    pub drops: BTreeMap<String, u64>,
+    pub dns_p50_after_ms: Option<f64>,
+    pub verdict: Option<Verdict>,
+    pub updated_at: f64,
+}
+
+impl Step {
+    pub fn is_final(&self) -> bool {
+        self.verdict.is_some()
+    }
+}
+
+/// Where steps live: `<state_dir>/steps/<id>.json`.
+pub struct StepStore {
+    dir: PathBuf,
+}
+
+impl StepStore {
+    pub fn new(state_dir: &Path) -> std::io::Result<Self> {
+        let dir = state_dir.join("steps");
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self { dir })
+    }
+
+    pub fn save(&self, s: &Step) -> std::io::Result<()> {
+        let path = self.dir.join(format!("{}.json", s.id));
+        let tmp = self.dir.join(format!(".{}.json.tmp", s.id));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(s)?)?;
+        std::fs::rename(tmp, path)
+    }
+
+    pub fn load(&self, id: &str) -> Option<Step> {
+        let data = std::fs::read(self.dir.join(format!("{id}.json"))).ok()?;
+        serde_json::from_slice(&data).ok()
+    }
+
+    /// All steps, newest first.
+    pub fn list(&self) -> Vec<Step> {
+        let mut v: Vec<Step> = std::fs::read_dir(&self.dir)
+            .map(|rd| rd.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".json") && !e.file_name().to_string_lossy().starts_with('.')).filter_map(|e| std::fs::read(e.path()).ok()).filter_map(|d| serde_json::from_slice(&d).ok()).collect())
+            .unwrap_or_default();
+        v.sort_by(|a: &Step, b: &Step| b.created_at.total_cmp(&a.created_at));
+        v
+    }
+
+    /// Keeps the newest `keep` steps on disk.
+    pub fn prune(&self, keep: usize) {
+        for s in self.list().into_iter().skip(keep) {
+            let _ = std::fs::remove_file(self.dir.join(format!("{}.json", s.id)));
+        }
+    }
+}
+
+/// A fresh step id: `step-<unix seconds>-<4 hex>`.
+pub fn new_id(now: f64) -> String {
+    let mut b = [0u8; 2];
+    // SAFETY: getrandom writes at most 2 bytes into b.
+    unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 2, 0) };
+    format!("step-{}-{:04x}", now as u64, u16::from_ne_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_validated_with_the_field_named() {
+        let burst = Duration::from_millis(10);
+        let (_, p) = StepParams::from_request(&StepRequest::default(), burst).unwrap();
+        assert_eq!(p.timeout, StepParams::DEFAULT_TIMEOUT);
+        for (req, field) in [
+            (StepRequest { timeout: Some("soon".into()), ..Default::default() }, "timeout"),
+            (StepRequest { timeout: Some("100h".into()), ..Default::default() }, "timeout"),
+            (StepRequest { settle: Some("20m".into()), timeout: Some("10m".into()), ..Default::default() }, "settle"),
+            (StepRequest { max_gap: Some("0ms".into()), ..Default::default() }, "max_gap"),
+            (StepRequest { id: Some("../etc".into()), ..Default::default() }, "id"),
+            (StepRequest { dns_slower_ratio: Some(0.5), ..Default::default() }, "dns_slower_ratio"),
+        ] {
+            let e = StepParams::from_request(&req, burst).unwrap_err();
+            assert!(e.starts_with(field), "{e}");
+            assert_eq!(e.lines().count(), 1);
+        }
+    }
+
+    #[test]
+    fn outages_continue_across_an_agent_restart() {
+        let mut t = TargetTimeline { prior: vec![Outage { start: 1.0, end: None }], ..Default::default() };
+        t.samples = vec![(5.0, false), (6.0, true)];
+        assert_eq!(t.outages(), vec![Outage { start: 1.0, end: Some(6.0) }]);
+        let mut t = TargetTimeline { prior: vec![Outage { start: 1.0, end: Some(2.0) }], ..Default::default() };
+        t.samples = vec![(5.0, true), (6.0, false), (7.0, true)];
+        assert_eq!(t.outages().len(), 2);
+    }
+}
