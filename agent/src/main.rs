@@ -371,7 +371,7 @@ fn step_table(v: &serde_json::Value) -> String {
                 g["kind"].as_str().unwrap_or(""),
                 format!("{:.0}±{:.0}ms", f("longest_s"), f("error_bound_s")),
                 format!("{:.0}ms", f("total_s")),
-                g["count"],
+                g["count"].as_u64().unwrap_or(0),
                 format!("{:.0}ms", f("budget_s"))
             ));
         }

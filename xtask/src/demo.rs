@@ -1,7 +1,6 @@
-//! `cargo xtask demo`: a simulated node, the agent running in it, and a simulated
-//! cilium-agent restart. Until the step protocol lands (issue 4) it shows what exists today —
-//! the lab's recorded blackhole window, program IDs before/after, and the kernel drops the
-//! agent counted — and says plainly that verdicts are not implemented yet.
+//! `cargo xtask demo`: a simulated node, the stepguard agent in it, and two steps around
+//! simulated cilium-agent restarts: a clean one that passes with its measured gaps, and a
+//! faulty one (a device left without the datapath) that fails with its reason.
 use crate::root;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -60,70 +59,35 @@ fn scrape(ns: &str, port: u16) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn drops(metrics: &str) -> std::collections::BTreeMap<String, f64> {
-    metrics
-        .lines()
-        .filter_map(|l| l.strip_prefix("stepguard_kernel_drops_total{reason=\""))
-        .filter_map(|l| {
-            l.split_once("\"} ")
-                .and_then(|(r, v)| v.parse().ok().map(|v| (r.to_string(), v)))
-        })
-        .collect()
+
+
+
+fn stepguard(ns: &str, args: &[&str]) -> Result<(i32, String)> {
+    let out = nsenter(ns).arg(root().join("target/debug/stepguard")).args(args).output().context("run stepguard")?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    Ok((out.status.code().unwrap_or(-1), text))
 }
 
-fn restart(prefix: &str, ns: &str, extra: &[&str]) -> Result<Value> {
-    // Some traffic to the gateway VIP while the datapath restarts, so there is something to drop.
-    let mut ping = nsenter(ns)
-        .args([
-            "ping",
-            "-q",
-            "-i",
-            "0.01",
-            "-c",
-            "150",
-            "-W",
-            "0.05",
-            "198.51.100.10",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    std::thread::sleep(Duration::from_millis(200));
-    let mut args = vec!["restart", "--prefix", prefix];
-    args.extend_from_slice(extra);
-    let report: Value = serde_json::from_str(&lab(&args)?)?;
-    let _ = ping.wait();
-    Ok(report)
-}
-
-fn print_report(r: &Value) {
-    let start = r["blackhole_start_ns"].as_u64().unwrap_or(0);
-    let end = r["blackhole_end_ns"].as_u64().unwrap_or(0);
-    println!(
-        "  blackhole (recorded by the lab): {:.1} ms",
-        (end.saturating_sub(start)) as f64 / 1e6
-    );
-    let empty = vec![];
-    let old = r["old_programs"].as_array().unwrap_or(&empty);
-    let new = r["new_programs"].as_array().unwrap_or(&empty);
-    for o in old.iter().filter(|o| o["program"] == "cil_from_netdev") {
-        let n = new
-            .iter()
-            .find(|n| n["device"] == o["device"] && n["program"] == o["program"]);
-        match n {
-            Some(n) => println!(
-                "  {:<6} cil_from_netdev  prog id {} -> {}",
-                o["device"].as_str().unwrap_or(""),
-                o["prog_id"],
-                n["prog_id"]
-            ),
-            None => println!(
-                "  {:<6} cil_from_netdev  prog id {} -> (not attached any more)",
-                o["device"].as_str().unwrap_or(""),
-                o["prog_id"]
-            ),
-        }
+/// One step: begin, restart the lab's datapath, wait for the verdict.
+fn step_around_restart(prefix: &str, ns: &str, agent: &str, restart_args: &[&str]) -> Result<i32> {
+    let (code, out) = stepguard(ns, &["step", "--agent", agent, "--settle", "3s", "--timeout", "30s"])?;
+    if code != 0 {
+        bail!("stepguard step failed: {out}");
     }
+    let id = out.lines().last().unwrap_or("").trim().to_string();
+    println!("  stepguard step  -> {id}");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut args = vec!["restart", "--prefix", prefix];
+    args.extend_from_slice(restart_args);
+    let r: Value = serde_json::from_str(&lab(&args)?)?;
+    let window = (r["blackhole_end_ns"].as_u64().unwrap_or(0).saturating_sub(r["blackhole_start_ns"].as_u64().unwrap_or(0))) as f64 / 1e6;
+    println!("  lab restart {}  (the lab recorded a {window:.1} ms blackhole)", restart_args.join(" "));
+    let (code, out) = stepguard(ns, &["wait", "--agent", agent, "--step", &id, "--timeout", "60s"])?;
+    println!("  stepguard wait  -> exit {code}\n");
+    for l in out.lines() {
+        println!("    {l}");
+    }
+    Ok(code)
 }
 
 pub fn demo() -> Result<()> {
@@ -131,56 +95,55 @@ pub fn demo() -> Result<()> {
     let prefix = format!("sgdemo{}", std::process::id() % 100000);
     println!("== 1. a simulated Cilium 1.18 node (tcx), lab {prefix}");
     print!("{}", lab(&["up", "--prefix", &prefix])?);
-    let mut cleanup = Cleanup {
-        prefix: prefix.clone(),
-        children: vec![],
-    };
-    let status: Value =
-        serde_json::from_str(&lab(&["status", "--prefix", &prefix, "--format", "json"])?)?;
-    let ns = status["node_netns"]
-        .as_str()
-        .context("node_netns")?
-        .to_string();
+    let mut cleanup = Cleanup { prefix: prefix.clone(), children: vec![] };
+    let status: Value = serde_json::from_str(&lab(&["status", "--prefix", &prefix, "--format", "json"])?)?;
+    let ns = status["node_netns"].as_str().context("node_netns")?.to_string();
+    let cfg = status["stepguard_config"].as_str().context("stepguard_config")?.to_string();
+    let state = format!("/run/stepguard-lab/{prefix}/agent-state");
 
-    println!("\n== 2. stepguard agent in the node namespace");
+    println!("\n== 2. stepguard agent in the node namespace (probes every 1s, 10ms during a step)");
     let port = 19969;
+    let agent_url = format!("http://127.0.0.1:{port}");
     let agent = nsenter(&ns)
         .arg(root().join("target/debug/stepguard"))
-        .args(["agent", "--listen", &format!("127.0.0.1:{port}")])
-        .stderr(Stdio::inherit())
+        .args(["agent", "--config", &cfg, "--state-dir", &state, "--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
         .spawn()
         .context("start stepguard agent")?;
     cleanup.children.push(agent);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !scrape(&ns, port)?.contains("stepguard_build_info") {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = nsenter(&ns).args(["curl", "-s", "-m", "2", &format!("{agent_url}/v1/verdict?format=text")]).output()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if text.starts_with("node") && !text.contains("not checked yet") && !text.contains("not probed yet") && !text.contains("no DNS query") {
+            println!("  curl {agent_url}/v1/verdict?format=text");
+            for l in text.lines().take(8) {
+                println!("    {l}");
+            }
+            break;
+        }
         if Instant::now() > deadline {
-            bail!("the agent did not answer on 127.0.0.1:{port}");
+            bail!("the agent did not report a verdict on {agent_url}");
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let before = drops(&scrape(&ns, port)?);
-
-    println!(
-        "\n== 3. cilium-agent restart with a 300 ms gap (traffic to the gateway VIP meanwhile)"
-    );
-    let r = restart(&prefix, &ns, &["--gap", "300ms"])?;
-    print_report(&r);
-    let after = drops(&scrape(&ns, port)?);
-    println!("  kernel drops the agent counted during the restart (stepguard_kernel_drops_total):");
-    for (reason, v) in &after {
-        let d = v - before.get(reason).copied().unwrap_or(0.0);
-        if d > 0.0 {
-            println!("    {reason:<24} +{d}");
-        }
+        std::thread::sleep(Duration::from_millis(250));
     }
 
-    println!("\n== 4. a faulty restart: the new datapath no longer attaches to eth1");
-    let r = restart(&prefix, &ns, &["--gap", "100ms", "--drop-device", "eth1"])?;
-    print_report(&r);
+    println!("\n== 3. a step around a cilium-agent restart with a 300 ms gap");
+    let first = step_around_restart(&prefix, &ns, &agent_url, &["--gap", "300ms"])?;
 
-    println!("\n== verdicts");
-    println!("  not yet implemented: the step protocol (pass/fail, measured gaps per VIP) arrives with the agent daemon (issue 4).");
-    println!("  demo took {:.1} s", t0.elapsed().as_secs_f64());
+    println!("== 4. a step around a faulty restart: the new datapath no longer attaches to eth1");
+    let second = step_around_restart(&prefix, &ns, &agent_url, &["--gap", "100ms", "--drop-device", "eth1"])?;
+
+    println!("== the metrics a Prometheus would scrape (excerpt)");
+    let m = scrape(&ns, port)?;
+    for l in m.lines().filter(|l| l.starts_with("stepguard_last_step_gap_seconds") || l.starts_with("stepguard_steps_total") || l.starts_with("stepguard_cilium_drops_total")) {
+        println!("    {l}");
+    }
+    println!("\ndemo took {:.1} s; first step exit {first} (0 = passed), second step exit {second} (1 = failed)", t0.elapsed().as_secs_f64());
     drop(cleanup);
+    if first != 0 || second != 1 {
+        bail!("the demo's steps did not end as expected (first should pass, second should fail)");
+    }
     Ok(())
 }
