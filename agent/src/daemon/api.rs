@@ -177,9 +177,14 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
     let req: StepRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
         StepRequest::default()
     } else {
-        match serde_json::from_slice(&body) {
+        let de = &mut serde_json::Deserializer::from_slice(&body);
+        match serde_path_to_error::deserialize(de) {
             Ok(r) => r,
-            Err(e) => return err(StatusCode::BAD_REQUEST, format!("invalid step request: {e}")),
+            Err(e) => {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                return err(StatusCode::BAD_REQUEST, if path == "." { format!("invalid step request: {inner}") } else { format!("invalid step request: {path}: {inner}") });
+            }
         }
     };
     let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval) {

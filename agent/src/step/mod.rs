@@ -167,6 +167,11 @@ pub struct TargetGap {
     pub count: usize,
     pub budget_s: f64,
     pub open: bool,
+    /// The longest outage's edges (send times, unix seconds), for comparison with other clocks.
+    #[serde(default)]
+    pub longest_start: Option<f64>,
+    #[serde(default)]
+    pub longest_end: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -62,8 +62,21 @@ fn gap_rows(step: &Step, now: f64) -> Vec<TargetGap> {
     step.targets
         .iter()
         .map(|(name, t)| {
-            let g = summarize(&t.outages(), step.params.burst_interval.as_secs_f64(), now);
-            TargetGap { target: name.clone(), kind: t.kind.clone(), longest_s: g.longest, error_bound_s: g.error_bound, total_s: g.total, count: g.count, budget_s: t.budget, open: g.open }
+            let outages = t.outages();
+            let g = summarize(&outages, step.params.burst_interval.as_secs_f64(), now);
+            let longest = outages.iter().max_by(|a, b| a.duration(now).total_cmp(&b.duration(now)));
+            TargetGap {
+                target: name.clone(),
+                kind: t.kind.clone(),
+                longest_s: g.longest,
+                error_bound_s: g.error_bound,
+                total_s: g.total,
+                count: g.count,
+                budget_s: t.budget,
+                open: g.open,
+                longest_start: longest.map(|o| o.start),
+                longest_end: longest.and_then(|o| o.end),
+            }
         })
         .collect()
 }

@@ -225,3 +225,169 @@ pub fn blackhole(lab: &Lab, on: bool) {
         ],
     );
 }
+
+/// A plain HTTP/1.1 request from inside `netns`; returns (status, body).
+pub fn http(netns: &str, addr: SocketAddr, method: &str, path: &str, body: Option<&str>, token: Option<&str>) -> (u16, String) {
+    let (method, path) = (method.to_string(), path.to_string());
+    let body = body.map(str::to_string);
+    let token = token.map(str::to_string);
+    stepguard_lab::netns::in_netns(netns, move || {
+        use std::io::{Read, Write};
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(120)))?;
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+        if let Some(t) = &token {
+            req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+        }
+        let b = body.unwrap_or_default();
+        req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()));
+        s.write_all(req.as_bytes())?;
+        let mut resp = Vec::new();
+        let _ = s.read_to_end(&mut resp);
+        let text = String::from_utf8_lossy(&resp).into_owned();
+        let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = text.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+        // Chunked bodies: keep the JSON between the chunk sizes.
+        let body = if text.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(&body) } else { body };
+        Ok((status, body))
+    })
+    .expect("http request")
+}
+
+fn dechunk(b: &str) -> String {
+    let mut out = String::new();
+    let mut rest = b;
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// `stepguard agent` in the lab's node namespace, with the lab's config; killed on drop.
+pub struct Daemon {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub ns: String,
+    pub state_dir: PathBuf,
+    pub args: Vec<String>,
+}
+
+impl Daemon {
+    pub fn start(lab: &Lab, extra: &[&str]) -> Daemon {
+        let state_dir = lab.state.run_dir.join("agent-state");
+        Self::start_with(lab.node_ns(), lab.stepguard_config(), state_dir, free_port(), extra)
+    }
+
+    pub fn start_with(ns: String, config: PathBuf, state_dir: PathBuf, port: u16, extra: &[&str]) -> Daemon {
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut args: Vec<String> = vec!["agent".into(), "--config".into(), config.to_string_lossy().into(), "--state-dir".into(), state_dir.to_string_lossy().into(), "--listen".into(), addr.to_string()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{ns}"))
+            .arg("--")
+            .arg(bin("STEPGUARD_BIN", "stepguard"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start stepguard agent");
+        let d = Daemon { child, addr, ns, state_dir, args };
+        d.wait_ready();
+        d
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let ns = self.ns.clone();
+            let addr = self.addr;
+            let ok = stepguard_lab::netns::in_netns(&ns, move || Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())).unwrap_or(false);
+            if ok && self.get("/readyz").0 == 200 {
+                // Wait for the first full round of checks, so steps have a baseline.
+                let (_, v) = self.get_json("/v1/verdict");
+                if v["checks"].as_array().is_some_and(|a| a.iter().all(|c| c["code"] != "not_checked_yet" && c["code"] != "no_probe_yet")) {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("stepguard agent on {} did not become ready with a first verdict", self.addr);
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        http(&self.ns, self.addr, "GET", path, None, None)
+    }
+    pub fn get_json(&self, path: &str) -> (u16, Value) {
+        let (s, b) = self.get(path);
+        (s, serde_json::from_str(&b).unwrap_or(Value::Null))
+    }
+    pub fn post(&self, path: &str, body: &str, token: Option<&str>) -> (u16, Value) {
+        let (s, b) = http(&self.ns, self.addr, "POST", path, Some(body), token);
+        (s, serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)))
+    }
+    pub fn delete(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+        let (s, b) = http(&self.ns, self.addr, "DELETE", path, None, token);
+        (s, serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)))
+    }
+
+    /// Begins a step; returns its id.
+    pub fn begin(&self, body: &str) -> String {
+        let (s, v) = self.post("/v1/steps", body, None);
+        assert_eq!(s, 201, "POST /v1/steps: {v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    /// Long-polls until the step is decided (bounded).
+    pub fn verdict(&self, id: &str) -> Value {
+        for _ in 0..10 {
+            let (s, v) = self.get_json(&format!("/v1/steps/{id}?wait=60s"));
+            if s == 200 {
+                return v;
+            }
+            assert_eq!(s, 202, "GET step: {v}");
+        }
+        panic!("step {id} was not decided within 10 minutes");
+    }
+
+    pub fn kill9(&mut self) {
+        // nsenter execs stepguard in place: this pid is the agent.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    /// Starts the agent again with the same state directory and port.
+    pub fn restart_same(&mut self) {
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.ns))
+            .arg("--")
+            .arg(bin("STEPGUARD_BIN", "stepguard"))
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("restart stepguard agent");
+        self.child = child;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let (ns, addr) = (self.ns.clone(), self.addr);
+            let up = stepguard_lab::netns::in_netns(&ns, move || Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())).unwrap_or(false);
+            if up && self.get("/readyz").0 == 200 {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the restarted agent did not become ready");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
