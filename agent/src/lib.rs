@@ -3,8 +3,8 @@
 //! Pure logic (verdicts, config, profiles, statistics) lives in modules that need no root;
 //! kernel access stays under [`kernel`] and [`probe`].
 pub mod checks;
-pub mod client;
 pub mod ciliumconfig;
+pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod duration;

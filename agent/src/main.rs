@@ -5,14 +5,14 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 use stepguard::checks::exit_code;
 use stepguard::config::Config;
+use stepguard::daemon::api::router;
+use stepguard::daemon::{spawn_loops, Daemon, DaemonOptions};
 use stepguard::kernel::drops::KernelDrops;
 use stepguard::node::NodeOptions;
 use stepguard::report;
-use stepguard::daemon::api::router;
-use stepguard::daemon::{spawn_loops, Daemon, DaemonOptions};
-use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -64,7 +64,11 @@ struct AgentArgs {
     #[arg(long, default_value = "0.0.0.0:9969", env = "STEPGUARD_LISTEN")]
     listen: SocketAddr,
     /// Where steps and cilium-config snapshots are kept (survives agent restarts).
-    #[arg(long, default_value = "/var/lib/stepguard", env = "STEPGUARD_STATE_DIR")]
+    #[arg(
+        long,
+        default_value = "/var/lib/stepguard",
+        env = "STEPGUARD_STATE_DIR"
+    )]
     state_dir: PathBuf,
     /// File holding a bearer token that POST/DELETE requests must carry.
     #[arg(long, env = "STEPGUARD_TOKEN_FILE")]
@@ -240,7 +244,11 @@ fn run(cmd: Cmd) -> Result<i32> {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("start tokio runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("start tokio runtime")
 }
 
 fn agent(args: AgentArgs) -> Result<i32> {
@@ -249,7 +257,13 @@ fn agent(args: AgentArgs) -> Result<i32> {
         None => Config::default(),
     };
     let token = stepguard::client::read_token(args.token_file.as_deref())?;
-    let opts = DaemonOptions { state_dir: args.state_dir.clone(), probe_interval: args.probe_interval, slow_interval: args.slow_interval, burst_interval: args.burst_interval, token };
+    let opts = DaemonOptions {
+        state_dir: args.state_dir.clone(),
+        probe_interval: args.probe_interval,
+        slow_interval: args.slow_interval,
+        burst_interval: args.burst_interval,
+        token,
+    };
     runtime()?.block_on(async move {
         let d = Daemon::new(cfg, opts)?;
         {
@@ -283,20 +297,48 @@ fn step_cmd(args: StepArgs) -> Result<i32> {
     let token = stepguard::client::read_token(args.token_file.as_deref())?;
     let agent = stepguard::client::Agent::new(&args.agent, token)?;
     let mut body = serde_json::Map::new();
-    for (k, v) in [("id", &args.id), ("timeout", &args.timeout), ("settle", &args.settle), ("max_gap", &args.max_gap), ("burst_interval", &args.burst_interval)] {
+    for (k, v) in [
+        ("id", &args.id),
+        ("timeout", &args.timeout),
+        ("settle", &args.settle),
+        ("max_gap", &args.max_gap),
+        ("burst_interval", &args.burst_interval),
+    ] {
         if let Some(v) = v {
             body.insert(k.into(), serde_json::Value::String(v.clone()));
         }
     }
-    let (status, v) = runtime()?.block_on(agent.call("POST", "/v1/steps", Some(serde_json::Value::Object(body)), Duration::from_secs(60)))?;
+    let (status, v) = runtime()?.block_on(agent.call(
+        "POST",
+        "/v1/steps",
+        Some(serde_json::Value::Object(body)),
+        Duration::from_secs(60),
+    ))?;
     match status {
         200 | 201 => {
-            println!("step begun on {} (baseline: {} devices, {} maps)", args.agent, v["baseline"]["programs"].as_object().map(|o| o.len()).unwrap_or(0), v["baseline"]["maps"].as_object().map(|o| o.len()).unwrap_or(0));
+            println!(
+                "step begun on {} (baseline: {} devices, {} maps)",
+                args.agent,
+                v["baseline"]["programs"]
+                    .as_object()
+                    .map(|o| o.len())
+                    .unwrap_or(0),
+                v["baseline"]["maps"]
+                    .as_object()
+                    .map(|o| o.len())
+                    .unwrap_or(0)
+            );
             println!("{}", v["id"].as_str().unwrap_or(""));
             Ok(0)
         }
         _ => {
-            eprintln!("stepguard: agent answered {status}: {}", v["error"].as_str().map(String::from).unwrap_or_else(|| v.to_string()));
+            eprintln!(
+                "stepguard: agent answered {status}: {}",
+                v["error"]
+                    .as_str()
+                    .map(String::from)
+                    .unwrap_or_else(|| v.to_string())
+            );
             Ok(2)
         }
     }
@@ -312,7 +354,16 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
-            eprintln!("stepguard: step {} not decided within {}{}", args.step, stepguard::duration::human(args.timeout), if last_err.is_empty() { String::new() } else { format!(" (last error: {last_err})") });
+            eprintln!(
+                "stepguard: step {} not decided within {}{}",
+                args.step,
+                stepguard::duration::human(args.timeout),
+                if last_err.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (last error: {last_err})")
+                }
+            );
             return Ok(2);
         }
         let wait = left.min(Duration::from_secs(20));
@@ -327,7 +378,13 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
                 });
             }
             Ok((202, v)) => {
-                let line = format!("{}: {}", v["phase"].as_str().unwrap_or("?"), v["checks"]["reload"]["reason"].as_str().unwrap_or("taking baseline"));
+                let line = format!(
+                    "{}: {}",
+                    v["phase"].as_str().unwrap_or("?"),
+                    v["checks"]["reload"]["reason"]
+                        .as_str()
+                        .unwrap_or("taking baseline")
+                );
                 if line != last_line {
                     println!("{line}");
                     last_line = line;
@@ -357,12 +414,28 @@ fn step_table(v: &serde_json::Value) -> String {
   {}
 ",
         v["id"].as_str().unwrap_or(""),
-        v["verdict"]["status"].as_str().unwrap_or("?").to_uppercase(),
-        v["verdict"]["reasons"].as_array().filter(|r| !r.is_empty()).map(|r| format!(" ({})", r.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(", "))).unwrap_or_default(),
+        v["verdict"]["status"]
+            .as_str()
+            .unwrap_or("?")
+            .to_uppercase(),
+        v["verdict"]["reasons"]
+            .as_array()
+            .filter(|r| !r.is_empty())
+            .map(|r| format!(
+                " ({})",
+                r.iter()
+                    .filter_map(|x| x.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+            .unwrap_or_default(),
         v["verdict"]["summary"].as_str().unwrap_or("")
     );
     if let Some(gaps) = v["gaps"].as_array().filter(|g| !g.is_empty()) {
-        out.push_str(&format!("  {:<14} {:<6} {:>14} {:>10} {:>8} {:>9}\n", "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"));
+        out.push_str(&format!(
+            "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>9}\n",
+            "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"
+        ));
         for g in gaps {
             let f = |k: &str| g[k].as_f64().unwrap_or(0.0) * 1e3;
             out.push_str(&format!(
@@ -378,11 +451,21 @@ fn step_table(v: &serde_json::Value) -> String {
     }
     if let Some(checks) = v["checks"].as_object() {
         for (k, c) in checks {
-            out.push_str(&format!("  {k:<9} {:<7} {}\n", c["status"].as_str().unwrap_or(""), c["reason"].as_str().unwrap_or("")));
+            out.push_str(&format!(
+                "  {k:<9} {:<7} {}\n",
+                c["status"].as_str().unwrap_or(""),
+                c["reason"].as_str().unwrap_or("")
+            ));
         }
     }
     if let Some(d) = v["drops"].as_object().filter(|d| !d.is_empty()) {
-        out.push_str(&format!("  drops in the step window: {}\n", d.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")));
+        out.push_str(&format!(
+            "  drops in the step window: {}\n",
+            d.iter()
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ));
     }
     out
 }

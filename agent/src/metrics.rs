@@ -29,8 +29,12 @@ labels!(KindLabels { kind });
 type GaugeF = Gauge<f64, AtomicU64>;
 
 /// Probe latency buckets: millisecond-fine at the bottom, up to the longest timeout.
-pub const PROBE_BUCKETS: [f64; 14] = [0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
-pub const GAP_BUCKETS: [f64; 12] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0];
+pub const PROBE_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+pub const GAP_BUCKETS: [f64; 12] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0,
+];
 
 pub struct Metrics {
     registry: Registry,
@@ -67,46 +71,135 @@ impl Metrics {
     pub fn new() -> Self {
         let mut r = Registry::with_prefix("stepguard");
         let check_passed = Family::<CheckLabels, Gauge>::default();
-        r.register("check_passed", "1 when the node check passes, 0 otherwise (fail or unknown)", check_passed.clone());
+        r.register(
+            "check_passed",
+            "1 when the node check passes, 0 otherwise (fail or unknown)",
+            check_passed.clone(),
+        );
         let check_unknown = Family::<CheckLabels, Gauge>::default();
-        r.register("check_unknown", "1 when the check could not run (unknown is never a pass)", check_unknown.clone());
+        r.register(
+            "check_unknown",
+            "1 when the check could not run (unknown is never a pass)",
+            check_unknown.clone(),
+        );
         let check_duration = Family::<CheckLabels, GaugeF>::default();
-        r.register_with_unit("check_duration", "How long the check took last time", Unit::Seconds, check_duration.clone());
-        let probe_duration = Family::<ProbeLabels, Histogram>::new_with_constructor(|| Histogram::new(PROBE_BUCKETS));
-        r.register_with_unit("probe_duration", "Probe round-trip time, successful or not", Unit::Seconds, probe_duration.clone());
+        r.register_with_unit(
+            "check_duration",
+            "How long the check took last time",
+            Unit::Seconds,
+            check_duration.clone(),
+        );
+        let probe_duration = Family::<ProbeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(PROBE_BUCKETS)
+        });
+        r.register_with_unit(
+            "probe_duration",
+            "Probe round-trip time, successful or not",
+            Unit::Seconds,
+            probe_duration.clone(),
+        );
         let probe_failures = Family::<ProbeLabels, Counter>::default();
-        r.register("probe_failures", "Probes that failed (timeout, refused, wrong answer)", probe_failures.clone());
+        r.register(
+            "probe_failures",
+            "Probes that failed (timeout, refused, wrong answer)",
+            probe_failures.clone(),
+        );
         let gap_budget = Family::<ProbeLabels, GaugeF>::default();
-        r.register_with_unit("gap_budget", "Longest acceptable outage of the target during a step", Unit::Seconds, gap_budget.clone());
+        r.register_with_unit(
+            "gap_budget",
+            "Longest acceptable outage of the target during a step",
+            Unit::Seconds,
+            gap_budget.clone(),
+        );
         let last_step_gap = Family::<ProbeLabels, GaugeF>::default();
-        r.register_with_unit("last_step_gap", "Longest outage of the target during the last step", Unit::Seconds, last_step_gap.clone());
+        r.register_with_unit(
+            "last_step_gap",
+            "Longest outage of the target during the last step",
+            Unit::Seconds,
+            last_step_gap.clone(),
+        );
         let step_gap = Histogram::new(GAP_BUCKETS);
-        r.register_with_unit("step_gap", "Longest outage per target per finished step", Unit::Seconds, step_gap.clone());
+        r.register_with_unit(
+            "step_gap",
+            "Longest outage per target per finished step",
+            Unit::Seconds,
+            step_gap.clone(),
+        );
         let step_active = Gauge::default();
-        r.register("step_active", "1 while a step is being watched", step_active.clone());
+        r.register(
+            "step_active",
+            "1 while a step is being watched",
+            step_active.clone(),
+        );
         let steps = Family::<VerdictLabels, Counter>::default();
         r.register("steps", "Finished steps by verdict", steps.clone());
         let last_step_passed = Gauge::default();
-        r.register("last_step_passed", "1 when the last finished step passed", last_step_passed.clone());
+        r.register(
+            "last_step_passed",
+            "1 when the last finished step passed",
+            last_step_passed.clone(),
+        );
         let last_step_started = GaugeF::default();
-        r.register_with_unit("last_step_started_timestamp", "When the last step began (unix time)", Unit::Seconds, last_step_started.clone());
+        r.register_with_unit(
+            "last_step_started_timestamp",
+            "When the last step began (unix time)",
+            Unit::Seconds,
+            last_step_started.clone(),
+        );
         let last_step_finished = GaugeF::default();
-        r.register_with_unit("last_step_finished_timestamp", "When the last step was decided (unix time)", Unit::Seconds, last_step_finished.clone());
+        r.register_with_unit(
+            "last_step_finished_timestamp",
+            "When the last step was decided (unix time)",
+            Unit::Seconds,
+            last_step_finished.clone(),
+        );
         let device_selected = Family::<DeviceLabels, Gauge>::default();
-        r.register("device_selected", "1 when the host device carries cil_from_netdev", device_selected.clone());
+        r.register(
+            "device_selected",
+            "1 when the host device carries cil_from_netdev",
+            device_selected.clone(),
+        );
         let map_present = Family::<MapLabels, Gauge>::default();
-        r.register("bpf_map_present", "1 when the global pinned map is present and opens", map_present.clone());
+        r.register(
+            "bpf_map_present",
+            "1 when the global pinned map is present and opens",
+            map_present.clone(),
+        );
         let map_entries = Family::<MapLabels, Gauge>::default();
-        r.register("bpf_map_entries", "Entries in the global pinned map (hash-like maps)", map_entries.clone());
+        r.register(
+            "bpf_map_entries",
+            "Entries in the global pinned map (hash-like maps)",
+            map_entries.clone(),
+        );
         let endpoint_maps = Family::<KindLabels, Gauge>::default();
-        r.register("bpf_endpoint_maps", "Per-endpoint pinned maps by kind", endpoint_maps.clone());
+        r.register(
+            "bpf_endpoint_maps",
+            "Per-endpoint pinned maps by kind",
+            endpoint_maps.clone(),
+        );
         let kernel_drops = Family::<ReasonLabels, Counter>::default();
-        r.register("kernel_drops", "Packets the kernel dropped (skb:kfree_skb), by kernel drop reason", kernel_drops.clone());
+        r.register(
+            "kernel_drops",
+            "Packets the kernel dropped (skb:kfree_skb), by kernel drop reason",
+            kernel_drops.clone(),
+        );
         let cilium_drops = Family::<ReasonLabels, Counter>::default();
-        r.register("cilium_drops", "Packets Cilium dropped (pinned cilium_metrics), by Cilium drop reason", cilium_drops.clone());
+        r.register(
+            "cilium_drops",
+            "Packets Cilium dropped (pinned cilium_metrics), by Cilium drop reason",
+            cilium_drops.clone(),
+        );
         let build_info = Family::<VersionLabels, Gauge>::default();
-        r.register("build_info", "stepguard build information (always 1)", build_info.clone());
-        build_info.get_or_create(&VersionLabels { version: env!("CARGO_PKG_VERSION").into() }).set(1);
+        r.register(
+            "build_info",
+            "stepguard build information (always 1)",
+            build_info.clone(),
+        );
+        build_info
+            .get_or_create(&VersionLabels {
+                version: env!("CARGO_PKG_VERSION").into(),
+            })
+            .set(1);
         Self {
             registry: r,
             check_passed,
@@ -134,20 +227,38 @@ impl Metrics {
     }
 
     pub fn record_check(&self, r: &CheckResult) {
-        let l = CheckLabels { check: r.check.into() };
-        self.check_passed.get_or_create(&l).set((r.status == Status::Pass) as i64);
-        self.check_unknown.get_or_create(&l).set((r.status == Status::Unknown) as i64);
-        self.check_duration.get_or_create(&l).set(r.duration_ms.as_secs_f64());
+        let l = CheckLabels {
+            check: r.check.into(),
+        };
+        self.check_passed
+            .get_or_create(&l)
+            .set((r.status == Status::Pass) as i64);
+        self.check_unknown
+            .get_or_create(&l)
+            .set((r.status == Status::Unknown) as i64);
+        self.check_duration
+            .get_or_create(&l)
+            .set(r.duration_ms.as_secs_f64());
     }
 
-    fn advance(family: &Family<ReasonLabels, Counter>, last: &mut BTreeMap<String, u64>, now: &BTreeMap<String, u64>) {
+    fn advance(
+        family: &Family<ReasonLabels, Counter>,
+        last: &mut BTreeMap<String, u64>,
+        now: &BTreeMap<String, u64>,
+    ) {
         for (reason, total) in now {
             let prev = last.entry(reason.clone()).or_insert(0);
             if *total > *prev {
-                family.get_or_create(&ReasonLabels { reason: reason.clone() }).inc_by(*total - *prev);
+                family
+                    .get_or_create(&ReasonLabels {
+                        reason: reason.clone(),
+                    })
+                    .inc_by(*total - *prev);
             } else {
                 // A counter that went down (map re-created): count from the new value on.
-                let _ = family.get_or_create(&ReasonLabels { reason: reason.clone() });
+                let _ = family.get_or_create(&ReasonLabels {
+                    reason: reason.clone(),
+                });
             }
             *prev = *total;
         }
@@ -155,7 +266,11 @@ impl Metrics {
 
     /// Advances `kernel_drops_total` to the totals read now; `None` marks the signal unknown.
     pub fn set_kernel_drops(&mut self, now: Option<&BTreeMap<String, u64>>) {
-        self.check_unknown.get_or_create(&CheckLabels { check: "drops".into() }).set(now.is_none() as i64);
+        self.check_unknown
+            .get_or_create(&CheckLabels {
+                check: "drops".into(),
+            })
+            .set(now.is_none() as i64);
         if let Some(now) = now {
             Self::advance(&self.kernel_drops, &mut self.last_kernel_drops, now);
         }

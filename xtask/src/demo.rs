@@ -59,18 +59,31 @@ fn scrape(ns: &str, port: u16) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-
-
-
 fn stepguard(ns: &str, args: &[&str]) -> Result<(i32, String)> {
-    let out = nsenter(ns).arg(root().join("target/debug/stepguard")).args(args).output().context("run stepguard")?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let out = nsenter(ns)
+        .arg(root().join("target/debug/stepguard"))
+        .args(args)
+        .output()
+        .context("run stepguard")?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     Ok((out.status.code().unwrap_or(-1), text))
 }
 
 /// One step: begin, restart the lab's datapath, wait for the verdict.
 fn step_around_restart(prefix: &str, ns: &str, agent: &str, restart_args: &[&str]) -> Result<i32> {
-    let (code, out) = stepguard(ns, &["step", "--agent", agent, "--settle", "3s", "--timeout", "30s"])?;
+    let (code, out) = stepguard(
+        ns,
+        &[
+            "step",
+            "--agent",
+            agent,
+            "--settle",
+            "3s",
+            "--timeout",
+            "30s",
+        ],
+    )?;
     if code != 0 {
         bail!("stepguard step failed: {out}");
     }
@@ -80,9 +93,19 @@ fn step_around_restart(prefix: &str, ns: &str, agent: &str, restart_args: &[&str
     let mut args = vec!["restart", "--prefix", prefix];
     args.extend_from_slice(restart_args);
     let r: Value = serde_json::from_str(&lab(&args)?)?;
-    let window = (r["blackhole_end_ns"].as_u64().unwrap_or(0).saturating_sub(r["blackhole_start_ns"].as_u64().unwrap_or(0))) as f64 / 1e6;
-    println!("  lab restart {}  (the lab recorded a {window:.1} ms blackhole)", restart_args.join(" "));
-    let (code, out) = stepguard(ns, &["wait", "--agent", agent, "--step", &id, "--timeout", "60s"])?;
+    let window = (r["blackhole_end_ns"]
+        .as_u64()
+        .unwrap_or(0)
+        .saturating_sub(r["blackhole_start_ns"].as_u64().unwrap_or(0))) as f64
+        / 1e6;
+    println!(
+        "  lab restart {}  (the lab recorded a {window:.1} ms blackhole)",
+        restart_args.join(" ")
+    );
+    let (code, out) = stepguard(
+        ns,
+        &["wait", "--agent", agent, "--step", &id, "--timeout", "60s"],
+    )?;
     println!("  stepguard wait  -> exit {code}\n");
     for l in out.lines() {
         println!("    {l}");
@@ -95,10 +118,20 @@ pub fn demo() -> Result<()> {
     let prefix = format!("sgdemo{}", std::process::id() % 100000);
     println!("== 1. a simulated Cilium 1.18 node (tcx), lab {prefix}");
     print!("{}", lab(&["up", "--prefix", &prefix])?);
-    let mut cleanup = Cleanup { prefix: prefix.clone(), children: vec![] };
-    let status: Value = serde_json::from_str(&lab(&["status", "--prefix", &prefix, "--format", "json"])?)?;
-    let ns = status["node_netns"].as_str().context("node_netns")?.to_string();
-    let cfg = status["stepguard_config"].as_str().context("stepguard_config")?.to_string();
+    let mut cleanup = Cleanup {
+        prefix: prefix.clone(),
+        children: vec![],
+    };
+    let status: Value =
+        serde_json::from_str(&lab(&["status", "--prefix", &prefix, "--format", "json"])?)?;
+    let ns = status["node_netns"]
+        .as_str()
+        .context("node_netns")?
+        .to_string();
+    let cfg = status["stepguard_config"]
+        .as_str()
+        .context("stepguard_config")?
+        .to_string();
     let state = format!("/run/stepguard-lab/{prefix}/agent-state");
 
     println!("\n== 2. stepguard agent in the node namespace (probes every 1s, 10ms during a step)");
@@ -106,7 +139,15 @@ pub fn demo() -> Result<()> {
     let agent_url = format!("http://127.0.0.1:{port}");
     let agent = nsenter(&ns)
         .arg(root().join("target/debug/stepguard"))
-        .args(["agent", "--config", &cfg, "--state-dir", &state, "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "agent",
+            "--config",
+            &cfg,
+            "--state-dir",
+            &state,
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -114,9 +155,21 @@ pub fn demo() -> Result<()> {
     cleanup.children.push(agent);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let out = nsenter(&ns).args(["curl", "-s", "-m", "2", &format!("{agent_url}/v1/verdict?format=text")]).output()?;
+        let out = nsenter(&ns)
+            .args([
+                "curl",
+                "-s",
+                "-m",
+                "2",
+                &format!("{agent_url}/v1/verdict?format=text"),
+            ])
+            .output()?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        if text.starts_with("node") && !text.contains("not checked yet") && !text.contains("not probed yet") && !text.contains("no DNS query") {
+        if text.starts_with("node")
+            && !text.contains("not checked yet")
+            && !text.contains("not probed yet")
+            && !text.contains("no DNS query")
+        {
             println!("  curl {agent_url}/v1/verdict?format=text");
             for l in text.lines().take(8) {
                 println!("    {l}");
@@ -133,11 +186,20 @@ pub fn demo() -> Result<()> {
     let first = step_around_restart(&prefix, &ns, &agent_url, &["--gap", "300ms"])?;
 
     println!("== 4. a step around a faulty restart: the new datapath no longer attaches to eth1");
-    let second = step_around_restart(&prefix, &ns, &agent_url, &["--gap", "100ms", "--drop-device", "eth1"])?;
+    let second = step_around_restart(
+        &prefix,
+        &ns,
+        &agent_url,
+        &["--gap", "100ms", "--drop-device", "eth1"],
+    )?;
 
     println!("== the metrics a Prometheus would scrape (excerpt)");
     let m = scrape(&ns, port)?;
-    for l in m.lines().filter(|l| l.starts_with("stepguard_last_step_gap_seconds") || l.starts_with("stepguard_steps_total") || l.starts_with("stepguard_cilium_drops_total")) {
+    for l in m.lines().filter(|l| {
+        l.starts_with("stepguard_last_step_gap_seconds")
+            || l.starts_with("stepguard_steps_total")
+            || l.starts_with("stepguard_cilium_drops_total")
+    }) {
         println!("    {l}");
     }
     println!("\ndemo took {:.1} s; first step exit {first} (0 = passed), second step exit {second} (1 = failed)", t0.elapsed().as_secs_f64());

@@ -32,7 +32,12 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/checks", get(checks))
         .route("/v1/steps", get(list_steps).post(post_step))
         .route("/v1/steps/{id}", get(get_step).delete(delete_step))
-        .fallback(|| async { err(StatusCode::NOT_FOUND, "no such route; see /v1/verdict, /v1/checks, /v1/steps, /metrics") })
+        .fallback(|| async {
+            err(
+                StatusCode::NOT_FOUND,
+                "no such route; see /v1/verdict, /v1/checks, /v1/steps, /metrics",
+            )
+        })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(d)
 }
@@ -45,18 +50,35 @@ fn wants_text(headers: &HeaderMap, q: &HashMap<String, String>) -> bool {
     if let Some(f) = q.get("format") {
         return f == "text";
     }
-    headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("text/plain") && !a.contains("json"))
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/plain") && !a.contains("json"))
 }
 
 fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Response> {
-    let Some(token) = &d.opts.token else { return Ok(()) };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let Some(token) = &d.opts.token else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
     // Constant-time comparison: the token is a secret.
-    let ok = given.is_some_and(|g| g.len() == token.len() && g.bytes().zip(token.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0);
+    let ok = given.is_some_and(|g| {
+        g.len() == token.len()
+            && g.bytes()
+                .zip(token.bytes())
+                .fold(0u8, |a, (x, y)| a | (x ^ y))
+                == 0
+    });
     if ok {
         Ok(())
     } else {
-        Err(err(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer <token>)"))
+        Err(err(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (Authorization: Bearer <token>)",
+        ))
     }
 }
 
@@ -74,7 +96,14 @@ async fn metrics(State(d): State<Arc<Daemon>>) -> Response {
         }
         m.encode()
     };
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
 }
 
 async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
@@ -86,7 +115,9 @@ async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
 }
 
 fn last_step(d: &Daemon) -> Option<Step> {
-    lock(&d.step).clone().or_else(|| d.store.list().into_iter().next())
+    lock(&d.step)
+        .clone()
+        .or_else(|| d.store.list().into_iter().next())
 }
 
 fn step_json(s: &Step) -> Value {
@@ -109,7 +140,14 @@ fn step_json(s: &Step) -> Value {
 
 /// Gaps as a table for people.
 pub fn gaps_text(s: &Step) -> String {
-    let mut out = format!("step {}: {}", s.id, s.verdict.as_ref().map(|v| v.status.to_uppercase()).unwrap_or_else(|| s.phase.clone()));
+    let mut out = format!(
+        "step {}: {}",
+        s.id,
+        s.verdict
+            .as_ref()
+            .map(|v| v.status.to_uppercase())
+            .unwrap_or_else(|| s.phase.clone())
+    );
     if let Some(v) = &s.verdict {
         if !v.reasons.is_empty() {
             out.push_str(&format!(" ({})", v.reasons.join(", ")));
@@ -119,7 +157,10 @@ pub fn gaps_text(s: &Step) -> String {
         out.push('\n');
     }
     if !s.gaps.is_empty() {
-        out.push_str(&format!("  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n", "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"));
+        out.push_str(&format!(
+            "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
+            "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"
+        ));
         for g in &s.gaps {
             out.push_str(&format!(
                 "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
@@ -138,9 +179,17 @@ pub fn gaps_text(s: &Step) -> String {
     out
 }
 
-async fn verdict(State(d): State<Arc<Daemon>>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+async fn verdict(
+    State(d): State<Arc<Daemon>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     let results = d.node_results();
-    let code = if exit_code(&results) == 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if exit_code(&results) == 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let step = last_step(&d);
     if wants_text(&headers, &q) {
         let mut body = report::text(&results);
@@ -149,18 +198,33 @@ async fn verdict(State(d): State<Arc<Daemon>>, headers: HeaderMap, Query(q): Que
             Some(s) => body.push_str(&gaps_text(s)),
             None => body.push_str("no step yet\n"),
         }
-        return (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response();
+        return (
+            code,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            body,
+        )
+            .into_response();
     }
     let mut v = report::json(&results);
     v["last_step"] = step.as_ref().map(step_json).unwrap_or(Value::Null);
     (code, axum::Json(v)).into_response()
 }
 
-async fn checks(State(d): State<Arc<Daemon>>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
-    let opts = NodeOptions { state_dir: Some(d.opts.state_dir.clone()) };
+async fn checks(
+    State(d): State<Arc<Daemon>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let opts = NodeOptions {
+        state_dir: Some(d.opts.state_dir.clone()),
+    };
     let (results, _): (Vec<CheckResult>, _) = node::run(&d.cfg, &opts, &BTreeSet::new()).await;
     if wants_text(&headers, &q) {
-        return ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], report::text(&results)).into_response();
+        return (
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            report::text(&results),
+        )
+            .into_response();
     }
     axum::Json(report::json(&results)).into_response()
 }
@@ -183,13 +247,25 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
             Err(e) => {
                 let path = e.path().to_string();
                 let inner = e.into_inner();
-                return err(StatusCode::BAD_REQUEST, if path == "." { format!("invalid step request: {inner}") } else { format!("invalid step request: {path}: {inner}") });
+                return err(
+                    StatusCode::BAD_REQUEST,
+                    if path == "." {
+                        format!("invalid step request: {inner}")
+                    } else {
+                        format!("invalid step request: {path}: {inner}")
+                    },
+                );
             }
         }
     };
     let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval) {
         Ok(v) => v,
-        Err(e) => return err(StatusCode::BAD_REQUEST, format!("invalid step request: {e}")),
+        Err(e) => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                format!("invalid step request: {e}"),
+            )
+        }
     };
     // One step at a time; re-POSTing the active id is idempotent.
     if let Some(active) = lock(&d.step).as_ref().filter(|s| !s.is_final()) {
@@ -224,32 +300,62 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
 }
 
 fn valid_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) && !id.starts_with('.')
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && !id.starts_with('.')
 }
 
 fn find(d: &Daemon, id: &str) -> Option<Step> {
-    lock(&d.step).as_ref().filter(|s| s.id == id).cloned().or_else(|| d.store.load(id))
+    lock(&d.step)
+        .as_ref()
+        .filter(|s| s.id == id)
+        .cloned()
+        .or_else(|| d.store.load(id))
 }
 
-async fn get_step(State(d): State<Arc<Daemon>>, Path(id): Path<String>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+async fn get_step(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     if !valid_id(&id) {
         return err(StatusCode::BAD_REQUEST, format!("invalid step id {id:?}"));
     }
     let wait = match q.get("wait").map(|w| duration::parse(w)) {
         None => Duration::ZERO,
         Some(Ok(w)) if w <= MAX_WAIT => w,
-        Some(Ok(_)) => return err(StatusCode::BAD_REQUEST, format!("wait: at most {}", duration::human(MAX_WAIT))),
+        Some(Ok(_)) => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                format!("wait: at most {}", duration::human(MAX_WAIT)),
+            )
+        }
         Some(Err(e)) => return err(StatusCode::BAD_REQUEST, format!("wait: {e}")),
     };
     let deadline = tokio::time::Instant::now() + wait;
     let mut rx = d.changed.subscribe();
     loop {
-        let Some(s) = find(&d, &id) else { return err(StatusCode::NOT_FOUND, format!("no step {id}")) };
+        let Some(s) = find(&d, &id) else {
+            return err(StatusCode::NOT_FOUND, format!("no step {id}"));
+        };
         let done = s.is_final();
         if done || tokio::time::Instant::now() >= deadline {
-            let code = if done { StatusCode::OK } else { StatusCode::ACCEPTED };
+            let code = if done {
+                StatusCode::OK
+            } else {
+                StatusCode::ACCEPTED
+            };
             if wants_text(&headers, &q) {
-                return (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], gaps_text(&s)).into_response();
+                return (
+                    code,
+                    [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                    gaps_text(&s),
+                )
+                    .into_response();
             }
             return (code, axum::Json(step_json(&s))).into_response();
         }
@@ -260,7 +366,11 @@ async fn get_step(State(d): State<Arc<Daemon>>, Path(id): Path<String>, headers:
     }
 }
 
-async fn delete_step(State(d): State<Arc<Daemon>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+async fn delete_step(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
     if let Err(r) = authorized(&d, &headers) {
         return r;
     }

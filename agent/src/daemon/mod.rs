@@ -79,10 +79,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Daemon {
     pub fn new(cfg: Config, opts: DaemonOptions) -> anyhow::Result<Arc<Daemon>> {
-        let store = StepStore::new(&opts.state_dir).map_err(|e| anyhow::anyhow!("state directory {}: {e}", opts.state_dir.display()))?;
+        let store = StepStore::new(&opts.state_dir)
+            .map_err(|e| anyhow::anyhow!("state directory {}: {e}", opts.state_dir.display()))?;
         let metrics = Metrics::new();
         for t in &cfg.targets {
-            let l = ProbeLabels { kind: t.probe.as_str().into(), target: t.name.clone() };
+            let l = ProbeLabels {
+                kind: t.probe.as_str().into(),
+                target: t.name.clone(),
+            };
             let _ = metrics.probe_failures.get_or_create(&l);
             if let Some(g) = t.max_gap {
                 metrics.gap_budget.get_or_create(&l).set(g.as_secs_f64());
@@ -111,12 +115,17 @@ impl Daemon {
     /// Picks up an unfinished step from disk: the time the agent was away is a hole in the
     /// evidence, judged on the first observation (see `watch`).
     fn resume(&self) {
-        let Some(mut s) = self.store.list().into_iter().find(|s| !s.is_final()) else { return };
+        let Some(mut s) = self.store.list().into_iter().find(|s| !s.is_final()) else {
+            return;
+        };
         let now = unix_now();
         s.holes.push((s.updated_at, now));
         for (name, t) in &s.targets {
             if matches!(t.persisted_through, Some((_, false))) {
-                s.evidence_incomplete = Some(format!("the agent went down during an outage of {name} and was away {:.1}s", now - s.updated_at));
+                s.evidence_incomplete = Some(format!(
+                    "the agent went down during an outage of {name} and was away {:.1}s",
+                    now - s.updated_at
+                ));
             }
         }
         tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
@@ -131,7 +140,10 @@ impl Daemon {
 
     pub fn probe_interval(&self) -> Duration {
         if self.burst.load(Ordering::SeqCst) {
-            lock(&self.step).as_ref().map(|s| s.params.burst_interval).unwrap_or(self.opts.burst_interval)
+            lock(&self.step)
+                .as_ref()
+                .map(|s| s.params.burst_interval)
+                .unwrap_or(self.opts.burst_interval)
         } else {
             self.opts.probe_interval
         }
@@ -141,13 +153,20 @@ impl Daemon {
     pub fn record_probe(&self, target: &crate::config::Target, o: &ProbeOutcome) {
         {
             let m = lock(&self.metrics);
-            let l = ProbeLabels { kind: t_kind(target), target: target.name.clone() };
-            m.probe_duration.get_or_create(&l).observe(o.latency.as_secs_f64());
+            let l = ProbeLabels {
+                kind: t_kind(target),
+                target: target.name.clone(),
+            };
+            m.probe_duration
+                .get_or_create(&l)
+                .observe(o.latency.as_secs_f64());
             if !o.ok {
                 m.probe_failures.get_or_create(&l).inc();
             }
         }
-        lock(&self.probes).latest.insert(target.name.clone(), o.clone());
+        lock(&self.probes)
+            .latest
+            .insert(target.name.clone(), o.clone());
         if let Some(s) = lock(&self.step).as_mut() {
             if !s.is_final() && o.sent_at >= s.created_at && o.ran {
                 if let Some(t) = s.targets.get_mut(&target.name) {
@@ -165,14 +184,23 @@ impl Daemon {
     pub fn vips_result(&self) -> CheckResult {
         let started = Instant::now();
         if self.cfg.targets.is_empty() {
-            return vips_check::evaluate(&[], &[]).with_duration(started.elapsed()).or_unknown_when_empty();
+            return vips_check::evaluate(&[], &[])
+                .with_duration(started.elapsed())
+                .or_unknown_when_empty();
         }
         let latest = lock(&self.probes).latest.clone();
         let mut outcomes = Vec::new();
         for t in &self.cfg.targets {
             match latest.get(&t.name) {
                 Some(o) => outcomes.push(o.clone()),
-                None => return CheckResult::unknown(vips_check::CHECK, "no_probe_yet", format!("{} not probed yet", t.name), serde_json::json!({})),
+                None => {
+                    return CheckResult::unknown(
+                        vips_check::CHECK,
+                        "no_probe_yet",
+                        format!("{} not probed yet", t.name),
+                        serde_json::json!({}),
+                    )
+                }
             }
         }
         vips_check::evaluate(&self.cfg.targets, &outcomes).with_duration(started.elapsed())
@@ -182,7 +210,12 @@ impl Daemon {
     pub fn dns_result(&self) -> CheckResult {
         let resolvers = self.cfg.dns.resolver_addrs().unwrap_or_default();
         if resolvers.is_empty() || self.cfg.dns.names.is_empty() {
-            return CheckResult::unknown(dns_check::CHECK, "no_resolvers", "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)", serde_json::json!({}));
+            return CheckResult::unknown(
+                dns_check::CHECK,
+                "no_resolvers",
+                "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)",
+                serde_json::json!({}),
+            );
         }
         let now = unix_now();
         let probes = lock(&self.probes);
@@ -190,7 +223,10 @@ impl Daemon {
         let mut ever_answered = false;
         for r in &resolvers {
             let key = r.to_string();
-            let mut s = dns_check::ResolverSample { resolver: key.clone(), ..Default::default() };
+            let mut s = dns_check::ResolverSample {
+                resolver: key.clone(),
+                ..Default::default()
+            };
             for d in probes.dns.iter().filter(|d| d.resolver == key) {
                 ever_answered |= d.latency.is_some();
                 if d.at < now - DNS_CHECK_WINDOW_S {
@@ -214,19 +250,37 @@ impl Daemon {
         }
         drop(probes);
         if samples.iter().all(|s| s.sent == 0) {
-            return CheckResult::unknown(dns_check::CHECK, "no_probe_yet", "no DNS query in the last 10s yet", serde_json::json!({}));
+            return CheckResult::unknown(
+                dns_check::CHECK,
+                "no_probe_yet",
+                "no DNS query in the last 10s yet",
+                serde_json::json!({}),
+            );
         }
         let mut r = dns_check::evaluate(&self.cfg.dns, &samples);
         // A resolver that never answered since the agent started: unknown, not fail.
         if r.status == Status::Fail && !ever_answered {
-            r = CheckResult::unknown(dns_check::CHECK, "resolver_never_answered", format!("no resolver has answered since the agent started: {}", r.reason), r.evidence);
+            r = CheckResult::unknown(
+                dns_check::CHECK,
+                "resolver_never_answered",
+                format!(
+                    "no resolver has answered since the agent started: {}",
+                    r.reason
+                ),
+                r.evidence,
+            );
         }
         r
     }
 
     /// DNS p50 (ms) of successful queries since `since`.
     pub fn dns_p50_since(&self, since: f64) -> Option<f64> {
-        let lat: Vec<Duration> = lock(&self.probes).dns.iter().filter(|d| d.at >= since).filter_map(|d| d.latency).collect();
+        let lat: Vec<Duration> = lock(&self.probes)
+            .dns
+            .iter()
+            .filter(|d| d.at >= since)
+            .filter_map(|d| d.latency)
+            .collect();
         crate::stats::quantile(&lat, 0.5).map(|d| d.as_secs_f64() * 1e3)
     }
 
@@ -238,7 +292,14 @@ impl Daemon {
             let r = match c {
                 "vips" => self.vips_result(),
                 "dns" => self.dns_result(),
-                other => view.results.get(other).cloned().unwrap_or_else(|| CheckResult::unknown(leak(other), "not_checked_yet", "not checked yet", serde_json::json!({}))),
+                other => view.results.get(other).cloned().unwrap_or_else(|| {
+                    CheckResult::unknown(
+                        leak(other),
+                        "not_checked_yet",
+                        "not checked yet",
+                        serde_json::json!({}),
+                    )
+                }),
             };
             out.push(r);
         }
@@ -256,8 +317,13 @@ impl Daemon {
 
     /// Runs devices/maps/config now, stores and exports them.
     pub async fn refresh_node(&self) {
-        let only: BTreeSet<String> = ["devices", "maps", "config"].iter().map(|s| s.to_string()).collect();
-        let opts = NodeOptions { state_dir: Some(self.opts.state_dir.clone()) };
+        let only: BTreeSet<String> = ["devices", "maps", "config"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let opts = NodeOptions {
+            state_dir: Some(self.opts.state_dir.clone()),
+        };
         let (results, obs) = node::run(&self.cfg, &opts, &only).await;
         let vips = self.vips_result();
         let dns = self.dns_result();
@@ -268,22 +334,38 @@ impl Daemon {
             }
             if let Some(l) = &obs.links {
                 let sel = checks::devices::carrying(&l.devices);
-                for d in l.devices.iter().filter(|d| !checks::devices::excluded(d) || sel.contains(&d.name)) {
-                    m.device_selected.get_or_create(&DeviceLabels { device: d.name.clone() }).set(sel.contains(&d.name) as i64);
+                for d in l
+                    .devices
+                    .iter()
+                    .filter(|d| !checks::devices::excluded(d) || sel.contains(&d.name))
+                {
+                    m.device_selected
+                        .get_or_create(&DeviceLabels {
+                            device: d.name.clone(),
+                        })
+                        .set(sel.contains(&d.name) as i64);
                 }
             }
             if let Some(mo) = &obs.maps {
                 for (name, pm) in &mo.globals {
-                    m.map_present.get_or_create(&MapLabels { map: name.clone() }).set(1);
+                    m.map_present
+                        .get_or_create(&MapLabels { map: name.clone() })
+                        .set(1);
                     if let Some(n) = pm.entries {
-                        m.map_entries.get_or_create(&MapLabels { map: name.clone() }).set(n as i64);
+                        m.map_entries
+                            .get_or_create(&MapLabels { map: name.clone() })
+                            .set(n as i64);
                     }
                 }
                 for name in mo.unreadable.keys() {
-                    m.map_present.get_or_create(&MapLabels { map: name.clone() }).set(0);
+                    m.map_present
+                        .get_or_create(&MapLabels { map: name.clone() })
+                        .set(0);
                 }
                 for (kind, n) in &mo.endpoint_maps {
-                    m.endpoint_maps.get_or_create(&KindLabels { kind: kind.clone() }).set(*n as i64);
+                    m.endpoint_maps
+                        .get_or_create(&KindLabels { kind: kind.clone() })
+                        .set(*n as i64);
                 }
             }
             let kd = self.kernel_drops_now();
@@ -297,12 +379,17 @@ impl Daemon {
             if let Some(missing) = r.evidence["missing"].as_array() {
                 let m = lock(&self.metrics);
                 for n in missing.iter().filter_map(|v| v.as_str()) {
-                    m.map_present.get_or_create(&MapLabels { map: n.into() }).set(0);
+                    m.map_present
+                        .get_or_create(&MapLabels { map: n.into() })
+                        .set(0);
                 }
             }
         }
         let mut view = lock(&self.node);
-        view.results = results.into_iter().map(|r| (r.check.to_string(), r)).collect();
+        view.results = results
+            .into_iter()
+            .map(|r| (r.check.to_string(), r))
+            .collect();
         view.links = obs.links;
         view.maps = obs.maps;
         view.checked_at = unix_now();
@@ -314,7 +401,11 @@ fn t_kind(t: &crate::config::Target) -> String {
 }
 
 fn leak(s: &str) -> &'static str {
-    checks::NODE_CHECKS.iter().find(|c| **c == s).copied().unwrap_or("unknown")
+    checks::NODE_CHECKS
+        .iter()
+        .find(|c| **c == s)
+        .copied()
+        .unwrap_or("unknown")
 }
 
 trait ResultExt {
@@ -327,7 +418,12 @@ impl ResultExt for CheckResult {
         self
     }
     fn or_unknown_when_empty(self) -> Self {
-        CheckResult::unknown(vips_check::CHECK, "no_targets", "no VIP targets configured (`targets:`)", serde_json::json!({"targets": []}))
+        CheckResult::unknown(
+            vips_check::CHECK,
+            "no_targets",
+            "no VIP targets configured (`targets:`)",
+            serde_json::json!({"targets": []}),
+        )
     }
 }
 
@@ -389,14 +485,24 @@ async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
                 let latency = start.elapsed();
                 {
                     let m = lock(&d.metrics);
-                    let l = ProbeLabels { kind: "dns_resolver".into(), target: resolver.to_string() };
-                    m.probe_duration.get_or_create(&l).observe(latency.as_secs_f64());
+                    let l = ProbeLabels {
+                        kind: "dns_resolver".into(),
+                        target: resolver.to_string(),
+                    };
+                    m.probe_duration
+                        .get_or_create(&l)
+                        .observe(latency.as_secs_f64());
                     if r.is_err() {
                         m.probe_failures.get_or_create(&l).inc();
                     }
                 }
                 let mut p = lock(&d.probes);
-                p.dns.push_back(DnsSample { at, resolver: resolver.to_string(), latency: r.as_ref().ok().map(|_| latency), error: r.err() });
+                p.dns.push_back(DnsSample {
+                    at,
+                    resolver: resolver.to_string(),
+                    latency: r.as_ref().ok().map(|_| latency),
+                    error: r.err(),
+                });
                 while p.dns.front().is_some_and(|s| s.at < at - DNS_WINDOW_S) {
                     p.dns.pop_front();
                 }

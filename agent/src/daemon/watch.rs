@@ -14,19 +14,38 @@ use std::time::Duration;
 
 /// Program id per baseline device: `cil_from_netdev` on host devices, `cil_to_host` on
 /// cilium_host. None when the program is gone.
-pub fn current_programs(obs: &links::Observation, devices: &[String]) -> BTreeMap<String, Option<u32>> {
+pub fn current_programs(
+    obs: &links::Observation,
+    devices: &[String],
+) -> BTreeMap<String, Option<u32>> {
     devices
         .iter()
         .map(|dev| {
-            let prog = if dev == "cilium_host" { "cil_to_host" } else { "cil_from_netdev" };
-            let id = obs.devices.iter().find(|d| &d.name == dev).and_then(|d| d.programs.iter().find(|p| p.hook == "ingress" && p.is(prog))).map(|p| p.prog_id);
+            let prog = if dev == "cilium_host" {
+                "cil_to_host"
+            } else {
+                "cil_from_netdev"
+            };
+            let id = obs
+                .devices
+                .iter()
+                .find(|d| &d.name == dev)
+                .and_then(|d| {
+                    d.programs
+                        .iter()
+                        .find(|p| p.hook == "ingress" && p.is(prog))
+                })
+                .map(|p| p.prog_id);
             (dev.clone(), id)
         })
         .collect()
 }
 
 fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Option<u64>> {
-    m.globals.iter().map(|(k, v)| (k.clone(), v.entries)).collect()
+    m.globals
+        .iter()
+        .map(|(k, v)| (k.clone(), v.entries))
+        .collect()
 }
 
 /// Takes the baseline and creates the step. Err = cannot take a baseline (one line).
@@ -34,7 +53,10 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
     let now = unix_now();
     let obs = links::observe(&d.cfg.bpffs).await?;
     if obs.prog_details_unreadable {
-        return Err(format!("cannot take a baseline: {}", obs.problems.first().cloned().unwrap_or_default()));
+        return Err(format!(
+            "cannot take a baseline: {}",
+            obs.problems.first().cloned().unwrap_or_default()
+        ));
     }
     let selected: Vec<String> = devices::carrying(&obs.devices).into_iter().collect();
     if selected.is_empty() {
@@ -44,9 +66,18 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
     if obs.devices.iter().any(|x| x.name == "cilium_host") {
         tracked.push("cilium_host".into());
     }
-    let programs: BTreeMap<String, u32> = current_programs(&obs, &tracked).into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect();
-    let maps = crate::kernel::bpffs::observe(&d.cfg.bpffs, true).map(|m| map_counts(&m)).unwrap_or_default();
-    let node_checks = d.node_results().into_iter().map(|r| (r.check.to_string(), r.status.as_str().to_string())).collect();
+    let programs: BTreeMap<String, u32> = current_programs(&obs, &tracked)
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| (k, v)))
+        .collect();
+    let maps = crate::kernel::bpffs::observe(&d.cfg.bpffs, true)
+        .map(|m| map_counts(&m))
+        .unwrap_or_default();
+    let node_checks = d
+        .node_results()
+        .into_iter()
+        .map(|r| (r.check.to_string(), r.status.as_str().to_string()))
+        .collect();
     let baseline = Baseline {
         programs,
         selected,
@@ -60,7 +91,16 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .cfg
         .targets
         .iter()
-        .map(|t| (t.name.clone(), TargetTimeline { kind: t.probe.as_str().into(), budget: t.max_gap.unwrap_or(params.max_gap).as_secs_f64(), ..Default::default() }))
+        .map(|t| {
+            (
+                t.name.clone(),
+                TargetTimeline {
+                    kind: t.probe.as_str().into(),
+                    budget: t.max_gap.unwrap_or(params.max_gap).as_secs_f64(),
+                    ..Default::default()
+                },
+            )
+        })
         .collect();
     Ok(Step {
         id,
@@ -108,13 +148,20 @@ pub fn persist(d: &Daemon, s: &mut Step) {
 pub fn finished(d: &Daemon, s: &Step) {
     let Some(v) = &s.verdict else { return };
     let m = lock(&d.metrics);
-    m.steps.get_or_create(&crate::metrics::VerdictLabels { verdict: v.status.clone() }).inc();
+    m.steps
+        .get_or_create(&crate::metrics::VerdictLabels {
+            verdict: v.status.clone(),
+        })
+        .inc();
     m.last_step_passed.set((v.status == "passed") as i64);
     m.last_step_started.set(s.created_at);
     m.last_step_finished.set(v.finished_at);
     m.step_active.set(0);
     for g in &s.gaps {
-        let l = ProbeLabels { kind: g.kind.clone(), target: g.target.clone() };
+        let l = ProbeLabels {
+            kind: g.kind.clone(),
+            target: g.target.clone(),
+        };
         m.last_step_gap.get_or_create(&l).set(g.longest_s);
         m.step_gap.observe(g.longest_s);
     }
@@ -130,7 +177,12 @@ pub fn cancel(d: &Daemon, s: &mut Step) {
     }
     let now = unix_now();
     s.phase = "done".into();
-    s.verdict = Some(Verdict { status: "cancelled".into(), reasons: vec!["cancelled".into()], summary: "cancelled by DELETE".into(), finished_at: now });
+    s.verdict = Some(Verdict {
+        status: "cancelled".into(),
+        reasons: vec!["cancelled".into()],
+        summary: "cancelled by DELETE".into(),
+        finished_at: now,
+    });
     persist(d, s);
     finished(d, s);
 }
@@ -146,7 +198,12 @@ pub async fn step_loop(d: Arc<Daemon>) {
     loop {
         tick.tick().await;
         n += 1;
-        let active = lock(&d.step).as_ref().map(|s| (s.is_final(), s.baseline.programs.keys().cloned().collect::<Vec<_>>()));
+        let active = lock(&d.step).as_ref().map(|s| {
+            (
+                s.is_final(),
+                s.baseline.programs.keys().cloned().collect::<Vec<_>>(),
+            )
+        });
         let Some((false, tracked)) = active else {
             last_maps = None;
             last_programs = None;
@@ -154,23 +211,45 @@ pub async fn step_loop(d: Arc<Daemon>) {
         };
         lock(&d.metrics).step_active.set(1);
         if n % 2 == 0 || last_programs.is_none() {
-            last_programs = links::observe(&d.cfg.bpffs).await.ok().filter(|o| !o.prog_details_unreadable).map(|o| current_programs(&o, &tracked));
+            last_programs = links::observe(&d.cfg.bpffs)
+                .await
+                .ok()
+                .filter(|o| !o.prog_details_unreadable)
+                .map(|o| current_programs(&o, &tracked));
         }
         if n % 10 == 0 || last_maps.is_none() {
             d.refresh_node().await;
             last_maps = lock(&d.node).maps.as_ref().map(super::watch::map_counts);
         }
-        let node_not_green: Vec<String> = d.node_results().into_iter().filter(|r| r.status != Status::Pass).map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason)).collect();
+        let node_not_green: Vec<String> = d
+            .node_results()
+            .into_iter()
+            .filter(|r| r.status != Status::Pass)
+            .map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason))
+            .collect();
         let now = unix_now();
         let kd = d.kernel_drops_now();
         let cd = d.cilium_drops_now();
-        let max_timeout = d.cfg.targets.iter().map(|t| t.timeout.as_secs_f64()).fold(0.0, f64::max);
+        let max_timeout = d
+            .cfg
+            .targets
+            .iter()
+            .map(|t| t.timeout.as_secs_f64())
+            .fold(0.0, f64::max);
         let mut guard = lock(&d.step);
         let Some(s) = guard.as_mut() else { continue };
         if last_programs.is_some() && d.resumed.swap(false, Ordering::SeqCst) {
             // Judge the hole: a reload or an outage while the agent was away is unseen evidence.
             if let Some(p) = &last_programs {
-                let before = if s.reload.last_seen.is_empty() { s.baseline.programs.iter().map(|(k, v)| (k.clone(), Some(*v))).collect() } else { s.reload.last_seen.clone() };
+                let before = if s.reload.last_seen.is_empty() {
+                    s.baseline
+                        .programs
+                        .iter()
+                        .map(|(k, v)| (k.clone(), Some(*v)))
+                        .collect()
+                } else {
+                    s.reload.last_seen.clone()
+                };
                 if p != &before {
                     s.evidence_incomplete = Some("the datapath changed while the agent was down: the outage was not observed".into());
                 }
@@ -202,14 +281,25 @@ pub async fn step_loop(d: Arc<Daemon>) {
         if !s.holes.is_empty() && s.evidence_incomplete.is_none() {
             let hole_end = s.holes.last().map(|h| h.1).unwrap_or(0.0);
             for (name, t) in &s.targets {
-                let mut after_hole: Vec<&(f64, bool)> = t.samples.iter().filter(|x| x.0 >= hole_end).collect();
+                let mut after_hole: Vec<&(f64, bool)> =
+                    t.samples.iter().filter(|x| x.0 >= hole_end).collect();
                 after_hole.sort_by(|a, b| a.0.total_cmp(&b.0));
-                if after_hole.first().is_some_and(|x| !x.1) && t.samples.iter().all(|x| x.0 >= hole_end) {
+                if after_hole.first().is_some_and(|x| !x.1)
+                    && t.samples.iter().all(|x| x.0 >= hole_end)
+                {
                     s.evidence_incomplete = Some(format!("{name} was already failing when the agent came back: the outage began unseen"));
                 }
             }
         }
-        let o = Observed { now, programs: last_programs.clone(), maps: last_maps.clone(), node_not_green, dns_p50_after_ms: dns_after, drops, complete_until: now - max_timeout };
+        let o = Observed {
+            now,
+            programs: last_programs.clone(),
+            maps: last_maps.clone(),
+            node_not_green,
+            dns_p50_after_ms: dns_after,
+            drops,
+            complete_until: now - max_timeout,
+        };
         verdict::decide(s, &o);
         let done = s.is_final();
         if done || n % 5 == 0 {

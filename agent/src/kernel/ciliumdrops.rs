@@ -55,7 +55,12 @@ pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, String> {
     let fd = bpf::obj_get_rdonly(&path).map_err(|e| format!("open {}: {e}", path.display()))?;
     let info = bpf::map_info(&fd).map_err(|e| format!("map info {}: {e}", path.display()))?;
     if info.key_size != 8 || info.value_size != 16 {
-        return Err(format!("{}: unexpected layout {}x{} (want 8x16)", path.display(), info.key_size, info.value_size));
+        return Err(format!(
+            "{}: unexpected layout {}x{} (want 8x16)",
+            path.display(),
+            info.key_size,
+            info.value_size
+        ));
     }
     let ncpu = bpf::num_possible_cpus();
     let keys = bpf::keys(&fd, 8, 4096).map_err(|e| format!("walk {}: {e}", path.display()))?;
@@ -68,7 +73,10 @@ pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, String> {
         if !bpf::lookup(&fd, &k, &mut value).map_err(|e| format!("read {}: {e}", path.display()))? {
             continue;
         }
-        let count: u64 = value.chunks(16).map(|c| u64::from_ne_bytes(c[..8].try_into().unwrap_or([0; 8]))).sum();
+        let count: u64 = value
+            .chunks(16)
+            .map(|c| u64::from_ne_bytes(c[..8].try_into().unwrap_or([0; 8])))
+            .sum();
         *out.entry(reason_name(k[0])).or_insert(0) += count;
     }
     Ok(out)

@@ -2,7 +2,7 @@
 //! that needs privileges or a kernel object lives below this module.
 pub mod bpf;
 pub mod bpffs;
-pub mod ciliumdrops;
 pub mod btf;
+pub mod ciliumdrops;
 pub mod drops;
 pub mod links;

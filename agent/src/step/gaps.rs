@@ -41,7 +41,10 @@ pub fn outages(samples: &[(f64, bool)]) -> Vec<Outage> {
         match (ok, open) {
             (false, None) => open = Some(t),
             (true, Some(start)) => {
-                out.push(Outage { start, end: Some(t) });
+                out.push(Outage {
+                    start,
+                    end: Some(t),
+                });
                 open = None;
             }
             _ => {}
@@ -69,7 +72,10 @@ mod tests {
 
     /// Probes every 10 ms over 1 s; the target is down during [0.3, 0.6).
     fn timeline(down: (f64, f64)) -> Vec<(f64, bool)> {
-        (0..100).map(|i| i as f64 * 0.01).map(|t| (t, !(t >= down.0 - 1e-9 && t < down.1 - 1e-9))).collect()
+        (0..100)
+            .map(|i| i as f64 * 0.01)
+            .map(|t| (t, !(t >= down.0 - 1e-9 && t < down.1 - 1e-9)))
+            .collect()
     }
 
     #[test]
@@ -84,10 +90,30 @@ mod tests {
 
     #[test]
     fn unsorted_samples_and_several_outages() {
-        let mut s = vec![(0.0, true), (0.2, false), (0.1, true), (0.3, true), (0.5, false), (0.4, false), (0.9, true)];
+        let mut s = vec![
+            (0.0, true),
+            (0.2, false),
+            (0.1, true),
+            (0.3, true),
+            (0.5, false),
+            (0.4, false),
+            (0.9, true),
+        ];
         s.reverse();
         let o = outages(&s);
-        assert_eq!(o, vec![Outage { start: 0.2, end: Some(0.3) }, Outage { start: 0.4, end: Some(0.9) }]);
+        assert_eq!(
+            o,
+            vec![
+                Outage {
+                    start: 0.2,
+                    end: Some(0.3)
+                },
+                Outage {
+                    start: 0.4,
+                    end: Some(0.9)
+                }
+            ]
+        );
         let g = summarize(&o, 0.01, 1.0);
         assert!((g.longest - 0.5).abs() < 1e-9 && (g.total - 0.6).abs() < 1e-9 && g.count == 2);
     }
@@ -95,7 +121,13 @@ mod tests {
     #[test]
     fn an_outage_still_going_counts_up_to_now() {
         let o = outages(&[(0.0, true), (1.0, false), (1.5, false)]);
-        assert_eq!(o, vec![Outage { start: 1.0, end: None }]);
+        assert_eq!(
+            o,
+            vec![Outage {
+                start: 1.0,
+                end: None
+            }]
+        );
         let g = summarize(&o, 0.01, 3.0);
         assert!(g.open && (g.longest - 2.0).abs() < 1e-9);
     }

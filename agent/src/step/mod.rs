@@ -55,34 +55,93 @@ impl StepParams {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
     /// Validates a request; errors name the field, on one line.
-    pub fn from_request(r: &StepRequest, default_burst: Duration) -> Result<(Option<String>, StepParams), String> {
-        let dur = |field: &str, v: &Option<String>, default: Duration, min: Duration, max: Duration| -> Result<Duration, String> {
+    pub fn from_request(
+        r: &StepRequest,
+        default_burst: Duration,
+    ) -> Result<(Option<String>, StepParams), String> {
+        let dur = |field: &str,
+                   v: &Option<String>,
+                   default: Duration,
+                   min: Duration,
+                   max: Duration|
+         -> Result<Duration, String> {
             let d = match v {
                 None => default,
                 Some(s) => duration::parse(s).map_err(|e| format!("{field}: {e}"))?,
             };
             if d < min || d > max {
-                return Err(format!("{field}: {} is out of range ({} to {})", duration::human(d), duration::human(min), duration::human(max)));
+                return Err(format!(
+                    "{field}: {} is out of range ({} to {})",
+                    duration::human(d),
+                    duration::human(min),
+                    duration::human(max)
+                ));
             }
             Ok(d)
         };
-        let timeout = dur("timeout", &r.timeout, Self::DEFAULT_TIMEOUT, Duration::from_secs(1), Duration::from_secs(6 * 3600))?;
-        let settle = dur("settle", &r.settle, Duration::from_secs(10), Duration::ZERO, Duration::from_secs(3600))?;
+        let timeout = dur(
+            "timeout",
+            &r.timeout,
+            Self::DEFAULT_TIMEOUT,
+            Duration::from_secs(1),
+            Duration::from_secs(6 * 3600),
+        )?;
+        let settle = dur(
+            "settle",
+            &r.settle,
+            Duration::from_secs(10),
+            Duration::ZERO,
+            Duration::from_secs(3600),
+        )?;
         if settle >= timeout {
-            return Err(format!("settle: {} must be shorter than timeout {}", duration::human(settle), duration::human(timeout)));
+            return Err(format!(
+                "settle: {} must be shorter than timeout {}",
+                duration::human(settle),
+                duration::human(timeout)
+            ));
         }
-        let max_gap = dur("max_gap", &r.max_gap, Duration::from_secs(5), Duration::from_millis(1), Duration::from_secs(3600))?;
-        let burst_interval = dur("burst_interval", &r.burst_interval, default_burst, Duration::from_millis(1), Duration::from_secs(10))?;
+        let max_gap = dur(
+            "max_gap",
+            &r.max_gap,
+            Duration::from_secs(5),
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+        )?;
+        let burst_interval = dur(
+            "burst_interval",
+            &r.burst_interval,
+            default_burst,
+            Duration::from_millis(1),
+            Duration::from_secs(10),
+        )?;
         let dns_slower_ratio = r.dns_slower_ratio.unwrap_or(2.0);
         if !(1.0..=100.0).contains(&dns_slower_ratio) {
             return Err("dns_slower_ratio: must be between 1 and 100".into());
         }
         if let Some(id) = &r.id {
-            if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) || id.starts_with('.') {
-                return Err(format!("id: {id:?} must be 1-64 characters of letters, digits, '-', '_' or '.'"));
+            if id.is_empty()
+                || id.len() > 64
+                || !id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+                || id.starts_with('.')
+            {
+                return Err(format!(
+                    "id: {id:?} must be 1-64 characters of letters, digits, '-', '_' or '.'"
+                ));
             }
         }
-        Ok((r.id.clone(), StepParams { timeout, settle, max_gap, burst_interval, dns_slower_ratio, drops_budget: r.drops_budget.clone().unwrap_or_default() }))
+        Ok((
+            r.id.clone(),
+            StepParams {
+                timeout,
+                settle,
+                max_gap,
+                burst_interval,
+                dns_slower_ratio,
+                drops_budget: r.drops_budget.clone().unwrap_or_default(),
+            },
+        ))
     }
 }
 
@@ -240,7 +299,16 @@ impl StepStore {
     /// All steps, newest first.
     pub fn list(&self) -> Vec<Step> {
         let mut v: Vec<Step> = std::fs::read_dir(&self.dir)
-            .map(|rd| rd.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".json") && !e.file_name().to_string_lossy().starts_with('.')).filter_map(|e| std::fs::read(e.path()).ok()).filter_map(|d| serde_json::from_slice(&d).ok()).collect())
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| {
+                        e.file_name().to_string_lossy().ends_with(".json")
+                            && !e.file_name().to_string_lossy().starts_with('.')
+                    })
+                    .filter_map(|e| std::fs::read(e.path()).ok())
+                    .filter_map(|d| serde_json::from_slice(&d).ok())
+                    .collect()
+            })
             .unwrap_or_default();
         v.sort_by(|a: &Step, b: &Step| b.created_at.total_cmp(&a.created_at));
         v
@@ -272,12 +340,49 @@ mod tests {
         let (_, p) = StepParams::from_request(&StepRequest::default(), burst).unwrap();
         assert_eq!(p.timeout, StepParams::DEFAULT_TIMEOUT);
         for (req, field) in [
-            (StepRequest { timeout: Some("soon".into()), ..Default::default() }, "timeout"),
-            (StepRequest { timeout: Some("100h".into()), ..Default::default() }, "timeout"),
-            (StepRequest { settle: Some("20m".into()), timeout: Some("10m".into()), ..Default::default() }, "settle"),
-            (StepRequest { max_gap: Some("0ms".into()), ..Default::default() }, "max_gap"),
-            (StepRequest { id: Some("../etc".into()), ..Default::default() }, "id"),
-            (StepRequest { dns_slower_ratio: Some(0.5), ..Default::default() }, "dns_slower_ratio"),
+            (
+                StepRequest {
+                    timeout: Some("soon".into()),
+                    ..Default::default()
+                },
+                "timeout",
+            ),
+            (
+                StepRequest {
+                    timeout: Some("100h".into()),
+                    ..Default::default()
+                },
+                "timeout",
+            ),
+            (
+                StepRequest {
+                    settle: Some("20m".into()),
+                    timeout: Some("10m".into()),
+                    ..Default::default()
+                },
+                "settle",
+            ),
+            (
+                StepRequest {
+                    max_gap: Some("0ms".into()),
+                    ..Default::default()
+                },
+                "max_gap",
+            ),
+            (
+                StepRequest {
+                    id: Some("../etc".into()),
+                    ..Default::default()
+                },
+                "id",
+            ),
+            (
+                StepRequest {
+                    dns_slower_ratio: Some(0.5),
+                    ..Default::default()
+                },
+                "dns_slower_ratio",
+            ),
         ] {
             let e = StepParams::from_request(&req, burst).unwrap_err();
             assert!(e.starts_with(field), "{e}");
@@ -287,10 +392,28 @@ mod tests {
 
     #[test]
     fn outages_continue_across_an_agent_restart() {
-        let mut t = TargetTimeline { prior: vec![Outage { start: 1.0, end: None }], ..Default::default() };
+        let mut t = TargetTimeline {
+            prior: vec![Outage {
+                start: 1.0,
+                end: None,
+            }],
+            ..Default::default()
+        };
         t.samples = vec![(5.0, false), (6.0, true)];
-        assert_eq!(t.outages(), vec![Outage { start: 1.0, end: Some(6.0) }]);
-        let mut t = TargetTimeline { prior: vec![Outage { start: 1.0, end: Some(2.0) }], ..Default::default() };
+        assert_eq!(
+            t.outages(),
+            vec![Outage {
+                start: 1.0,
+                end: Some(6.0)
+            }]
+        );
+        let mut t = TargetTimeline {
+            prior: vec![Outage {
+                start: 1.0,
+                end: Some(2.0),
+            }],
+            ..Default::default()
+        };
         t.samples = vec![(5.0, true), (6.0, false), (7.0, true)];
         assert_eq!(t.outages().len(), 2);
     }

@@ -30,7 +30,12 @@ pub struct Observed {
 }
 
 /// Folds an observation of program ids into the reload state.
-pub fn update_reload(r: &mut Reload, baseline: &BTreeMap<String, u32>, current: &BTreeMap<String, Option<u32>>, now: f64) {
+pub fn update_reload(
+    r: &mut Reload,
+    baseline: &BTreeMap<String, u32>,
+    current: &BTreeMap<String, Option<u32>>,
+    now: f64,
+) {
     if &r.last_seen != current {
         if !r.last_seen.is_empty() || current.iter().any(|(d, id)| baseline.get(d) != id.as_ref()) {
             r.last_change_at = Some(now);
@@ -51,7 +56,9 @@ pub fn update_reload(r: &mut Reload, baseline: &BTreeMap<String, u32>, current: 
             }
         }
     }
-    let all_changed = baseline.keys().all(|d| r.changed.contains_key(d) && !r.lost.contains(d));
+    let all_changed = baseline
+        .keys()
+        .all(|d| r.changed.contains_key(d) && !r.lost.contains(d));
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
     if all_changed && quiet && r.complete_at.is_none() {
         r.complete_at = Some(now);
@@ -64,7 +71,9 @@ fn gap_rows(step: &Step, now: f64) -> Vec<TargetGap> {
         .map(|(name, t)| {
             let outages = t.outages();
             let g = summarize(&outages, step.params.burst_interval.as_secs_f64(), now);
-            let longest = outages.iter().max_by(|a, b| a.duration(now).total_cmp(&b.duration(now)));
+            let longest = outages
+                .iter()
+                .max_by(|a, b| a.duration(now).total_cmp(&b.duration(now)));
             TargetGap {
                 target: name.clone(),
                 kind: t.kind.clone(),
@@ -83,7 +92,12 @@ fn gap_rows(step: &Step, now: f64) -> Vec<TargetGap> {
 
 fn finish(step: &mut Step, status: &str, reasons: Vec<String>, summary: String, now: f64) {
     step.phase = "done".into();
-    step.verdict = Some(Verdict { status: status.into(), reasons, summary, finished_at: now });
+    step.verdict = Some(Verdict {
+        status: status.into(),
+        reasons,
+        summary,
+        finished_at: now,
+    });
 }
 
 /// Advances the step with an observation; sets `step.verdict` once it is decided.
@@ -107,37 +121,112 @@ pub fn decide(step: &mut Step, o: &Observed) {
     }
 
     // gaps: the longest outage can only grow, so a gap over budget is final at once.
-    let over: Vec<String> = step.gaps.iter().filter(|g| g.longest_s > g.budget_s).map(|g| format!("{} {:.0}ms > {:.0}ms", g.target, g.longest_s * 1e3, g.budget_s * 1e3)).collect();
+    let over: Vec<String> = step
+        .gaps
+        .iter()
+        .filter(|g| g.longest_s > g.budget_s)
+        .map(|g| {
+            format!(
+                "{} {:.0}ms > {:.0}ms",
+                g.target,
+                g.longest_s * 1e3,
+                g.budget_s * 1e3
+            )
+        })
+        .collect();
     if !over.is_empty() {
-        finish(step, "failed", vec!["gap_over_budget".into()], format!("gap over budget: {}", over.join(", ")), now);
+        finish(
+            step,
+            "failed",
+            vec!["gap_over_budget".into()],
+            format!("gap over budget: {}", over.join(", ")),
+            now,
+        );
         return;
     }
-    let open: Vec<&str> = step.gaps.iter().filter(|g| g.open).map(|g| g.target.as_str()).collect();
-    checks.insert("gaps".into(), if open.is_empty() { ("pass".into(), "every outage within its budget".into()) } else { ("fail".into(), format!("still failing: {}", open.join(", "))) });
+    let open: Vec<&str> = step
+        .gaps
+        .iter()
+        .filter(|g| g.open)
+        .map(|g| g.target.as_str())
+        .collect();
+    checks.insert(
+        "gaps".into(),
+        if open.is_empty() {
+            ("pass".into(), "every outage within its budget".into())
+        } else {
+            ("fail".into(), format!("still failing: {}", open.join(", ")))
+        },
+    );
 
     // reload
     let r = &step.reload;
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
     if !r.lost.is_empty() && quiet && !r.changed.is_empty() {
         let lost = r.lost.join(", ");
-        finish(step, "failed", vec!["device_set_changed".into()], format!("the reloaded datapath is no longer attached to {lost}"), now);
+        finish(
+            step,
+            "failed",
+            vec!["device_set_changed".into()],
+            format!("the reloaded datapath is no longer attached to {lost}"),
+            now,
+        );
         return;
     }
     let reloaded = r.complete_at.is_some();
-    let unchanged: Vec<String> = step.baseline.programs.keys().filter(|d| !r.changed.contains_key(*d)).cloned().collect();
+    let unchanged: Vec<String> = step
+        .baseline
+        .programs
+        .keys()
+        .filter(|d| !r.changed.contains_key(*d))
+        .cloned()
+        .collect();
     checks.insert(
         "reload".into(),
-        if reloaded { ("pass".into(), format!("new program ids on {}", step.baseline.programs.keys().cloned().collect::<Vec<_>>().join(", "))) } else { ("fail".into(), format!("waiting for new program ids on {}", unchanged.join(", "))) },
+        if reloaded {
+            (
+                "pass".into(),
+                format!(
+                    "new program ids on {}",
+                    step.baseline
+                        .programs
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        } else {
+            (
+                "fail".into(),
+                format!("waiting for new program ids on {}", unchanged.join(", ")),
+            )
+        },
     );
 
     // baseline: maps and DNS, once reloaded.
     let mut baseline_problem: Option<(String, String)> = None;
     if reloaded {
         if let Some(maps) = &o.maps {
-            let missing: Vec<&String> = step.baseline.maps.keys().filter(|m| !maps.contains_key(*m)).collect();
+            let missing: Vec<&String> = step
+                .baseline
+                .maps
+                .keys()
+                .filter(|m| !maps.contains_key(*m))
+                .collect();
             if !missing.is_empty() {
-                let names = missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ");
-                finish(step, "failed", vec!["map_missing".into()], format!("pinned map vanished across the restart: {names}"), now);
+                let names = missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                finish(
+                    step,
+                    "failed",
+                    vec!["map_missing".into()],
+                    format!("pinned map vanished across the restart: {names}"),
+                    now,
+                );
                 return;
             }
             let emptied: Vec<String> = step
@@ -151,39 +240,107 @@ pub fn decide(step: &mut Step, o: &Observed) {
                 })
                 .collect();
             if !emptied.is_empty() {
-                finish(step, "failed", vec!["map_emptied".into()], format!("maps lost most of their entries: {}", emptied.join(", ")), now);
+                finish(
+                    step,
+                    "failed",
+                    vec!["map_emptied".into()],
+                    format!("maps lost most of their entries: {}", emptied.join(", ")),
+                    now,
+                );
                 return;
             }
         }
         if let (Some(before), Some(after)) = (step.baseline.dns_p50_ms, o.dns_p50_after_ms) {
             if after > before * step.params.dns_slower_ratio + 1.0 {
-                baseline_problem = Some(("dns_slower".into(), format!("DNS p50 {after:.1}ms after vs {before:.1}ms before (> {}x)", step.params.dns_slower_ratio)));
+                baseline_problem = Some((
+                    "dns_slower".into(),
+                    format!(
+                        "DNS p50 {after:.1}ms after vs {before:.1}ms before (> {}x)",
+                        step.params.dns_slower_ratio
+                    ),
+                ));
             }
         }
     }
-    checks.insert("baseline".into(), match &baseline_problem {
-        Some((_, why)) => ("fail".into(), why.clone()),
-        None if reloaded => ("pass".into(), "devices, maps and DNS latency as before".into()),
-        None => ("unknown".into(), "compared after the reload".into()),
-    });
+    checks.insert(
+        "baseline".into(),
+        match &baseline_problem {
+            Some((_, why)) => ("fail".into(), why.clone()),
+            None if reloaded => (
+                "pass".into(),
+                "devices, maps and DNS latency as before".into(),
+            ),
+            None => ("unknown".into(), "compared after the reload".into()),
+        },
+    );
 
     // drops
-    let over_drops: Vec<String> = step.params.drops_budget.iter().filter_map(|(reason, budget)| {
-        let n = o.drops.iter().filter(|(k, _)| k.ends_with(&format!(":{reason}")) || *k == reason).map(|(_, v)| *v).sum::<u64>();
-        (n > *budget).then(|| format!("{reason} {n} > {budget}"))
-    }).collect();
-    checks.insert("drops".into(), if over_drops.is_empty() { ("pass".into(), format!("{} drops in the window", o.drops.values().sum::<u64>())) } else { ("fail".into(), over_drops.join(", ")) });
+    let over_drops: Vec<String> = step
+        .params
+        .drops_budget
+        .iter()
+        .filter_map(|(reason, budget)| {
+            let n = o
+                .drops
+                .iter()
+                .filter(|(k, _)| k.ends_with(&format!(":{reason}")) || *k == reason)
+                .map(|(_, v)| *v)
+                .sum::<u64>();
+            (n > *budget).then(|| format!("{reason} {n} > {budget}"))
+        })
+        .collect();
+    checks.insert(
+        "drops".into(),
+        if over_drops.is_empty() {
+            (
+                "pass".into(),
+                format!("{} drops in the window", o.drops.values().sum::<u64>()),
+            )
+        } else {
+            ("fail".into(), over_drops.join(", "))
+        },
+    );
     step.checks = checks;
 
-    let green = reloaded && open.is_empty() && baseline_problem.is_none() && over_drops.is_empty() && o.node_not_green.is_empty();
+    let green = reloaded
+        && open.is_empty()
+        && baseline_problem.is_none()
+        && over_drops.is_empty()
+        && o.node_not_green.is_empty();
     if reloaded {
         step.phase = "settling".into();
     }
     if green {
         let since = *step.green_since.get_or_insert(now);
         if now - since >= step.params.settle.as_secs_f64() && o.complete_until >= since {
-            let worst = step.gaps.iter().map(|g| format!("{} {:.0}±{:.0}ms", g.target, g.longest_s * 1e3, g.error_bound_s * 1e3)).collect::<Vec<_>>().join(", ");
-            finish(step, "passed", vec![], format!("datapath reloaded and green for {:.0}s; gaps: {}", step.params.settle.as_secs_f64(), if worst.is_empty() { "none measured".into() } else { worst }), now);
+            let worst = step
+                .gaps
+                .iter()
+                .map(|g| {
+                    format!(
+                        "{} {:.0}±{:.0}ms",
+                        g.target,
+                        g.longest_s * 1e3,
+                        g.error_bound_s * 1e3
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            finish(
+                step,
+                "passed",
+                vec![],
+                format!(
+                    "datapath reloaded and green for {:.0}s; gaps: {}",
+                    step.params.settle.as_secs_f64(),
+                    if worst.is_empty() {
+                        "none measured".into()
+                    } else {
+                        worst
+                    }
+                ),
+                now,
+            );
             return;
         }
     } else {
@@ -192,8 +349,21 @@ pub fn decide(step: &mut Step, o: &Observed) {
 
     if now >= step.created_at + step.params.timeout.as_secs_f64() {
         if !reloaded {
-            let why = if step.reload.changed.is_empty() { "no device got new program ids before the timeout".to_string() } else { format!("no new program ids on {} before the timeout", unchanged.join(", ")) };
-            finish(step, "failed", vec!["datapath_not_reloaded".into()], why, now);
+            let why = if step.reload.changed.is_empty() {
+                "no device got new program ids before the timeout".to_string()
+            } else {
+                format!(
+                    "no new program ids on {} before the timeout",
+                    unchanged.join(", ")
+                )
+            };
+            finish(
+                step,
+                "failed",
+                vec!["datapath_not_reloaded".into()],
+                why,
+                now,
+            );
         } else {
             let mut reasons = vec!["not_settled".to_string()];
             let mut why: Vec<String> = o.node_not_green.clone();
@@ -208,7 +378,17 @@ pub fn decide(step: &mut Step, o: &Observed) {
             if !open.is_empty() {
                 why.push(format!("still failing: {}", open.join(", ")));
             }
-            finish(step, "failed", reasons, format!("never green for {:.0}s after the reload: {}", step.params.settle.as_secs_f64(), why.join("; ")), now);
+            finish(
+                step,
+                "failed",
+                reasons,
+                format!(
+                    "never green for {:.0}s after the reload: {}",
+                    step.params.settle.as_secs_f64(),
+                    why.join("; ")
+                ),
+                now,
+            );
         }
     }
 }
@@ -223,16 +403,35 @@ mod tests {
         Step {
             id: "s".into(),
             created_at: 0.0,
-            params: StepParams { timeout: Duration::from_secs(60), settle: Duration::from_secs(5), max_gap: Duration::from_secs(2), burst_interval: Duration::from_millis(10), dns_slower_ratio: 2.0, drops_budget: BTreeMap::new() },
+            params: StepParams {
+                timeout: Duration::from_secs(60),
+                settle: Duration::from_secs(5),
+                max_gap: Duration::from_secs(2),
+                burst_interval: Duration::from_millis(10),
+                dns_slower_ratio: 2.0,
+                drops_budget: BTreeMap::new(),
+            },
             phase: "watching".into(),
             baseline: Baseline {
                 programs: [("eth0".to_string(), 10u32), ("eth1".to_string(), 11u32)].into(),
-                maps: [("cilium_ct4_global".to_string(), Some(100u64)), ("cilium_lxc".to_string(), Some(4))].into(),
+                maps: [
+                    ("cilium_ct4_global".to_string(), Some(100u64)),
+                    ("cilium_lxc".to_string(), Some(4)),
+                ]
+                .into(),
                 dns_p50_ms: Some(1.0),
                 ..Default::default()
             },
             reload: Default::default(),
-            targets: [("gw".to_string(), TargetTimeline { kind: "http".into(), budget: 2.0, ..Default::default() })].into(),
+            targets: [(
+                "gw".to_string(),
+                TargetTimeline {
+                    kind: "http".into(),
+                    budget: 2.0,
+                    ..Default::default()
+                },
+            )]
+            .into(),
             holes: vec![],
             evidence_incomplete: None,
             green_since: None,
@@ -248,10 +447,23 @@ mod tests {
         Some([("eth0".to_string(), a), ("eth1".to_string(), b)].into())
     }
     fn maps(ct: u64) -> Option<BTreeMap<String, Option<u64>>> {
-        Some([("cilium_ct4_global".to_string(), Some(ct)), ("cilium_lxc".to_string(), Some(4))].into())
+        Some(
+            [
+                ("cilium_ct4_global".to_string(), Some(ct)),
+                ("cilium_lxc".to_string(), Some(4)),
+            ]
+            .into(),
+        )
     }
     fn obs(now: f64, p: Option<BTreeMap<String, Option<u32>>>) -> Observed {
-        Observed { now, programs: p, maps: maps(100), dns_p50_after_ms: Some(1.2), complete_until: now, ..Default::default() }
+        Observed {
+            now,
+            programs: p,
+            maps: maps(100),
+            dns_p50_after_ms: Some(1.2),
+            complete_until: now,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -259,7 +471,17 @@ mod tests {
         let mut s = step();
         s.targets.get_mut("gw").unwrap().samples = vec![(0.5, true), (1.0, false), (1.3, true)];
         for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0] {
-            decide(&mut s, &obs(t, if t < 1.2 { progs(Some(10), Some(11)) } else { progs(Some(20), Some(21)) }));
+            decide(
+                &mut s,
+                &obs(
+                    t,
+                    if t < 1.2 {
+                        progs(Some(10), Some(11))
+                    } else {
+                        progs(Some(20), Some(21))
+                    },
+                ),
+            );
         }
         assert!(s.verdict.is_none(), "not settled yet");
         decide(&mut s, &obs(8.1, progs(Some(20), Some(21))));
@@ -314,7 +536,8 @@ mod tests {
     #[test]
     fn incomplete_evidence_is_never_a_pass() {
         let mut s = step();
-        s.evidence_incomplete = Some("the agent was down from 1.0 to 3.0 while the datapath reloaded".into());
+        s.evidence_incomplete =
+            Some("the agent was down from 1.0 to 3.0 while the datapath reloaded".into());
         decide(&mut s, &obs(10.0, progs(Some(20), Some(21))));
         assert_eq!(s.verdict.unwrap().reasons, vec!["evidence_incomplete"]);
     }
@@ -344,6 +567,10 @@ mod tests {
             o.complete_until = t;
             decide(&mut s, &o);
         }
-        assert!(s.verdict.unwrap().reasons.contains(&"drops_over_budget".to_string()));
+        assert!(s
+            .verdict
+            .unwrap()
+            .reasons
+            .contains(&"drops_over_budget".to_string()));
     }
 }

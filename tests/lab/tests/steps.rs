@@ -8,7 +8,12 @@ use stepguard_lab::{AttachMode, RestartOpts};
 const STEP: &str = r#"{"settle": "1s", "timeout": "30s"}"#;
 
 fn gap<'a>(v: &'a serde_json::Value, target: &str) -> &'a serde_json::Value {
-    v["gaps"].as_array().unwrap().iter().find(|g| g["target"] == target).unwrap_or_else(|| panic!("no gap for {target}: {v}"))
+    v["gaps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["target"] == target)
+        .unwrap_or_else(|| panic!("no gap for {target}: {v}"))
 }
 
 fn gaps_are_accurate(attach: AttachMode) {
@@ -17,17 +22,36 @@ fn gaps_are_accurate(attach: AttachMode) {
     for gap_ms in [50u64, 300, 2000] {
         let id = agent.begin(STEP);
         std::thread::sleep(Duration::from_millis(300));
-        let r = lab.restart(&RestartOpts { gap: Duration::from_millis(gap_ms), ..Default::default() }).unwrap();
+        let r = lab
+            .restart(&RestartOpts {
+                gap: Duration::from_millis(gap_ms),
+                ..Default::default()
+            })
+            .unwrap();
         let v = agent.verdict(&id);
         assert_eq!(v["verdict"]["status"], "passed", "{gap_ms} ms: {v:#}");
-        let (start, end) = (r.blackhole_start_ns as f64 / 1e9, r.blackhole_end_ns as f64 / 1e9);
+        let (start, end) = (
+            r.blackhole_start_ns as f64 / 1e9,
+            r.blackhole_end_ns as f64 / 1e9,
+        );
         for target in ["gateway", "dns"] {
             let g = gap(&v, target);
             let tol = g["error_bound_s"].as_f64().unwrap() + 0.010;
             let longest = g["longest_s"].as_f64().unwrap();
-            let (gs, ge) = (g["longest_start"].as_f64().unwrap(), g["longest_end"].as_f64().unwrap());
-            assert!((longest - (end - start)).abs() <= tol, "{target} @ {gap_ms} ms: measured {:.1} ms vs recorded {:.1} ms", longest * 1e3, (end - start) * 1e3);
-            assert!((gs - start).abs() <= tol && (ge - end).abs() <= tol, "{target} @ {gap_ms} ms: outage [{gs}, {ge}] vs blackhole [{start}, {end}]");
+            let (gs, ge) = (
+                g["longest_start"].as_f64().unwrap(),
+                g["longest_end"].as_f64().unwrap(),
+            );
+            assert!(
+                (longest - (end - start)).abs() <= tol,
+                "{target} @ {gap_ms} ms: measured {:.1} ms vs recorded {:.1} ms",
+                longest * 1e3,
+                (end - start) * 1e3
+            );
+            assert!(
+                (gs - start).abs() <= tol && (ge - end).abs() <= tol,
+                "{target} @ {gap_ms} ms: outage [{gs}, {ge}] vs blackhole [{start}, {end}]"
+            );
             assert_eq!(g["count"], 1, "one outage");
         }
     }
@@ -49,16 +73,43 @@ fn a_clean_restart_passes_and_reports_the_drops_of_the_window() {
     let agent = Daemon::start(&lab, &[]);
     let id = agent.begin(STEP);
     std::thread::sleep(Duration::from_millis(300));
-    lab.restart(&RestartOpts { gap: Duration::from_millis(300), ..Default::default() }).unwrap();
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .unwrap();
     let v = agent.verdict(&id);
     assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
-    assert!(v["drops"]["cilium:202_host_datapath_not_ready"].as_u64().unwrap_or(0) > 0, "Cilium's reason 202 drops: {}", v["drops"]);
-    assert!(v["drops"].as_object().unwrap().keys().any(|k| k.starts_with("kernel:TC_")), "kernel TC drops: {}", v["drops"]);
+    assert!(
+        v["drops"]["cilium:202_host_datapath_not_ready"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
+        "Cilium's reason 202 drops: {}",
+        v["drops"]
+    );
+    assert!(
+        v["drops"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .any(|k| k.starts_with("kernel:TC_")),
+        "kernel TC drops: {}",
+        v["drops"]
+    );
     let (_, m) = agent.get("/metrics");
-    assert!(m.lines().any(|l| l.starts_with("stepguard_cilium_drops_total{reason=\"202_host_datapath_not_ready\"}")), "{m}");
+    assert!(
+        m.lines().any(|l| l
+            .starts_with("stepguard_cilium_drops_total{reason=\"202_host_datapath_not_ready\"}")),
+        "{m}"
+    );
     assert!(m.contains("stepguard_steps_total{verdict=\"passed\"} 1"));
     assert!(m.contains("stepguard_last_step_passed 1"));
-    assert_eq!(agent.get("/v1/verdict").0, 200, "the node is healthy afterwards");
+    assert_eq!(
+        agent.get("/v1/verdict").0,
+        200,
+        "the node is healthy afterwards"
+    );
 }
 
 fn fault(opts: RestartOpts, body: &str, code: &str) {
@@ -69,32 +120,79 @@ fn fault(opts: RestartOpts, body: &str, code: &str) {
     lab.restart(&opts).unwrap();
     let v = agent.verdict(&id);
     assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
-    assert!(v["verdict"]["reasons"].as_array().unwrap().iter().any(|r| r == code), "{code} in {}", v["verdict"]);
+    assert!(
+        v["verdict"]["reasons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == code),
+        "{code} in {}",
+        v["verdict"]
+    );
 }
 
 #[test]
 fn no_reload_fails_with_datapath_not_reloaded() {
-    fault(RestartOpts { gap: Duration::from_millis(100), no_reload: true, ..Default::default() }, r#"{"settle":"1s","timeout":"6s"}"#, "datapath_not_reloaded");
+    fault(
+        RestartOpts {
+            gap: Duration::from_millis(100),
+            no_reload: true,
+            ..Default::default()
+        },
+        r#"{"settle":"1s","timeout":"6s"}"#,
+        "datapath_not_reloaded",
+    );
 }
 
 #[test]
 fn a_dropped_device_fails_with_device_set_changed() {
-    fault(RestartOpts { gap: Duration::from_millis(100), drop_device: Some("eth1".into()), ..Default::default() }, STEP, "device_set_changed");
+    fault(
+        RestartOpts {
+            gap: Duration::from_millis(100),
+            drop_device: Some("eth1".into()),
+            ..Default::default()
+        },
+        STEP,
+        "device_set_changed",
+    );
 }
 
 #[test]
 fn a_lost_map_fails_with_map_missing() {
-    fault(RestartOpts { gap: Duration::from_millis(100), lose_map: Some("cilium_lb4_services_v2".into()), ..Default::default() }, STEP, "map_missing");
+    fault(
+        RestartOpts {
+            gap: Duration::from_millis(100),
+            lose_map: Some("cilium_lb4_services_v2".into()),
+            ..Default::default()
+        },
+        STEP,
+        "map_missing",
+    );
 }
 
 #[test]
 fn a_flushed_map_fails_with_map_emptied() {
-    fault(RestartOpts { gap: Duration::from_millis(100), flush_map: Some("cilium_ct4_global".into()), ..Default::default() }, STEP, "map_emptied");
+    fault(
+        RestartOpts {
+            gap: Duration::from_millis(100),
+            flush_map: Some("cilium_ct4_global".into()),
+            ..Default::default()
+        },
+        STEP,
+        "map_emptied",
+    );
 }
 
 #[test]
 fn a_gap_over_budget_fails_with_gap_over_budget() {
-    fault(RestartOpts { gap: Duration::from_millis(400), ..Default::default() }, r#"{"settle":"1s","timeout":"30s","max_gap":"150ms"}"#, "gap_over_budget");
+    fault(
+        RestartOpts {
+            gap: Duration::from_millis(400),
+            ..Default::default()
+        },
+        r#"{"settle":"1s","timeout":"30s","max_gap":"150ms"}"#,
+        "gap_over_budget",
+    );
 }
 
 #[test]
@@ -106,10 +204,19 @@ fn an_agent_killed_before_the_restart_resumes_the_step_from_disk() {
     agent.kill9();
     agent.restart_same();
     std::thread::sleep(Duration::from_millis(500));
-    let r = lab.restart(&RestartOpts { gap: Duration::from_millis(300), ..Default::default() }).unwrap();
+    let r = lab
+        .restart(&RestartOpts {
+            gap: Duration::from_millis(300),
+            ..Default::default()
+        })
+        .unwrap();
     let v = agent.verdict(&id);
     assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
-    assert_eq!(v["holes"].as_array().unwrap().len(), 1, "the hole is recorded");
+    assert_eq!(
+        v["holes"].as_array().unwrap().len(),
+        1,
+        "the hole is recorded"
+    );
     let g = gap(&v, "gateway")["longest_s"].as_f64().unwrap();
     let want = (r.blackhole_end_ns - r.blackhole_start_ns) as f64 / 1e9;
     assert!((g - want).abs() <= 0.02, "gap {g} vs {want}");
@@ -123,13 +230,27 @@ fn an_agent_killed_during_the_outage_never_passes() {
     std::thread::sleep(Duration::from_millis(300));
     let bpffs = lab.state.bpffs.clone();
     let restart = std::thread::spawn(move || {
-        lab.restart(&RestartOpts { gap: Duration::from_millis(2500), ..Default::default() }).unwrap();
+        lab.restart(&RestartOpts {
+            gap: Duration::from_millis(2500),
+            ..Default::default()
+        })
+        .unwrap();
         lab
     });
     // Kill the agent once the blackhole is on and the agent has seen (and persisted) failures.
     let pin = bpffs.join("stepguard-lab/blackhole");
     for _ in 0..400 {
-        let v = bpftool_json(&["map", "lookup", "pinned", &pin.to_string_lossy(), "key", "0", "0", "0", "0"]);
+        let v = bpftool_json(&[
+            "map",
+            "lookup",
+            "pinned",
+            &pin.to_string_lossy(),
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+        ]);
         if v["value"][0] == "0x01" {
             break;
         }
@@ -142,7 +263,11 @@ fn an_agent_killed_during_the_outage_never_passes() {
     let _lab = restart.join().unwrap();
     let v = agent.verdict(&id);
     assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
-    assert_eq!(v["verdict"]["reasons"], serde_json::json!(["evidence_incomplete"]), "{v:#}");
+    assert_eq!(
+        v["verdict"]["reasons"],
+        serde_json::json!(["evidence_incomplete"]),
+        "{v:#}"
+    );
 }
 
 #[test]
@@ -164,19 +289,30 @@ fn malformed_requests_get_their_status_and_one_line_and_the_daemon_keeps_serving
         assert!(e.contains(needle), "{body}: {e}");
         assert_eq!(e.lines().count(), 1);
     }
-    let (s, _) = agent.post("/v1/steps", &format!("{{\"id\": \"{}\"}}", "x".repeat(20_000)), None);
+    let (s, _) = agent.post(
+        "/v1/steps",
+        &format!("{{\"id\": \"{}\"}}", "x".repeat(20_000)),
+        None,
+    );
     assert_eq!(s, 413, "oversized body");
     assert_eq!(agent.get_json("/v1/steps/no-such-step").0, 404);
     assert_eq!(agent.get_json("/v1/steps/a?wait=forever").0, 400);
     assert_eq!(agent.delete("/v1/steps/no-such-step", None).0, 404);
     // One step at a time; re-POST of the active id is idempotent; another id conflicts.
-    let (s, v) = agent.post("/v1/steps", r#"{"id":"one","settle":"1s","timeout":"30s"}"#, None);
+    let (s, v) = agent.post(
+        "/v1/steps",
+        r#"{"id":"one","settle":"1s","timeout":"30s"}"#,
+        None,
+    );
     assert_eq!(s, 201, "{v}");
     assert_eq!(agent.post("/v1/steps", r#"{"id":"one"}"#, None).0, 200);
     let (s, v) = agent.post("/v1/steps", r#"{"id":"two"}"#, None);
     assert_eq!((s, v["active_id"].as_str()), (409, Some("one")));
     let (s, v) = agent.delete("/v1/steps/one", None);
-    assert_eq!((s, v["verdict"]["status"].as_str()), (200, Some("cancelled")));
+    assert_eq!(
+        (s, v["verdict"]["status"].as_str()),
+        (200, Some("cancelled"))
+    );
     let (s, v) = agent.get_json("/v1/steps");
     assert_eq!(s, 200);
     assert_eq!(v["steps"][0]["id"], "one");
@@ -192,10 +328,18 @@ fn with_a_token_file_mutating_routes_need_the_token() {
     let agent = Daemon::start(&lab, &["--token-file", &token.to_string_lossy()]);
     assert_eq!(agent.post("/v1/steps", STEP, None).0, 401);
     assert_eq!(agent.post("/v1/steps", STEP, Some("wrong")).0, 401);
-    let (s, v) = agent.post("/v1/steps", r#"{"id":"tok","settle":"1s","timeout":"30s"}"#, Some("s3cret-token"));
+    let (s, v) = agent.post(
+        "/v1/steps",
+        r#"{"id":"tok","settle":"1s","timeout":"30s"}"#,
+        Some("s3cret-token"),
+    );
     assert_eq!(s, 201, "{v}");
     assert_eq!(agent.delete("/v1/steps/tok", None).0, 401);
-    assert_eq!(agent.get_json("/v1/steps/tok").0, 202, "reads need no token");
+    assert_eq!(
+        agent.get_json("/v1/steps/tok").0,
+        202,
+        "reads need no token"
+    );
     assert_eq!(agent.delete("/v1/steps/tok", Some("s3cret-token")).0, 200);
 }
 
@@ -204,16 +348,60 @@ fn the_cli_steps_and_waits_with_exit_codes() {
     let mut lab = lab(|_| {});
     let agent = Daemon::start(&lab, &[]);
     let url = format!("http://{}", agent.addr);
-    let out = in_node(&lab, &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(), &["step", "--agent", &url, "--settle", "1s", "--timeout", "30s"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let id = String::from_utf8_lossy(&out.stdout).lines().last().unwrap().trim().to_string();
+    let out = in_node(
+        &lab,
+        &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(),
+        &[
+            "step",
+            "--agent",
+            &url,
+            "--settle",
+            "1s",
+            "--timeout",
+            "30s",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap()
+        .trim()
+        .to_string();
     std::thread::sleep(Duration::from_millis(300));
-    lab.restart(&RestartOpts { gap: Duration::from_millis(200), ..Default::default() }).unwrap();
-    let out = in_node(&lab, &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(), &["wait", "--agent", &url, "--step", &id, "--timeout", "60s"]);
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
+    let out = in_node(
+        &lab,
+        &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(),
+        &["wait", "--agent", &url, "--step", &id, "--timeout", "60s"],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
-    assert!(text.contains("PASSED") && text.contains("gateway"), "{text}");
+    assert!(
+        text.contains("PASSED") && text.contains("gateway"),
+        "{text}"
+    );
     // wait on an unreachable agent: exit 2.
-    let out = in_node(&lab, &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(), &["wait", "--agent", "http://127.0.0.1:1", "--step", &id, "--timeout", "2s"]);
+    let out = in_node(
+        &lab,
+        &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(),
+        &[
+            "wait",
+            "--agent",
+            "http://127.0.0.1:1",
+            "--step",
+            &id,
+            "--timeout",
+            "2s",
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
 }

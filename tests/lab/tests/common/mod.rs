@@ -227,7 +227,14 @@ pub fn blackhole(lab: &Lab, on: bool) {
 }
 
 /// A plain HTTP/1.1 request from inside `netns`; returns (status, body).
-pub fn http(netns: &str, addr: SocketAddr, method: &str, path: &str, body: Option<&str>, token: Option<&str>) -> (u16, String) {
+pub fn http(
+    netns: &str,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> (u16, String) {
     let (method, path) = (method.to_string(), path.to_string());
     let body = body.map(str::to_string);
     let token = token.map(str::to_string);
@@ -240,15 +247,32 @@ pub fn http(netns: &str, addr: SocketAddr, method: &str, path: &str, body: Optio
             req.push_str(&format!("Authorization: Bearer {t}\r\n"));
         }
         let b = body.unwrap_or_default();
-        req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()));
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+            b.len()
+        ));
         s.write_all(req.as_bytes())?;
         let mut resp = Vec::new();
         let _ = s.read_to_end(&mut resp);
         let text = String::from_utf8_lossy(&resp).into_owned();
-        let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = text.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|x| x.1.to_string())
+            .unwrap_or_default();
         // Chunked bodies: keep the JSON between the chunk sizes.
-        let body = if text.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(&body) } else { body };
+        let body = if text
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(&body)
+        } else {
+            body
+        };
         Ok((status, body))
     })
     .expect("http request")
@@ -280,12 +304,32 @@ pub struct Daemon {
 impl Daemon {
     pub fn start(lab: &Lab, extra: &[&str]) -> Daemon {
         let state_dir = lab.state.run_dir.join("agent-state");
-        Self::start_with(lab.node_ns(), lab.stepguard_config(), state_dir, free_port(), extra)
+        Self::start_with(
+            lab.node_ns(),
+            lab.stepguard_config(),
+            state_dir,
+            free_port(),
+            extra,
+        )
     }
 
-    pub fn start_with(ns: String, config: PathBuf, state_dir: PathBuf, port: u16, extra: &[&str]) -> Daemon {
+    pub fn start_with(
+        ns: String,
+        config: PathBuf,
+        state_dir: PathBuf,
+        port: u16,
+        extra: &[&str],
+    ) -> Daemon {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let mut args: Vec<String> = vec!["agent".into(), "--config".into(), config.to_string_lossy().into(), "--state-dir".into(), state_dir.to_string_lossy().into(), "--listen".into(), addr.to_string()];
+        let mut args: Vec<String> = vec![
+            "agent".into(),
+            "--config".into(),
+            config.to_string_lossy().into(),
+            "--state-dir".into(),
+            state_dir.to_string_lossy().into(),
+            "--listen".into(),
+            addr.to_string(),
+        ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{ns}"))
@@ -296,7 +340,13 @@ impl Daemon {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start stepguard agent");
-        let d = Daemon { child, addr, ns, state_dir, args };
+        let d = Daemon {
+            child,
+            addr,
+            ns,
+            state_dir,
+            args,
+        };
         d.wait_ready();
         d
     }
@@ -306,17 +356,26 @@ impl Daemon {
         while Instant::now() < deadline {
             let ns = self.ns.clone();
             let addr = self.addr;
-            let ok = stepguard_lab::netns::in_netns(&ns, move || Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())).unwrap_or(false);
+            let ok = stepguard_lab::netns::in_netns(&ns, move || {
+                Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
+            })
+            .unwrap_or(false);
             if ok && self.get("/readyz").0 == 200 {
                 // Wait for the first full round of checks, so steps have a baseline.
                 let (_, v) = self.get_json("/v1/verdict");
-                if v["checks"].as_array().is_some_and(|a| a.iter().all(|c| c["code"] != "not_checked_yet" && c["code"] != "no_probe_yet")) {
+                if v["checks"].as_array().is_some_and(|a| {
+                    a.iter()
+                        .all(|c| c["code"] != "not_checked_yet" && c["code"] != "no_probe_yet")
+                }) {
                     return;
                 }
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("stepguard agent on {} did not become ready with a first verdict", self.addr);
+        panic!(
+            "stepguard agent on {} did not become ready with a first verdict",
+            self.addr
+        );
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
@@ -328,11 +387,17 @@ impl Daemon {
     }
     pub fn post(&self, path: &str, body: &str, token: Option<&str>) -> (u16, Value) {
         let (s, b) = http(&self.ns, self.addr, "POST", path, Some(body), token);
-        (s, serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)))
+        (
+            s,
+            serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)),
+        )
     }
     pub fn delete(&self, path: &str, token: Option<&str>) -> (u16, Value) {
         let (s, b) = http(&self.ns, self.addr, "DELETE", path, None, token);
-        (s, serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)))
+        (
+            s,
+            serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)),
+        )
     }
 
     /// Begins a step; returns its id.
@@ -375,7 +440,10 @@ impl Daemon {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             let (ns, addr) = (self.ns.clone(), self.addr);
-            let up = stepguard_lab::netns::in_netns(&ns, move || Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())).unwrap_or(false);
+            let up = stepguard_lab::netns::in_netns(&ns, move || {
+                Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
+            })
+            .unwrap_or(false);
             if up && self.get("/readyz").0 == 200 {
                 return;
             }
