@@ -56,7 +56,7 @@ fn wants_text(headers: &HeaderMap, q: &HashMap<String, String>) -> bool {
         .is_some_and(|a| a.contains("text/plain") && !a.contains("json"))
 }
 
-fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Response> {
+fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let Some(token) = &d.opts.token else {
         return Ok(());
     };
@@ -75,10 +75,10 @@ fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Response> {
     if ok {
         Ok(())
     } else {
-        Err(err(
+        Err(Box::new(err(
             StatusCode::UNAUTHORIZED,
             "missing or wrong bearer token (Authorization: Bearer <token>)",
-        ))
+        )))
     }
 }
 
@@ -236,7 +236,7 @@ async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
 
 async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(r) = authorized(&d, &headers) {
-        return r;
+        return *r;
     }
     let req: StepRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
         StepRequest::default()
@@ -372,7 +372,7 @@ async fn delete_step(
     headers: HeaderMap,
 ) -> Response {
     if let Err(r) = authorized(&d, &headers) {
-        return r;
+        return *r;
     }
     if !valid_id(&id) {
         return err(StatusCode::BAD_REQUEST, format!("invalid step id {id:?}"));

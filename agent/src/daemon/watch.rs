@@ -210,14 +210,14 @@ pub async fn step_loop(d: Arc<Daemon>) {
             continue;
         };
         lock(&d.metrics).step_active.set(1);
-        if n % 2 == 0 || last_programs.is_none() {
+        if n.is_multiple_of(2) || last_programs.is_none() {
             last_programs = links::observe(&d.cfg.bpffs)
                 .await
                 .ok()
                 .filter(|o| !o.prog_details_unreadable)
                 .map(|o| current_programs(&o, &tracked));
         }
-        if n % 10 == 0 || last_maps.is_none() {
+        if n.is_multiple_of(10) || last_maps.is_none() {
             d.refresh_node().await;
             last_maps = lock(&d.node).maps.as_ref().map(super::watch::map_counts);
         }
@@ -302,7 +302,7 @@ pub async fn step_loop(d: Arc<Daemon>) {
         };
         verdict::decide(s, &o);
         let done = s.is_final();
-        if done || n % 5 == 0 {
+        if done || n.is_multiple_of(5) {
             persist(&d, s);
         }
         if done {
