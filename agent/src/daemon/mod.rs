@@ -238,10 +238,8 @@ impl Daemon {
                         s.ok += 1;
                         s.latencies.push(*l);
                     }
-                    (None, Some(e)) => {
-                        if s.errors.len() < 3 && !s.errors.contains(e) {
-                            s.errors.push(e.clone());
-                        }
+                    (None, Some(e)) if s.errors.len() < 3 && !s.errors.contains(e) => {
+                        s.errors.push(e.clone())
                     }
                     _ => {}
                 }
