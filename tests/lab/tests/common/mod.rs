@@ -292,6 +292,13 @@ fn dechunk(b: &str) -> String {
     out
 }
 
+fn json_or_text(b: String) -> Value {
+    match serde_json::from_str(&b) {
+        Ok(v) => v,
+        Err(_) => Value::String(b),
+    }
+}
+
 /// `stepguard agent` in the lab's node namespace, with the lab's config; killed on drop.
 pub struct Daemon {
     pub child: Child,
@@ -387,17 +394,11 @@ impl Daemon {
     }
     pub fn post(&self, path: &str, body: &str, token: Option<&str>) -> (u16, Value) {
         let (s, b) = http(&self.ns, self.addr, "POST", path, Some(body), token);
-        (
-            s,
-            serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)),
-        )
+        (s, json_or_text(b))
     }
     pub fn delete(&self, path: &str, token: Option<&str>) -> (u16, Value) {
         let (s, b) = http(&self.ns, self.addr, "DELETE", path, None, token);
-        (
-            s,
-            serde_json::from_str(&b).unwrap_or_else(|_| Value::String(b)),
-        )
+        (s, json_or_text(b))
     }
 
     /// Begins a step; returns its id.
