@@ -3,13 +3,18 @@
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-pub async fn echo(addr: IpAddr, timeout: Duration) -> Result<String, String> {
+static SEQ: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+
+/// Sends one echo request; returns the wall-clock send time (taken right before sendto, not
+/// when the blocking task was queued) and the outcome.
+pub async fn echo(addr: IpAddr, timeout: Duration) -> (Option<f64>, Result<String, String>) {
     let IpAddr::V4(v4) = addr else {
-        return Err("icmp probes support IPv4 only".into());
+        return (None, Err("icmp probes support IPv4 only".into()));
     };
-    tokio::task::spawn_blocking(move || echo_blocking(v4, timeout))
-        .await
-        .map_err(|e| format!("icmp task: {e}"))?
+    match tokio::task::spawn_blocking(move || echo_blocking(v4, timeout)).await {
+        Ok(r) => r,
+        Err(e) => (None, Err(format!("icmp task: {e}"))),
+    }
 }
 
 fn checksum(b: &[u8]) -> u16 {
@@ -23,7 +28,20 @@ fn checksum(b: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-fn echo_blocking(dst: std::net::Ipv4Addr, timeout: Duration) -> Result<String, String> {
+fn echo_blocking(
+    dst: std::net::Ipv4Addr,
+    timeout: Duration,
+) -> (Option<f64>, Result<String, String>) {
+    let mut sent_at = None;
+    let r = echo_inner(dst, timeout, &mut sent_at);
+    (sent_at, r)
+}
+
+fn echo_inner(
+    dst: std::net::Ipv4Addr,
+    timeout: Duration,
+    sent_at: &mut Option<f64>,
+) -> Result<String, String> {
     // SAFETY: plain socket calls on an fd owned by this function; buffers outlive the calls.
     unsafe {
         let mut raw = false;
@@ -58,8 +76,9 @@ fn echo_blocking(dst: std::net::Ipv4Addr, timeout: Duration) -> Result<String, S
             &tv as *const _ as *const libc::c_void,
             std::mem::size_of::<libc::timeval>() as u32,
         );
+        // Raw sockets see every echo reply: each probe gets its own sequence number.
         let ident = (std::process::id() & 0xffff) as u16;
-        let seq = (Instant::now().elapsed().subsec_nanos() & 0xffff) as u16 ^ ident.rotate_left(3);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut pkt = [0u8; 16];
         pkt[0] = 8; // echo request
         pkt[4..6].copy_from_slice(&ident.to_be_bytes());
@@ -76,6 +95,7 @@ fn echo_blocking(dst: std::net::Ipv4Addr, timeout: Duration) -> Result<String, S
             sin_zero: [0; 8],
         };
         let start = Instant::now();
+        *sent_at = Some(super::unix_now());
         if libc::sendto(
             fd,
             pkt.as_ptr() as *const libc::c_void,

@@ -54,7 +54,7 @@ pub fn unix_now() -> f64 {
 
 /// Runs one probe against a target.
 pub async fn probe(t: &Target) -> ProbeOutcome {
-    let sent_at = unix_now();
+    let mut sent_at = unix_now();
     let start = Instant::now();
     let addr = SocketAddr::new(t.address, t.port());
     let result: Result<String, String> = match t.probe {
@@ -73,7 +73,11 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
             )
             .await
         }
-        ProbeKind::Icmp => icmp::echo(t.address, t.timeout).await,
+        ProbeKind::Icmp => {
+            let (at, r) = icmp::echo(t.address, t.timeout).await;
+            sent_at = at.unwrap_or(sent_at);
+            r
+        }
         ProbeKind::Dns => {
             let name = t
                 .query
