@@ -293,7 +293,13 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
         *guard = Some(s.clone());
     }
     d.burst.store(true, Ordering::SeqCst);
-    lock(&d.metrics).step_active.set(1);
+    {
+        let m = lock(&d.metrics);
+        m.step_active.set(1);
+        for (name, t) in &s.targets {
+            m.gap_budget.get_or_create(&crate::metrics::ProbeLabels { kind: t.kind.clone(), target: name.clone() }).set(t.budget);
+        }
+    }
     d.bump();
     tracing::info!(step = %s.id, "step begun; probing in burst mode");
     (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
