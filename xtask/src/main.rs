@@ -2,6 +2,7 @@
 //! rustup's stable), test, run the demo, drive the lab, benchmark, build the image.
 mod bench;
 mod demo;
+mod image;
 mod setup;
 
 use anyhow::{bail, Context, Result};
@@ -174,12 +175,15 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
     if !is_root() {
         bail!("the integration tests need root (network namespaces, bpffs, eBPF): run `sudo -E cargo xtask test` — they are never skipped");
     }
+    println!("== the OCI image (static binary, FROM scratch, buildah)");
+    let archive = image::image()?;
     println!("== privileged integration tests against the lab (one at a time)");
     let bin = root().join("target/debug");
     let mut cmd = cargo();
     cmd.current_dir(root())
         .env("STEPGUARD_BIN", bin.join("stepguard"))
         .env("STEPGUARD_LAB_BIN", bin.join("stepguard-lab"))
+        .env("STEPGUARD_IMAGE", &archive)
         .args([
             "test",
             "-p",
@@ -220,9 +224,7 @@ fn main() {
                 .and_then(|_| build(true))
                 .and_then(|_| bench::bench(quick))
         }
-        Cmd::Image => Err(anyhow::anyhow!(
-            "not yet implemented: the OCI image arrives with the deployment work (issue 5)"
-        )),
+        Cmd::Image => image::image().map(|_| ()),
     };
     if let Err(e) = r {
         eprintln!("xtask: {e:#}");

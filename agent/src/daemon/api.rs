@@ -297,7 +297,12 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
         let m = lock(&d.metrics);
         m.step_active.set(1);
         for (name, t) in &s.targets {
-            m.gap_budget.get_or_create(&crate::metrics::ProbeLabels { kind: t.kind.clone(), target: name.clone() }).set(t.budget);
+            m.gap_budget
+                .get_or_create(&crate::metrics::ProbeLabels {
+                    kind: t.kind.clone(),
+                    target: name.clone(),
+                })
+                .set(t.budget);
         }
     }
     d.bump();
