@@ -153,7 +153,7 @@ fn build(release: bool) -> Result<()> {
     run(&mut cmd)
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()

@@ -1,7 +1,7 @@
 //! `cargo xtask setup`: installs what the build and the tests need, only when missing.
 //! Debian packages go in with --no-install-recommends and with service starts denied
 //! (policy-rc.d), so no system dnsmasq/nginx/prometheus starts; the tests start their own.
-use crate::{run, which};
+use crate::{is_root, run, which};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -71,14 +71,6 @@ fn bpf_linker_ok() -> bool {
                 .map(|o| String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
                 .unwrap_or(false)
         })
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
 }
 
 pub fn setup(check_only: bool) -> Result<()> {

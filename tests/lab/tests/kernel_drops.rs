@@ -52,29 +52,6 @@ fn cilium_drops_202(lab: &stepguard_lab::Lab) -> u64 {
         .sum()
 }
 
-/// Waits (bounded) until the lab's blackhole flag reads 1, as bpftool sees it.
-fn wait_for_blackhole(bpffs: &std::path::Path) {
-    let pin = bpffs.join("stepguard-lab/blackhole");
-    for _ in 0..500 {
-        let v = bpftool_json(&[
-            "map",
-            "lookup",
-            "pinned",
-            &pin.to_string_lossy(),
-            "key",
-            "0",
-            "0",
-            "0",
-            "0",
-        ]);
-        if v["value"][0].as_str() == Some("0x01") {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("the blackhole never became active");
-}
-
 fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
     let mut lab = lab(|s| s.attach = attach);
     let ns = lab.node_ns();

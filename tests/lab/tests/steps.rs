@@ -238,24 +238,7 @@ fn an_agent_killed_during_the_outage_never_passes() {
         lab
     });
     // Kill the agent once the blackhole is on and the agent has seen (and persisted) failures.
-    let pin = bpffs.join("stepguard-lab/blackhole");
-    for _ in 0..400 {
-        let v = bpftool_json(&[
-            "map",
-            "lookup",
-            "pinned",
-            &pin.to_string_lossy(),
-            "key",
-            "0",
-            "0",
-            "0",
-            "0",
-        ]);
-        if v["value"][0] == "0x01" {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_blackhole(&bpffs);
     std::thread::sleep(Duration::from_millis(900));
     agent.kill9();
     std::thread::sleep(Duration::from_millis(500));

@@ -460,3 +460,26 @@ impl Drop for Daemon {
         let _ = self.child.wait();
     }
 }
+
+/// Waits (bounded) until the lab's blackhole flag reads 1, as bpftool sees it.
+pub fn wait_for_blackhole(bpffs: &std::path::Path) {
+    let pin = bpffs.join("stepguard-lab/blackhole");
+    for _ in 0..500 {
+        let v = bpftool_json(&[
+            "map",
+            "lookup",
+            "pinned",
+            &pin.to_string_lossy(),
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+        ]);
+        if v["value"][0].as_str() == Some("0x01") {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("the blackhole never became active");
+}
