@@ -388,3 +388,43 @@ fn the_cli_steps_and_waits_with_exit_codes() {
     );
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn sigterm_turns_readiness_false_before_the_agent_closes() {
+    let lab = lab(|_| {});
+    let mut agent = Daemon::start(&lab, &[]);
+    assert_eq!(agent.get("/readyz").0, 200);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    let mut saw_not_ready = false;
+    for _ in 0..100 {
+        let (ns, addr) = (agent.ns.clone(), agent.addr);
+        // The listener may close at any moment: a refused or cut connection ends the loop.
+        let status = stepguard_lab::netns::in_netns(&ns, move || {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            write!(
+                s,
+                "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )?;
+            let mut r = String::new();
+            s.read_to_string(&mut r)?;
+            Ok(r.split_whitespace()
+                .nth(1)
+                .and_then(|c| c.parse::<u16>().ok()))
+        });
+        match status {
+            Ok(Some(503)) => saw_not_ready = true,
+            Ok(Some(_)) => {}
+            _ => break,
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        saw_not_ready,
+        "/readyz answered 503 between SIGTERM and close"
+    );
+    let status = agent.child.wait().unwrap();
+    assert!(status.success(), "clean exit after SIGTERM: {status}");
+}
