@@ -120,6 +120,9 @@ impl Daemon {
         };
         let now = unix_now();
         s.holes.push((s.updated_at, now));
+        for t in s.targets.values_mut() {
+            t.hole_judged = false;
+        }
         for (name, t) in &s.targets {
             if matches!(t.persisted_through, Some((_, false))) {
                 s.evidence_incomplete = Some(format!(

@@ -277,18 +277,27 @@ pub async fn step_loop(d: Arc<Daemon>) {
         let dns_after = after.and_then(|t| d.dns_p50_since(t));
         let mut guard = lock(&d.step);
         let Some(s) = guard.as_mut() else { continue };
-        // The first samples after a resume: failing at once means an outage began unseen.
+        // The first sample after a resume (judged once per target): failing at once means an
+        // outage began while the agent was away.
         if !s.holes.is_empty() && s.evidence_incomplete.is_none() {
             let hole_end = s.holes.last().map(|h| h.1).unwrap_or(0.0);
-            for (name, t) in &s.targets {
-                let mut after_hole: Vec<&(f64, bool)> =
-                    t.samples.iter().filter(|x| x.0 >= hole_end).collect();
-                after_hole.sort_by(|a, b| a.0.total_cmp(&b.0));
-                if after_hole.first().is_some_and(|x| !x.1)
-                    && t.samples.iter().all(|x| x.0 >= hole_end)
-                {
-                    s.evidence_incomplete = Some(format!("{name} was already failing when the agent came back: the outage began unseen"));
+            let mut incomplete = None;
+            for (name, t) in s.targets.iter_mut().filter(|(_, t)| !t.hole_judged) {
+                let first = t
+                    .samples
+                    .iter()
+                    .filter(|x| x.0 >= hole_end)
+                    .min_by(|a, b| a.0.total_cmp(&b.0))
+                    .copied();
+                if let Some((_, ok)) = first {
+                    t.hole_judged = true;
+                    if !ok {
+                        incomplete = Some(format!("{name} was already failing when the agent came back: the outage began unseen"));
+                    }
                 }
+            }
+            if incomplete.is_some() {
+                s.evidence_incomplete = incomplete;
             }
         }
         let o = Observed {
@@ -303,6 +312,12 @@ pub async fn step_loop(d: Arc<Daemon>) {
         verdict::decide(s, &o);
         let done = s.is_final();
         if done || n.is_multiple_of(5) {
+            // Probes older than the longest timeout have all answered: fold them into
+            // outages so a long step at 10 ms keeps its memory bounded.
+            let cutoff = now - max_timeout - 1.0;
+            for t in s.targets.values_mut() {
+                t.compact(cutoff);
+            }
             persist(&d, s);
         }
         if done {

@@ -189,6 +189,9 @@ pub struct TargetTimeline {
     pub persisted_through: Option<(f64, bool)>,
     pub probes: u64,
     pub failures: u64,
+    /// The first sample after the agent's last restart has been judged.
+    #[serde(default)]
+    pub hole_judged: bool,
     /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
     #[serde(skip)]
     pub samples: Vec<(f64, bool)>,
@@ -213,6 +216,27 @@ impl TargetTimeline {
         }
         o.extend(cur);
         o
+    }
+}
+
+/// Probe samples: (send time, ok).
+type Samples = Vec<(f64, bool)>;
+
+impl TargetTimeline {
+    /// Folds samples sent before `cutoff` into `prior` outages, keeping memory bounded during
+    /// long steps. Only call with a cutoff older than every probe still in flight.
+    pub fn compact(&mut self, cutoff: f64) {
+        if !self.samples.iter().any(|s| s.0 < cutoff) {
+            return;
+        }
+        let (old, keep): (Samples, Samples) = self.samples.iter().partition(|s| s.0 < cutoff);
+        let folded = TargetTimeline {
+            prior: std::mem::take(&mut self.prior),
+            samples: old,
+            ..Default::default()
+        };
+        self.prior = folded.outages();
+        self.samples = keep;
     }
 }
 
@@ -388,6 +412,25 @@ mod tests {
             assert!(e.starts_with(field), "{e}");
             assert_eq!(e.lines().count(), 1);
         }
+    }
+
+    #[test]
+    fn compacting_a_timeline_keeps_its_outages() {
+        let samples: Vec<(f64, bool)> = (0..1000)
+            .map(|i| (i as f64 * 0.01, !(300..600).contains(&i) && i != 800))
+            .collect();
+        let full = TargetTimeline {
+            samples: samples.clone(),
+            ..Default::default()
+        };
+        let mut compacted = TargetTimeline::default();
+        for chunk in samples.chunks(37) {
+            compacted.samples.extend_from_slice(chunk);
+            let cutoff = chunk[0].0;
+            compacted.compact(cutoff);
+        }
+        assert_eq!(compacted.outages(), full.outages());
+        assert!(compacted.samples.len() < 100, "memory stays bounded");
     }
 
     #[test]
