@@ -149,21 +149,10 @@ fn up_with_a_prefix_in_use_stops_with_one_line_and_touches_nothing() {
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
     assert!(err.contains("already in use"), "{err}");
     // The existing lab is intact.
-    let curl = in_node(
-        &lab,
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "http://198.51.100.10/healthz",
-        ],
+    assert_eq!(
+        http_status_from_node(&lab, "http://198.51.100.10/healthz"),
+        "200"
     );
-    assert_eq!(String::from_utf8_lossy(&curl.stdout), "200");
     assert!(Lab::open(&prefix).unwrap().state.ready);
 }
 

@@ -151,22 +151,8 @@ fn no_reload_keeps_every_program_id() {
             Some(o.prog_id as u64)
         );
     }
-    let curl = in_node(
-        &lab,
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "http://198.51.100.10/healthz",
-        ],
-    );
     assert_eq!(
-        String::from_utf8_lossy(&curl.stdout),
+        http_status_from_node(&lab, "http://198.51.100.10/healthz"),
         "200",
         "traffic flows again after the blackhole"
     );

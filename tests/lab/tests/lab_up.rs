@@ -176,21 +176,10 @@ fn check_lab(profile: Profile, attach: AttachMode) {
         ],
     );
     assert_eq!(String::from_utf8_lossy(&dig.stdout).trim(), "198.51.100.10");
-    let curl = in_node(
-        &lab,
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "http://198.51.100.10/healthz",
-        ],
+    assert_eq!(
+        http_status_from_node(&lab, "http://198.51.100.10/healthz"),
+        "200"
     );
-    assert_eq!(String::from_utf8_lossy(&curl.stdout), "200");
 
     // cilium-config is a kubelet-style mount.
     let cfg = &lab.state.cilium_config;
@@ -254,22 +243,8 @@ fn xdp_attaches_cil_xdp_entry_to_the_host_devices() {
         let prog = bpftool_json(&["prog", "show", "id", &link["prog_id"].to_string()]);
         assert_eq!(prog["name"], "cil_xdp_entry");
     }
-    let curl = in_node(
-        &lab,
-        "curl",
-        &[
-            "-s",
-            "-m",
-            "2",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "http://198.51.100.10/",
-        ],
-    );
     assert_eq!(
-        String::from_utf8_lossy(&curl.stdout),
+        http_status_from_node(&lab, "http://198.51.100.10/"),
         "200",
         "traffic passes XDP"
     );

@@ -49,6 +49,25 @@ pub fn in_node(lab: &Lab, program: &str, args: &[&str]) -> std::process::Output 
         .unwrap_or_else(|e| panic!("nsenter {program}: {e}"))
 }
 
+/// The HTTP status `curl` gets for `url` from the lab's node namespace (an independent client).
+pub fn http_status_from_node(lab: &Lab, url: &str) -> String {
+    let out = in_node(
+        lab,
+        "curl",
+        &[
+            "-s",
+            "-m",
+            "2",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            url,
+        ],
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 pub fn bpftool_json(args: &[&str]) -> Value {
     let mut a = vec!["-j"];
     a.extend_from_slice(args);
