@@ -1,4 +1,7 @@
 //! Embeds the lab's fake datapath object, built by `cargo xtask build` with Debian's rustc-web.
+//!
+//! Without it (`cargo check`, clippy, unit tests with rustup's toolchain alone) an empty stub
+//! is embedded, and `Lab::up` stops with a one-line error naming `cargo xtask build`.
 use std::path::PathBuf;
 
 fn main() {
@@ -10,12 +13,17 @@ fn main() {
         .to_path_buf();
     let obj = root.join("target/ebpf/bpfel-unknown-none/release/lab-ebpf");
     println!("cargo:rerun-if-changed={}", obj.display());
-    if !obj.exists() {
-        panic!(
-            "\n\nthe lab's eBPF object {} is missing.\nRun `cargo xtask build` (it builds the eBPF crates with Debian's rustc-web), \
-             or `cargo xtask setup` first on a fresh machine.\n\n",
+    let embedded = if obj.exists() {
+        obj
+    } else {
+        let stub = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("lab-ebpf.stub");
+        std::fs::write(&stub, b"").unwrap();
+        println!(
+            "cargo:warning=the lab's eBPF object {} is missing: embedding an empty stub \
+             (the lab cannot start). `cargo xtask build` builds it.",
             obj.display()
         );
-    }
-    println!("cargo:rustc-env=LAB_EBPF_OBJ={}", obj.display());
+        stub
+    };
+    println!("cargo:rustc-env=LAB_EBPF_OBJ={}", embedded.display());
 }

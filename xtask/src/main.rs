@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod image;
 mod setup;
+mod testrun;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -31,7 +32,9 @@ enum Cmd {
         #[arg(long)]
         release: bool,
     },
-    /// Unit tests, then the privileged integration tests against the lab, one at a time (root).
+    /// Every test target of the workspace: unit and unprivileged integration tests, then the
+    /// privileged integration tests against the lab, one at a time (root). Fails when a test
+    /// target exists that did not run.
     Test {
         /// Only the unit tests (no root needed).
         #[arg(long)]
@@ -162,40 +165,107 @@ pub fn is_root() -> bool {
 }
 
 fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
+    let started = std::time::Instant::now();
     // Set-up is idempotent and takes seconds on a machine that has everything.
     setup::setup(false)?;
     build(false)?;
-    println!("== unit tests (no root needed)");
-    run(cargo()
-        .current_dir(root())
-        .args(["test", "--workspace", "--lib", "--bins"]))?;
-    if unit_only {
-        return Ok(());
+    let packages = testrun::discover(&root())?;
+    let all: Vec<testrun::Target> = packages
+        .iter()
+        .flat_map(|p| p.targets.iter().cloned())
+        .collect();
+    // What this run must account for: a filtered run only the privileged targets, a unit-only
+    // run only the unprivileged ones, otherwise every target of the workspace.
+    let expected = all.iter().filter(|t| match (&filter, unit_only) {
+        (Some(_), _) => t.privileged,
+        (None, true) => !t.privileged,
+        (None, false) => true,
+    });
+    let mut ledger = testrun::Ledger::new(expected.cloned());
+    let mut failed = Vec::new();
+    if filter.is_none() {
+        let stage = testrun::Stage {
+            title: "tests without root",
+            envs: vec![],
+            test_args: vec![],
+        };
+        for p in &packages {
+            let plain: Vec<&testrun::Target> = p
+                .targets
+                .iter()
+                .filter(|t| !t.privileged && t.kind != testrun::Kind::Doc)
+                .collect();
+            if !testrun::run_targets(&root(), p, &plain, &stage, &mut ledger)? {
+                failed.push(p.name.clone());
+            }
+            let doc: Vec<&testrun::Target> = p
+                .targets
+                .iter()
+                .filter(|t| t.kind == testrun::Kind::Doc)
+                .collect();
+            if !testrun::run_targets(&root(), p, &doc, &stage, &mut ledger)? {
+                failed.push(format!("{} (doc tests)", p.name));
+            }
+        }
     }
-    if !is_root() {
-        bail!("the integration tests need root (network namespaces, bpffs, eBPF): run `sudo -E cargo xtask test` — they are never skipped");
+    if !unit_only {
+        if !is_root() {
+            bail!("the integration tests need root (network namespaces, bpffs, eBPF): run `sudo -E cargo xtask test` — they are never skipped");
+        }
+        println!("== the OCI image (static binary, FROM scratch, buildah)");
+        let archive = image::image()?;
+        let bin = root().join("target/debug");
+        let mut test_args = vec!["--test-threads=1".to_string()];
+        if let Some(f) = &filter {
+            test_args.push(f.clone());
+        }
+        let stage = testrun::Stage {
+            title: "privileged tests against the lab (one at a time)",
+            envs: vec![
+                ("STEPGUARD_BIN".into(), bin.join("stepguard")),
+                ("STEPGUARD_LAB_BIN".into(), bin.join("stepguard-lab")),
+                ("STEPGUARD_IMAGE".into(), archive),
+            ],
+            test_args,
+        };
+        for p in &packages {
+            let privileged: Vec<&testrun::Target> =
+                p.targets.iter().filter(|t| t.privileged).collect();
+            if !testrun::run_targets(&root(), p, &privileged, &stage, &mut ledger)? {
+                failed.push(format!("{} (privileged)", p.name));
+            }
+        }
     }
-    println!("== the OCI image (static binary, FROM scratch, buildah)");
-    let archive = image::image()?;
-    println!("== privileged integration tests against the lab (one at a time)");
-    let bin = root().join("target/debug");
-    let mut cmd = cargo();
-    cmd.current_dir(root())
-        .env("STEPGUARD_BIN", bin.join("stepguard"))
-        .env("STEPGUARD_LAB_BIN", bin.join("stepguard-lab"))
-        .env("STEPGUARD_IMAGE", &archive)
-        .args([
-            "test",
-            "-p",
-            "stepguard-lab",
-            "--tests",
-            "--",
-            "--test-threads=1",
-        ]);
-    if let Some(f) = filter {
-        cmd.arg(f);
+    print!("{}", ledger.table());
+    println!(
+        "== the whole run took {:.1} min",
+        started.elapsed().as_secs_f64() / 60.0
+    );
+    let problems = if filter.is_some() {
+        // A filtered run proves only what it selected: failures count, absent targets do not.
+        ledger
+            .problems()
+            .into_iter()
+            .filter(|p| !p.ends_with("did not run") && !p.contains("ran no test"))
+            .collect()
+    } else {
+        ledger.problems()
+    };
+    if !failed.is_empty() || !problems.is_empty() {
+        bail!(
+            "tests failed or did not run:\n  {}",
+            failed
+                .iter()
+                .map(|f| format!("{f}: cargo test failed"))
+                .chain(problems)
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        );
     }
-    run(&mut cmd)
+    if filter.is_some() {
+        println!("(a filtered run: not every target ran)");
+    }
+    Ok(())
 }
 
 fn lab(args: Vec<String>) -> Result<()> {

@@ -135,6 +135,7 @@ fn step_json(s: &Step) -> Value {
         "dns_p50_after_ms": s.dns_p50_after_ms,
         "holes": s.holes,
         "evidence_incomplete": s.evidence_incomplete,
+        "probes": s.targets.iter().map(|(k, t)| (k.clone(), json!({"sent": t.probes, "failed": t.failures}))).collect::<serde_json::Map<_, _>>(),
     })
 }
 

@@ -132,6 +132,9 @@ fn persistable(s: &Step) -> Step {
         if let Some(last) = samples.last() {
             t.persisted_through = Some(*last);
         }
+        if let Some(ok) = samples.iter().rev().find(|s| s.1) {
+            t.last_ok = Some(ok.0);
+        }
         t.samples.clear();
     }
     c

@@ -105,6 +105,9 @@ impl KernelDrops {
     }
 
     fn try_start() -> Result<Self> {
+        if AGENT_EBPF.is_empty() {
+            anyhow::bail!("this stepguard was built without its eBPF object (a stub): build it with `cargo xtask build`");
+        }
         let vmlinux = std::fs::read("/sys/kernel/btf/vmlinux").ok();
         let own_btf = vmlinux
             .as_deref()

@@ -192,6 +192,10 @@ pub struct TargetTimeline {
     /// The first sample after the agent's last restart has been judged.
     #[serde(default)]
     pub hole_judged: bool,
+    /// Send time of the last successful probe folded into `prior` (brackets the start of an
+    /// outage that begins right after).
+    #[serde(default)]
+    pub last_ok: Option<f64>,
     /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
     #[serde(skip)]
     pub samples: Vec<(f64, bool)>,
@@ -202,13 +206,15 @@ impl TargetTimeline {
         let mut o = self.prior.clone();
         let mut s = self.samples.clone();
         s.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut cur = gaps::outages(&s);
-        // An outage still open when the agent went down continues into this run.
+        let mut cur = gaps::outages_after(&s, self.last_ok);
+        // An outage still open when the agent went down (or when older samples were folded)
+        // continues into this run.
         if let Some(last) = o.last_mut().filter(|l| l.end.is_none()) {
             match s.first() {
                 Some((t, true)) => last.end = Some(*t),
                 Some((t, false)) if cur.first().is_some_and(|c| c.start == *t) => {
                     last.end = cur[0].end;
+                    last.last_failed = cur[0].last_failed;
                     cur.remove(0);
                 }
                 _ => {}
@@ -230,12 +236,19 @@ impl TargetTimeline {
             return;
         }
         let (old, keep): (Samples, Samples) = self.samples.iter().partition(|s| s.0 < cutoff);
+        let last_ok = old
+            .iter()
+            .filter(|s| s.1)
+            .map(|s| s.0)
+            .fold(self.last_ok, |a, t| Some(a.map_or(t, |a: f64| a.max(t))));
         let folded = TargetTimeline {
             prior: std::mem::take(&mut self.prior),
             samples: old,
+            last_ok: self.last_ok,
             ..Default::default()
         };
         self.prior = folded.outages();
+        self.last_ok = last_ok;
         self.samples = keep;
     }
 }
@@ -436,24 +449,19 @@ mod tests {
     #[test]
     fn outages_continue_across_an_agent_restart() {
         let mut t = TargetTimeline {
-            prior: vec![Outage {
-                start: 1.0,
-                end: None,
-            }],
+            prior: vec![Outage::begin(1.0, None)],
             ..Default::default()
         };
         t.samples = vec![(5.0, false), (6.0, true)];
-        assert_eq!(
-            t.outages(),
-            vec![Outage {
-                start: 1.0,
-                end: Some(6.0)
-            }]
-        );
+        let o = t.outages();
+        assert_eq!((o.len(), o[0].start, o[0].end), (1, 1.0, Some(6.0)));
+        assert_eq!(o[0].last_failed, Some(5.0));
         let mut t = TargetTimeline {
             prior: vec![Outage {
                 start: 1.0,
                 end: Some(2.0),
+                after_ok: None,
+                last_failed: Some(1.5),
             }],
             ..Default::default()
         };

@@ -95,7 +95,16 @@ pub fn blackhole_pin(bpffs: &Path) -> PathBuf {
     bpffs.join("stepguard-lab/blackhole")
 }
 
+/// Fails with one line when this binary was built without the lab's eBPF object (a stub).
+pub fn require_object() -> Result<()> {
+    if LAB_EBPF.is_empty() {
+        anyhow::bail!("this stepguard-lab was built without the lab's eBPF object: run `cargo xtask build` (it builds the eBPF crates with Debian's rustc-web)");
+    }
+    Ok(())
+}
+
 fn load_object(bpffs: &Path) -> Result<Ebpf> {
+    require_object()?;
     let metrics = bpffs.join("tc/globals/cilium_metrics");
     let blackhole = blackhole_pin(bpffs);
     EbpfLoader::new()

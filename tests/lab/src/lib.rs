@@ -225,6 +225,7 @@ impl Lab {
     /// Builds a lab. On any error, what was created so far is removed again.
     pub fn up(spec: LabSpec) -> Result<Lab> {
         check_root()?;
+        datapath::require_object()?;
         validate_prefix(&spec.prefix)?;
         if prefix_in_use(&spec.prefix) {
             bail!("lab prefix {:?} is already in use (see `cargo xtask lab status`; remove it with `cargo xtask lab down --prefix {}`)", spec.prefix, spec.prefix);
@@ -673,6 +674,7 @@ impl Lab {
 
         let start = now_ns();
         datapath::set_blackhole(&bpffs, true)?;
+        let on = now_ns();
         let result = (|| -> Result<Vec<Attachment>> {
             std::thread::sleep(o.gap);
             if let Some(m) = &o.lose_map {
@@ -689,6 +691,7 @@ impl Lab {
             }
         })();
         // Whatever happened, the blackhole is lifted.
+        let off = now_ns();
         let lift = datapath::set_blackhole(&bpffs, false);
         let end = now_ns();
         let new = result?;
@@ -702,6 +705,8 @@ impl Lab {
             prefix: self.state.spec.prefix.clone(),
             gap_requested_ns: o.gap.as_nanos(),
             blackhole_start_ns: start,
+            blackhole_on_ns: on,
+            blackhole_off_ns: off,
             blackhole_end_ns: end,
             reloaded: !o.no_reload,
             drop_device: o.drop_device.clone(),
@@ -791,6 +796,13 @@ pub struct RestartReport {
     pub gap_requested_ns: u128,
     /// Wall clock (CLOCK_REALTIME, ns since the epoch) just before the blackhole was set.
     pub blackhole_start_ns: u128,
+    /// Wall clock just after it was set: the blackhole began in
+    /// [`blackhole_start_ns`, `blackhole_on_ns`] (wide only when the lab was preempted).
+    #[serde(default)]
+    pub blackhole_on_ns: u128,
+    /// Wall clock just before it was lifted: it ended in [`blackhole_off_ns`, `blackhole_end_ns`].
+    #[serde(default)]
+    pub blackhole_off_ns: u128,
     /// Wall clock just after it was lifted.
     pub blackhole_end_ns: u128,
     pub reloaded: bool,

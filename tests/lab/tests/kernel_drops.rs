@@ -23,12 +23,27 @@ fn packets_to_a_closed_port_raise_no_socket_drops_by_at_least_n() {
     for _ in 0..n {
         let _ = sock.send_to(b"stepguard", closed);
     }
-    std::thread::sleep(Duration::from_millis(200));
-    let after = agent.kernel_drops(None, "NO_SOCKET");
+    // The counters are per-CPU map values read on scrape: poll until they show the drops.
+    let after = poll_until(
+        || agent.kernel_drops(None, "NO_SOCKET"),
+        |v| v - before >= n,
+    );
     assert!(
         after - before >= n,
         "NO_SOCKET drops went from {before} to {after}, expected +{n}"
     );
+}
+
+/// Reads `read` until `done` holds or 10 s pass; returns the last value (the caller asserts).
+fn poll_until(read: impl Fn() -> u64, done: impl Fn(u64) -> bool) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = read();
+        if done(v) || std::time::Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Sum of Cilium's per-CPU drop counters for reason 202 in the lab's `cilium_metrics`.
@@ -69,7 +84,6 @@ fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
             let s = UdpSocket::bind("192.0.2.254:0")?;
             for _ in 0..n {
                 s.send_to(b"into the blackhole", "192.0.2.1:5353")?;
-                std::thread::sleep(Duration::from_millis(1));
             }
             Ok(crate::now_ns())
         })
@@ -77,7 +91,7 @@ fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
     });
     let r = lab
         .restart(&RestartOpts {
-            gap: Duration::from_millis(1000),
+            gap: Duration::from_millis(2000),
             ..Default::default()
         })
         .unwrap();
@@ -86,13 +100,15 @@ fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
         last_sent < r.blackhole_end_ns,
         "all packets were sent inside the blackhole window"
     );
-    std::thread::sleep(Duration::from_millis(200));
-    let tc_after = agent.kernel_drops(Some(&ns), "TC_INGRESS");
+    let tc_after = poll_until(
+        || agent.kernel_drops(Some(&ns), "TC_INGRESS"),
+        |v| v - tc_before >= n,
+    );
     assert!(
         tc_after - tc_before >= n,
         "TC_INGRESS drops went from {tc_before} to {tc_after}, expected +{n}"
     );
-    let c202_after = cilium_drops_202(&lab);
+    let c202_after = poll_until(|| cilium_drops_202(&lab), |v| v - c202_before >= n);
     assert!(
         c202_after - c202_before >= n,
         "cilium_metrics reason 202 went from {c202_before} to {c202_after}, expected +{n}"

@@ -49,16 +49,27 @@ fn down_leaves_no_namespace_interface_mount_or_process() {
     let prog_ids: Vec<u32> = lab.state.attachments.iter().map(|a| a.prog_id).collect();
     lab.down().unwrap();
     assert_gone(&prefix, &pids);
-    // Programs go with their links and filters.
-    let progs = bpftool_json(&["prog", "show"]);
-    assert!(
-        progs
+    // Programs go with their links and filters. The kernel frees them asynchronously (after
+    // an RCU grace period), so wait for it, bounded.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let progs = bpftool_json(&["prog", "show"]);
+        let left: Vec<u64> = progs
             .as_array()
             .unwrap()
             .iter()
-            .all(|p| !prog_ids.contains(&(p["id"].as_u64().unwrap() as u32))),
-        "programs left loaded"
-    );
+            .filter_map(|p| p["id"].as_u64())
+            .filter(|id| prog_ids.contains(&(*id as u32)))
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "programs left loaded 30 s after down: {left:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     lab.down().expect("down twice is harmless");
 }
 

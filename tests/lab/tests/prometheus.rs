@@ -112,24 +112,34 @@ fn a_real_prometheus_scrapes_check_and_step_metrics() {
     for c in ["devices", "maps", "vips", "dns", "config"] {
         assert!(names.contains(c), "{c} in {names:?}");
     }
-    let id = agent.begin(r#"{"settle":"1s","timeout":"30s"}"#);
-    std::thread::sleep(Duration::from_millis(300));
-    lab.restart(&RestartOpts {
-        gap: Duration::from_millis(200),
-        ..Default::default()
-    })
-    .unwrap();
-    assert_eq!(agent.verdict(&id)["verdict"]["status"], "passed");
+    let id = agent.begin_probing(r#"{"settle":"1s","timeout":"30s"}"#);
+    let r = lab
+        .restart(&RestartOpts {
+            gap: Duration::from_millis(200),
+            ..Default::default()
+        })
+        .unwrap();
+    let verdict = agent.verdict(&id);
+    assert_eq!(verdict["verdict"]["status"], "passed");
     let steps = prom.wait_for("stepguard_steps_total{verdict=\"passed\"}", 1);
     assert_eq!(steps[0]["value"][1], "1");
     let gaps = prom.wait_for("stepguard_last_step_gap_seconds", 2);
     for g in gaps {
         let v: f64 = g["value"][1].as_str().unwrap().parse().unwrap();
+        let target = g["metric"]["target"].as_str().unwrap();
+        // Prometheus has exactly the gap of the verdict, and that gap is the lab's window
+        // within the agent's own error bound.
+        let measured = verdict["gaps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["target"] == target)
+            .unwrap_or_else(|| panic!("no gap for {target} in {verdict}"));
         assert!(
-            (0.15..0.3).contains(&v),
-            "gap {v} for {}",
-            g["metric"]["target"]
+            (v - measured["longest_s"].as_f64().unwrap()).abs() < 1e-6,
+            "Prometheus has {v} for {target}, the verdict {measured}"
         );
+        assert_gap_matches(measured, &r, target);
     }
     prom.wait_for(
         "stepguard_probe_duration_seconds_bucket{target=\"gateway\",le=\"0.001\"}",

@@ -427,6 +427,67 @@ impl Daemon {
         v["id"].as_str().unwrap().to_string()
     }
 
+    /// Waits (bounded) until every target of step `id` has at least `n` more probes recorded
+    /// in the step than `since` (from [`Daemon::probes`]): the step is probing at its cadence.
+    pub fn wait_probing(&self, id: &str, n: u64, since: &std::collections::BTreeMap<String, u64>) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = self.probes(id);
+            if !now.is_empty()
+                && now
+                    .iter()
+                    .all(|(k, v)| *v >= since.get(k).copied().unwrap_or(0) + n)
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "step {id}: targets never reached {n} more probes: {now:?} (from {since:?})"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits (bounded) until the step as persisted on disk satisfies `ok`.
+    pub fn wait_persisted(&self, id: &str, ok: impl Fn(&Value) -> bool) {
+        let path = self.state_dir.join("steps").join(format!("{id}.json"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let v: Value = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or(Value::Null);
+            if ok(&v) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "step {id} on disk never reached the expected state: {v}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Probes recorded per target in step `id` so far.
+    pub fn probes(&self, id: &str) -> std::collections::BTreeMap<String, u64> {
+        let (_, v) = self.get_json(&format!("/v1/steps/{id}"));
+        v["probes"]
+            .as_object()
+            .map(|o| {
+                o.iter()
+                    .map(|(k, p)| (k.clone(), p["sent"].as_u64().unwrap_or(0)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Begins a step and waits until it probes every target at its cadence.
+    pub fn begin_probing(&self, body: &str) -> String {
+        let id = self.begin(body);
+        self.wait_probing(&id, 5, &Default::default());
+        id
+    }
+
     /// Long-polls until the step is decided (bounded).
     pub fn verdict(&self, id: &str) -> Value {
         for _ in 0..10 {
@@ -478,6 +539,43 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Asserts that a measured gap (one entry of a step's `gaps`) matches the lab's recorded
+/// blackhole within the error bound the agent itself reports, widened only by the lab's own
+/// recording uncertainty (the instants just before and after it set and lifted the flag).
+pub fn assert_gap_matches(g: &Value, r: &stepguard_lab::RestartReport, what: &str) {
+    let s = |ns: u128| ns as f64 / 1e9;
+    let bound = g["error_bound_s"].as_f64().expect("error_bound_s");
+    let longest = g["longest_s"].as_f64().expect("longest_s");
+    let (gs, ge) = (
+        g["longest_start"].as_f64().expect("longest_start"),
+        g["longest_end"].as_f64().expect("longest_end"),
+    );
+    let (start, on, off, end) = (
+        s(r.blackhole_start_ns),
+        s(r.blackhole_on_ns),
+        s(r.blackhole_off_ns),
+        s(r.blackhole_end_ns),
+    );
+    assert!(
+        gs >= start - bound && gs <= on + bound,
+        "{what}: outage began at {gs:.4}, the blackhole in [{start:.4}, {on:.4}], bound ±{:.1} ms",
+        bound * 1e3
+    );
+    assert!(
+        ge >= off - bound && ge <= end + bound,
+        "{what}: outage ended at {ge:.4}, the blackhole in [{off:.4}, {end:.4}], bound ±{:.1} ms",
+        bound * 1e3
+    );
+    assert!(
+        longest >= (off - on) - bound && longest <= (end - start) + bound,
+        "{what}: measured {:.1} ms, the blackhole lasted {:.1}..{:.1} ms, bound ±{:.1} ms",
+        longest * 1e3,
+        (off - on) * 1e3,
+        (end - start) * 1e3,
+        bound * 1e3
+    );
 }
 
 /// Waits (bounded) until the lab's blackhole flag reads 1, as bpftool sees it.
