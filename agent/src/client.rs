@@ -9,29 +9,51 @@ use serde_json::Value;
 use std::time::Duration;
 
 pub struct Agent {
+    /// Host to connect to (an IPv6 literal without brackets).
     host: String,
     port: u16,
+    /// The Host header: `host:port`, IPv6 literals in brackets.
+    authority: String,
     token: Option<String>,
 }
 
 impl Agent {
-    /// `http://HOST:PORT` (https is not supported: the agent serves plain HTTP on the node).
+    /// `http://HOST[:PORT]` (default port 9969; https is not supported: the agent serves plain
+    /// HTTP on the node). IPv6 literals in brackets: `http://[::1]:9969`.
     pub fn new(url: &str, token: Option<String>) -> Result<Agent> {
-        let rest = url
-            .strip_prefix("http://")
-            .with_context(|| format!("agent URL {url:?} must start with http://"))?;
-        let hostport = rest.split('/').next().unwrap_or("");
-        let (host, port) = match hostport.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (
-                h.trim_matches(['[', ']']).to_string(),
-                p.parse().with_context(|| format!("bad port in {url:?}"))?,
+        let uri: hyper::Uri = url
+            .parse()
+            .with_context(|| format!("agent URL {url:?} is not a URL like http://NODE:9969"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some(other) => bail!(
+                "agent URL {url:?}: scheme {other} is not supported (the agent serves plain http://)"
             ),
-            _ => (hostport.trim_matches(['[', ']']).to_string(), 9969),
-        };
-        if host.is_empty() {
-            bail!("agent URL {url:?} has no host");
+            None => bail!("agent URL {url:?} must start with http://"),
         }
-        Ok(Agent { host, port, token })
+        let host = uri
+            .host()
+            .filter(|h| !h.is_empty())
+            .with_context(|| format!("agent URL {url:?} has no host"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            bail!("agent URL {url:?} must not carry a path or query: give http://NODE:PORT");
+        }
+        let port = uri.port_u16().unwrap_or(9969);
+        let bare = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        let authority = if bare.contains(':') {
+            format!("[{bare}]:{port}")
+        } else {
+            format!("{bare}:{port}")
+        };
+        Ok(Agent {
+            host: bare,
+            port,
+            authority,
+            token,
+        })
     }
 
     /// One request; returns (status, JSON body or {"text": ...}).
@@ -45,7 +67,7 @@ impl Agent {
         let fut = async {
             let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
                 .await
-                .with_context(|| format!("connect to the agent at {}:{}", self.host, self.port))?;
+                .with_context(|| format!("connect to the agent at {}", self.authority))?;
             let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
                 .await
                 .context("HTTP handshake")?;
@@ -53,7 +75,7 @@ impl Agent {
             let mut req = Request::builder()
                 .method(method)
                 .uri(path)
-                .header("host", format!("{}:{}", self.host, self.port))
+                .header("host", &self.authority)
                 .header("accept", "application/json");
             if let Some(t) = &self.token {
                 req = req.header("authorization", format!("Bearer {t}"));
@@ -79,9 +101,8 @@ impl Agent {
         };
         tokio::time::timeout(timeout, fut).await.map_err(|_| {
             anyhow::anyhow!(
-                "the agent at {}:{} did not answer within {timeout:?}",
-                self.host,
-                self.port
+                "the agent at {} did not answer within {timeout:?}",
+                self.authority
             )
         })?
     }
@@ -98,6 +119,49 @@ pub fn read_token(path: Option<&std::path::Path>) -> Result<Option<String>> {
                 bail!("token file {} is empty", p.display());
             }
             Ok(Some(t))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Before the fix `http://[::1]` failed ("bad port") and the Host header of an IPv6
+    /// agent lost its brackets.
+    #[test]
+    fn agent_urls_with_ipv6_literals_and_default_ports_parse() {
+        for (url, host, port, authority) in [
+            ("http://[::1]:9969", "::1", 9969, "[::1]:9969"),
+            ("http://[::1]", "::1", 9969, "[::1]:9969"),
+            (
+                "http://[2001:db8::7]:1234/",
+                "2001:db8::7",
+                1234,
+                "[2001:db8::7]:1234",
+            ),
+            ("http://192.0.2.1:8080", "192.0.2.1", 8080, "192.0.2.1:8080"),
+            ("http://node-a", "node-a", 9969, "node-a:9969"),
+        ] {
+            let a = Agent::new(url, None).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(
+                (a.host.as_str(), a.port, a.authority.as_str()),
+                (host, port, authority)
+            );
+        }
+        for (url, why) in [
+            ("https://node:9969", "not supported"),
+            ("node:9969", "http://"),
+            ("http://node:9969/v1/steps", "path"),
+            ("http://:9969", "URL"),
+            ("http://[::1", "URL"),
+        ] {
+            let e = Agent::new(url, None)
+                .err()
+                .unwrap_or_else(|| panic!("{url} accepted"))
+                .to_string();
+            assert!(e.contains(why), "{url}: {e}");
+            assert_eq!(e.lines().count(), 1);
         }
     }
 }

@@ -261,6 +261,14 @@ impl Config {
                     );
                 }
             }
+            if let Some(src) = t.source {
+                if src.is_ipv4() != t.address.is_ipv4() {
+                    return field(
+                        &format!("{f}.source"),
+                        format!("{src} is not of the address family of {}", t.address),
+                    );
+                }
+            }
             if t.expect.is_some_and(|s| !(100..=599).contains(&s)) {
                 return field(&format!("{f}.expect"), "an HTTP status is 100..599".into());
             }

@@ -5,6 +5,7 @@
 pub mod checks;
 pub mod ciliumconfig;
 pub mod client;
+pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod duration;

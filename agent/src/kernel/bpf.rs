@@ -187,17 +187,9 @@ impl ProgInfo {
     }
 }
 
-/// Converts a CLOCK_BOOTTIME instant to wall clock.
+/// Converts a CLOCK_BOOTTIME instant to wall clock (the agent's clock, see `crate::clock`).
 pub fn boot_ns_to_wall(boot_ns: u64) -> SystemTime {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into ts.
-    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
-    let now_boot = Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
-    let since = now_boot.saturating_sub(Duration::from_nanos(boot_ns));
-    SystemTime::now() - since
+    SystemTime::UNIX_EPOCH + Duration::from_secs_f64(crate::clock::from_boot_ns(boot_ns).max(0.0))
 }
 
 pub fn prog_info(fd: &impl AsRawFd) -> io::Result<ProgInfo> {

@@ -67,6 +67,49 @@ pub struct Observation {
     pub problems: Vec<String>,
     /// A program id was seen but its details were unreadable (permissions).
     pub prog_details_unreadable: bool,
+    /// A program or link went away between listing and lookup (a reload in progress): the
+    /// observation is not a consistent snapshot and is taken again.
+    #[serde(skip)]
+    pub raced: bool,
+}
+
+/// How many times an observation is retaken when a reload races it.
+const RACE_RETRIES: usize = 5;
+
+/// Fills name and load time of every program on `d` from `lookup` (by id). A program that no
+/// longer exists (ENOENT: replaced since the query, as during every Cilium restart) is not a
+/// permission problem: returns true (raced) so the caller observes again. Any other error
+/// makes the details unreadable, named in `obs.problems`.
+pub fn fill_details(
+    d: &mut Device,
+    obs: &mut Observation,
+    lookup: impl Fn(u32) -> std::io::Result<bpf::ProgInfo>,
+) -> bool {
+    let mut raced = false;
+    for p in &mut d.programs {
+        match lookup(p.prog_id) {
+            Ok(info) => {
+                p.name = Some(info.name.clone());
+                p.loaded_at = info
+                    .loaded_at()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs_f64());
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => raced = true,
+            Err(e) => {
+                obs.prog_details_unreadable = true;
+                let (line, _) = super::super::checks::io_reason(
+                    &format!("program {} on {}", p.prog_id, d.name),
+                    &e,
+                );
+                if !obs.problems.contains(&line) {
+                    obs.problems.push(line);
+                }
+            }
+        }
+    }
+    raced
 }
 
 /// Endpoint devices are never host devices and are not inspected one by one.
@@ -101,8 +144,22 @@ pub async fn observe(bpffs: &Path) -> Result<Observation, String> {
     let (conn, handle, _) =
         rtnetlink::new_connection().map_err(|e| format!("open rtnetlink socket: {e}"))?;
     let task = tokio::spawn(conn);
-    let r = observe_with(&handle, bpffs).await;
+    let mut r = observe_with(&handle, bpffs).await;
+    for _ in 1..RACE_RETRIES {
+        match &r {
+            Ok(o) if o.raced => r = observe_with(&handle, bpffs).await,
+            _ => break,
+        }
+    }
     task.abort();
+    if let Ok(o) = &mut r {
+        if o.raced {
+            o.prog_details_unreadable = true;
+            o.problems.push(format!(
+                "programs kept changing during {RACE_RETRIES} observations in a row (a reload in progress)"
+            ));
+        }
+    }
     r
 }
 
@@ -261,27 +318,8 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
                 }
             }
         }
-        for p in &mut d.programs {
-            match bpf::prog_info_by_id(p.prog_id) {
-                Ok(info) => {
-                    p.name = Some(info.name.clone());
-                    p.loaded_at = info
-                        .loaded_at()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .ok()
-                        .map(|d| d.as_secs_f64());
-                }
-                Err(e) => {
-                    obs.prog_details_unreadable = true;
-                    let (line, _) = super::super::checks::io_reason(
-                        &format!("program {} on {}", p.prog_id, d.name),
-                        &e,
-                    );
-                    if !obs.problems.contains(&line) {
-                        obs.problems.push(line);
-                    }
-                }
-            }
+        if fill_details(d, &mut obs, bpf::prog_info_by_id) {
+            obs.raced = true;
         }
     }
     obs.devices = devices;
@@ -304,9 +342,75 @@ fn pinned_tcx_links(bpffs: &Path, problems: &mut Vec<String>) -> BTreeMap<u32, P
                 Ok(info) => {
                     out.insert(info.prog_id, path);
                 }
+                // Unpinned since the directory was read (a reload): nothing to report.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(e) => problems.push(format!("open pinned link {}: {e}", path.display())),
             }
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(ids: &[u32]) -> Device {
+        Device {
+            name: "eth0".into(),
+            ifindex: 2,
+            up: true,
+            kind: None,
+            has_controller: false,
+            global_addrs: vec![],
+            programs: ids
+                .iter()
+                .map(|id| AttachedProgram {
+                    hook: "ingress",
+                    via: "tcx",
+                    prog_id: *id,
+                    name: None,
+                    filter: None,
+                    loaded_at: None,
+                    link_pin: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn info(id: u32) -> bpf::ProgInfo {
+        bpf::ProgInfo {
+            id,
+            prog_type: 3,
+            name: "cil_from_netdev".into(),
+            load_time_boot_ns: 0,
+        }
+    }
+
+    /// Program 10 was replaced between the tcx query and the info lookup (ENOENT), as during
+    /// every Cilium restart: a race to observe again, not a missing permission (before the
+    /// fix: `prog_details_unreadable`, the devices check `unknown`, a step begun then 503).
+    #[test]
+    fn a_program_replaced_between_query_and_lookup_is_a_race_not_a_permission_problem() {
+        let mut obs = Observation::default();
+        let mut d = device(&[10, 11]);
+        let raced = fill_details(&mut d, &mut obs, |id| {
+            if id == 10 {
+                Err(std::io::Error::from_raw_os_error(libc::ENOENT))
+            } else {
+                Ok(info(id))
+            }
+        });
+        assert!(raced);
+        assert!(!obs.prog_details_unreadable && obs.problems.is_empty());
+        assert_eq!(d.programs[1].name.as_deref(), Some("cil_from_netdev"));
+        // A real permission problem stays one.
+        let mut obs = Observation::default();
+        let mut d = device(&[10]);
+        let raced = fill_details(&mut d, &mut obs, |_| {
+            Err(std::io::Error::from_raw_os_error(libc::EPERM))
+        });
+        assert!(!raced && obs.prog_details_unreadable);
+        assert_eq!(obs.problems.len(), 1);
+    }
 }

@@ -62,6 +62,7 @@ pub async fn query(
     kind: RecordKind,
     timeout: Duration,
     expect: Option<&[IpAddr]>,
+    source: Option<IpAddr>,
 ) -> Result<Answer, String> {
     let qname = Name::from_ascii(name).map_err(|e| format!("bad name {name:?}: {e}"))?;
     let id = query_id();
@@ -69,14 +70,20 @@ pub async fn query(
     msg.metadata.recursion_desired = true;
     msg.add_query(Query::query(qname, kind.rtype()));
     let wire = msg.to_vec().map_err(|e| format!("encode query: {e}"))?;
-    let bind: SocketAddr = if resolver.is_ipv4() {
-        "0.0.0.0:0".parse().unwrap()
-    } else {
-        "[::]:0".parse().unwrap()
+    let bind: SocketAddr = match source {
+        Some(src) if src.is_ipv4() != resolver.is_ipv4() => {
+            return Err(format!(
+                "bind source {src}: not the address family of {resolver}"
+            ))
+        }
+        Some(src) => SocketAddr::new(src, 0),
+        None if resolver.is_ipv4() => "0.0.0.0:0".parse().unwrap(),
+        None => "[::]:0".parse().unwrap(),
     };
-    let sock = UdpSocket::bind(bind)
-        .await
-        .map_err(|e| format!("udp socket: {e}"))?;
+    let sock = UdpSocket::bind(bind).await.map_err(|e| match source {
+        Some(src) => format!("bind source {src}: {e}"),
+        None => format!("udp socket: {e}"),
+    })?;
     sock.connect(resolver)
         .await
         .map_err(|e| format!("connect {resolver}: {e}"))?;

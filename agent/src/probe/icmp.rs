@@ -1,17 +1,31 @@
 //! ICMP echo: an unprivileged ping socket when the kernel allows it, else a raw socket
 //! (CAP_NET_RAW). IPv4 only.
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 static SEQ: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
 
 /// Sends one echo request; returns the wall-clock send time (taken right before sendto, not
 /// when the blocking task was queued) and the outcome.
-pub async fn echo(addr: IpAddr, timeout: Duration) -> (Option<f64>, Result<String, String>) {
+pub async fn echo(
+    addr: IpAddr,
+    source: Option<IpAddr>,
+    timeout: Duration,
+) -> (Option<f64>, Result<String, String>) {
     let IpAddr::V4(v4) = addr else {
         return (None, Err("icmp probes support IPv4 only".into()));
     };
-    match tokio::task::spawn_blocking(move || echo_blocking(v4, timeout)).await {
+    let source = match source {
+        None => None,
+        Some(IpAddr::V4(s)) => Some(s),
+        Some(IpAddr::V6(s)) => {
+            return (
+                None,
+                Err(format!("bind source {s}: an IPv6 source for an IPv4 echo")),
+            )
+        }
+    };
+    match tokio::task::spawn_blocking(move || echo_blocking(v4, source, timeout)).await {
         Ok(r) => r,
         Err(e) => (None, Err(format!("icmp task: {e}"))),
     }
@@ -29,16 +43,92 @@ fn checksum(b: &[u8]) -> u16 {
 }
 
 fn echo_blocking(
-    dst: std::net::Ipv4Addr,
+    dst: Ipv4Addr,
+    source: Option<Ipv4Addr>,
     timeout: Duration,
 ) -> (Option<f64>, Result<String, String>) {
     let mut sent_at = None;
-    let r = echo_inner(dst, timeout, &mut sent_at);
+    let r = echo_inner(dst, source, timeout, &mut sent_at);
     (sent_at, r)
 }
 
+/// What a received ICMP message means for the probe that sent (`ident`, `seq`) to `dst`.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// The echo reply to this probe.
+    Echo,
+    /// A Destination Unreachable about this probe's own request (the quoted packet matches).
+    Unreachable(u8),
+    /// Anything else: another probe's reply, another host's, an error about other traffic.
+    NotMine,
+}
+
+/// Classifies an ICMP message (from its first byte) received from `from`. A raw socket sees
+/// every ICMP message of the host, so the ident is checked there; a ping socket's ident is
+/// the kernel's and only the sequence number is ours.
+pub fn classify(
+    icmp: &[u8],
+    from: Ipv4Addr,
+    dst: Ipv4Addr,
+    ident: u16,
+    seq: u16,
+    raw: bool,
+) -> Reply {
+    if icmp.len() < 8 {
+        return Reply::NotMine;
+    }
+    let ours =
+        |id: &[u8], sq: &[u8]| (!raw || id == ident.to_be_bytes()) && sq == seq.to_be_bytes();
+    match icmp[0] {
+        0 if from == dst && ours(&icmp[4..6], &icmp[6..8]) => Reply::Echo,
+        3 => {
+            // The quoted datagram: its IP header, then the first 8 bytes of our echo request.
+            let quoted = &icmp[8..];
+            if quoted.len() < 20 {
+                return Reply::NotMine;
+            }
+            let ihl = ((quoted[0] & 0x0f) as usize) * 4;
+            if ihl < 20 || quoted.len() < ihl + 8 {
+                return Reply::NotMine;
+            }
+            let proto = quoted[9];
+            let qdst = Ipv4Addr::new(quoted[16], quoted[17], quoted[18], quoted[19]);
+            let inner = &quoted[ihl..ihl + 8];
+            if proto == libc::IPPROTO_ICMP as u8
+                && qdst == dst
+                && inner[0] == 8
+                && ours(&inner[4..6], &inner[6..8])
+            {
+                Reply::Unreachable(icmp[1])
+            } else {
+                Reply::NotMine
+            }
+        }
+        _ => Reply::NotMine,
+    }
+}
+
+fn set_rcvtimeo(fd: i32, d: Duration) {
+    let tv = libc::timeval {
+        tv_sec: d.as_secs() as i64,
+        // At least 1 µs: a zero timeval means "block forever".
+        tv_usec: (d.subsec_micros() as i64).max(if d.as_secs() == 0 { 1 } else { 0 }),
+    };
+    // SAFETY: setsockopt on an fd the caller owns, with a timeval that outlives the call.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+    }
+}
+
 fn echo_inner(
-    dst: std::net::Ipv4Addr,
+    dst: Ipv4Addr,
+    source: Option<Ipv4Addr>,
     timeout: Duration,
     sent_at: &mut Option<f64>,
 ) -> Result<String, String> {
@@ -65,17 +155,27 @@ fn echo_inner(
             ));
         }
         let _guard = scopeguard(fd);
-        let tv = libc::timeval {
-            tv_sec: timeout.as_secs() as i64,
-            tv_usec: timeout.subsec_micros() as i64,
-        };
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const _ as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as u32,
-        );
+        if let Some(src) = source {
+            let sa = libc::sockaddr_in {
+                sin_family: libc::AF_INET as u16,
+                sin_port: 0,
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(src).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            if libc::bind(
+                fd,
+                &sa as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_in>() as u32,
+            ) < 0
+            {
+                return Err(format!(
+                    "bind source {src}: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+        }
         // Raw sockets see every echo reply: each probe gets its own sequence number.
         let ident = (std::process::id() & 0xffff) as u16;
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -112,11 +212,23 @@ fn echo_inner(
         }
         let mut buf = [0u8; 1500];
         loop {
+            // The receive timeout shrinks to what is left, so a probe never takes longer than
+            // its timeout however many unrelated messages arrive.
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
                 return Err(format!("timeout after {}ms", timeout.as_millis()));
             }
-            let n = libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0);
+            set_rcvtimeo(fd, left);
+            let mut from: libc::sockaddr_in = std::mem::zeroed();
+            let mut from_len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let n = libc::recvfrom(
+                fd,
+                buf.as_mut_ptr() as *mut libc::c_void,
+                buf.len(),
+                0,
+                &mut from as *mut _ as *mut libc::sockaddr,
+                &mut from_len,
+            );
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 return Err(if matches!(e.raw_os_error(), Some(libc::EAGAIN)) {
@@ -136,19 +248,13 @@ fn echo_inner(
             } else {
                 &buf[..n]
             };
-            let (src_ok, ty) = (true, icmp.first().copied().unwrap_or(255));
-            if src_ok
-                && ty == 0
-                && (!raw || icmp[4..6] == ident.to_be_bytes())
-                && icmp[6..8] == seq.to_be_bytes()
-            {
-                return Ok("echo reply".into());
-            }
-            if ty == 3 {
-                return Err(format!(
-                    "{dst} unreachable (ICMP code {})",
-                    icmp.get(1).copied().unwrap_or(0)
-                ));
+            let from = Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr));
+            match classify(icmp, from, dst, ident, seq, raw) {
+                Reply::Echo => return Ok("echo reply".into()),
+                Reply::Unreachable(code) => {
+                    return Err(format!("{dst} unreachable (ICMP code {code}, from {from})"))
+                }
+                Reply::NotMine => continue,
             }
         }
     }
@@ -163,4 +269,88 @@ impl Drop for FdGuard {
 }
 fn scopeguard(fd: i32) -> FdGuard {
     FdGuard(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
+
+    fn echo_reply(ident: u16, seq: u16) -> Vec<u8> {
+        let mut p = vec![0u8, 0, 0, 0];
+        p.extend_from_slice(&ident.to_be_bytes());
+        p.extend_from_slice(&seq.to_be_bytes());
+        p
+    }
+
+    /// Destination Unreachable quoting an echo request (ident, seq) to `to`.
+    fn unreachable(to: Ipv4Addr, proto: u8, ident: u16, seq: u16) -> Vec<u8> {
+        let mut p = vec![3u8, 1, 0, 0, 0, 0, 0, 0];
+        let mut ip = vec![0x45u8, 0, 0, 28, 0, 0, 0, 0, 64, proto, 0, 0, 192, 0, 2, 1];
+        ip.extend_from_slice(&to.octets());
+        p.extend(ip);
+        p.extend([8u8, 0, 0, 0]);
+        p.extend_from_slice(&ident.to_be_bytes());
+        p.extend_from_slice(&seq.to_be_bytes());
+        p
+    }
+
+    #[test]
+    fn an_unrelated_destination_unreachable_does_not_fail_the_probe() {
+        // Another host unreachable, or a UDP datagram's error: not about this probe.
+        let other = Ipv4Addr::new(203, 0, 113, 9);
+        assert_eq!(
+            classify(&unreachable(other, 1, 7, 42), other, DST, 7, 42, true),
+            Reply::NotMine
+        );
+        assert_eq!(
+            classify(&unreachable(DST, 17, 7, 42), DST, DST, 7, 42, true),
+            Reply::NotMine
+        );
+        // Another probe's request (another sequence number) to the same host.
+        assert_eq!(
+            classify(&unreachable(DST, 1, 7, 41), DST, DST, 7, 42, true),
+            Reply::NotMine
+        );
+        // This probe's own request quoted: it fails, with the code.
+        assert_eq!(
+            classify(
+                &unreachable(DST, 1, 7, 42),
+                Ipv4Addr::new(192, 0, 2, 1),
+                DST,
+                7,
+                42,
+                true
+            ),
+            Reply::Unreachable(1)
+        );
+    }
+
+    #[test]
+    fn an_echo_reply_counts_only_from_the_probed_address() {
+        assert_eq!(
+            classify(&echo_reply(7, 42), DST, DST, 7, 42, true),
+            Reply::Echo
+        );
+        let spoof = Ipv4Addr::new(192, 0, 2, 66);
+        assert_eq!(
+            classify(&echo_reply(7, 42), spoof, DST, 7, 42, true),
+            Reply::NotMine
+        );
+        // Raw sockets check the ident; ping sockets (kernel-chosen ident) only the sequence.
+        assert_eq!(
+            classify(&echo_reply(8, 42), DST, DST, 7, 42, true),
+            Reply::NotMine
+        );
+        assert_eq!(
+            classify(&echo_reply(8, 42), DST, DST, 7, 42, false),
+            Reply::Echo
+        );
+        assert_eq!(
+            classify(&echo_reply(7, 43), DST, DST, 7, 42, false),
+            Reply::NotMine
+        );
+        assert_eq!(classify(&[0u8, 0], DST, DST, 7, 42, false), Reply::NotMine);
+    }
 }

@@ -7,7 +7,7 @@ mod icmp;
 use crate::config::{ProbeKind, Target};
 use serde::Serialize;
 use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
 
@@ -45,11 +45,9 @@ fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
 }
 
+/// Now on the agent's clock (unix seconds advancing with CLOCK_BOOTTIME; see [`crate::clock`]).
 pub fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    crate::clock::now()
 }
 
 /// Runs one probe against a target.
@@ -74,7 +72,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
             .await
         }
         ProbeKind::Icmp => {
-            let (at, r) = icmp::echo(t.address, t.timeout).await;
+            let (at, r) = icmp::echo(t.address, t.source, t.timeout).await;
             sent_at = at.unwrap_or(sent_at);
             r
         }
@@ -83,7 +81,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
                 .query
                 .clone()
                 .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
-            dns::query(addr, &name, dns::RecordKind::A, t.timeout, None)
+            dns::query(addr, &name, dns::RecordKind::A, t.timeout, None, t.source)
                 .await
                 .map(|a| a.summary())
         }

@@ -196,6 +196,9 @@ pub struct TargetTimeline {
     /// outage that begins right after).
     #[serde(default)]
     pub last_ok: Option<f64>,
+    /// Probe send times have been checked for stalls up to here (see `verdict::stalls`).
+    #[serde(default)]
+    pub scanned_through: Option<f64>,
     /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
     #[serde(skip)]
     pub samples: Vec<(f64, bool)>,
@@ -301,11 +304,39 @@ pub struct Step {
     pub dns_p50_after_ms: Option<f64>,
     pub verdict: Option<Verdict>,
     pub updated_at: f64,
+    /// The boot the step began on (`/proc/sys/kernel/random/boot_id`).
+    #[serde(default)]
+    pub boot_id: Option<String>,
 }
 
 impl Step {
     pub fn is_final(&self) -> bool {
         self.verdict.is_some()
+    }
+
+    /// An agent that restarted picks this step up again at `now`, on boot `boot_id`: the
+    /// time it was away is a hole in the evidence (judged further on the first observation).
+    pub fn resume(&mut self, now: f64, boot_id: Option<&str>) {
+        self.holes.push((self.updated_at, now));
+        for t in self.targets.values_mut() {
+            t.hole_judged = false;
+            // Probe send times are not known across the hole: it is judged by the hole rules.
+            t.scanned_through = Some(now);
+        }
+        for (name, t) in &self.targets {
+            if matches!(t.persisted_through, Some((_, false))) {
+                self.evidence_incomplete = Some(format!(
+                    "the agent went down during an outage of {name} and was away {:.1}s",
+                    now - self.updated_at
+                ));
+            }
+        }
+        if self.boot_id.is_some() && boot_id != self.boot_id.as_deref() {
+            self.evidence_incomplete = Some(
+                "the node rebooted during the step (the boot id changed): the restart and its gaps were not observed"
+                    .into(),
+            );
+        }
     }
 }
 
@@ -425,6 +456,44 @@ mod tests {
             assert!(e.starts_with(field), "{e}");
             assert_eq!(e.lines().count(), 1);
         }
+    }
+
+    fn bare(boot: Option<&str>) -> Step {
+        Step {
+            id: "s".into(),
+            created_at: 0.0,
+            params: StepParams::from_request(&StepRequest::default(), Duration::from_millis(10))
+                .unwrap()
+                .1,
+            phase: "watching".into(),
+            baseline: Baseline::default(),
+            reload: Reload::default(),
+            targets: BTreeMap::new(),
+            holes: vec![],
+            evidence_incomplete: None,
+            green_since: None,
+            checks: BTreeMap::new(),
+            gaps: vec![],
+            drops: BTreeMap::new(),
+            dns_p50_after_ms: None,
+            verdict: None,
+            updated_at: 5.0,
+            boot_id: boot.map(str::to_string),
+        }
+    }
+
+    /// A step persisted on one boot and resumed on another (the node rebooted with the
+    /// agent): CLOCK_BOOTTIME restarted and nothing was watched, so incomplete evidence
+    /// (before the fix the boot was not recorded and the step could pass).
+    #[test]
+    fn a_step_resumed_on_another_boot_is_incomplete_evidence() {
+        let mut s = bare(Some("boot-a"));
+        s.resume(9.0, Some("boot-a"));
+        assert_eq!(s.holes, vec![(5.0, 9.0)]);
+        assert!(s.evidence_incomplete.is_none());
+        let mut s = bare(Some("boot-a"));
+        s.resume(9.0, Some("boot-b"));
+        assert!(s.evidence_incomplete.unwrap().contains("rebooted"));
     }
 
     #[test]

@@ -10,6 +10,50 @@ use std::collections::BTreeMap;
 pub const RELOAD_QUIET_S: f64 = 1.0;
 /// A map that had at least this many entries and lost more than half of them was emptied.
 pub const MAP_EMPTIED_MIN: u64 = 8;
+/// An interval with no probe of a target sent for more than this many burst intervals is a
+/// hole in the evidence (the probe loop stalled, or probes could not run: no socket, EMFILE).
+/// Shorter lateness only widens the error bound of the gaps it touches (see `gaps`).
+pub const STALL_INTERVALS: f64 = 5.0;
+/// ... and never less than this, so scheduler noise on a busy node at a 1 ms cadence is not
+/// mistaken for a stalled loop.
+pub const STALL_MIN_S: f64 = 0.02;
+
+/// The longest a target may go without a probe sent, at `cadence`.
+pub fn stall_limit(cadence: f64) -> f64 {
+    (cadence * STALL_INTERVALS).max(STALL_MIN_S)
+}
+
+/// Scans each target's probe send times from where the last scan stopped up to
+/// `complete_until` (every probe sent before it has been recorded) and returns the first
+/// stall: (target, from, to). Intervals that start inside a recorded agent hole are judged
+/// by the hole rules instead.
+pub fn stalls(step: &mut Step, complete_until: f64) -> Option<(String, f64, f64)> {
+    let limit = stall_limit(step.params.burst_interval.as_secs_f64());
+    let created = step.created_at;
+    let mut found = None;
+    for (name, t) in step.targets.iter_mut() {
+        let mut prev = t.scanned_through.unwrap_or(created);
+        if complete_until <= prev {
+            continue;
+        }
+        let mut sent: Vec<f64> = t
+            .samples
+            .iter()
+            .map(|s| s.0)
+            .filter(|s| *s > prev && *s <= complete_until)
+            .collect();
+        sent.sort_by(|a, b| a.total_cmp(b));
+        sent.push(complete_until);
+        for at in sent {
+            if at - prev > limit && found.is_none() {
+                found = Some((name.clone(), prev, at));
+            }
+            prev = at;
+        }
+        t.scanned_through = Some(complete_until);
+    }
+    found
+}
 
 /// What the daemon sees now.
 #[derive(Clone, Debug, Default)]
@@ -114,6 +158,15 @@ pub fn decide(step: &mut Step, o: &Observed) {
     step.drops = o.drops.clone();
     step.dns_p50_after_ms = o.dns_p50_after_ms;
     let mut checks: BTreeMap<String, (String, String)> = BTreeMap::new();
+    if let Some((target, from, to)) = stalls(step, o.complete_until.min(now)) {
+        if step.evidence_incomplete.is_none() {
+            step.evidence_incomplete = Some(format!(
+                "no probe of {target} was sent for {:.0}ms (limit {:.0}ms): the probe loop stalled or probes could not run",
+                (to - from) * 1e3,
+                stall_limit(step.params.burst_interval.as_secs_f64()) * 1e3
+            ));
+        }
+    }
 
     if let Some(why) = step.evidence_incomplete.clone() {
         finish(step, "failed", vec!["evidence_incomplete".into()], why, now);
@@ -312,7 +365,10 @@ pub fn decide(step: &mut Step, o: &Observed) {
     }
     if green {
         let since = *step.green_since.get_or_insert(now);
-        if now - since >= step.params.settle.as_secs_f64() && o.complete_until >= since {
+        let settle = step.params.settle.as_secs_f64();
+        // Every probe sent up to the end of the settle window must have answered (or timed
+        // out) before the window counts: a probe still in flight may yet fail.
+        if now - since >= settle && o.complete_until >= since + settle {
             let worst = step
                 .gaps
                 .iter()
@@ -400,6 +456,12 @@ mod tests {
     use std::time::Duration;
 
     fn step() -> Step {
+        let mut s = bare_step();
+        s.targets.get_mut("gw").unwrap().samples = timeline(70.0, None);
+        s
+    }
+
+    fn bare_step() -> Step {
         Step {
             id: "s".into(),
             created_at: 0.0,
@@ -441,6 +503,7 @@ mod tests {
             dns_p50_after_ms: None,
             verdict: None,
             updated_at: 0.0,
+            boot_id: None,
         }
     }
     fn progs(a: Option<u32>, b: Option<u32>) -> Option<BTreeMap<String, Option<u32>>> {
@@ -454,6 +517,13 @@ mod tests {
             ]
             .into(),
         )
+    }
+    /// Probes every 10 ms from 0 to `until`, failing inside `down`.
+    fn timeline(until: f64, down: Option<(f64, f64)>) -> Vec<(f64, bool)> {
+        (0..=(until * 100.0) as usize)
+            .map(|i| i as f64 * 0.01)
+            .map(|t| (t, !down.is_some_and(|(a, b)| t >= a - 1e-9 && t < b - 1e-9)))
+            .collect()
     }
     fn obs(now: f64, p: Option<BTreeMap<String, Option<u32>>>) -> Observed {
         Observed {
@@ -469,7 +539,7 @@ mod tests {
     #[test]
     fn a_clean_restart_passes_after_the_settle_window() {
         let mut s = step();
-        s.targets.get_mut("gw").unwrap().samples = vec![(0.5, true), (1.0, false), (1.3, true)];
+        s.targets.get_mut("gw").unwrap().samples = timeline(9.0, Some((1.0, 1.3)));
         for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0] {
             decide(
                 &mut s,
@@ -510,7 +580,7 @@ mod tests {
     #[test]
     fn a_gap_over_budget_fails_at_once() {
         let mut s = step();
-        s.targets.get_mut("gw").unwrap().samples = vec![(0.0, true), (1.0, false), (3.5, true)];
+        s.targets.get_mut("gw").unwrap().samples = timeline(4.0, Some((1.0, 3.5)));
         decide(&mut s, &obs(4.0, progs(Some(10), Some(11))));
         assert_eq!(s.verdict.unwrap().reasons, vec!["gap_over_budget"]);
     }
@@ -554,6 +624,61 @@ mod tests {
         }
         let v = s.verdict.unwrap();
         assert!(v.reasons.contains(&"dns_slower".to_string()), "{v:?}");
+    }
+
+    /// Probes in flight at the end of the settle window: the step waits until they have
+    /// answered (before the fix it passed once probes sent at the start of settle had).
+    #[test]
+    fn a_step_does_not_pass_while_probes_of_the_settle_window_are_in_flight() {
+        let mut s = step();
+        s.targets.get_mut("gw").unwrap().samples = timeline(6.5, None);
+        let reload = progs(Some(20), Some(21));
+        for t in [1.0, 2.5] {
+            decide(&mut s, &obs(t, reload.clone()));
+        }
+        // Green since 2.5, settle 5 s: at 7.6 the window has run, but probes sent after 6.5
+        // have not all answered yet (complete only up to 6.5).
+        let mut o = obs(7.6, reload.clone());
+        o.complete_until = 6.5;
+        decide(&mut s, &o);
+        assert!(s.verdict.is_none(), "{:?}", s.verdict);
+        s.targets.get_mut("gw").unwrap().samples = timeline(7.6, None);
+        decide(&mut s, &obs(7.6, reload));
+        assert_eq!(s.verdict.unwrap().status, "passed");
+    }
+
+    /// The probe loop stalled for 200 ms (or probes could not run): a hole, never a pass.
+    #[test]
+    fn a_stalled_probe_loop_is_a_hole_in_the_evidence() {
+        let mut s = step();
+        let samples: Vec<(f64, bool)> = timeline(70.0, None)
+            .into_iter()
+            .filter(|(t, _)| !(*t > 3.0 && *t < 3.2))
+            .collect();
+        s.targets.get_mut("gw").unwrap().samples = samples;
+        for t in [1.0, 2.5, 5.0, 9.0] {
+            decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+        }
+        let v = s.verdict.unwrap();
+        assert_eq!(v.reasons, vec!["evidence_incomplete"], "{v:?}");
+        assert!(
+            v.summary.contains("no probe of gw was sent for 200ms"),
+            "{v:?}"
+        );
+        // Lateness under the limit is not a hole: 40 ms without a probe at a 10 ms cadence.
+        let mut s = step();
+        s.targets.get_mut("gw").unwrap().samples = timeline(70.0, None)
+            .into_iter()
+            .filter(|(t, _)| !(*t > 3.0 && *t < 3.04))
+            .collect();
+        for t in [1.0, 2.5, 5.0, 9.0] {
+            decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+        }
+        assert_eq!(s.verdict.unwrap().status, "passed");
+        // No probe at all (every probe failed to run): a hole too.
+        let mut s = bare_step();
+        decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
+        assert_eq!(s.verdict.unwrap().reasons, vec!["evidence_incomplete"]);
     }
 
     #[test]
