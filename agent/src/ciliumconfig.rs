@@ -20,6 +20,23 @@ fn unix(t: SystemTime) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The cilium-config directory could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("read cilium-config {path}: {source}")]
+pub struct ReadError {
+    pub path: String,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Reads the ConfigMap as mounted now, naming the directory on error.
+pub fn read_named(dir: &Path) -> Result<Snapshot, ReadError> {
+    read(dir).map_err(|source| ReadError {
+        path: dir.display().to_string(),
+        source,
+    })
+}
+
 /// Reads the ConfigMap as mounted now.
 pub fn read(dir: &Path) -> std::io::Result<Snapshot> {
     let data = dir.join("..data");

@@ -2,6 +2,8 @@
 //!
 //! Pure logic (verdicts, config, profiles, statistics) lives in modules that need no root;
 //! kernel access stays under [`kernel`] and [`probe`].
+#![deny(unsafe_code)]
+
 pub mod checks;
 pub mod ciliumconfig;
 pub mod client;
@@ -9,6 +11,7 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod duration;
+#[allow(unsafe_code)]
 pub mod kernel;
 pub mod metrics;
 pub mod node;

@@ -1,4 +1,6 @@
 //! `stepguard`: the per-node agent and its command-line hooks.
+#![deny(unsafe_code)]
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::collections::BTreeSet;
@@ -84,8 +86,8 @@ struct AgentArgs {
     burst_interval: Duration,
 }
 
-fn parse_dur(s: &str) -> Result<Duration, String> {
-    stepguard::duration::parse(s).map_err(|e| e.to_string())
+fn parse_dur(s: &str) -> Result<Duration, stepguard::duration::DurationError> {
+    stepguard::duration::parse(s)
 }
 
 #[derive(clap::Args)]

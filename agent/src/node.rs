@@ -74,9 +74,10 @@ pub async fn run(
 ) -> (Vec<CheckResult>, NodeObservation) {
     let wanted = |c: &str| only.is_empty() || only.contains(c);
     let mut obs = NodeObservation::default();
-    let cilium_cfg = cfg.cilium_config.as_ref().map(|d| {
-        ciliumconfig::read(d).map_err(|e| format!("read cilium-config {}: {e}", d.display()))
-    });
+    let cilium_cfg = cfg
+        .cilium_config
+        .as_ref()
+        .map(|d| ciliumconfig::read_named(d));
     let cilium_snap = cilium_cfg.as_ref().and_then(|r| r.as_ref().ok());
     let store = opts.state_dir.as_ref().map(|d| SnapshotStore::new(d));
     if let (Some(store), Some(s)) = (&store, cilium_snap) {
@@ -86,7 +87,7 @@ pub async fn run(
     }
 
     let mut results = Vec::new();
-    let mut link_obs: Option<Result<links::Observation, String>> = None;
+    let mut link_obs: Option<Result<links::Observation, links::LinkError>> = None;
     if wanted("devices") || wanted("config") {
         let t = Instant::now();
         let o = links::observe(&cfg.bpffs).await;
@@ -96,7 +97,7 @@ pub async fn run(
                 Err(e) => CheckResult::unknown(
                     devices::CHECK,
                     "netlink_error",
-                    e.clone(),
+                    e.to_string(),
                     serde_json::json!({}),
                 ),
             };
@@ -139,9 +140,7 @@ pub async fn run(
             Some(Ok(o)) if !o.prog_details_unreadable => devices::datapath_loaded_at(o),
             _ => None,
         };
-        let current = cilium_cfg
-            .as_ref()
-            .map(|r| r.as_ref().map_err(|e| e.clone()));
+        let current = cilium_cfg.as_ref().map(|r| r.as_ref());
         let mut r = config_check::evaluate(current, loaded, store.as_ref());
         r.duration_ms = t.elapsed();
         results.push(r);

@@ -12,7 +12,7 @@ pub const CHECK: &str = "config";
 const SLACK_SECONDS: f64 = 1.0;
 
 pub fn evaluate(
-    current: Option<Result<&Snapshot, String>>,
+    current: Option<Result<&Snapshot, &crate::ciliumconfig::ReadError>>,
     datapath_loaded_at: Option<f64>,
     store: Option<&SnapshotStore>,
 ) -> CheckResult {
@@ -26,7 +26,12 @@ pub fn evaluate(
             )
         }
         Some(Err(e)) => {
-            return CheckResult::unknown(CHECK, "cilium_config_unreadable", e, json!({}))
+            return CheckResult::unknown(
+                CHECK,
+                "cilium_config_unreadable",
+                e.to_string(),
+                json!({}),
+            )
         }
         Some(Ok(s)) => s,
     };

@@ -115,6 +115,7 @@ pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
         "devices": per_device,
         "endpoint_devices": obs.endpoint_devices,
         "problems": obs.problems,
+        "link_pin_problems": obs.link_pin_problems,
     });
     if obs.prog_details_unreadable {
         return CheckResult::unknown(
@@ -130,11 +131,7 @@ pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
             evidence,
         );
     }
-    if let Some(p) = obs
-        .problems
-        .iter()
-        .find(|p| !p.starts_with("open pinned link"))
-    {
+    if let Some(p) = obs.problems.first() {
         return CheckResult::unknown(CHECK, "kernel_error", p.clone(), evidence);
     }
     if expected.is_empty() {

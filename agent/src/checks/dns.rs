@@ -18,6 +18,8 @@ pub struct ResolverSample {
     pub sent: u32,
     pub ok: u32,
     pub not_run: u32,
+    /// Failures that were timeouts (no answer at all).
+    pub timeouts: u32,
     pub latencies: Vec<Duration>,
     pub errors: Vec<String>,
 }
@@ -40,9 +42,13 @@ pub async fn burst(resolver: SocketAddr, cfg: &DnsConfig) -> ResolverSample {
                         s.latencies.push(start.elapsed());
                     }
                     Err(e) => {
-                        if e.starts_with("udp socket") || e.starts_with("bad name") {
+                        if !e.ran() {
                             s.not_run += 1;
                         }
+                        if matches!(e, crate::probe::ProbeError::Timeout { .. }) {
+                            s.timeouts += 1;
+                        }
+                        let e = e.to_string();
                         if s.errors.len() < 3 && !s.errors.contains(&e) {
                             s.errors.push(e);
                         }
@@ -127,11 +133,7 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
                 )
             })
             .collect();
-        let code = if ok == 0
-            && samples
-                .iter()
-                .all(|s| s.errors.iter().all(|e| e.starts_with("timeout")))
-        {
+        let code = if ok == 0 && samples.iter().all(|s| s.timeouts == s.sent - s.ok) {
             "dns_timeout"
         } else {
             "dns_failures"
@@ -183,6 +185,11 @@ mod tests {
             sent,
             ok,
             not_run: 0,
+            timeouts: if err.starts_with("timeout") {
+                sent - ok
+            } else {
+                0
+            },
             latencies: vec![Duration::from_millis(lat_ms); ok as usize],
             errors: if err.is_empty() {
                 vec![]
@@ -204,6 +211,10 @@ mod tests {
         assert_eq!((r.status, r.code.as_str()), (Status::Fail, "dns_failures"));
         let r = evaluate(&cfg, &[sample(0, 5, 0, "timeout after 1000ms")]);
         assert_eq!(r.code, "dns_timeout");
+        // The code follows the counted timeouts, not the wording of the errors.
+        let mut reworded = sample(0, 5, 0, "no answer in time");
+        reworded.timeouts = 5;
+        assert_eq!(evaluate(&cfg, &[reworded]).code, "dns_timeout");
         let r = evaluate(&cfg, &[sample(5, 5, 900, "")]);
         assert_eq!(r.code, "dns_slow");
     }

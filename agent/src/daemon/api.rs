@@ -283,7 +283,7 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
     let id = id.unwrap_or_else(|| step::new_id(unix_now()));
     let mut s = match watch::begin(&d, id, params).await {
         Ok(s) => s,
-        Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e),
+        Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
     {
         let mut guard = lock(&d.step);

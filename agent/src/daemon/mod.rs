@@ -33,6 +33,8 @@ pub struct DnsSample {
     pub resolver: String,
     pub latency: Option<Duration>,
     pub error: Option<String>,
+    /// The query timed out (no answer at all).
+    pub timed_out: bool,
 }
 
 #[derive(Default)]
@@ -230,6 +232,7 @@ impl Daemon {
                     continue;
                 }
                 s.sent += 1;
+                s.timeouts += d.timed_out as u32;
                 match (&d.latency, &d.error) {
                     (Some(l), _) => {
                         s.ok += 1;
@@ -508,7 +511,8 @@ async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
                     at,
                     resolver: resolver.to_string(),
                     latency: r.as_ref().ok().map(|_| latency),
-                    error: r.err(),
+                    timed_out: matches!(r, Err(crate::probe::ProbeError::Timeout { .. })),
+                    error: r.err().map(|e| e.to_string()),
                 });
                 while p.dns.front().is_some_and(|s| s.at < at - DNS_WINDOW_S) {
                     p.dns.pop_front();

@@ -51,19 +51,29 @@ fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Opt
 /// How long after a probe's timeout its result is surely recorded.
 const COMPLETION_SLACK_S: f64 = 0.25;
 
-/// Takes the baseline and creates the step. Err = cannot take a baseline (one line).
-pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, String> {
+/// Why a step cannot begin: no baseline can be taken (503).
+#[derive(Debug, thiserror::Error)]
+pub enum BeginError {
+    #[error("cannot take a baseline: {0}")]
+    Links(#[from] links::LinkError),
+    #[error("cannot take a baseline: {0}")]
+    ProgramsUnreadable(String),
+    #[error("cannot take a baseline: no device carries cil_from_netdev")]
+    NoDatapath,
+}
+
+/// Takes the baseline and creates the step.
+pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, BeginError> {
     let now = unix_now();
     let obs = links::observe(&d.cfg.bpffs).await?;
     if obs.prog_details_unreadable {
-        return Err(format!(
-            "cannot take a baseline: {}",
-            obs.problems.first().cloned().unwrap_or_default()
+        return Err(BeginError::ProgramsUnreadable(
+            obs.problems.first().cloned().unwrap_or_default(),
         ));
     }
     let selected: Vec<String> = devices::carrying(&obs.devices).into_iter().collect();
     if selected.is_empty() {
-        return Err("cannot take a baseline: no device carries cil_from_netdev".into());
+        return Err(BeginError::NoDatapath);
     }
     let mut tracked = selected.clone();
     if obs.devices.iter().any(|x| x.name == "cilium_host") {

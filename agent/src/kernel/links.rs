@@ -65,6 +65,9 @@ pub struct Observation {
     /// lxc* devices seen (counted, not inspected: they are endpoints, not host devices).
     pub endpoint_devices: usize,
     pub problems: Vec<String>,
+    /// Pinned links that could not be opened: reported, but they do not make the device
+    /// observation unknown (the tcx query is the source of truth for what is attached).
+    pub link_pin_problems: Vec<String>,
     /// A program id was seen but its details were unreadable (permissions).
     pub prog_details_unreadable: bool,
     /// A program or link went away between listing and lookup (a reload in progress): the
@@ -140,9 +143,18 @@ fn kind_name(k: &InfoKind) -> String {
 }
 
 /// Observes the current network namespace. `bpffs` is where Cilium pins its tcx links.
-pub async fn observe(bpffs: &Path) -> Result<Observation, String> {
+/// Netlink could not be asked (the devices are unknown, not absent).
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("open rtnetlink socket: {0}")]
+    Socket(String),
+    #[error("rtnetlink {what} dump: {message}")]
+    Dump { what: &'static str, message: String },
+}
+
+pub async fn observe(bpffs: &Path) -> Result<Observation, LinkError> {
     let (conn, handle, _) =
-        rtnetlink::new_connection().map_err(|e| format!("open rtnetlink socket: {e}"))?;
+        rtnetlink::new_connection().map_err(|e| LinkError::Socket(e.to_string()))?;
     let task = tokio::spawn(conn);
     let mut r = observe_with(&handle, bpffs).await;
     for _ in 1..RACE_RETRIES {
@@ -163,15 +175,14 @@ pub async fn observe(bpffs: &Path) -> Result<Observation, String> {
     r
 }
 
-async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observation, String> {
+async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observation, LinkError> {
     let mut obs = Observation::default();
     let mut links = handle.link().get().execute();
     let mut devices = Vec::new();
-    while let Some(msg) = links
-        .try_next()
-        .await
-        .map_err(|e| format!("rtnetlink link dump: {e}"))?
-    {
+    while let Some(msg) = links.try_next().await.map_err(|e| LinkError::Dump {
+        what: "link",
+        message: e.to_string(),
+    })? {
         let mut d = Device {
             name: String::new(),
             ifindex: msg.header.index,
@@ -221,11 +232,10 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
     // Addresses, for Cilium's auto-detection rule (global unicast).
     let mut addrs = handle.address().get().execute();
     let mut by_index: BTreeMap<u32, Vec<IpAddr>> = BTreeMap::new();
-    while let Some(msg) = addrs
-        .try_next()
-        .await
-        .map_err(|e| format!("rtnetlink address dump: {e}"))?
-    {
+    while let Some(msg) = addrs.try_next().await.map_err(|e| LinkError::Dump {
+        what: "address",
+        message: e.to_string(),
+    })? {
         for a in &msg.attributes {
             if let AddressAttribute::Address(ip) = a {
                 if global_unicast(ip) {
@@ -234,7 +244,7 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
             }
         }
     }
-    let pins = pinned_tcx_links(bpffs, &mut obs.problems);
+    let pins = pinned_tcx_links(bpffs, &mut obs.link_pin_problems);
     for d in &mut devices {
         d.global_addrs = by_index.remove(&d.ifindex).unwrap_or_default();
         for (hook, at) in [

@@ -1,8 +1,21 @@
-//! Kernel access: BTF, bpf(2), rtnetlink, bpffs, the agent's own eBPF programs. Everything
-//! that needs privileges or a kernel object lives below this module.
+//! Kernel access: BTF, bpf(2), rtnetlink, bpffs, the agent's own eBPF programs, ICMP sockets,
+//! clocks and randomness. Everything that needs privileges, a kernel object or `unsafe` lives
+//! below this module (the rest of the crate is `#![deny(unsafe_code)]`).
 pub mod bpf;
 pub mod bpffs;
 pub mod btf;
 pub mod ciliumdrops;
 pub mod drops;
+pub mod icmp;
 pub mod links;
+
+/// CLOCK_BOOTTIME now, in seconds.
+pub fn boottime() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into ts, which outlives the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}

@@ -1,5 +1,6 @@
 //! One DNS query over UDP with hickory-proto messages: no cache, no retry. SERVFAIL, a
 //! mismatched reply, an empty answer and a timeout are all failures.
+use super::ProbeError;
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
 use std::net::{IpAddr, SocketAddr};
@@ -45,14 +46,10 @@ impl Answer {
 }
 
 fn query_id() -> u16 {
-    let mut b = [0u8; 2];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 2, 0) };
-    if n == 2 {
-        u16::from_ne_bytes(b)
-    } else {
+    // A random id: a stray or spoofed datagram must not match by guess.
+    getrandom::u32().map(|r| r as u16).unwrap_or_else(|_| {
         (std::process::id() as u16) ^ (super::unix_now().fract() * 65535.0) as u16
-    }
+    })
 }
 
 /// Sends one query and waits for its answer, up to `timeout`.
@@ -63,17 +60,21 @@ pub async fn query(
     timeout: Duration,
     expect: Option<&[IpAddr]>,
     source: Option<IpAddr>,
-) -> Result<Answer, String> {
-    let qname = Name::from_ascii(name).map_err(|e| format!("bad name {name:?}: {e}"))?;
+) -> Result<Answer, ProbeError> {
+    let qname = Name::from_ascii(name)
+        .map_err(|e| ProbeError::unsupported(format!("bad name {name:?}"), e.to_string()))?;
     let id = query_id();
     let mut msg = Message::new(id, MessageType::Query, OpCode::Query);
     msg.metadata.recursion_desired = true;
     msg.add_query(Query::query(qname, kind.rtype()));
-    let wire = msg.to_vec().map_err(|e| format!("encode query: {e}"))?;
+    let wire = msg
+        .to_vec()
+        .map_err(|e| ProbeError::unsupported("encode query", e.to_string()))?;
     let bind: SocketAddr = match source {
         Some(src) if src.is_ipv4() != resolver.is_ipv4() => {
-            return Err(format!(
-                "bind source {src}: not the address family of {resolver}"
+            return Err(ProbeError::unsupported(
+                format!("bind source {src}"),
+                format!("not the address family of {resolver}"),
             ))
         }
         Some(src) => SocketAddr::new(src, 0),
@@ -81,25 +82,29 @@ pub async fn query(
         None => "[::]:0".parse().unwrap(),
     };
     let sock = UdpSocket::bind(bind).await.map_err(|e| match source {
-        Some(src) => format!("bind source {src}: {e}"),
-        None => format!("udp socket: {e}"),
+        Some(src) => ProbeError::cannot_run(format!("bind source {src}"), &e),
+        None => ProbeError::cannot_run("udp socket", &e),
     })?;
     sock.connect(resolver)
         .await
-        .map_err(|e| format!("connect {resolver}: {e}"))?;
+        .map_err(|e| ProbeError::cannot_run(format!("connect {resolver}"), &e))?;
     let exchange = async {
         sock.send(&wire)
             .await
-            .map_err(|e| format!("send to {resolver}: {e}"))?;
+            .map_err(|e| ProbeError::exchange(format!("send to {resolver}"), &e))?;
         let mut buf = vec![0u8; 4096];
         loop {
             let n = sock
                 .recv(&mut buf)
                 .await
-                .map_err(|e| format!("receive from {resolver}: {e}"))?;
+                .map_err(|e| ProbeError::exchange(format!("receive from {resolver}"), &e))?;
             let reply = match Message::from_vec(&buf[..n]) {
                 Ok(m) => m,
-                Err(e) => return Err(format!("malformed reply from {resolver}: {e}")),
+                Err(e) => {
+                    return Err(ProbeError::Answer(format!(
+                        "malformed reply from {resolver}: {e}"
+                    )))
+                }
             };
             // A stray datagram with another id is not our answer: keep waiting.
             if reply.metadata.id != id {
@@ -110,7 +115,7 @@ pub async fn query(
     };
     match tokio::time::timeout(timeout, exchange).await {
         Ok(r) => r,
-        Err(_) => Err(format!("timeout after {}ms", timeout.as_millis())),
+        Err(_) => Err(ProbeError::timeout(timeout)),
     }
 }
 
@@ -120,12 +125,15 @@ pub fn check_reply(
     name: &str,
     kind: RecordKind,
     expect: Option<&[IpAddr]>,
-) -> Result<Answer, String> {
+) -> Result<Answer, ProbeError> {
     if reply.metadata.message_type != MessageType::Response {
-        return Err("reply is not a response".into());
+        return Err(ProbeError::Answer("reply is not a response".into()));
     }
     if reply.metadata.response_code != ResponseCode::NoError {
-        return Err(format!("{} for {name}", reply.metadata.response_code));
+        return Err(ProbeError::Answer(format!(
+            "{} for {name}",
+            reply.metadata.response_code
+        )));
     }
     let q_ok = reply.queries.first().is_some_and(|q| {
         q.name()
@@ -135,7 +143,7 @@ pub fn check_reply(
             && q.query_type() == kind.rtype()
     });
     if !q_ok {
-        return Err("reply is for another question".into());
+        return Err(ProbeError::Answer("reply is for another question".into()));
     }
     let addresses: Vec<IpAddr> = reply
         .answers
@@ -147,18 +155,21 @@ pub fn check_reply(
         })
         .collect();
     if addresses.is_empty() {
-        return Err(format!("no {:?} record for {name}", kind.rtype()));
+        return Err(ProbeError::Answer(format!(
+            "no {:?} record for {name}",
+            kind.rtype()
+        )));
     }
     if let Some(want) = expect {
         if !addresses.iter().any(|a| want.contains(a)) {
-            return Err(format!(
+            return Err(ProbeError::Answer(format!(
                 "wrong answer for {name}: {} (expected one of {})",
                 Answer { addresses }.summary(),
                 want.iter()
                     .map(|a| a.to_string())
                     .collect::<Vec<_>>()
                     .join(",")
-            ));
+            )));
         }
     }
     Ok(Answer { addresses })
@@ -198,6 +209,7 @@ mod tests {
             None
         )
         .unwrap_err()
+        .to_string()
         .contains("Server Failure"));
         assert!(check_reply(
             &reply(ResponseCode::NoError, vec![]),
@@ -206,6 +218,7 @@ mod tests {
             None
         )
         .unwrap_err()
+        .to_string()
         .contains("no A record"));
         let ok = reply(ResponseCode::NoError, vec![a([198, 51, 100, 10])]);
         assert_eq!(
@@ -217,9 +230,11 @@ mod tests {
         let want: Vec<IpAddr> = vec!["203.0.113.9".parse().unwrap()];
         assert!(check_reply(&ok, "gw.test", RecordKind::A, Some(&want))
             .unwrap_err()
+            .to_string()
             .contains("wrong answer"));
         assert!(check_reply(&ok, "other.test", RecordKind::A, None)
             .unwrap_err()
+            .to_string()
             .contains("another question"));
     }
 }

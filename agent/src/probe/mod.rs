@@ -2,7 +2,9 @@
 //! echo, `dns` query. An answer that arrives after the timeout (e.g. after a SYN retransmit)
 //! is a failure, even if it eventually succeeded.
 pub mod dns;
-mod icmp;
+mod error;
+
+pub use error::ProbeError;
 
 use crate::config::{ProbeKind, Target};
 use serde::Serialize;
@@ -25,22 +27,6 @@ pub struct ProbeOutcome {
     pub ran: bool,
 }
 
-/// Errors that mean "could not send", not "the target did not answer".
-fn could_not_run(detail: &str) -> bool {
-    [
-        "socket:",
-        "udp socket",
-        "icmp socket",
-        "bind source",
-        "bad name",
-        "encode query",
-        "icmp probes support",
-        "icmp task",
-    ]
-    .iter()
-    .any(|p| detail.starts_with(p))
-}
-
 fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
 }
@@ -55,7 +41,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
     let mut sent_at = unix_now();
     let start = Instant::now();
     let addr = SocketAddr::new(t.address, t.port());
-    let result: Result<String, String> = match t.probe {
+    let result: Result<String, ProbeError> = match t.probe {
         ProbeKind::Tcp => within(t.timeout, tcp_connect(addr, t.source))
             .await
             .map(|_| "connected".into()),
@@ -72,7 +58,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
             .await
         }
         ProbeKind::Icmp => {
-            let (at, r) = icmp::echo(t.address, t.source, t.timeout).await;
+            let (at, r) = crate::kernel::icmp::echo(t.address, t.source, t.timeout).await;
             sent_at = at.unwrap_or(sent_at);
             r
         }
@@ -105,48 +91,48 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
             ),
             ran: true,
         },
-        Err(detail) => ProbeOutcome {
+        Err(e) => ProbeOutcome {
             ok: false,
             sent_at,
             latency,
-            ran: !could_not_run(&detail),
-            detail,
+            ran: e.ran(),
+            detail: e.to_string(),
         },
     }
 }
 
 async fn within<T>(
     timeout: Duration,
-    f: impl std::future::Future<Output = Result<T, String>>,
-) -> Result<T, String> {
+    f: impl std::future::Future<Output = Result<T, ProbeError>>,
+) -> Result<T, ProbeError> {
     match tokio::time::timeout(timeout, f).await {
         Ok(r) => r,
-        Err(_) => Err(format!("timeout after {}ms", timeout.as_millis())),
+        Err(_) => Err(ProbeError::timeout(timeout)),
     }
 }
 
 async fn tcp_connect(
     addr: SocketAddr,
     source: Option<IpAddr>,
-) -> Result<tokio::net::TcpStream, String> {
+) -> Result<tokio::net::TcpStream, ProbeError> {
     let sock = if addr.is_ipv4() {
         TcpSocket::new_v4()
     } else {
         TcpSocket::new_v6()
     }
-    .map_err(|e| format!("socket: {e}"))?;
+    .map_err(|e| ProbeError::cannot_run("socket", &e))?;
     // Close with RST, not FIN: a probe leaves no TIME_WAIT socket behind. At a 10 ms cadence
     // thousands of them would pile up per minute and exhaust the ephemeral ports towards one
     // VIP, turning into false outages; it also saves packets (CPU) per probe.
     sock.set_zero_linger()
-        .map_err(|e| format!("socket: SO_LINGER: {e}"))?;
+        .map_err(|e| ProbeError::cannot_run("socket: SO_LINGER", &e))?;
     if let Some(src) = source {
         sock.bind(SocketAddr::new(src, 0))
-            .map_err(|e| format!("bind source {src}: {e}"))?;
+            .map_err(|e| ProbeError::cannot_run(format!("bind source {src}"), &e))?;
     }
     sock.connect(addr)
         .await
-        .map_err(|e| format!("connect {addr}: {e}"))
+        .map_err(|e| ProbeError::exchange(format!("connect {addr}"), &e))
 }
 
 async fn http_get(
@@ -154,7 +140,7 @@ async fn http_get(
     source: Option<IpAddr>,
     path: &str,
     expect: u16,
-) -> Result<String, String> {
+) -> Result<String, ProbeError> {
     let mut s = tcp_connect(addr, source).await?;
     let host = match addr.ip() {
         IpAddr::V6(v6) => format!("[{v6}]"),
@@ -165,7 +151,7 @@ async fn http_get(
     );
     s.write_all(req.as_bytes())
         .await
-        .map_err(|e| format!("send request: {e}"))?;
+        .map_err(|e| ProbeError::exchange("send request", &e))?;
     // The status line is all we need; read until it is complete.
     let mut buf = Vec::with_capacity(256);
     let mut chunk = [0u8; 256];
@@ -173,25 +159,31 @@ async fn http_get(
         let n = s
             .read(&mut chunk)
             .await
-            .map_err(|e| format!("read response: {e}"))?;
+            .map_err(|e| ProbeError::exchange("read response", &e))?;
         if n == 0 {
-            return Err("connection closed before a status line".into());
+            return Err(ProbeError::Answer(
+                "connection closed before a status line".into(),
+            ));
         }
         buf.extend_from_slice(&chunk[..n]);
         if buf.len() > 8192 {
-            return Err("no status line in the first 8 KiB".into());
+            return Err(ProbeError::Answer(
+                "no status line in the first 8 KiB".into(),
+            ));
         }
     }
     let status = parse_status_line(&buf)?;
     if status == expect {
         Ok(format!("HTTP {status}"))
     } else {
-        Err(format!("HTTP {status}, expected {expect}"))
+        Err(ProbeError::Answer(format!(
+            "HTTP {status}, expected {expect}"
+        )))
     }
 }
 
 /// `HTTP/1.1 200 OK` → 200.
-pub fn parse_status_line(buf: &[u8]) -> Result<u16, String> {
+pub fn parse_status_line(buf: &[u8]) -> Result<u16, ProbeError> {
     let line_end = buf
         .windows(2)
         .position(|w| w == b"\r\n")
@@ -203,10 +195,10 @@ pub fn parse_status_line(buf: &[u8]) -> Result<u16, String> {
         parts.next().and_then(|c| c.parse::<u16>().ok()),
     ) {
         (Some(v), Some(code)) if v.starts_with("HTTP/") && (100..=599).contains(&code) => Ok(code),
-        _ => Err(format!(
+        _ => Err(ProbeError::Answer(format!(
             "not an HTTP status line: {:?}",
             line.chars().take(60).collect::<String>()
-        )),
+        ))),
     }
 }
 

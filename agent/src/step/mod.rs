@@ -51,6 +51,23 @@ mod secs {
     }
 }
 
+/// A step request that cannot be taken (400), naming the field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct RequestError {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+impl RequestError {
+    pub fn new(field: &'static str, problem: impl ToString) -> Self {
+        RequestError {
+            field,
+            problem: problem.to_string(),
+        }
+    }
+}
+
 impl StepParams {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -58,23 +75,26 @@ impl StepParams {
     pub fn from_request(
         r: &StepRequest,
         default_burst: Duration,
-    ) -> Result<(Option<String>, StepParams), String> {
-        let dur = |field: &str,
+    ) -> Result<(Option<String>, StepParams), RequestError> {
+        let dur = |field: &'static str,
                    v: &Option<String>,
                    default: Duration,
                    min: Duration,
                    max: Duration|
-         -> Result<Duration, String> {
+         -> Result<Duration, RequestError> {
             let d = match v {
                 None => default,
-                Some(s) => duration::parse(s).map_err(|e| format!("{field}: {e}"))?,
+                Some(s) => duration::parse(s).map_err(|e| RequestError::new(field, e))?,
             };
             if d < min || d > max {
-                return Err(format!(
-                    "{field}: {} is out of range ({} to {})",
-                    duration::human(d),
-                    duration::human(min),
-                    duration::human(max)
+                return Err(RequestError::new(
+                    field,
+                    format!(
+                        "{} is out of range ({} to {})",
+                        duration::human(d),
+                        duration::human(min),
+                        duration::human(max)
+                    ),
                 ));
             }
             Ok(d)
@@ -94,10 +114,13 @@ impl StepParams {
             Duration::from_secs(3600),
         )?;
         if settle >= timeout {
-            return Err(format!(
-                "settle: {} must be shorter than timeout {}",
-                duration::human(settle),
-                duration::human(timeout)
+            return Err(RequestError::new(
+                "settle",
+                format!(
+                    "{} must be shorter than timeout {}",
+                    duration::human(settle),
+                    duration::human(timeout)
+                ),
             ));
         }
         let max_gap = dur(
@@ -116,7 +139,10 @@ impl StepParams {
         )?;
         let dns_slower_ratio = r.dns_slower_ratio.unwrap_or(2.0);
         if !(1.0..=100.0).contains(&dns_slower_ratio) {
-            return Err("dns_slower_ratio: must be between 1 and 100".into());
+            return Err(RequestError::new(
+                "dns_slower_ratio",
+                "must be between 1 and 100",
+            ));
         }
         if let Some(id) = &r.id {
             if id.is_empty()
@@ -126,8 +152,9 @@ impl StepParams {
                     .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
                 || id.starts_with('.')
             {
-                return Err(format!(
-                    "id: {id:?} must be 1-64 characters of letters, digits, '-', '_' or '.'"
+                return Err(RequestError::new(
+                    "id",
+                    format!("{id:?} must be 1-64 characters of letters, digits, '-', '_' or '.'"),
                 ));
             }
         }
@@ -392,10 +419,8 @@ impl StepStore {
 
 /// A fresh step id: `step-<unix seconds>-<4 hex>`.
 pub fn new_id(now: f64) -> String {
-    let mut b = [0u8; 2];
-    // SAFETY: getrandom writes at most 2 bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, 2, 0) };
-    format!("step-{}-{:04x}", now as u64, u16::from_ne_bytes(b))
+    let r = getrandom::u32().unwrap_or_else(|_| std::process::id() ^ now.fract().to_bits() as u32);
+    format!("step-{}-{:04x}", now as u64, r as u16)
 }
 
 #[cfg(test)]
@@ -453,8 +478,9 @@ mod tests {
             ),
         ] {
             let e = StepParams::from_request(&req, burst).unwrap_err();
-            assert!(e.starts_with(field), "{e}");
-            assert_eq!(e.lines().count(), 1);
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().starts_with(field), "{e}");
+            assert_eq!(e.to_string().lines().count(), 1);
         }
     }
 

@@ -1,5 +1,6 @@
 //! ICMP echo: an unprivileged ping socket when the kernel allows it, else a raw socket
 //! (CAP_NET_RAW). IPv4 only.
+use crate::probe::ProbeError;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
@@ -11,9 +12,15 @@ pub async fn echo(
     addr: IpAddr,
     source: Option<IpAddr>,
     timeout: Duration,
-) -> (Option<f64>, Result<String, String>) {
+) -> (Option<f64>, Result<String, ProbeError>) {
     let IpAddr::V4(v4) = addr else {
-        return (None, Err("icmp probes support IPv4 only".into()));
+        return (
+            None,
+            Err(ProbeError::unsupported(
+                "icmp",
+                "icmp probes support IPv4 only",
+            )),
+        );
     };
     let source = match source {
         None => None,
@@ -21,13 +28,19 @@ pub async fn echo(
         Some(IpAddr::V6(s)) => {
             return (
                 None,
-                Err(format!("bind source {s}: an IPv6 source for an IPv4 echo")),
+                Err(ProbeError::unsupported(
+                    format!("bind source {s}"),
+                    "an IPv6 source for an IPv4 echo",
+                )),
             )
         }
     };
     match tokio::task::spawn_blocking(move || echo_blocking(v4, source, timeout)).await {
         Ok(r) => r,
-        Err(e) => (None, Err(format!("icmp task: {e}"))),
+        Err(e) => (
+            None,
+            Err(ProbeError::unsupported("icmp task", e.to_string())),
+        ),
     }
 }
 
@@ -46,7 +59,7 @@ fn echo_blocking(
     dst: Ipv4Addr,
     source: Option<Ipv4Addr>,
     timeout: Duration,
-) -> (Option<f64>, Result<String, String>) {
+) -> (Option<f64>, Result<String, ProbeError>) {
     let mut sent_at = None;
     let r = echo_inner(dst, source, timeout, &mut sent_at);
     (sent_at, r)
@@ -131,7 +144,7 @@ fn echo_inner(
     source: Option<Ipv4Addr>,
     timeout: Duration,
     sent_at: &mut Option<f64>,
-) -> Result<String, String> {
+) -> Result<String, ProbeError> {
     // SAFETY: plain socket calls on an fd owned by this function; buffers outlive the calls.
     unsafe {
         let mut raw = false;
@@ -149,9 +162,9 @@ fn echo_inner(
             raw = true;
         }
         if fd < 0 {
-            return Err(format!(
-                "icmp socket: {} (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
-                std::io::Error::last_os_error()
+            return Err(ProbeError::cannot_run(
+                "icmp socket (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
+                &std::io::Error::last_os_error(),
             ));
         }
         let _guard = scopeguard(fd);
@@ -170,9 +183,9 @@ fn echo_inner(
                 std::mem::size_of::<libc::sockaddr_in>() as u32,
             ) < 0
             {
-                return Err(format!(
-                    "bind source {src}: {}",
-                    std::io::Error::last_os_error()
+                return Err(ProbeError::cannot_run(
+                    format!("bind source {src}"),
+                    &std::io::Error::last_os_error(),
                 ));
             }
         }
@@ -195,7 +208,7 @@ fn echo_inner(
             sin_zero: [0; 8],
         };
         let start = Instant::now();
-        *sent_at = Some(super::unix_now());
+        *sent_at = Some(crate::clock::now());
         if libc::sendto(
             fd,
             pkt.as_ptr() as *const libc::c_void,
@@ -205,9 +218,9 @@ fn echo_inner(
             std::mem::size_of::<libc::sockaddr_in>() as u32,
         ) < 0
         {
-            return Err(format!(
-                "send echo to {dst}: {}",
-                std::io::Error::last_os_error()
+            return Err(ProbeError::exchange(
+                format!("send echo to {dst}"),
+                &std::io::Error::last_os_error(),
             ));
         }
         let mut buf = [0u8; 1500];
@@ -216,7 +229,7 @@ fn echo_inner(
             // its timeout however many unrelated messages arrive.
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
-                return Err(format!("timeout after {}ms", timeout.as_millis()));
+                return Err(ProbeError::timeout(timeout));
             }
             set_rcvtimeo(fd, left);
             let mut from: libc::sockaddr_in = std::mem::zeroed();
@@ -232,9 +245,9 @@ fn echo_inner(
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 return Err(if matches!(e.raw_os_error(), Some(libc::EAGAIN)) {
-                    format!("timeout after {}ms", timeout.as_millis())
+                    ProbeError::timeout(timeout)
                 } else {
-                    format!("receive echo reply: {e}")
+                    ProbeError::exchange("receive echo reply", &e)
                 });
             }
             let n = n as usize;
@@ -252,7 +265,9 @@ fn echo_inner(
             match classify(icmp, from, dst, ident, seq, raw) {
                 Reply::Echo => return Ok("echo reply".into()),
                 Reply::Unreachable(code) => {
-                    return Err(format!("{dst} unreachable (ICMP code {code}, from {from})"))
+                    return Err(ProbeError::Answer(format!(
+                        "{dst} unreachable (ICMP code {code}, from {from})"
+                    )))
                 }
                 Reply::NotMine => continue,
             }
