@@ -266,6 +266,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
         slow_interval: args.slow_interval,
         burst_interval: args.burst_interval,
         token,
+        drop_accounting: true,
     };
     runtime()?.block_on(async move {
         let d = Daemon::new(cfg, opts)?;

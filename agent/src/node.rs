@@ -108,7 +108,7 @@ pub async fn run(
     }
     if wanted("maps") {
         let t = Instant::now();
-        let o = bpffs::observe(&cfg.bpffs, true);
+        let o = bpffs::observe_blocking(&cfg.bpffs, true).await;
         let (features, features_from) = features(cfg, cilium_snap);
         let exp = maps::MapsExpectation {
             version: CiliumVersion::parse(&cfg.cilium),

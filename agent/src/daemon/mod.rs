@@ -24,6 +24,8 @@ pub struct DaemonOptions {
     pub slow_interval: Duration,
     pub burst_interval: Duration,
     pub token: Option<String>,
+    /// Load the agent's eBPF drop counter (off only in in-process tests).
+    pub drop_accounting: bool,
 }
 
 /// One resolver query in the steady DNS window.
@@ -95,12 +97,19 @@ impl Daemon {
             }
         }
         let (tx, _) = tokio::sync::watch::channel(0u64);
+        let kernel_drops = if opts.drop_accounting {
+            KernelDrops::start()
+        } else {
+            KernelDrops::Unavailable {
+                reason: "drop accounting is off".into(),
+            }
+        };
         let d = Arc::new(Daemon {
             cfg,
             opts,
             ready: AtomicBool::new(false),
             metrics: Mutex::new(metrics),
-            kernel_drops: Mutex::new(KernelDrops::start()),
+            kernel_drops: Mutex::new(kernel_drops),
             node: Mutex::new(NodeView::default()),
             probes: Mutex::new(ProbeView::default()),
             step: Mutex::new(None),

@@ -83,7 +83,8 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .into_iter()
         .filter_map(|(k, v)| v.map(|v| (k, v)))
         .collect();
-    let maps = crate::kernel::bpffs::observe(&d.cfg.bpffs, true)
+    let maps = crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, true)
+        .await
         .map(|m| map_counts(&m))
         .unwrap_or_default();
     let node_checks = d
@@ -115,25 +116,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
             )
         })
         .collect();
-    Ok(Step {
-        id,
-        created_at: now,
-        params,
-        phase: "watching".into(),
-        baseline,
-        reload: Default::default(),
-        targets,
-        holes: vec![],
-        evidence_incomplete: None,
-        green_since: None,
-        checks: BTreeMap::new(),
-        gaps: vec![],
-        drops: BTreeMap::new(),
-        dns_p50_after_ms: None,
-        verdict: None,
-        updated_at: now,
-        boot_id: crate::clock::boot_id(),
-    })
+    Ok(Step::new(id, now, params, baseline, targets))
 }
 
 /// The step as persisted: this run's samples folded into outages.

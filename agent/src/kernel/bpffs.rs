@@ -40,6 +40,17 @@ pub enum BpffsError {
         path: String,
         source: std::io::Error,
     },
+    #[error("the map observation task failed: {0}")]
+    Task(String),
+}
+
+/// [`observe`] on a blocking thread: entry counts of big maps take many bpf(2) calls, and
+/// must not hold up the async workers whose probe send times define the gaps.
+pub async fn observe_blocking(bpffs: &Path, count: bool) -> Result<MapsObservation, BpffsError> {
+    let path = bpffs.to_path_buf();
+    tokio::task::spawn_blocking(move || observe(&path, count))
+        .await
+        .unwrap_or_else(|e| Err(BpffsError::Task(e.to_string())))
 }
 
 /// Reads every pin under `<bpffs>/tc/globals/`. With `count`, counts entries of global maps.

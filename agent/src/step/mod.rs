@@ -337,6 +337,35 @@ pub struct Step {
 }
 
 impl Step {
+    /// A step beginning at `now`, watching for the reload.
+    pub fn new(
+        id: String,
+        now: f64,
+        params: StepParams,
+        baseline: Baseline,
+        targets: BTreeMap<String, TargetTimeline>,
+    ) -> Step {
+        Step {
+            id,
+            created_at: now,
+            params,
+            phase: "watching".into(),
+            baseline,
+            reload: Default::default(),
+            targets,
+            holes: vec![],
+            evidence_incomplete: None,
+            green_since: None,
+            checks: BTreeMap::new(),
+            gaps: vec![],
+            drops: BTreeMap::new(),
+            dns_p50_after_ms: None,
+            verdict: None,
+            updated_at: now,
+            boot_id: crate::clock::boot_id(),
+        }
+    }
+
     pub fn is_final(&self) -> bool {
         self.verdict.is_some()
     }
