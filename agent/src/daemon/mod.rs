@@ -567,6 +567,50 @@ mod tests {
         }
     }
 
+    /// The agent sends `dns.burst` queries per name and type each interval, as the one-shot
+    /// check does (before, it sent one and ignored `dns.burst`).
+    #[tokio::test]
+    async fn the_agent_sends_dns_burst_queries_per_name_and_type() {
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        server
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let port = server.local_addr().unwrap().port();
+        let dir = std::env::temp_dir().join(format!("sg-dnsburst-{}", std::process::id()));
+        let cfg = Config::parse(&format!(
+            "dns: {{resolvers: [\"127.0.0.1:{port}\"], names: [a.test, b.test], burst: 3, timeout: 20ms}}\n"
+        ))
+        .unwrap();
+        let d = Daemon::new(
+            cfg,
+            DaemonOptions {
+                state_dir: dir.clone(),
+                probe_interval: Duration::from_secs(3600),
+                slow_interval: Duration::from_secs(3600),
+                burst_interval: Duration::from_millis(10),
+                token: None,
+                drop_accounting: false,
+            },
+        )
+        .unwrap();
+        let resolver = format!("127.0.0.1:{port}").parse().unwrap();
+        let task = tokio::spawn(dns_loop(d.clone(), resolver));
+        // One interval (the first tick fires at once, the next in an hour): 2 names x 3.
+        let n = tokio::task::spawn_blocking(move || {
+            let mut buf = [0u8; 512];
+            let mut n = 0;
+            while server.recv_from(&mut buf).is_ok() {
+                n += 1;
+            }
+            n
+        })
+        .await
+        .unwrap();
+        task.abort();
+        assert_eq!(n, 6);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     /// A probe sent at t=1 times out at t=2, after the probe sent at t=1.5 succeeded: the
     /// newer success stays the target's latest result (before the fix the late timeout won,
     /// turning `vips` red and resetting the settle window).

@@ -205,6 +205,48 @@ pub fn parse_status_line(buf: &[u8]) -> Result<u16, ProbeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
+
+    fn target(yaml: &str) -> Target {
+        Config::parse(&format!("targets:\n{yaml}")).unwrap().targets[0].clone()
+    }
+
+    /// `source:` is used by every probe kind (before, dns and icmp ignored it): a source
+    /// address that is not on this host cannot be bound, and the probe says it did not run;
+    /// a local one is bound, as a resolver sees.
+    #[tokio::test]
+    async fn source_is_honoured_by_dns_and_icmp_probes() {
+        for kind in ["dns", "icmp", "tcp"] {
+            let t = target(&format!(
+                "  - {{name: t, address: 127.0.0.1, port: 9, probe: {kind}, timeout: 200ms, source: 192.0.2.77}}\n"
+            ));
+            let o = probe(&t).await;
+            assert!(!o.ran && !o.ok, "{kind}: {o:?}");
+            assert!(
+                o.detail.contains("bind source 192.0.2.77"),
+                "{kind}: {}",
+                o.detail
+            );
+        }
+        // A resolver on loopback sees queries from the configured source.
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        server
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let port = server.local_addr().unwrap().port();
+        let t = target(&format!(
+            "  - {{name: d, address: 127.0.0.1, port: {port}, probe: dns, timeout: 200ms, source: 127.0.0.2}}\n"
+        ));
+        let (o, from) = tokio::join!(
+            probe(&t),
+            tokio::task::spawn_blocking(move || {
+                let mut buf = [0u8; 512];
+                server.recv_from(&mut buf).map(|(_, from)| from)
+            })
+        );
+        assert!(o.ran, "{o:?}");
+        assert_eq!(from.unwrap().unwrap().ip().to_string(), "127.0.0.2");
+    }
     #[test]
     fn status_lines_are_parsed_strictly() {
         assert_eq!(parse_status_line(b"HTTP/1.1 200 OK\r\n"), Ok(200));
