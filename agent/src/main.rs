@@ -374,10 +374,11 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
         let path = format!("/v1/steps/{}?wait={}ms", args.step, wait.as_millis().max(1));
         match rt.block_on(agent.call("GET", &path, None, wait + Duration::from_secs(10))) {
             Ok((200, v)) => {
-                let verdict = &v["verdict"];
-                println!("{}", step_table(&v));
-                return Ok(match verdict["status"].as_str() {
-                    Some("passed") => 0,
+                let view: stepguard::step::view::StepView =
+                    serde_json::from_value(v).context("the agent's step response is not a step")?;
+                println!("{}", view.text());
+                return Ok(match view.verdict.map(|v| v.status) {
+                    Some(stepguard::step::Status::Passed) => 0,
                     _ => 1,
                 });
             }
@@ -409,69 +410,6 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
             }
         }
     }
-}
-
-/// The verdict and gaps, as `wait` prints them.
-fn step_table(v: &serde_json::Value) -> String {
-    let mut out = format!(
-        "step {}: {}{}
-  {}
-",
-        v["id"].as_str().unwrap_or(""),
-        v["verdict"]["status"]
-            .as_str()
-            .unwrap_or("?")
-            .to_uppercase(),
-        v["verdict"]["reasons"]
-            .as_array()
-            .filter(|r| !r.is_empty())
-            .map(|r| format!(
-                " ({})",
-                r.iter()
-                    .filter_map(|x| x.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-            .unwrap_or_default(),
-        v["verdict"]["summary"].as_str().unwrap_or("")
-    );
-    if let Some(gaps) = v["gaps"].as_array().filter(|g| !g.is_empty()) {
-        out.push_str(&format!(
-            "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>9}\n",
-            "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"
-        ));
-        for g in gaps {
-            let f = |k: &str| g[k].as_f64().unwrap_or(0.0) * 1e3;
-            out.push_str(&format!(
-                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>9}\n",
-                g["target"].as_str().unwrap_or(""),
-                g["kind"].as_str().unwrap_or(""),
-                format!("{:.0}±{:.0}ms", f("longest_s"), f("error_bound_s")),
-                format!("{:.0}ms", f("total_s")),
-                g["count"].as_u64().unwrap_or(0),
-                format!("{:.0}ms", f("budget_s"))
-            ));
-        }
-    }
-    if let Some(checks) = v["checks"].as_object() {
-        for (k, c) in checks {
-            out.push_str(&format!(
-                "  {k:<9} {:<7} {}\n",
-                c["status"].as_str().unwrap_or(""),
-                c["reason"].as_str().unwrap_or("")
-            ));
-        }
-    }
-    if let Some(d) = v["drops"].as_object().filter(|d| !d.is_empty()) {
-        out.push_str(&format!(
-            "  drops in the step window: {}\n",
-            d.iter()
-                .map(|(k, n)| format!("{k}={n}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        ));
-    }
-    out
 }
 
 async fn shutdown_signal() {

@@ -7,6 +7,7 @@ use crate::duration;
 use crate::node::{self, NodeOptions};
 use crate::probe::unix_now;
 use crate::report;
+use crate::step::view::StepView;
 use crate::step::{self, Step, StepParams, StepRequest};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -121,63 +122,12 @@ fn last_step(d: &Daemon) -> Option<Step> {
 }
 
 fn step_json(s: &Step) -> Value {
-    json!({
-        "id": s.id,
-        "phase": s.phase,
-        "created_at": s.created_at,
-        "verdict": s.verdict,
-        "params": s.params,
-        "checks": s.checks.iter().map(|(k, (st, why))| (k.clone(), json!({"status": st, "reason": why}))).collect::<serde_json::Map<_, _>>(),
-        "gaps": s.gaps,
-        "reload": {"changed": s.reload.changed, "lost": s.reload.lost, "complete_at": s.reload.complete_at},
-        "baseline": s.baseline,
-        "drops": s.drops,
-        "dns_p50_after_ms": s.dns_p50_after_ms,
-        "holes": s.holes,
-        "evidence_incomplete": s.evidence_incomplete,
-        "probes": s.targets.iter().map(|(k, t)| (k.clone(), json!({"sent": t.probes, "failed": t.failures}))).collect::<serde_json::Map<_, _>>(),
-    })
+    serde_json::to_value(StepView::of(s)).unwrap_or(Value::Null)
 }
 
-/// Gaps as a table for people.
+/// The step for people: the one rendering of [`StepView::text`].
 pub fn gaps_text(s: &Step) -> String {
-    let mut out = format!(
-        "step {}: {}",
-        s.id,
-        s.verdict
-            .as_ref()
-            .map(|v| v.status.to_uppercase())
-            .unwrap_or_else(|| s.phase.clone())
-    );
-    if let Some(v) = &s.verdict {
-        if !v.reasons.is_empty() {
-            out.push_str(&format!(" ({})", v.reasons.join(", ")));
-        }
-        out.push_str(&format!("\n  {}\n", v.summary));
-    } else {
-        out.push('\n');
-    }
-    if !s.gaps.is_empty() {
-        out.push_str(&format!(
-            "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
-            "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"
-        ));
-        for g in &s.gaps {
-            out.push_str(&format!(
-                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
-                g.target,
-                g.kind,
-                format!("{:.0}±{:.0}ms", g.longest_s * 1e3, g.error_bound_s * 1e3),
-                format!("{:.0}ms", g.total_s * 1e3),
-                g.count,
-                format!("{:.0}ms", g.budget_s * 1e3)
-            ));
-        }
-    }
-    for (k, (st, why)) in &s.checks {
-        out.push_str(&format!("  {k:<9} {st:<7} {why}\n"));
-    }
-    out
+    StepView::of(s).text()
 }
 
 async fn verdict(
@@ -231,7 +181,7 @@ async fn checks(
 }
 
 async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
-    let steps: Vec<Value> = d.store.list().iter().take(20).map(|s| json!({"id": s.id, "created_at": s.created_at, "phase": s.phase, "verdict": s.verdict.as_ref().map(|v| &v.status)})).collect();
+    let steps: Vec<Value> = d.store.list().iter().take(20).map(|s| json!({"id": s.id, "created_at": s.created_at, "phase": s.phase, "verdict": s.verdict.as_ref().map(|v| v.status)})).collect();
     axum::Json(json!({"steps": steps})).into_response()
 }
 

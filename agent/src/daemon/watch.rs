@@ -150,10 +150,11 @@ pub fn finished(d: &Daemon, s: &Step) {
     let m = lock(&d.metrics);
     m.steps
         .get_or_create(&crate::metrics::VerdictLabels {
-            verdict: v.status.clone(),
+            verdict: v.status.as_str().to_string(),
         })
         .inc();
-    m.last_step_passed.set((v.status == "passed") as i64);
+    m.last_step_passed
+        .set((v.status == crate::step::Status::Passed) as i64);
     m.last_step_started.set(s.created_at);
     m.last_step_finished.set(v.finished_at);
     m.step_active.set(0);
@@ -168,7 +169,7 @@ pub fn finished(d: &Daemon, s: &Step) {
     drop(m);
     d.burst.store(false, Ordering::SeqCst);
     d.store.prune(100);
-    tracing::info!(step = %s.id, verdict = %v.status, reasons = ?v.reasons, summary = %v.summary, "step decided");
+    tracing::info!(step = %s.id, verdict = v.status.as_str(), reasons = ?v.reasons, summary = %v.summary, "step decided");
 }
 
 pub fn cancel(d: &Daemon, s: &mut Step) {
@@ -176,10 +177,10 @@ pub fn cancel(d: &Daemon, s: &mut Step) {
         return;
     }
     let now = unix_now();
-    s.phase = "done".into();
+    s.phase = crate::step::Phase::Done;
     s.verdict = Some(Verdict {
-        status: "cancelled".into(),
-        reasons: vec!["cancelled".into()],
+        status: crate::step::Status::Cancelled,
+        reasons: vec![crate::step::Reason::Cancelled],
         summary: "cancelled by DELETE".into(),
         finished_at: now,
     });

@@ -3,6 +3,7 @@
 //! directory so a restarted agent resumes it. The decision itself is in [`verdict`].
 pub mod gaps;
 pub mod verdict;
+pub mod view;
 
 use crate::duration;
 use gaps::Outage;
@@ -173,7 +174,7 @@ impl StepParams {
 }
 
 /// What the node looked like when the step began.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Baseline {
     /// Program id of `cil_from_netdev` per selected device (plus cilium_host's `cil_to_host`).
     pub programs: BTreeMap<String, u32>,
@@ -300,11 +301,94 @@ pub struct TargetGap {
     pub longest_end: Option<f64>,
 }
 
+/// Where a step is: waiting for the reload, settling after it, decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Watching,
+    Settling,
+    Done,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Watching => "watching",
+            Phase::Settling => "settling",
+            Phase::Done => "done",
+        }
+    }
+}
+
+/// A decided step's status, as DESIGN.md names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Passed,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Passed => "passed",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Why a step did not pass: the reason codes of DESIGN.md (plus `cancelled`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    DatapathNotReloaded,
+    NotSettled,
+    GapOverBudget,
+    DeviceSetChanged,
+    MapMissing,
+    MapEmptied,
+    DnsSlower,
+    DropsOverBudget,
+    EvidenceIncomplete,
+    Cancelled,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::DatapathNotReloaded => "datapath_not_reloaded",
+            Reason::NotSettled => "not_settled",
+            Reason::GapOverBudget => "gap_over_budget",
+            Reason::DeviceSetChanged => "device_set_changed",
+            Reason::MapMissing => "map_missing",
+            Reason::MapEmptied => "map_emptied",
+            Reason::DnsSlower => "dns_slower",
+            Reason::DropsOverBudget => "drops_over_budget",
+            Reason::EvidenceIncomplete => "evidence_incomplete",
+            Reason::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A step check as last judged (`reload`, `gaps`, `baseline`, `drops`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct StepCheck {
+    pub status: crate::checks::Status,
+    pub reason: String,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Verdict {
-    /// `passed`, `failed` or `cancelled`.
-    pub status: String,
-    pub reasons: Vec<String>,
+    pub status: Status,
+    pub reasons: Vec<Reason>,
     pub summary: String,
     pub finished_at: f64,
 }
@@ -314,8 +398,7 @@ pub struct Step {
     pub id: String,
     pub created_at: f64,
     pub params: StepParams,
-    /// `watching` (waiting for the reload), `settling`, `done`.
-    pub phase: String,
+    pub phase: Phase,
     pub baseline: Baseline,
     pub reload: Reload,
     pub targets: BTreeMap<String, TargetTimeline>,
@@ -323,8 +406,8 @@ pub struct Step {
     pub holes: Vec<(f64, f64)>,
     pub evidence_incomplete: Option<String>,
     pub green_since: Option<f64>,
-    /// Step checks (reload, gaps, baseline, drops) as last decided: name → (status, reason).
-    pub checks: BTreeMap<String, (String, String)>,
+    /// Step checks (reload, gaps, baseline, drops) as last decided.
+    pub checks: BTreeMap<String, StepCheck>,
     pub gaps: Vec<TargetGap>,
     /// Drops in the step window, by reason (kernel: `kernel:<REASON>`, Cilium: `cilium:<code>_<name>`).
     pub drops: BTreeMap<String, u64>,
@@ -349,7 +432,7 @@ impl Step {
             id,
             created_at: now,
             params,
-            phase: "watching".into(),
+            phase: Phase::Watching,
             baseline,
             reload: Default::default(),
             targets,
@@ -520,7 +603,7 @@ mod tests {
             params: StepParams::from_request(&StepRequest::default(), Duration::from_millis(10))
                 .unwrap()
                 .1,
-            phase: "watching".into(),
+            phase: Phase::Watching,
             baseline: Baseline::default(),
             reload: Reload::default(),
             targets: BTreeMap::new(),

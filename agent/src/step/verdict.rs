@@ -2,7 +2,8 @@
 //! what the daemon observed. `passed` only after every node and step check has been green for
 //! the settle window after a complete reload; never on incomplete evidence.
 use super::gaps::summarize;
-use super::{Reload, Step, TargetGap, Verdict};
+use super::{Phase, Reason, Reload, Status, Step, StepCheck, TargetGap, Verdict};
+use crate::checks::Status as CheckStatus;
 use std::collections::BTreeMap;
 
 /// How long nothing may change before a reload counts as complete (Cilium attaches devices one
@@ -134,46 +135,78 @@ fn gap_rows(step: &Step, now: f64) -> Vec<TargetGap> {
         .collect()
 }
 
-fn finish(step: &mut Step, status: &str, reasons: Vec<String>, summary: String, now: f64) {
-    step.phase = "done".into();
+fn finish(step: &mut Step, status: Status, reasons: Vec<Reason>, summary: String, now: f64) {
+    step.phase = Phase::Done;
     step.verdict = Some(Verdict {
-        status: status.into(),
+        status,
         reasons,
         summary,
         finished_at: now,
     });
 }
 
-/// Advances the step with an observation; sets `step.verdict` once it is decided.
-pub fn decide(step: &mut Step, o: &Observed) {
-    if step.is_final() {
-        return;
-    }
-    let now = o.now;
-    if let Some(p) = &o.programs {
-        let base = step.baseline.programs.clone();
-        update_reload(&mut step.reload, &base, p, now);
-    }
-    step.gaps = gap_rows(step, o.complete_until.min(now));
-    step.drops = o.drops.clone();
-    step.dns_p50_after_ms = o.dns_p50_after_ms;
-    let mut checks: BTreeMap<String, (String, String)> = BTreeMap::new();
-    if let Some((target, from, to)) = stalls(step, o.complete_until.min(now)) {
-        if step.evidence_incomplete.is_none() {
-            step.evidence_incomplete = Some(format!(
-                "no probe of {target} was sent for {:.0}ms (limit {:.0}ms): the probe loop stalled or probes could not run",
-                (to - from) * 1e3,
-                stall_limit(step.params.burst_interval.as_secs_f64()) * 1e3
-            ));
+/// One step check's judgement at this observation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Judged {
+    /// What the check says now (shown in the step's `checks`; `None` for checks that only
+    /// ever end a step, like the evidence check).
+    pub shown: Option<StepCheck>,
+    /// The step has failed for good: no later observation can repair this.
+    pub fatal: Option<(Reason, String)>,
+    /// Not green now; if the step times out like this, this reason (when any) is reported.
+    pub at_timeout: Option<(Option<Reason>, String)>,
+}
+
+impl Judged {
+    fn pass(reason: impl Into<String>) -> Self {
+        Judged {
+            shown: Some(StepCheck {
+                status: CheckStatus::Pass,
+                reason: reason.into(),
+            }),
+            fatal: None,
+            at_timeout: None,
         }
     }
-
-    if let Some(why) = step.evidence_incomplete.clone() {
-        finish(step, "failed", vec!["evidence_incomplete".into()], why, now);
-        return;
+    fn not_yet(status: CheckStatus, reason: impl Into<String>, code: Option<Reason>) -> Self {
+        let reason = reason.into();
+        Judged {
+            shown: Some(StepCheck {
+                status,
+                reason: reason.clone(),
+            }),
+            fatal: None,
+            at_timeout: Some((code, reason)),
+        }
     }
+    fn fatal(code: Reason, why: String) -> Self {
+        Judged {
+            shown: None,
+            fatal: Some((code, why)),
+            at_timeout: None,
+        }
+    }
+    fn green(&self) -> bool {
+        self.fatal.is_none() && self.at_timeout.is_none()
+    }
+}
 
-    // gaps: the longest outage can only grow, so a gap over budget is final at once.
+/// `evidence`: a hole in the evidence (agent down during an outage or a reload, a stalled
+/// probe loop, a reboot) ends the step; it can never pass.
+pub fn check_evidence(step: &Step) -> Judged {
+    match &step.evidence_incomplete {
+        Some(why) => Judged::fatal(Reason::EvidenceIncomplete, why.clone()),
+        None => Judged {
+            shown: None,
+            fatal: None,
+            at_timeout: None,
+        },
+    }
+}
+
+/// `gaps`: the longest outage can only grow, so one over its budget is final at once; an
+/// outage still open keeps the step from settling.
+pub fn check_gaps(step: &Step) -> Judged {
     let over: Vec<String> = step
         .gaps
         .iter()
@@ -188,14 +221,10 @@ pub fn decide(step: &mut Step, o: &Observed) {
         })
         .collect();
     if !over.is_empty() {
-        finish(
-            step,
-            "failed",
-            vec!["gap_over_budget".into()],
+        return Judged::fatal(
+            Reason::GapOverBudget,
             format!("gap over budget: {}", over.join(", ")),
-            now,
         );
-        return;
     }
     let open: Vec<&str> = step
         .gaps
@@ -203,30 +232,42 @@ pub fn decide(step: &mut Step, o: &Observed) {
         .filter(|g| g.open)
         .map(|g| g.target.as_str())
         .collect();
-    checks.insert(
-        "gaps".into(),
-        if open.is_empty() {
-            ("pass".into(), "every outage within its budget".into())
-        } else {
-            ("fail".into(), format!("still failing: {}", open.join(", ")))
-        },
-    );
+    if open.is_empty() {
+        Judged::pass("every outage within its budget")
+    } else {
+        Judged::not_yet(
+            CheckStatus::Fail,
+            format!("still failing: {}", open.join(", ")),
+            None,
+        )
+    }
+}
 
-    // reload
+/// `reload`: every tracked device got a new program id and nothing changed for the quiet
+/// period; a device whose program vanished once the rest reloaded is a changed device set.
+pub fn check_reload(step: &Step, now: f64) -> Judged {
     let r = &step.reload;
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
     if !r.lost.is_empty() && quiet && !r.changed.is_empty() {
-        let lost = r.lost.join(", ");
-        finish(
-            step,
-            "failed",
-            vec!["device_set_changed".into()],
-            format!("the reloaded datapath is no longer attached to {lost}"),
-            now,
+        return Judged::fatal(
+            Reason::DeviceSetChanged,
+            format!(
+                "the reloaded datapath is no longer attached to {}",
+                r.lost.join(", ")
+            ),
         );
-        return;
     }
-    let reloaded = r.complete_at.is_some();
+    if r.complete_at.is_some() {
+        return Judged::pass(format!(
+            "new program ids on {}",
+            step.baseline
+                .programs
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     let unchanged: Vec<String> = step
         .baseline
         .programs
@@ -234,101 +275,82 @@ pub fn decide(step: &mut Step, o: &Observed) {
         .filter(|d| !r.changed.contains_key(*d))
         .cloned()
         .collect();
-    checks.insert(
-        "reload".into(),
-        if reloaded {
-            (
-                "pass".into(),
-                format!(
-                    "new program ids on {}",
-                    step.baseline
-                        .programs
-                        .keys()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            )
-        } else {
-            (
-                "fail".into(),
-                format!("waiting for new program ids on {}", unchanged.join(", ")),
-            )
-        },
-    );
+    let why = if r.changed.is_empty() {
+        "no device got new program ids before the timeout".to_string()
+    } else {
+        format!(
+            "no new program ids on {} before the timeout",
+            unchanged.join(", ")
+        )
+    };
+    Judged {
+        shown: Some(StepCheck {
+            status: CheckStatus::Fail,
+            reason: format!("waiting for new program ids on {}", unchanged.join(", ")),
+        }),
+        fatal: None,
+        at_timeout: Some((Some(Reason::DatapathNotReloaded), why)),
+    }
+}
 
-    // baseline: maps and DNS, once reloaded.
-    let mut baseline_problem: Option<(String, String)> = None;
-    if reloaded {
-        if let Some(maps) = &o.maps {
-            let missing: Vec<&String> = step
-                .baseline
-                .maps
-                .keys()
-                .filter(|m| !maps.contains_key(*m))
-                .collect();
-            if !missing.is_empty() {
-                let names = missing
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                finish(
-                    step,
-                    "failed",
-                    vec!["map_missing".into()],
-                    format!("pinned map vanished across the restart: {names}"),
-                    now,
-                );
-                return;
-            }
-            let emptied: Vec<String> = step
-                .baseline
-                .maps
-                .iter()
-                .filter_map(|(m, before)| {
-                    let b = (*before)?;
-                    let a = maps.get(m).copied().flatten()?;
-                    (b >= MAP_EMPTIED_MIN && a * 2 < b).then(|| format!("{m} {b}→{a}"))
-                })
-                .collect();
-            if !emptied.is_empty() {
-                finish(
-                    step,
-                    "failed",
-                    vec!["map_emptied".into()],
-                    format!("maps lost most of their entries: {}", emptied.join(", ")),
-                    now,
-                );
-                return;
-            }
+/// `baseline`: after the reload, the maps the node had are still there and kept their
+/// entries, and DNS is not slower than before.
+pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
+    if step.reload.complete_at.is_none() {
+        return Judged::not_yet(CheckStatus::Unknown, "compared after the reload", None);
+    }
+    if let Some(maps) = &o.maps {
+        let missing: Vec<&str> = step
+            .baseline
+            .maps
+            .keys()
+            .filter(|m| !maps.contains_key(*m))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            return Judged::fatal(
+                Reason::MapMissing,
+                format!(
+                    "pinned map vanished across the restart: {}",
+                    missing.join(", ")
+                ),
+            );
         }
-        if let (Some(before), Some(after)) = (step.baseline.dns_p50_ms, o.dns_p50_after_ms) {
-            if after > before * step.params.dns_slower_ratio + 1.0 {
-                baseline_problem = Some((
-                    "dns_slower".into(),
-                    format!(
-                        "DNS p50 {after:.1}ms after vs {before:.1}ms before (> {}x)",
-                        step.params.dns_slower_ratio
-                    ),
-                ));
-            }
+        let emptied: Vec<String> = step
+            .baseline
+            .maps
+            .iter()
+            .filter_map(|(m, before)| {
+                let b = (*before)?;
+                let a = maps.get(m).copied().flatten()?;
+                (b >= MAP_EMPTIED_MIN && a * 2 < b).then(|| format!("{m} {b}→{a}"))
+            })
+            .collect();
+        if !emptied.is_empty() {
+            return Judged::fatal(
+                Reason::MapEmptied,
+                format!("maps lost most of their entries: {}", emptied.join(", ")),
+            );
         }
     }
-    checks.insert(
-        "baseline".into(),
-        match &baseline_problem {
-            Some((_, why)) => ("fail".into(), why.clone()),
-            None if reloaded => (
-                "pass".into(),
-                "devices, maps and DNS latency as before".into(),
-            ),
-            None => ("unknown".into(), "compared after the reload".into()),
-        },
-    );
+    if let (Some(before), Some(after)) = (step.baseline.dns_p50_ms, o.dns_p50_after_ms) {
+        if after > before * step.params.dns_slower_ratio + 1.0 {
+            return Judged::not_yet(
+                CheckStatus::Fail,
+                format!(
+                    "DNS p50 {after:.1}ms after vs {before:.1}ms before (> {}x)",
+                    step.params.dns_slower_ratio
+                ),
+                Some(Reason::DnsSlower),
+            );
+        }
+    }
+    Judged::pass("devices, maps and DNS latency as before")
+}
 
-    // drops
-    let over_drops: Vec<String> = step
+/// `drops`: drops in the step window within each configured budget.
+pub fn check_drops(step: &Step, o: &Observed) -> Judged {
+    let over: Vec<String> = step
         .params
         .drops_budget
         .iter()
@@ -342,27 +364,75 @@ pub fn decide(step: &mut Step, o: &Observed) {
             (n > *budget).then(|| format!("{reason} {n} > {budget}"))
         })
         .collect();
-    checks.insert(
-        "drops".into(),
-        if over_drops.is_empty() {
-            (
-                "pass".into(),
-                format!("{} drops in the window", o.drops.values().sum::<u64>()),
-            )
-        } else {
-            ("fail".into(), over_drops.join(", "))
-        },
-    );
-    step.checks = checks;
-
-    let green = reloaded
-        && open.is_empty()
-        && baseline_problem.is_none()
-        && over_drops.is_empty()
-        && o.node_not_green.is_empty();
-    if reloaded {
-        step.phase = "settling".into();
+    if over.is_empty() {
+        Judged::pass(format!(
+            "{} drops in the window",
+            o.drops.values().sum::<u64>()
+        ))
+    } else {
+        Judged::not_yet(
+            CheckStatus::Fail,
+            over.join(", "),
+            Some(Reason::DropsOverBudget),
+        )
     }
+}
+
+/// The step checks in the order their failures are reported.
+pub const STEP_CHECKS: [&str; 5] = ["evidence", "gaps", "reload", "baseline", "drops"];
+
+fn judge(name: &str, step: &Step, o: &Observed) -> Judged {
+    match name {
+        "evidence" => check_evidence(step),
+        "gaps" => check_gaps(step),
+        "reload" => check_reload(step, o.now),
+        "baseline" => check_baseline(step, o),
+        _ => check_drops(step, o),
+    }
+}
+
+/// Advances the step with an observation; sets `step.verdict` once it is decided. The step
+/// checks are judged one by one; this is the one place they are composed.
+pub fn decide(step: &mut Step, o: &Observed) {
+    if step.is_final() {
+        return;
+    }
+    let now = o.now;
+    if let Some(p) = &o.programs {
+        let base = step.baseline.programs.clone();
+        update_reload(&mut step.reload, &base, p, now);
+    }
+    step.gaps = gap_rows(step, o.complete_until.min(now));
+    step.drops = o.drops.clone();
+    step.dns_p50_after_ms = o.dns_p50_after_ms;
+    if let Some((target, from, to)) = stalls(step, o.complete_until.min(now)) {
+        if step.evidence_incomplete.is_none() {
+            step.evidence_incomplete = Some(format!(
+                "no probe of {target} was sent for {:.0}ms (limit {:.0}ms): the probe loop stalled or probes could not run",
+                (to - from) * 1e3,
+                stall_limit(step.params.burst_interval.as_secs_f64()) * 1e3
+            ));
+        }
+    }
+
+    let mut judged = Vec::new();
+    for name in STEP_CHECKS {
+        let j = judge(name, step, o);
+        if let Some((code, why)) = j.fatal {
+            finish(step, Status::Failed, vec![code], why, now);
+            return;
+        }
+        judged.push((name, j));
+    }
+    step.checks = judged
+        .iter()
+        .filter_map(|(n, j)| j.shown.clone().map(|c| (n.to_string(), c)))
+        .collect();
+    let reloaded = step.reload.complete_at.is_some();
+    if reloaded {
+        step.phase = Phase::Settling;
+    }
+    let green = judged.iter().all(|(_, j)| j.green()) && o.node_not_green.is_empty();
     if green {
         let since = *step.green_since.get_or_insert(now);
         let settle = step.params.settle.as_secs_f64();
@@ -384,11 +454,11 @@ pub fn decide(step: &mut Step, o: &Observed) {
                 .join(", ");
             finish(
                 step,
-                "passed",
+                Status::Passed,
                 vec![],
                 format!(
                     "datapath reloaded and green for {:.0}s; gaps: {}",
-                    step.params.settle.as_secs_f64(),
+                    settle,
                     if worst.is_empty() {
                         "none measured".into()
                     } else {
@@ -397,56 +467,48 @@ pub fn decide(step: &mut Step, o: &Observed) {
                 ),
                 now,
             );
-            return;
         }
-    } else {
-        step.green_since = None;
+        return;
     }
-
-    if now >= step.created_at + step.params.timeout.as_secs_f64() {
-        if !reloaded {
-            let why = if step.reload.changed.is_empty() {
-                "no device got new program ids before the timeout".to_string()
-            } else {
-                format!(
-                    "no new program ids on {} before the timeout",
-                    unchanged.join(", ")
-                )
-            };
-            finish(
-                step,
-                "failed",
-                vec!["datapath_not_reloaded".into()],
-                why,
-                now,
-            );
-        } else {
-            let mut reasons = vec!["not_settled".to_string()];
-            let mut why: Vec<String> = o.node_not_green.clone();
-            if let Some((code, w)) = baseline_problem {
-                reasons.push(code);
-                why.push(w);
-            }
-            if !over_drops.is_empty() {
-                reasons.push("drops_over_budget".into());
-                why.push(over_drops.join(", "));
-            }
-            if !open.is_empty() {
-                why.push(format!("still failing: {}", open.join(", ")));
-            }
-            finish(
-                step,
-                "failed",
-                reasons,
-                format!(
-                    "never green for {:.0}s after the reload: {}",
-                    step.params.settle.as_secs_f64(),
-                    why.join("; ")
-                ),
-                now,
-            );
+    step.green_since = None;
+    if now < step.created_at + step.params.timeout.as_secs_f64() {
+        return;
+    }
+    if !reloaded {
+        let why = judged
+            .iter()
+            .find(|(n, _)| *n == "reload")
+            .and_then(|(_, j)| j.at_timeout.clone())
+            .map(|(_, w)| w)
+            .unwrap_or_default();
+        finish(
+            step,
+            Status::Failed,
+            vec![Reason::DatapathNotReloaded],
+            why,
+            now,
+        );
+        return;
+    }
+    let mut reasons = vec![Reason::NotSettled];
+    let mut why: Vec<String> = o.node_not_green.clone();
+    for (_, j) in &judged {
+        if let Some((code, w)) = &j.at_timeout {
+            reasons.extend(*code);
+            why.push(w.clone());
         }
     }
+    finish(
+        step,
+        Status::Failed,
+        reasons,
+        format!(
+            "never green for {:.0}s after the reload: {}",
+            step.params.settle.as_secs_f64(),
+            why.join("; ")
+        ),
+        now,
+    );
 }
 
 #[cfg(test)]
@@ -473,7 +535,7 @@ mod tests {
                 dns_slower_ratio: 2.0,
                 drops_budget: BTreeMap::new(),
             },
-            phase: "watching".into(),
+            phase: Phase::Watching,
             baseline: Baseline {
                 programs: [("eth0".to_string(), 10u32), ("eth1".to_string(), 11u32)].into(),
                 maps: [
@@ -556,7 +618,7 @@ mod tests {
         assert!(s.verdict.is_none(), "not settled yet");
         decide(&mut s, &obs(8.1, progs(Some(20), Some(21))));
         let v = s.verdict.as_ref().unwrap();
-        assert_eq!(v.status, "passed", "{v:?}");
+        assert_eq!(v.status, Status::Passed, "{v:?}");
         assert!((s.gaps[0].longest_s - 0.3).abs() < 1e-9);
     }
 
@@ -566,7 +628,10 @@ mod tests {
         for t in [0.0, 30.0, 60.0] {
             decide(&mut s, &obs(t, progs(Some(10), Some(11))));
         }
-        assert_eq!(s.verdict.unwrap().reasons, vec!["datapath_not_reloaded"]);
+        assert_eq!(
+            s.verdict.unwrap().reasons,
+            vec![Reason::DatapathNotReloaded]
+        );
     }
 
     #[test]
@@ -574,7 +639,7 @@ mod tests {
         let mut s = step();
         decide(&mut s, &obs(1.0, progs(Some(20), None)));
         decide(&mut s, &obs(2.5, progs(Some(20), None)));
-        assert_eq!(s.verdict.unwrap().reasons, vec!["device_set_changed"]);
+        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::DeviceSetChanged]);
     }
 
     #[test]
@@ -582,7 +647,7 @@ mod tests {
         let mut s = step();
         s.targets.get_mut("gw").unwrap().samples = timeline(4.0, Some((1.0, 3.5)));
         decide(&mut s, &obs(4.0, progs(Some(10), Some(11))));
-        assert_eq!(s.verdict.unwrap().reasons, vec!["gap_over_budget"]);
+        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::GapOverBudget]);
     }
 
     #[test]
@@ -594,13 +659,13 @@ mod tests {
         o.complete_until = 2.5;
         o.maps = Some([("cilium_ct4_global".to_string(), Some(100u64))].into());
         decide(&mut s, &o);
-        assert_eq!(s.verdict.clone().unwrap().reasons, vec!["map_missing"]);
+        assert_eq!(s.verdict.clone().unwrap().reasons, vec![Reason::MapMissing]);
         let mut s = step();
         decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
         let mut o = obs(2.5, progs(Some(20), Some(21)));
         o.maps = maps(3);
         decide(&mut s, &o);
-        assert_eq!(s.verdict.unwrap().reasons, vec!["map_emptied"]);
+        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::MapEmptied]);
     }
 
     #[test]
@@ -609,7 +674,7 @@ mod tests {
         s.evidence_incomplete =
             Some("the agent was down from 1.0 to 3.0 while the datapath reloaded".into());
         decide(&mut s, &obs(10.0, progs(Some(20), Some(21))));
-        assert_eq!(s.verdict.unwrap().reasons, vec!["evidence_incomplete"]);
+        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::EvidenceIncomplete]);
     }
 
     #[test]
@@ -623,7 +688,7 @@ mod tests {
             decide(&mut s, &o);
         }
         let v = s.verdict.unwrap();
-        assert!(v.reasons.contains(&"dns_slower".to_string()), "{v:?}");
+        assert!(v.reasons.contains(&Reason::DnsSlower), "{v:?}");
     }
 
     /// Probes in flight at the end of the settle window: the step waits until they have
@@ -644,7 +709,7 @@ mod tests {
         assert!(s.verdict.is_none(), "{:?}", s.verdict);
         s.targets.get_mut("gw").unwrap().samples = timeline(7.6, None);
         decide(&mut s, &obs(7.6, reload));
-        assert_eq!(s.verdict.unwrap().status, "passed");
+        assert_eq!(s.verdict.unwrap().status, Status::Passed);
     }
 
     /// The probe loop stalled for 200 ms (or probes could not run): a hole, never a pass.
@@ -660,7 +725,7 @@ mod tests {
             decide(&mut s, &obs(t, progs(Some(20), Some(21))));
         }
         let v = s.verdict.unwrap();
-        assert_eq!(v.reasons, vec!["evidence_incomplete"], "{v:?}");
+        assert_eq!(v.reasons, vec![Reason::EvidenceIncomplete], "{v:?}");
         assert!(
             v.summary.contains("no probe of gw was sent for 200ms"),
             "{v:?}"
@@ -674,11 +739,11 @@ mod tests {
         for t in [1.0, 2.5, 5.0, 9.0] {
             decide(&mut s, &obs(t, progs(Some(20), Some(21))));
         }
-        assert_eq!(s.verdict.unwrap().status, "passed");
+        assert_eq!(s.verdict.unwrap().status, Status::Passed);
         // No probe at all (every probe failed to run): a hole too.
         let mut s = bare_step();
         decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
-        assert_eq!(s.verdict.unwrap().reasons, vec!["evidence_incomplete"]);
+        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::EvidenceIncomplete]);
     }
 
     #[test]
@@ -696,6 +761,6 @@ mod tests {
             .verdict
             .unwrap()
             .reasons
-            .contains(&"drops_over_budget".to_string()));
+            .contains(&Reason::DropsOverBudget));
     }
 }

@@ -1,0 +1,144 @@
+//! The step as the API answers it: one typed response, serialized by the agent, parsed by
+//! `stepguard wait` and the stepper, and rendered for people in one place ([`StepView::text`]).
+use super::{Baseline, Phase, Step, StepCheck, StepParams, TargetGap, Verdict};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What the reload looked like.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ReloadView {
+    /// Device → (new program id, first seen at).
+    pub changed: BTreeMap<String, (u32, f64)>,
+    pub lost: Vec<String>,
+    pub complete_at: Option<f64>,
+}
+
+/// Probes of a target recorded in the step.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ProbeCount {
+    pub sent: u64,
+    pub failed: u64,
+}
+
+/// `GET /v1/steps/{id}`, `POST /v1/steps` and `last_step` in `/v1/verdict`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepView {
+    pub id: String,
+    pub phase: Phase,
+    pub created_at: f64,
+    pub verdict: Option<Verdict>,
+    pub params: StepParams,
+    #[serde(default)]
+    pub checks: BTreeMap<String, StepCheck>,
+    #[serde(default)]
+    pub gaps: Vec<TargetGap>,
+    #[serde(default)]
+    pub reload: ReloadView,
+    #[serde(default)]
+    pub baseline: Baseline,
+    #[serde(default)]
+    pub drops: BTreeMap<String, u64>,
+    pub dns_p50_after_ms: Option<f64>,
+    #[serde(default)]
+    pub holes: Vec<(f64, f64)>,
+    pub evidence_incomplete: Option<String>,
+    /// Probes recorded per target so far (new in this version).
+    #[serde(default)]
+    pub probes: BTreeMap<String, ProbeCount>,
+}
+
+impl StepView {
+    pub fn of(s: &Step) -> StepView {
+        StepView {
+            id: s.id.clone(),
+            phase: s.phase,
+            created_at: s.created_at,
+            verdict: s.verdict.clone(),
+            params: s.params.clone(),
+            checks: s.checks.clone(),
+            gaps: s.gaps.clone(),
+            reload: ReloadView {
+                changed: s.reload.changed.clone(),
+                lost: s.reload.lost.clone(),
+                complete_at: s.reload.complete_at,
+            },
+            baseline: s.baseline.clone(),
+            drops: s.drops.clone(),
+            dns_p50_after_ms: s.dns_p50_after_ms,
+            holes: s.holes.clone(),
+            evidence_incomplete: s.evidence_incomplete.clone(),
+            probes: s
+                .targets
+                .iter()
+                .map(|(k, t)| {
+                    (
+                        k.clone(),
+                        ProbeCount {
+                            sent: t.probes,
+                            failed: t.failures,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The verdict, the gaps and the step checks, for a person (`wait`, `?format=text`).
+    pub fn text(&self) -> String {
+        let mut out = format!(
+            "step {}: {}",
+            self.id,
+            self.verdict
+                .as_ref()
+                .map(|v| v.status.as_str().to_uppercase())
+                .unwrap_or_else(|| self.phase.as_str().to_string())
+        );
+        match &self.verdict {
+            Some(v) => {
+                if !v.reasons.is_empty() {
+                    out.push_str(&format!(
+                        " ({})",
+                        v.reasons
+                            .iter()
+                            .map(|r| r.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+                out.push_str(&format!("\n  {}\n", v.summary));
+            }
+            None => out.push('\n'),
+        }
+        if !self.gaps.is_empty() {
+            out.push_str(&format!(
+                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
+                "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"
+            ));
+            for g in &self.gaps {
+                out.push_str(&format!(
+                    "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
+                    g.target,
+                    g.kind,
+                    format!("{:.0}±{:.0}ms", g.longest_s * 1e3, g.error_bound_s * 1e3),
+                    format!("{:.0}ms", g.total_s * 1e3),
+                    g.count,
+                    format!("{:.0}ms", g.budget_s * 1e3)
+                ));
+            }
+        }
+        for (k, c) in &self.checks {
+            out.push_str(&format!("  {k:<9} {:<7} {}\n", c.status.as_str(), c.reason));
+        }
+        if !self.drops.is_empty() {
+            out.push_str(&format!(
+                "  drops in the step window: {}\n",
+                self.drops
+                    .iter()
+                    .map(|(k, n)| format!("{k}={n}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ));
+        }
+        out
+    }
+}
