@@ -1,6 +1,7 @@
 //! The HTTP API (axum): `/metrics`, `/livez`, `/readyz`, `/v1/verdict`, `/v1/checks`,
 //! `/v1/steps[/{id}]`. Malformed input gets a 4xx with one line; bodies are size-limited;
 //! mutating routes need the bearer token when one is configured.
+use super::runner::{Begun, Command};
 use super::{lock, watch, Daemon};
 use crate::checks::{exit_code, CheckResult};
 use crate::duration;
@@ -116,8 +117,8 @@ async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
 }
 
 fn last_step(d: &Daemon) -> Option<Step> {
-    lock(&d.step)
-        .clone()
+    d.current_step()
+        .map(|s| (*s).clone())
         .or_else(|| d.store.list().into_iter().next())
 }
 
@@ -218,12 +219,13 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
             )
         }
     };
-    // One step at a time; re-POSTing the active id is idempotent.
-    if let Some(active) = lock(&d.step).as_ref().filter(|s| !s.is_final()) {
+    // One step at a time; re-POSTing the active id is idempotent (checked here to answer
+    // at once, and again by the runner, which alone decides).
+    if let Some(active) = d.current_step().filter(|s| !s.is_final()) {
         if id.as_deref() == Some(active.id.as_str()) {
-            return (StatusCode::OK, axum::Json(step_json(active))).into_response();
+            return (StatusCode::OK, axum::Json(step_json(&active))).into_response();
         }
-        return (StatusCode::CONFLICT, axum::Json(json!({"error": format!("step {} is active; wait for it or DELETE it", active.id), "active_id": active.id}))).into_response();
+        return conflict(&active.id);
     }
     if let Some(id) = &id {
         if let Some(done) = d.store.load(id) {
@@ -231,34 +233,44 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
         }
     }
     let id = id.unwrap_or_else(|| step::new_id(unix_now()));
-    let mut s = match watch::begin(&d, id, params).await {
+    let s = match watch::begin(&d, id, params).await {
         Ok(s) => s,
         Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
-    {
-        let mut guard = lock(&d.step);
-        if let Some(active) = guard.as_ref().filter(|a| !a.is_final()) {
-            return (StatusCode::CONFLICT, axum::Json(json!({"error": format!("step {} is active", active.id), "active_id": active.id}))).into_response();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let sent = d
+        .ports
+        .commands
+        .send(Command::Begin {
+            step: Box::new(s),
+            reply: tx,
+        })
+        .await;
+    match (sent, rx.await) {
+        (Ok(()), Ok(Begun::Created(s))) => {
+            (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
         }
-        watch::persist(&d, &mut s);
-        *guard = Some(s.clone());
-    }
-    d.burst.store(true, Ordering::SeqCst);
-    {
-        let m = lock(&d.metrics);
-        m.step_active.set(1);
-        for (name, t) in &s.targets {
-            m.gap_budget
-                .get_or_create(&crate::metrics::ProbeLabels {
-                    kind: t.kind.clone(),
-                    target: name.clone(),
-                })
-                .set(t.budget);
+        (Ok(()), Ok(Begun::Existing(s))) => {
+            (StatusCode::OK, axum::Json(step_json(&s))).into_response()
         }
+        (Ok(()), Ok(Begun::Conflict(active))) => conflict(&active),
+        (Ok(()), Ok(Begun::NotSaved(e))) => err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cannot save the step in the state directory, so it would not survive an agent restart: {e}"),
+        ),
+        _ => err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the step runner is not running",
+        ),
     }
-    d.bump();
-    tracing::info!(step = %s.id, "step begun; probing in burst mode");
-    (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
+}
+
+fn conflict(active: &str) -> Response {
+    (
+        StatusCode::CONFLICT,
+        axum::Json(json!({"error": format!("step {active} is active; wait for it or DELETE it"), "active_id": active})),
+    )
+        .into_response()
 }
 
 fn valid_id(id: &str) -> bool {
@@ -271,10 +283,9 @@ fn valid_id(id: &str) -> bool {
 }
 
 fn find(d: &Daemon, id: &str) -> Option<Step> {
-    lock(&d.step)
-        .as_ref()
+    d.current_step()
         .filter(|s| s.id == id)
-        .cloned()
+        .map(|s| (*s).clone())
         .or_else(|| d.store.load(id))
 }
 
@@ -339,15 +350,24 @@ async fn delete_step(
     if !valid_id(&id) {
         return err(StatusCode::BAD_REQUEST, format!("invalid step id {id:?}"));
     }
-    let mut guard = lock(&d.step);
-    if let Some(s) = guard.as_mut().filter(|s| s.id == id) {
-        watch::cancel(&d, s);
-        let v = step_json(s);
-        drop(guard);
-        d.bump();
-        return axum::Json(v).into_response();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if d.ports
+        .commands
+        .send(Command::Cancel {
+            id: id.clone(),
+            reply: tx,
+        })
+        .await
+        .is_err()
+    {
+        return err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the step runner is not running",
+        );
     }
-    drop(guard);
+    if let Ok(Some(s)) = rx.await {
+        return axum::Json(step_json(&s)).into_response();
+    }
     match d.store.load(&id) {
         Some(s) => axum::Json(step_json(&s)).into_response(),
         None => err(StatusCode::NOT_FOUND, format!("no step {id}")),
@@ -387,6 +407,17 @@ mod tests {
             },
         )
         .unwrap()
+        .with_runner()
+    }
+
+    trait WithRunner {
+        fn with_runner(self) -> Self;
+    }
+    impl WithRunner for Arc<Daemon> {
+        fn with_runner(self) -> Self {
+            tokio::spawn(crate::daemon::runner::run(self.clone()));
+            self
+        }
     }
 
     async fn call(
@@ -413,16 +444,26 @@ mod tests {
         (status, v)
     }
 
-    fn active(d: &Daemon, id: &str) {
+    /// Installs a step through the runner (as POST does after taking a baseline).
+    async fn active(d: &Arc<Daemon>, id: &str) {
         let (_, params) =
             StepParams::from_request(&StepRequest::default(), Duration::from_millis(10)).unwrap();
-        *lock(&d.step) = Some(Step::new(
-            id.into(),
-            unix_now(),
-            params,
-            Default::default(),
-            Default::default(),
-        ));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        d.ports
+            .commands
+            .send(Command::Begin {
+                step: Box::new(Step::new(
+                    id.into(),
+                    unix_now(),
+                    params,
+                    Default::default(),
+                    Default::default(),
+                )),
+                reply: tx,
+            })
+            .await
+            .unwrap();
+        assert!(matches!(rx.await.unwrap(), Begun::Created(_)));
     }
 
     #[tokio::test]
@@ -472,7 +513,7 @@ mod tests {
             .contains("cannot take a baseline"));
 
         // With a step active: its id is idempotent (200), another id conflicts (409).
-        active(&d, "one");
+        active(&d, "one").await;
         let (s, v) = call(&d, "POST", "/v1/steps", r#"{"id":"one"}"#, None).await;
         assert_eq!((s, v["id"].as_str()), (StatusCode::OK, Some("one")));
         let (s, v) = call(&d, "POST", "/v1/steps", r#"{"id":"two"}"#, None).await;
@@ -527,7 +568,7 @@ mod tests {
             call(&d, "POST", "/v1/steps", "{}", Some("wrong")).await.0,
             StatusCode::UNAUTHORIZED
         );
-        active(&d, "tok");
+        active(&d, "tok").await;
         assert_eq!(
             call(&d, "DELETE", "/v1/steps/tok", "", None).await.0,
             StatusCode::UNAUTHORIZED

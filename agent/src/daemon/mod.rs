@@ -1,6 +1,7 @@
 //! `stepguard agent`: probes at a steady cadence (bursts during a step), node checks on a
 //! slower one, the step protocol, and the state behind the HTTP API.
 pub mod api;
+pub mod runner;
 mod watch;
 
 use crate::checks::{self, dns as dns_check, vips as vips_check, CheckResult, Status};
@@ -13,7 +14,7 @@ use crate::probe::{self, dns as dns_probe, unix_now, ProbeOutcome};
 use crate::step::{Step, StepStore};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,14 +63,19 @@ pub struct Daemon {
     pub kernel_drops: Mutex<KernelDrops>,
     pub node: Mutex<NodeView>,
     pub probes: Mutex<ProbeView>,
-    pub step: Mutex<Option<Step>>,
     pub store: StepStore,
-    /// Bumped whenever a step changes, to wake long-polls.
+    /// The runner's latest snapshot of the current (or last) step; only the runner sends.
+    pub snapshot: tokio::sync::watch::Sender<Option<Arc<Step>>>,
+    /// The runner's channels (commands from the API, samples from the probes).
+    pub ports: runner::Ports,
+    /// A step is active (probe samples go to the runner).
+    pub step_active: AtomicBool,
+    /// The active step's burst cadence.
+    pub burst_interval_ns: AtomicU64,
+    /// Bumped whenever a step changes, to wake long-polls and probe loops.
     pub changed: tokio::sync::watch::Sender<u64>,
     pub burst: AtomicBool,
     pub wake_slow: tokio::sync::Notify,
-    /// Set after a restart with an unfinished step, until the first observation is judged.
-    pub resumed: AtomicBool,
 }
 
 /// How long DNS samples are kept (the baseline uses the last minute).
@@ -112,29 +118,16 @@ impl Daemon {
             kernel_drops: Mutex::new(kernel_drops),
             node: Mutex::new(NodeView::default()),
             probes: Mutex::new(ProbeView::default()),
-            step: Mutex::new(None),
             store,
+            snapshot: tokio::sync::watch::Sender::new(None),
+            ports: runner::Ports::new(),
+            step_active: AtomicBool::new(false),
+            burst_interval_ns: AtomicU64::new(0),
             changed: tx,
             burst: AtomicBool::new(false),
             wake_slow: tokio::sync::Notify::new(),
-            resumed: AtomicBool::new(false),
         });
-        d.resume();
         Ok(d)
-    }
-
-    /// Picks up an unfinished step from disk: the time the agent was away is a hole in the
-    /// evidence, judged on the first observation (see `watch`).
-    fn resume(&self) {
-        let Some(mut s) = self.store.list().into_iter().find(|s| !s.is_final()) else {
-            return;
-        };
-        let now = unix_now();
-        s.resume(now, crate::clock::boot_id().as_deref());
-        tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
-        self.burst.store(true, Ordering::SeqCst);
-        self.resumed.store(true, Ordering::SeqCst);
-        *lock(&self.step) = Some(s);
     }
 
     pub fn bump(&self) {
@@ -142,14 +135,16 @@ impl Daemon {
     }
 
     pub fn probe_interval(&self) -> Duration {
-        if self.burst.load(Ordering::SeqCst) {
-            lock(&self.step)
-                .as_ref()
-                .map(|s| s.params.burst_interval)
-                .unwrap_or(self.opts.burst_interval)
-        } else {
-            self.opts.probe_interval
+        match self.burst_interval_ns.load(Ordering::SeqCst) {
+            ns if ns > 0 && self.burst.load(Ordering::SeqCst) => Duration::from_nanos(ns),
+            _ if self.burst.load(Ordering::SeqCst) => self.opts.burst_interval,
+            _ => self.opts.probe_interval,
         }
+    }
+
+    /// The current (or last) step as the runner last published it.
+    pub fn current_step(&self) -> Option<Arc<Step>> {
+        self.snapshot.borrow().clone()
     }
 
     /// Records one VIP probe: metrics, latest outcome, and the step timeline.
@@ -175,16 +170,15 @@ impl Daemon {
                 p.latest.insert(target.name.clone(), o.clone());
             }
         }
-        if let Some(s) = lock(&self.step).as_mut() {
-            if !s.is_final() && o.sent_at >= s.created_at && o.ran {
-                if let Some(t) = s.targets.get_mut(&target.name) {
-                    t.samples.push((o.sent_at, o.ok));
-                    t.probes += 1;
-                    if !o.ok {
-                        t.failures += 1;
-                    }
-                }
-            }
+        // Into the active step's timeline (the runner owns it). A probe that could not run
+        // is no sample: the gap it leaves is judged as a stall. A full buffer drops samples
+        // the same way (never silently into a pass).
+        if o.ran && self.step_active.load(Ordering::SeqCst) {
+            let _ = self.ports.samples.try_send(runner::Sample {
+                target: target.name.clone(),
+                sent_at: o.sent_at,
+                ok: o.ok,
+            });
         }
     }
 
@@ -550,7 +544,7 @@ pub fn spawn_loops(d: &Arc<Daemon>) {
         tokio::spawn(dns_loop(d.clone(), r));
     }
     tokio::spawn(slow_loop(d.clone()));
-    tokio::spawn(watch::step_loop(d.clone()));
+    tokio::spawn(runner::run(d.clone()));
 }
 
 #[cfg(test)]

@@ -1,16 +1,13 @@
-//! The step lifecycle inside the daemon: taking the baseline, watching the reload and the
-//! probes, deciding, persisting, and exporting the outcome.
+//! The step lifecycle's pieces the runner uses: taking the baseline, persisting, and
+//! exporting the outcome. The runner (`runner.rs`) alone owns and advances the active step.
 use super::{lock, Daemon};
-use crate::checks::{devices, Status};
+use crate::checks::devices;
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
 use crate::probe::unix_now;
-use crate::step::verdict::{self, Observed};
 use crate::step::{Baseline, Step, StepParams, TargetTimeline, Verdict};
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Program id per baseline device: `cil_from_netdev` on host devices, `cil_to_host` on
 /// cilium_host. None when the program is gone.
@@ -41,15 +38,12 @@ pub fn current_programs(
         .collect()
 }
 
-fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Option<u64>> {
+pub fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Option<u64>> {
     m.globals
         .iter()
         .map(|(k, v)| (k.clone(), v.entries))
         .collect()
 }
-
-/// How long after a probe's timeout its result is surely recorded.
-const COMPLETION_SLACK_S: f64 = 0.25;
 
 /// Why a step cannot begin: no baseline can be taken (503).
 #[derive(Debug, thiserror::Error)]
@@ -137,10 +131,23 @@ fn persistable(s: &Step) -> Step {
     c
 }
 
-pub fn persist(d: &Daemon, s: &mut Step) {
+/// Saves the step (this run's samples folded into outages).
+pub fn persist(d: &Daemon, s: &mut Step) -> std::io::Result<()> {
     s.updated_at = unix_now();
-    if let Err(e) = d.store.save(&persistable(s)) {
-        tracing::error!(step = %s.id, error = %e, "cannot persist the step");
+    d.store.save(&persistable(s))
+}
+
+/// Exports a step that just began: active, and the gap budget of each target.
+pub fn exported_begin(d: &Daemon, s: &Step) {
+    let m = lock(&d.metrics);
+    m.step_active.set(1);
+    for (name, t) in &s.targets {
+        m.gap_budget
+            .get_or_create(&ProbeLabels {
+                kind: t.kind.clone(),
+                target: name.clone(),
+            })
+            .set(t.budget);
     }
 }
 
@@ -167,7 +174,6 @@ pub fn finished(d: &Daemon, s: &Step) {
         m.step_gap.observe(g.longest_s);
     }
     drop(m);
-    d.burst.store(false, Ordering::SeqCst);
     d.store.prune(100);
     tracing::info!(step = %s.id, verdict = v.status.as_str(), reasons = ?v.reasons, summary = %v.summary, "step decided");
 }
@@ -184,152 +190,8 @@ pub fn cancel(d: &Daemon, s: &mut Step) {
         summary: "cancelled by DELETE".into(),
         finished_at: now,
     });
-    persist(d, s);
-    finished(d, s);
-}
-
-/// Watches the active step: device programs every 200 ms, maps and node checks every second,
-/// decides every 100 ms, persists every 500 ms.
-pub async fn step_loop(d: Arc<Daemon>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut n: u64 = 0;
-    let mut last_maps: Option<BTreeMap<String, Option<u64>>> = None;
-    let mut last_programs: Option<BTreeMap<String, Option<u32>>> = None;
-    loop {
-        tick.tick().await;
-        n += 1;
-        let active = lock(&d.step).as_ref().map(|s| {
-            (
-                s.is_final(),
-                s.baseline.programs.keys().cloned().collect::<Vec<_>>(),
-            )
-        });
-        let Some((false, tracked)) = active else {
-            last_maps = None;
-            last_programs = None;
-            continue;
-        };
-        lock(&d.metrics).step_active.set(1);
-        if n.is_multiple_of(2) || last_programs.is_none() {
-            last_programs = links::observe(&d.cfg.bpffs)
-                .await
-                .ok()
-                .filter(|o| !o.prog_details_unreadable)
-                .map(|o| current_programs(&o, &tracked));
-        }
-        if n.is_multiple_of(10) || last_maps.is_none() {
-            d.refresh_node().await;
-            last_maps = lock(&d.node).maps.as_ref().map(super::watch::map_counts);
-        }
-        let node_not_green: Vec<String> = d
-            .node_results()
-            .into_iter()
-            .filter(|r| r.status != Status::Pass)
-            .map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason))
-            .collect();
-        let now = unix_now();
-        let kd = d.kernel_drops_now();
-        let cd = d.cilium_drops_now();
-        let max_timeout = d
-            .cfg
-            .targets
-            .iter()
-            .map(|t| t.timeout.as_secs_f64())
-            .fold(0.0, f64::max);
-        let mut guard = lock(&d.step);
-        let Some(s) = guard.as_mut() else { continue };
-        if last_programs.is_some() && d.resumed.swap(false, Ordering::SeqCst) {
-            // Judge the hole: a reload or an outage while the agent was away is unseen evidence.
-            if let Some(p) = &last_programs {
-                let before = if s.reload.last_seen.is_empty() {
-                    s.baseline
-                        .programs
-                        .iter()
-                        .map(|(k, v)| (k.clone(), Some(*v)))
-                        .collect()
-                } else {
-                    s.reload.last_seen.clone()
-                };
-                if p != &before {
-                    s.evidence_incomplete = Some("the datapath changed while the agent was down: the outage was not observed".into());
-                }
-            }
-        }
-        let mut drops = BTreeMap::new();
-        if let Some(k) = &kd {
-            for (r, v) in k {
-                let d0 = s.baseline.kernel_drops.get(r).copied().unwrap_or(0);
-                if *v > d0 {
-                    drops.insert(format!("kernel:{r}"), v - d0);
-                }
-            }
-        }
-        if let Some(c) = &cd {
-            for (r, v) in c {
-                let d0 = s.baseline.cilium_drops.get(r).copied().unwrap_or(0);
-                if *v > d0 {
-                    drops.insert(format!("cilium:{r}"), v - d0);
-                }
-            }
-        }
-        let after = s.reload.complete_at;
-        drop(guard);
-        let dns_after = after.and_then(|t| d.dns_p50_since(t));
-        let mut guard = lock(&d.step);
-        let Some(s) = guard.as_mut() else { continue };
-        // The first sample after a resume (judged once per target): failing at once means an
-        // outage began while the agent was away.
-        if !s.holes.is_empty() && s.evidence_incomplete.is_none() {
-            let hole_end = s.holes.last().map(|h| h.1).unwrap_or(0.0);
-            let mut incomplete = None;
-            for (name, t) in s.targets.iter_mut().filter(|(_, t)| !t.hole_judged) {
-                let first = t
-                    .samples
-                    .iter()
-                    .filter(|x| x.0 >= hole_end)
-                    .min_by(|a, b| a.0.total_cmp(&b.0))
-                    .copied();
-                if let Some((_, ok)) = first {
-                    t.hole_judged = true;
-                    if !ok {
-                        incomplete = Some(format!("{name} was already failing when the agent came back: the outage began unseen"));
-                    }
-                }
-            }
-            if incomplete.is_some() {
-                s.evidence_incomplete = incomplete;
-            }
-        }
-        let o = Observed {
-            now,
-            programs: last_programs.clone(),
-            maps: last_maps.clone(),
-            node_not_green,
-            dns_p50_after_ms: dns_after,
-            drops,
-            // Every probe sent before this has answered or timed out, and been recorded (a
-            // little slack for the recording itself on a busy node).
-            complete_until: now - max_timeout - COMPLETION_SLACK_S,
-        };
-        verdict::decide(s, &o);
-        let done = s.is_final();
-        if done || n.is_multiple_of(5) {
-            // Probes older than the longest timeout have all answered: fold them into
-            // outages so a long step at 10 ms keeps its memory bounded.
-            let cutoff = now - max_timeout - 1.0;
-            for t in s.targets.values_mut() {
-                t.compact(cutoff);
-            }
-            persist(&d, s);
-        }
-        if done {
-            let snapshot = s.clone();
-            drop(guard);
-            finished(&d, &snapshot);
-        } else {
-            drop(guard);
-        }
-        d.bump();
+    if let Err(e) = persist(d, s) {
+        tracing::error!(step = %s.id, error = %e, "cannot persist the cancelled step");
     }
+    finished(d, s);
 }

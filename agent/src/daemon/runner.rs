@@ -1,0 +1,349 @@
+//! The step runner: the one task that owns the active step. Probes and the API send it
+//! messages; it observes the datapath, decides, persists, exports, and publishes a snapshot
+//! that everything else reads. Nothing else mutates a step.
+use super::watch::{self, current_programs, map_counts};
+use super::{lock, Daemon};
+use crate::checks::Status;
+use crate::kernel::links;
+use crate::probe::unix_now;
+use crate::step::verdict::{self, Observed};
+use crate::step::Step;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// One probe result for the step's timeline.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    pub target: String,
+    pub sent_at: f64,
+    pub ok: bool,
+}
+
+/// What the API asks of the runner.
+pub enum Command {
+    /// Install a step whose baseline was just taken.
+    Begin {
+        step: Box<Step>,
+        reply: oneshot::Sender<Begun>,
+    },
+    /// Cancel the active step `id`; replies with it when it was the active one.
+    Cancel {
+        id: String,
+        reply: oneshot::Sender<Option<Step>>,
+    },
+}
+
+/// The runner's answer to [`Command::Begin`].
+pub enum Begun {
+    Created(Box<Step>),
+    /// The same id is already active: the request is idempotent.
+    Existing(Box<Step>),
+    /// Another step is active.
+    Conflict(String),
+    /// The step could not be saved: refused, or it would be lost on an agent restart.
+    NotSaved(String),
+}
+
+/// The channels between the daemon and its runner.
+pub struct Ports {
+    pub commands: mpsc::Sender<Command>,
+    pub samples: mpsc::Sender<Sample>,
+    receivers: std::sync::Mutex<Option<(mpsc::Receiver<Command>, mpsc::Receiver<Sample>)>>,
+}
+
+/// Samples buffered while the runner observes the kernel (10 targets at 1 ms for 6 s).
+const SAMPLE_BUFFER: usize = 65_536;
+
+impl Ports {
+    pub fn new() -> Ports {
+        let (ctx, crx) = mpsc::channel(64);
+        let (stx, srx) = mpsc::channel(SAMPLE_BUFFER);
+        Ports {
+            commands: ctx,
+            samples: stx,
+            receivers: std::sync::Mutex::new(Some((crx, srx))),
+        }
+    }
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// How long after a probe's timeout its result is surely recorded.
+const COMPLETION_SLACK_S: f64 = 0.25;
+
+struct Runner {
+    d: Arc<Daemon>,
+    step: Option<Step>,
+    /// Set after a restart with an unfinished step, until the first observation is judged.
+    resumed: bool,
+    n: u64,
+    last_maps: Option<BTreeMap<String, Option<u64>>>,
+    last_programs: Option<BTreeMap<String, Option<u32>>>,
+}
+
+/// Runs the step runner until the daemon goes away. Call once per daemon.
+pub async fn run(d: Arc<Daemon>) {
+    let Some((mut commands, mut samples)) = lock(&d.ports.receivers).take() else {
+        tracing::error!("the step runner was started twice");
+        return;
+    };
+    let mut r = Runner {
+        step: None,
+        resumed: false,
+        n: 0,
+        last_maps: None,
+        last_programs: None,
+        d,
+    };
+    r.resume();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            Some(c) = commands.recv() => r.command(c),
+            Some(s) = samples.recv() => {
+                r.sample(s);
+                // Drain what is queued before the next observation.
+                while let Ok(s) = samples.try_recv() {
+                    r.sample(s);
+                }
+            }
+            _ = tick.tick() => r.tick().await,
+        }
+    }
+}
+
+impl Runner {
+    fn active(&self) -> Option<&Step> {
+        self.step.as_ref().filter(|s| !s.is_final())
+    }
+
+    /// Publishes the step to readers (API, metrics) and wakes long-polls and probe loops.
+    fn publish(&self) {
+        let d = &self.d;
+        let active = self.active().is_some();
+        d.step_active.store(active, Ordering::SeqCst);
+        if let Some(s) = self.active() {
+            d.burst_interval_ns
+                .store(s.params.burst_interval.as_nanos() as u64, Ordering::SeqCst);
+        }
+        d.burst.store(active, Ordering::SeqCst);
+        d.snapshot.send_replace(self.step.clone().map(Arc::new));
+        d.bump();
+    }
+
+    /// Picks up an unfinished step from disk: the time the agent was away is a hole.
+    fn resume(&mut self) {
+        let Some(mut s) = self.d.store.list().into_iter().find(|s| !s.is_final()) else {
+            return;
+        };
+        let now = unix_now();
+        s.resume(now, crate::clock::boot_id().as_deref());
+        tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
+        self.step = Some(s);
+        self.resumed = true;
+        self.publish();
+    }
+
+    fn command(&mut self, c: Command) {
+        match c {
+            Command::Begin { step, reply } => {
+                let answer = match self.active() {
+                    Some(a) if a.id == step.id => Begun::Existing(Box::new(a.clone())),
+                    Some(a) => Begun::Conflict(a.id.clone()),
+                    None => {
+                        let mut s = *step;
+                        match watch::persist(&self.d, &mut s) {
+                            Err(e) => Begun::NotSaved(e.to_string()),
+                            Ok(()) => {
+                                watch::exported_begin(&self.d, &s);
+                                tracing::info!(step = %s.id, "step begun; probing in burst mode");
+                                self.step = Some(s.clone());
+                                self.resumed = false;
+                                self.last_maps = None;
+                                self.last_programs = None;
+                                self.publish();
+                                Begun::Created(Box::new(s))
+                            }
+                        }
+                    }
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Cancel { id, reply } => {
+                let cancelled = match self.step.as_mut().filter(|s| s.id == id && !s.is_final()) {
+                    Some(s) => {
+                        watch::cancel(&self.d, s);
+                        Some(s.clone())
+                    }
+                    None => None,
+                };
+                if cancelled.is_some() {
+                    self.publish();
+                }
+                let _ = reply.send(cancelled);
+            }
+        }
+    }
+
+    fn sample(&mut self, x: Sample) {
+        let Some(s) = self.step.as_mut().filter(|s| !s.is_final()) else {
+            return;
+        };
+        if x.sent_at < s.created_at {
+            return;
+        }
+        if let Some(t) = s.targets.get_mut(&x.target) {
+            t.samples.push((x.sent_at, x.ok));
+            t.probes += 1;
+            if !x.ok {
+                t.failures += 1;
+            }
+        }
+    }
+
+    /// Device programs every 200 ms, maps and node checks every second, decides every
+    /// 100 ms, persists every 500 ms.
+    async fn tick(&mut self) {
+        self.n += 1;
+        let n = self.n;
+        let Some(tracked) = self
+            .active()
+            .map(|s| s.baseline.programs.keys().cloned().collect::<Vec<_>>())
+        else {
+            self.last_maps = None;
+            self.last_programs = None;
+            return;
+        };
+        let d = self.d.clone();
+        lock(&d.metrics).step_active.set(1);
+        if n.is_multiple_of(2) || self.last_programs.is_none() {
+            self.last_programs = links::observe(&d.cfg.bpffs)
+                .await
+                .ok()
+                .filter(|o| !o.prog_details_unreadable)
+                .map(|o| current_programs(&o, &tracked));
+        }
+        if n.is_multiple_of(10) || self.last_maps.is_none() {
+            d.refresh_node().await;
+            self.last_maps = lock(&d.node).maps.as_ref().map(map_counts);
+        }
+        let node_not_green: Vec<String> = d
+            .node_results()
+            .into_iter()
+            .filter(|r| r.status != Status::Pass)
+            .map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason))
+            .collect();
+        let now = unix_now();
+        let kd = d.kernel_drops_now();
+        let cd = d.cilium_drops_now();
+        let max_timeout = d
+            .cfg
+            .targets
+            .iter()
+            .map(|t| t.timeout.as_secs_f64())
+            .fold(0.0, f64::max);
+        let resumed = self.resumed && self.last_programs.is_some();
+        if resumed {
+            self.resumed = false;
+        }
+        let last_programs = self.last_programs.clone();
+        let last_maps = self.last_maps.clone();
+        let Some(s) = self.step.as_mut() else { return };
+        if resumed {
+            // Judge the hole: a reload or an outage while the agent was away is unseen evidence.
+            if let Some(p) = &last_programs {
+                let before = if s.reload.last_seen.is_empty() {
+                    s.baseline
+                        .programs
+                        .iter()
+                        .map(|(k, v)| (k.clone(), Some(*v)))
+                        .collect()
+                } else {
+                    s.reload.last_seen.clone()
+                };
+                if p != &before {
+                    s.evidence_incomplete = Some("the datapath changed while the agent was down: the outage was not observed".into());
+                }
+            }
+        }
+        let mut drops = BTreeMap::new();
+        for (prefix, now_counts, base) in [
+            ("kernel", &kd, &s.baseline.kernel_drops),
+            ("cilium", &cd, &s.baseline.cilium_drops),
+        ] {
+            for (r, v) in now_counts.iter().flatten() {
+                let d0 = base.get(r).copied().unwrap_or(0);
+                if *v > d0 {
+                    drops.insert(format!("{prefix}:{r}"), v - d0);
+                }
+            }
+        }
+        let dns_after = s.reload.complete_at.and_then(|t| d.dns_p50_since(t));
+        judge_first_samples_after_a_hole(s);
+        let o = Observed {
+            now,
+            programs: last_programs,
+            maps: last_maps,
+            node_not_green,
+            dns_p50_after_ms: dns_after,
+            drops,
+            // Every probe sent before this has answered or timed out, and been recorded (a
+            // little slack for the recording itself on a busy node).
+            complete_until: now - max_timeout - COMPLETION_SLACK_S,
+        };
+        verdict::decide(s, &o);
+        let done = s.is_final();
+        if done || n.is_multiple_of(5) {
+            // Probes older than the longest timeout have all answered: fold them into
+            // outages so a long step at 10 ms keeps its memory bounded.
+            let cutoff = now - max_timeout - 1.0;
+            for t in s.targets.values_mut() {
+                t.compact(cutoff);
+            }
+            if let Err(e) = watch::persist(&d, s) {
+                tracing::error!(step = %s.id, error = %e, "cannot persist the step");
+            }
+        }
+        if done {
+            watch::finished(&d, s);
+        }
+        self.publish();
+    }
+}
+
+/// The first sample after a resume (judged once per target): failing at once means an
+/// outage began while the agent was away.
+fn judge_first_samples_after_a_hole(s: &mut Step) {
+    if s.holes.is_empty() || s.evidence_incomplete.is_some() {
+        return;
+    }
+    let hole_end = s.holes.last().map(|h| h.1).unwrap_or(0.0);
+    let mut incomplete = None;
+    for (name, t) in s.targets.iter_mut().filter(|(_, t)| !t.hole_judged) {
+        let first = t
+            .samples
+            .iter()
+            .filter(|x| x.0 >= hole_end)
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .copied();
+        if let Some((_, ok)) = first {
+            t.hole_judged = true;
+            if !ok {
+                incomplete = Some(format!(
+                    "{name} was already failing when the agent came back: the outage began unseen"
+                ));
+            }
+        }
+    }
+    if incomplete.is_some() {
+        s.evidence_incomplete = incomplete;
+    }
+}
