@@ -224,13 +224,7 @@ fn echo_inner(
             ));
         }
         let mut buf = [0u8; 1500];
-        loop {
-            // The receive timeout shrinks to what is left, so a probe never takes longer than
-            // its timeout however many unrelated messages arrive.
-            let left = timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                return Err(ProbeError::timeout(timeout));
-            }
+        let recv = |left: Duration| -> std::io::Result<(Vec<u8>, Ipv4Addr)> {
             set_rcvtimeo(fd, left);
             let mut from: libc::sockaddr_in = std::mem::zeroed();
             let mut from_len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
@@ -243,34 +237,54 @@ fn echo_inner(
                 &mut from_len,
             );
             if n < 0 {
-                let e = std::io::Error::last_os_error();
-                return Err(if matches!(e.raw_os_error(), Some(libc::EAGAIN)) {
-                    ProbeError::timeout(timeout)
-                } else {
-                    ProbeError::exchange("receive echo reply", &e)
-                });
+                return Err(std::io::Error::last_os_error());
             }
             let n = n as usize;
             // Raw sockets deliver the IP header; ping sockets only the ICMP message.
             let icmp = if raw {
                 let ihl = ((buf[0] & 0x0f) as usize) * 4;
-                if n < ihl + 8 {
-                    continue;
-                }
-                &buf[ihl..n]
+                buf.get(ihl..n).unwrap_or(&[]).to_vec()
             } else {
-                &buf[..n]
+                buf[..n].to_vec()
             };
-            let from = Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr));
-            match classify(icmp, from, dst, ident, seq, raw) {
-                Reply::Echo => return Ok("echo reply".into()),
-                Reply::Unreachable(code) => {
-                    return Err(ProbeError::Answer(format!(
-                        "{dst} unreachable (ICMP code {code}, from {from})"
-                    )))
-                }
-                Reply::NotMine => continue,
+            Ok((icmp, Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr))))
+        };
+        await_reply(dst, start, timeout, recv, |icmp, from| {
+            classify(icmp, from, dst, ident, seq, raw)
+        })
+    }
+}
+
+/// Receives until this probe's answer, or until `timeout` after `start`: each receive waits
+/// at most for what is left, so a probe never takes longer than its timeout however many
+/// unrelated messages arrive (a raw socket sees every ICMP message of the host).
+fn await_reply(
+    dst: Ipv4Addr,
+    start: Instant,
+    timeout: Duration,
+    mut recv: impl FnMut(Duration) -> std::io::Result<(Vec<u8>, Ipv4Addr)>,
+    classify: impl Fn(&[u8], Ipv4Addr) -> Reply,
+) -> Result<String, ProbeError> {
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(ProbeError::timeout(timeout));
+        }
+        let (icmp, from) = match recv(left) {
+            Ok(x) => x,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN)) => {
+                return Err(ProbeError::timeout(timeout))
             }
+            Err(e) => return Err(ProbeError::exchange("receive echo reply", &e)),
+        };
+        match classify(&icmp, from) {
+            Reply::Echo => return Ok("echo reply".into()),
+            Reply::Unreachable(code) => {
+                return Err(ProbeError::Answer(format!(
+                    "{dst} unreachable (ICMP code {code}, from {from})"
+                )))
+            }
+            Reply::NotMine => continue,
         }
     }
 }
@@ -340,6 +354,40 @@ mod tests {
             ),
             Reply::Unreachable(1)
         );
+    }
+
+    /// Unrelated ICMP messages keep arriving every 30 ms: the probe still gives up at its
+    /// 200 ms timeout, because each receive waits only for what is left (before the fix each
+    /// receive waited the whole timeout, so a probe could take up to twice its timeout).
+    #[test]
+    fn the_receive_timeout_shrinks_to_what_is_left() {
+        let timeout = Duration::from_millis(200);
+        let start = Instant::now();
+        let mut waits = Vec::new();
+        let r = await_reply(
+            DST,
+            start,
+            timeout,
+            |left| {
+                waits.push(left);
+                // Another probe's reply arrives after 30 ms, or the receive times out.
+                let d = left.min(Duration::from_millis(30));
+                std::thread::sleep(d);
+                if d < Duration::from_millis(30) {
+                    Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
+                } else {
+                    Ok((echo_reply(9, 9), DST))
+                }
+            },
+            |icmp, from| classify(icmp, from, DST, 7, 42, true),
+        );
+        assert_eq!(r, Err(ProbeError::timeout(timeout)));
+        assert!(waits.len() >= 3, "{waits:?}");
+        assert!(
+            waits.windows(2).all(|w| w[1] < w[0]),
+            "shrinking: {waits:?}"
+        );
+        assert!(waits.iter().all(|w| *w <= timeout));
     }
 
     #[test]
