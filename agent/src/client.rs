@@ -118,6 +118,21 @@ pub fn read_token(path: Option<&std::path::Path>) -> Result<Option<String>> {
             if t.is_empty() {
                 bail!("token file {} is empty", p.display());
             }
+            // A token is one line without spaces: a second line would make every request
+            // carry something nobody can match.
+            if t.chars().any(char::is_whitespace) {
+                bail!(
+                    "token file {} holds more than one word or line: it must hold the token alone",
+                    p.display()
+                );
+            }
+            if t.len() < 16 {
+                bail!(
+                    "token file {} holds a token of {} characters: use at least 16 (e.g. `head -c 32 /dev/urandom | base64`)",
+                    p.display(),
+                    t.len()
+                );
+            }
             Ok(Some(t))
         }
     }

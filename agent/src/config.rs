@@ -247,7 +247,27 @@ impl Config {
             if t.probe == ProbeKind::Tcp && t.port.is_none() {
                 return field(&format!("{f}.port"), "a tcp probe needs a port".into());
             }
-            if t.timeout.is_zero() || t.timeout > Duration::from_secs(30) {
+            if t.port == Some(0) {
+                return field(&format!("{f}.port"), "0 is not a port".into());
+            }
+            if t.probe == ProbeKind::Icmp {
+                if t.port.is_some() {
+                    return field(
+                        &format!("{f}.port"),
+                        "an icmp probe has no port (remove it)".into(),
+                    );
+                }
+                if t.address.is_ipv6() {
+                    return field(
+                        &format!("{f}.address"),
+                        format!(
+                            "{}: icmp probes support IPv4 only (use a tcp probe for IPv6)",
+                            t.address
+                        ),
+                    );
+                }
+            }
+            if t.timeout < Duration::from_millis(1) || t.timeout > Duration::from_secs(30) {
                 return field(
                     &format!("{f}.timeout"),
                     "must be between 1ms and 30s".into(),
@@ -288,8 +308,29 @@ impl Config {
                 );
             }
         }
-        if self.dns.timeout.is_zero() {
-            return field("dns.timeout", "must be positive".into());
+        if self.dns.timeout < Duration::from_millis(1) || self.dns.timeout > Duration::from_secs(30)
+        {
+            return field("dns.timeout", "must be between 1ms and 30s".into());
+        }
+        Ok(())
+    }
+
+    /// Paths that exist must be of the right type; a path that does not exist yet (a node
+    /// where Cilium has not started) is fine: those checks stay `unknown` until it appears.
+    pub fn check_paths(&self) -> Result<(), ConfigError> {
+        for (f, p) in [
+            ("bpffs", Some(&self.bpffs)),
+            ("cilium_config", self.cilium_config.as_ref()),
+        ] {
+            let Some(p) = p else { continue };
+            if let Ok(m) = std::fs::metadata(p) {
+                if !m.is_dir() {
+                    return Err(ConfigError::Field {
+                        field: f.into(),
+                        problem: format!("{} exists but is not a directory", p.display()),
+                    });
+                }
+            }
         }
         Ok(())
     }

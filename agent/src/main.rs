@@ -1,6 +1,15 @@
 //! `stepguard`: the per-node agent and its command-line hooks.
 #![deny(unsafe_code)]
 
+/// `println!` that tolerates a closed stdout (`stepguard wait | head -1`): the exit code stays
+/// the verdict's (0/1/2), never a panic's 101.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::collections::BTreeSet;
@@ -177,6 +186,7 @@ fn load_config(args: &CheckArgs) -> Result<Config> {
 
 fn check(args: CheckArgs) -> Result<i32> {
     let cfg = load_config(&args)?;
+    cfg.check_paths()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -187,9 +197,12 @@ fn check(args: CheckArgs) -> Result<i32> {
     };
     let (results, _) = rt.block_on(stepguard::node::run(&cfg, &opts, &only));
     match args.format {
-        OutputFormat::Text => print!("{}", report::text(&results)),
+        OutputFormat::Text => {
+            use std::io::Write as _;
+            let _ = write!(std::io::stdout(), "{}", report::text(&results));
+        }
         OutputFormat::Json => {
-            println!("{}", serde_json::to_string_pretty(&report::json(&results))?)
+            say!("{}", serde_json::to_string_pretty(&report::json(&results))?)
         }
     }
     Ok(exit_code(&results))
@@ -230,16 +243,16 @@ fn run(cmd: Cmd) -> Result<i32> {
         Cmd::Drops { seconds } => {
             let drops = KernelDrops::start();
             if let Some(reason) = drops.unavailable_reason() {
-                println!("kernel drops: unknown ({reason})");
+                say!("kernel drops: unknown ({reason})");
                 return Ok(2);
             }
             std::thread::sleep(std::time::Duration::from_secs(seconds));
-            println!(
+            say!(
                 "kernel drops in {seconds}s via {}:",
                 drops.attach_point().unwrap_or("?")
             );
             for (reason, n) in drops.by_reason()? {
-                println!("  {reason:<32} {n}");
+                say!("  {reason:<32} {n}");
             }
             Ok(0)
         }
@@ -254,11 +267,47 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("start tokio runtime")
 }
 
+/// The agent's cadences, each within its range (a zero interval would panic a worker or
+/// busy-loop while the agent reports ready).
+fn check_intervals(args: &AgentArgs) -> Result<()> {
+    let ms = Duration::from_millis;
+    for (field, v, min, max) in [
+        (
+            "--probe-interval",
+            args.probe_interval,
+            ms(10),
+            ms(3_600_000),
+        ),
+        (
+            "--slow-interval",
+            args.slow_interval,
+            ms(100),
+            ms(3_600_000),
+        ),
+        ("--burst-interval", args.burst_interval, ms(1), ms(10_000)),
+    ] {
+        if v < min || v > max {
+            anyhow::bail!(
+                "{field}: {} is out of range ({} to {})",
+                stepguard::duration::human(v),
+                stepguard::duration::human(min),
+                stepguard::duration::human(max)
+            );
+        }
+    }
+    if args.listen.port() == 0 {
+        anyhow::bail!("--listen: port 0 is not a port a stepper can find");
+    }
+    Ok(())
+}
+
 fn agent(args: AgentArgs) -> Result<i32> {
+    check_intervals(&args)?;
     let cfg = match &args.config {
         Some(p) => Config::load(p)?,
         None => Config::default(),
     };
+    cfg.check_paths()?;
     let token = stepguard::client::read_token(args.token_file.as_deref())?;
     let opts = DaemonOptions {
         state_dir: args.state_dir.clone(),
@@ -320,7 +369,7 @@ fn step_cmd(args: StepArgs) -> Result<i32> {
     ))?;
     match status {
         200 | 201 => {
-            println!(
+            say!(
                 "step begun on {} (baseline: {} devices, {} maps)",
                 args.agent,
                 v["baseline"]["programs"]
@@ -332,7 +381,7 @@ fn step_cmd(args: StepArgs) -> Result<i32> {
                     .map(|o| o.len())
                     .unwrap_or(0)
             );
-            println!("{}", v["id"].as_str().unwrap_or(""));
+            say!("{}", v["id"].as_str().unwrap_or(""));
             Ok(0)
         }
         _ => {
@@ -376,7 +425,7 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
             Ok((200, v)) => {
                 let view: stepguard::step::view::StepView =
                     serde_json::from_value(v).context("the agent's step response is not a step")?;
-                println!("{}", view.text());
+                say!("{}", view.text());
                 return Ok(match view.verdict.map(|v| v.status) {
                     Some(stepguard::step::Status::Passed) => 0,
                     _ => 1,
@@ -391,7 +440,7 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
                         .unwrap_or("taking baseline")
                 );
                 if line != last_line {
-                    println!("{line}");
+                    say!("{line}");
                     last_line = line;
                 }
             }

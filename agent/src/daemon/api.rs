@@ -210,7 +210,8 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
             }
         }
     };
-    let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval) {
+    let budgets: Vec<Duration> = d.cfg.targets.iter().filter_map(|t| t.max_gap).collect();
+    let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval, &budgets) {
         Ok(v) => v,
         Err(e) => {
             return err(
@@ -223,17 +224,32 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
     // at once, and again by the runner, which alone decides).
     if let Some(active) = d.current_step().filter(|s| !s.is_final()) {
         if id.as_deref() == Some(active.id.as_str()) {
-            return (StatusCode::OK, axum::Json(step_json(&active))).into_response();
+            return same_id(&active, &params);
         }
         return conflict(&active.id);
     }
-    if let Some(id) = &id {
-        if let Some(done) = d.store.load(id) {
-            return (StatusCode::OK, axum::Json(step_json(&done))).into_response();
-        }
+    // A finished id is not begun again: its old verdict would answer a new restart.
+    if let Some(done) = id
+        .as_deref()
+        .and_then(|i| d.store.load(i))
+        .filter(|s| s.is_final())
+    {
+        let status = done
+            .verdict
+            .as_ref()
+            .map(|v| v.status.as_str())
+            .unwrap_or("?");
+        return (
+            StatusCode::CONFLICT,
+            axum::Json(json!({
+                "error": format!("step {} already finished ({status}); begin a new step with a new id", done.id),
+                "verdict": done.verdict,
+            })),
+        )
+            .into_response();
     }
     let id = id.unwrap_or_else(|| step::new_id(unix_now()));
-    let s = match watch::begin(&d, id, params).await {
+    let s = match watch::begin(&d, id, params.clone()).await {
         Ok(s) => s,
         Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
@@ -250,9 +266,7 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
         (Ok(()), Ok(Begun::Created(s))) => {
             (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
         }
-        (Ok(()), Ok(Begun::Existing(s))) => {
-            (StatusCode::OK, axum::Json(step_json(&s))).into_response()
-        }
+        (Ok(()), Ok(Begun::Existing(s))) => same_id(&s, &params),
         (Ok(()), Ok(Begun::Conflict(active))) => conflict(&active),
         (Ok(()), Ok(Begun::NotSaved(e))) => err(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -262,6 +276,23 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
             StatusCode::SERVICE_UNAVAILABLE,
             "the step runner is not running",
         ),
+    }
+}
+
+/// A re-POST of the active id: idempotent (200) when it asks for the same step, else 409
+/// naming the first parameter that differs.
+fn same_id(active: &Step, params: &StepParams) -> Response {
+    match active.params.differing_field(params) {
+        None => (StatusCode::OK, axum::Json(step_json(active))).into_response(),
+        Some(field) => (
+            StatusCode::CONFLICT,
+            axum::Json(json!({
+                "error": format!("step {} is active with another {field}; wait for it, DELETE it, or re-POST the same parameters", active.id),
+                "active_id": active.id,
+                "field": field,
+            })),
+        )
+            .into_response(),
     }
 }
 
@@ -447,7 +478,8 @@ mod tests {
     /// Installs a step through the runner (as POST does after taking a baseline).
     async fn active(d: &Arc<Daemon>, id: &str) {
         let (_, params) =
-            StepParams::from_request(&StepRequest::default(), Duration::from_millis(10)).unwrap();
+            StepParams::from_request(&StepRequest::default(), Duration::from_millis(10), &[])
+                .unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel();
         d.ports
             .commands
@@ -554,6 +586,57 @@ mod tests {
         assert_eq!(
             (s, v["steps"][0]["id"].as_str()),
             (StatusCode::OK, Some("one"))
+        );
+        // A finished id is 409 naming its verdict (before: 200 with the old verdict, so a
+        // later `wait` answered PASSED for a restart it never watched).
+        let (s, v) = call(&d, "POST", "/v1/steps", r#"{"id":"one"}"#, None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{v}");
+        assert!(v["error"]
+            .as_str()
+            .unwrap()
+            .contains("already finished (cancelled)"));
+        assert_eq!(v["verdict"]["status"], "cancelled");
+    }
+
+    /// Re-POSTing the active id with other parameters is 409 naming the field (before, the
+    /// old parameters were kept silently).
+    #[tokio::test]
+    async fn a_re_post_with_other_parameters_names_the_differing_field() {
+        let d = daemon(None);
+        active(&d, "one").await;
+        let (s, v) = call(
+            &d,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"one","settle":"3s"}"#,
+            None,
+        )
+        .await;
+        assert_eq!(
+            (s, v["field"].as_str()),
+            (StatusCode::CONFLICT, Some("settle")),
+            "{v}"
+        );
+        // The same parameters (all defaults) are idempotent.
+        assert_eq!(
+            call(&d, "POST", "/v1/steps", r#"{"id":"one"}"#, None)
+                .await
+                .0,
+            StatusCode::OK
+        );
+        // A cadence that cannot resolve the budget: 400 naming burst_interval.
+        let (s, v) = call(
+            &d,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"two","burst_interval":"10s","max_gap":"1s"}"#,
+            None,
+        )
+        .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert!(
+            v["error"].as_str().unwrap().contains("burst_interval"),
+            "{v}"
         );
     }
 

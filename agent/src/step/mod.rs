@@ -70,12 +70,36 @@ impl RequestError {
 }
 
 impl StepParams {
+    /// The first parameter in which `other` differs (a re-POST of the active id must ask for
+    /// the same step).
+    pub fn differing_field(&self, other: &StepParams) -> Option<&'static str> {
+        [
+            ("timeout", self.timeout != other.timeout),
+            ("settle", self.settle != other.settle),
+            ("max_gap", self.max_gap != other.max_gap),
+            (
+                "burst_interval",
+                self.burst_interval != other.burst_interval,
+            ),
+            (
+                "dns_slower_ratio",
+                self.dns_slower_ratio != other.dns_slower_ratio,
+            ),
+            ("drops_budget", self.drops_budget != other.drops_budget),
+        ]
+        .into_iter()
+        .find(|(_, d)| *d)
+        .map(|(f, _)| f)
+    }
+
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
     /// Validates a request; errors name the field, on one line.
+    /// `target_budgets`: the targets' own `max_gap`s, which the cadence must resolve too.
     pub fn from_request(
         r: &StepRequest,
         default_burst: Duration,
+        target_budgets: &[Duration],
     ) -> Result<(Option<String>, StepParams), RequestError> {
         let dur = |field: &'static str,
                    v: &Option<String>,
@@ -143,6 +167,23 @@ impl StepParams {
             return Err(RequestError::new(
                 "dns_slower_ratio",
                 "must be between 1 and 100",
+            ));
+        }
+        // The cadence must resolve the budget: a gap is known only to within a probe
+        // interval, so a cadence coarser than half the budget cannot tell a gap within the
+        // budget from one over it (10 s probes against a 1 s budget would "pass" a 3 s outage).
+        let smallest = target_budgets
+            .iter()
+            .copied()
+            .fold(max_gap, |a: Duration, b| a.min(b));
+        if burst_interval * 2 > smallest {
+            return Err(RequestError::new(
+                "burst_interval",
+                format!(
+                    "{} cannot resolve a gap budget of {} (at most half the smallest budget: max_gap or a target's max_gap)",
+                    duration::human(burst_interval),
+                    duration::human(smallest)
+                ),
             ));
         }
         if let Some(id) = &r.id {
@@ -470,6 +511,15 @@ impl Step {
                 ));
             }
         }
+        // Whatever happened while the agent was away (an outage with no datapath change, drops
+        // its new counters cannot see) was not observed: a hole in the step window blocks a
+        // pass. The more specific reasons above and below say what was missed.
+        if self.evidence_incomplete.is_none() {
+            self.evidence_incomplete = Some(format!(
+                "the agent was down for {:.1}s during the step: an outage or drops in that window were not observed",
+                now - self.updated_at
+            ));
+        }
         if self.boot_id.is_some() && boot_id != self.boot_id.as_deref() {
             self.evidence_incomplete = Some(
                 "the node rebooted during the step (the boot id changed): the restart and its gaps were not observed"
@@ -539,10 +589,33 @@ pub fn new_id(now: f64) -> String {
 mod tests {
     use super::*;
 
+    /// `burst_interval 10s` with `max_gap 1s` used to pass a 3 s outage as `0±10000ms`: a
+    /// cadence that cannot resolve the budget is refused, naming the field.
+    #[test]
+    fn a_cadence_coarser_than_the_budget_is_refused() {
+        let burst = Duration::from_millis(10);
+        let req = StepRequest {
+            burst_interval: Some("10s".into()),
+            max_gap: Some("1s".into()),
+            ..Default::default()
+        };
+        let e = StepParams::from_request(&req, burst, &[]).unwrap_err();
+        assert_eq!(e.field, "burst_interval", "{e}");
+        // A target's own budget counts too.
+        let req = StepRequest {
+            burst_interval: Some("100ms".into()),
+            ..Default::default()
+        };
+        assert!(StepParams::from_request(&req, burst, &[]).is_ok());
+        let e = StepParams::from_request(&req, burst, &[Duration::from_millis(150)]).unwrap_err();
+        assert_eq!(e.field, "burst_interval");
+        assert!(StepParams::from_request(&req, burst, &[Duration::from_millis(200)]).is_ok());
+    }
+
     #[test]
     fn requests_are_validated_with_the_field_named() {
         let burst = Duration::from_millis(10);
-        let (_, p) = StepParams::from_request(&StepRequest::default(), burst).unwrap();
+        let (_, p) = StepParams::from_request(&StepRequest::default(), burst, &[]).unwrap();
         assert_eq!(p.timeout, StepParams::DEFAULT_TIMEOUT);
         for (req, field) in [
             (
@@ -589,7 +662,7 @@ mod tests {
                 "dns_slower_ratio",
             ),
         ] {
-            let e = StepParams::from_request(&req, burst).unwrap_err();
+            let e = StepParams::from_request(&req, burst, &[]).unwrap_err();
             assert_eq!(e.field, field, "{e}");
             assert!(e.to_string().starts_with(field), "{e}");
             assert_eq!(e.to_string().lines().count(), 1);
@@ -600,9 +673,13 @@ mod tests {
         Step {
             id: "s".into(),
             created_at: 0.0,
-            params: StepParams::from_request(&StepRequest::default(), Duration::from_millis(10))
-                .unwrap()
-                .1,
+            params: StepParams::from_request(
+                &StepRequest::default(),
+                Duration::from_millis(10),
+                &[],
+            )
+            .unwrap()
+            .1,
             phase: Phase::Watching,
             baseline: Baseline::default(),
             reload: Reload::default(),
@@ -628,7 +705,14 @@ mod tests {
         let mut s = bare(Some("boot-a"));
         s.resume(9.0, Some("boot-a"));
         assert_eq!(s.holes, vec![(5.0, 9.0)]);
-        assert!(s.evidence_incomplete.is_none());
+        // Any hole in the step window blocks a pass (before, a hole with no datapath change
+        // and no outage running at the kill passed: a 3 s outage while the agent was down
+        // went unseen).
+        assert!(s
+            .evidence_incomplete
+            .as_deref()
+            .unwrap()
+            .contains("down for 4.0s"));
         let mut s = bare(Some("boot-a"));
         s.resume(9.0, Some("boot-b"));
         assert!(s.evidence_incomplete.unwrap().contains("rebooted"));
