@@ -92,6 +92,13 @@ pub fn changed_keys(old: &BTreeMap<String, String>, new: &BTreeMap<String, Strin
         .collect()
 }
 
+/// FNV-1a, 64 bits: a stable name for stored content.
+fn fnv1a(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ *x as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Snapshots remembered under `<state_dir>/cilium-config/`, one file per ConfigMap version.
 pub struct SnapshotStore {
     dir: PathBuf,
@@ -106,18 +113,16 @@ impl SnapshotStore {
 
     pub fn remember(&self, s: &Snapshot) -> std::io::Result<()> {
         std::fs::create_dir_all(&self.dir)?;
-        let name = if s.version.is_empty() {
-            format!("plain-{}", s.changed_at as u64)
-        } else {
-            s.version.trim_start_matches('.').to_string()
-        };
-        let path = self.dir.join(format!("{name}.json"));
+        // The file name comes from nothing outside the state directory: a hash of what is
+        // stored (a crafted `..data` target such as `../../etc/x` cannot name a path).
+        let body = serde_json::json!({"changed_at": s.changed_at, "version": s.version, "values": s.values});
+        let bytes = serde_json::to_vec(&body)?;
+        let path = self.dir.join(format!("snap-{:016x}.json", fnv1a(&bytes)));
         if path.exists() {
             return Ok(());
         }
-        let body = serde_json::json!({"changed_at": s.changed_at, "version": s.version, "values": s.values});
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec(&body)?)?;
+        std::fs::write(&tmp, &bytes)?;
         std::fs::rename(tmp, path)
     }
 
@@ -160,6 +165,32 @@ impl SnapshotStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `..data` symlink target crafted to climb out (`../../x`) used to name the snapshot
+    /// file, writing outside the state directory; names are now a hash of the content.
+    #[test]
+    fn a_crafted_version_cannot_write_outside_the_state_dir() {
+        let root = std::env::temp_dir().join(format!("sg-snap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let state = root.join("state");
+        let store = SnapshotStore::new(&state);
+        let snap = Snapshot {
+            changed_at: 1.0,
+            version: "../../escaped".into(),
+            values: [("devices".to_string(), "eth0".to_string())].into(),
+        };
+        store.remember(&snap).unwrap();
+        assert!(!root.join("escaped.json").exists() && !root.join("escaped").exists());
+        let files: Vec<_> = std::fs::read_dir(state.join("cilium-config"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        assert!(files[0].starts_with("snap-") && files[0].ends_with(".json"));
+        assert_eq!(store.in_effect_at(2.0).unwrap().values, snap.values);
+        let _ = std::fs::remove_dir_all(&root);
+    }
     #[test]
     fn changed_keys_lists_added_removed_and_modified() {
         let a: BTreeMap<String, String> = [("devices", "eth0"), ("x", "1")]

@@ -174,7 +174,7 @@ pub fn finished(d: &Daemon, s: &Step) {
         m.step_gap.observe(g.longest_s);
     }
     drop(m);
-    d.store.prune(100);
+    d.store.prune(crate::step::KEEP_STEPS);
     tracing::info!(step = %s.id, verdict = v.status.as_str(), reasons = ?v.reasons, summary = %v.summary, "step decided");
 }
 

@@ -268,6 +268,12 @@ pub struct TargetTimeline {
     /// Probe send times have been checked for stalls up to here (see `verdict::stalls`).
     #[serde(default)]
     pub scanned_through: Option<f64>,
+    /// Short outages folded away to keep the record bounded (a flapping target): their
+    /// count and total still count in the gap summary; the longest is always kept.
+    #[serde(default)]
+    pub dropped_outages: u64,
+    #[serde(default)]
+    pub dropped_total_s: f64,
     /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
     #[serde(skip)]
     pub samples: Vec<(f64, bool)>,
@@ -300,6 +306,10 @@ impl TargetTimeline {
 /// Probe samples: (send time, ok).
 type Samples = Vec<(f64, bool)>;
 
+/// Outages kept per target in a step's record (a target flapping at 25 outages/s for a
+/// 10-minute step would otherwise rewrite 15,000 of them every 500 ms).
+pub const MAX_OUTAGES: usize = 1000;
+
 impl TargetTimeline {
     /// Folds samples sent before `cutoff` into `prior` outages, keeping memory bounded during
     /// long steps. Only call with a cutoff older than every probe still in flight.
@@ -322,6 +332,35 @@ impl TargetTimeline {
         self.prior = folded.outages();
         self.last_ok = last_ok;
         self.samples = keep;
+        self.bound_outages();
+    }
+
+    /// Keeps at most [`MAX_OUTAGES`] outages, folding the shortest closed ones into a count
+    /// and a total (the gap is the longest outage, which is never folded).
+    fn bound_outages(&mut self) {
+        if self.prior.len() <= MAX_OUTAGES {
+            return;
+        }
+        let excess = self.prior.len() - MAX_OUTAGES;
+        let mut closed: Vec<(usize, f64)> = self
+            .prior
+            .iter()
+            .enumerate()
+            .filter_map(|(i, o)| o.end.map(|e| (i, e - o.start)))
+            .collect();
+        closed.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let fold: std::collections::BTreeSet<usize> =
+            closed.iter().take(excess).map(|(i, _)| *i).collect();
+        for (_, d) in closed.iter().take(excess) {
+            self.dropped_outages += 1;
+            self.dropped_total_s += d;
+        }
+        let mut i = 0;
+        self.prior.retain(|_| {
+            let keep = !fold.contains(&i);
+            i += 1;
+            keep
+        });
     }
 }
 
@@ -529,51 +568,106 @@ impl Step {
     }
 }
 
-/// Where steps live: `<state_dir>/steps/<id>.json`.
+/// Where steps live: `<state_dir>/steps/<id>.json`, and in memory: files are read once at
+/// startup (bounded in size; corrupt or oversized ones are quarantined with a log line), so
+/// requests never parse files.
 pub struct StepStore {
     dir: PathBuf,
+    steps: std::sync::Mutex<BTreeMap<String, Step>>,
 }
+
+/// A step file larger than this is not read (a step's record is bounded far below it).
+pub const MAX_STEP_FILE: u64 = 8 << 20;
+/// Steps kept (on disk and in memory).
+pub const KEEP_STEPS: usize = 100;
 
 impl StepStore {
     pub fn new(state_dir: &Path) -> std::io::Result<Self> {
         let dir = state_dir.join("steps");
         std::fs::create_dir_all(&dir)?;
-        Ok(Self { dir })
+        let store = Self {
+            steps: std::sync::Mutex::new(Self::read_all(&dir)),
+            dir,
+        };
+        Ok(store)
     }
 
+    fn quarantine(path: &Path, why: &str) {
+        let to = path.with_extension("quarantined");
+        match std::fs::rename(path, &to) {
+            Ok(()) => {
+                tracing::warn!(file = %path.display(), moved_to = %to.display(), "{why}: step file quarantined")
+            }
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "{why}; cannot quarantine it")
+            }
+        }
+    }
+
+    fn read_all(dir: &Path) -> BTreeMap<String, Step> {
+        let mut steps = BTreeMap::new();
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return steps;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.ends_with(".json") || name.starts_with('.') {
+                continue;
+            }
+            let path = e.path();
+            match e.metadata() {
+                Ok(m) if m.len() > MAX_STEP_FILE => {
+                    Self::quarantine(
+                        &path,
+                        &format!("{} bytes is more than a step record", m.len()),
+                    );
+                    continue;
+                }
+                Err(_) => continue,
+                Ok(_) => {}
+            }
+            match std::fs::read(&path).map(|d| serde_json::from_slice::<Step>(&d)) {
+                Ok(Ok(s)) => {
+                    steps.insert(s.id.clone(), s);
+                }
+                Ok(Err(err)) => Self::quarantine(&path, &format!("not a step record ({err})")),
+                Err(err) => {
+                    tracing::warn!(file = %path.display(), error = %err, "cannot read a step file")
+                }
+            }
+        }
+        steps
+    }
+
+    fn mem(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Step>> {
+        self.steps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Saves a step to disk (write and rename) and keeps it in memory.
     pub fn save(&self, s: &Step) -> std::io::Result<()> {
         let path = self.dir.join(format!("{}.json", s.id));
         let tmp = self.dir.join(format!(".{}.json.tmp", s.id));
-        std::fs::write(&tmp, serde_json::to_vec_pretty(s)?)?;
-        std::fs::rename(tmp, path)
+        std::fs::write(&tmp, serde_json::to_vec(s)?)?;
+        std::fs::rename(tmp, path)?;
+        self.mem().insert(s.id.clone(), s.clone());
+        Ok(())
     }
 
     pub fn load(&self, id: &str) -> Option<Step> {
-        let data = std::fs::read(self.dir.join(format!("{id}.json"))).ok()?;
-        serde_json::from_slice(&data).ok()
+        self.mem().get(id).cloned()
     }
 
     /// All steps, newest first.
     pub fn list(&self) -> Vec<Step> {
-        let mut v: Vec<Step> = std::fs::read_dir(&self.dir)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| {
-                        e.file_name().to_string_lossy().ends_with(".json")
-                            && !e.file_name().to_string_lossy().starts_with('.')
-                    })
-                    .filter_map(|e| std::fs::read(e.path()).ok())
-                    .filter_map(|d| serde_json::from_slice(&d).ok())
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut v: Vec<Step> = self.mem().values().cloned().collect();
         v.sort_by(|a: &Step, b: &Step| b.created_at.total_cmp(&a.created_at));
         v
     }
 
-    /// Keeps the newest `keep` steps on disk.
+    /// Keeps the newest `keep` steps.
     pub fn prune(&self, keep: usize) {
         for s in self.list().into_iter().skip(keep) {
+            self.mem().remove(&s.id);
             let _ = std::fs::remove_file(self.dir.join(format!("{}.json", s.id)));
         }
     }
@@ -716,6 +810,69 @@ mod tests {
         let mut s = bare(Some("boot-a"));
         s.resume(9.0, Some("boot-b"));
         assert!(s.evidence_incomplete.unwrap().contains("rebooted"));
+    }
+
+    /// A corrupt step file and a 9 MiB file in the state dir: both set aside with a log
+    /// line, neither parsed on a request; good steps still load.
+    #[test]
+    fn corrupt_and_oversized_step_files_are_quarantined() {
+        let root = std::env::temp_dir().join(format!("sg-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = StepStore::new(&root).unwrap();
+        store.save(&bare(None)).unwrap();
+        std::fs::write(root.join("steps/broken.json"), b"{not json").unwrap();
+        std::fs::write(
+            root.join("steps/huge.json"),
+            vec![b' '; (MAX_STEP_FILE + 1) as usize],
+        )
+        .unwrap();
+        let store = StepStore::new(&root).unwrap();
+        assert_eq!(store.list().len(), 1);
+        assert!(store.load("s").is_some());
+        assert!(root.join("steps/broken.quarantined").exists());
+        assert!(root.join("steps/huge.quarantined").exists());
+        assert!(!root.join("steps/broken.json").exists());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A flapping target (an outage every 40 ms for 200 s): the record stays bounded and the
+    /// gap summary (longest, total, count) is what it would be with every outage kept.
+    #[test]
+    fn a_flapping_target_keeps_a_bounded_record() {
+        let samples: Vec<(f64, bool)> = (0..20_000)
+            .map(|i| (i as f64 * 0.01, i % 4 != 0 || i == 8_000))
+            .map(|(t, ok)| {
+                (
+                    t,
+                    if (8_000..8_050).contains(&((t * 100.0) as i64)) {
+                        false
+                    } else {
+                        ok
+                    },
+                )
+            })
+            .collect();
+        let full = TargetTimeline {
+            samples: samples.clone(),
+            ..Default::default()
+        };
+        let want = gaps::summarize(&full.outages(), 0.01, 200.0);
+        let mut t = TargetTimeline::default();
+        for chunk in samples.chunks(500) {
+            t.samples.extend_from_slice(chunk);
+            t.compact(chunk[0].0);
+        }
+        t.compact(1e9);
+        assert!(t.prior.len() <= MAX_OUTAGES, "{}", t.prior.len());
+        let mut got = gaps::summarize(&t.outages(), 0.01, 200.0);
+        got.count += t.dropped_outages as usize;
+        got.total += t.dropped_total_s;
+        assert_eq!(got.count, want.count);
+        assert!((got.total - want.total).abs() < 1e-6);
+        assert!(
+            (got.longest - want.longest).abs() < 1e-9,
+            "{got:?} vs {want:?}"
+        );
     }
 
     #[test]
