@@ -93,6 +93,20 @@ struct AgentArgs {
     /// VIP probe cadence during a step (a step may ask for its own).
     #[arg(long, default_value = "10ms", value_parser = parse_dur)]
     burst_interval: Duration,
+    /// HTTP connections served at once (a small reserve beyond it serves only clients that
+    /// send their request at once, so /readyz and /metrics answer under a flood).
+    #[arg(long, default_value = "256")]
+    max_connections: usize,
+    /// Time a client has to send its request headers.
+    #[arg(long, default_value = "5s", value_parser = parse_dur)]
+    header_timeout: Duration,
+    /// Long-polls (`GET /v1/steps/{id}?wait=`) held at once; more are answered at once.
+    #[arg(long, default_value = "64")]
+    max_long_polls: usize,
+    /// After SIGTERM, how long open connections get before the agent exits (keep it below
+    /// the pod's terminationGracePeriodSeconds).
+    #[arg(long, default_value = "5s", value_parser = parse_dur)]
+    shutdown_grace: Duration,
 }
 
 fn parse_dur(s: &str) -> Result<Duration, stepguard::duration::DurationError> {
@@ -285,6 +299,8 @@ fn check_intervals(args: &AgentArgs) -> Result<()> {
             ms(3_600_000),
         ),
         ("--burst-interval", args.burst_interval, ms(1), ms(10_000)),
+        ("--header-timeout", args.header_timeout, ms(100), ms(60_000)),
+        ("--shutdown-grace", args.shutdown_grace, ms(0), ms(60_000)),
     ] {
         if v < min || v > max {
             anyhow::bail!(
@@ -294,6 +310,12 @@ fn check_intervals(args: &AgentArgs) -> Result<()> {
                 stepguard::duration::human(max)
             );
         }
+    }
+    if args.max_connections == 0 || args.max_connections > 65_536 {
+        anyhow::bail!("--max-connections: must be between 1 and 65536");
+    }
+    if args.max_long_polls > args.max_connections {
+        anyhow::bail!("--max-long-polls: must not exceed --max-connections");
     }
     if args.listen.port() == 0 {
         anyhow::bail!("--listen: port 0 is not a port a stepper can find");
@@ -316,6 +338,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
         burst_interval: args.burst_interval,
         token,
         drop_accounting: true,
+        max_long_polls: args.max_long_polls,
     };
     runtime()?.block_on(async move {
         let d = Daemon::new(cfg, opts)?;
@@ -332,16 +355,22 @@ fn agent(args: AgentArgs) -> Result<i32> {
         tracing::info!(listen = %args.listen, state_dir = %args.state_dir.display(), targets = d.cfg.targets.len(), "stepguard agent serving");
         d.ready.store(true, Ordering::SeqCst);
         let d2 = d.clone();
-        axum::serve(listener, router(d))
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                // Readiness goes false first, so nothing new is sent our way before we close.
-                d2.ready.store(false, Ordering::SeqCst);
-                tracing::info!("shutting down");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            })
-            .await
-            .context("serve HTTP")?;
+        let limits = stepguard::daemon::serve::Limits {
+            max_connections: args.max_connections,
+            header_timeout: args.header_timeout,
+            shutdown_grace: args.shutdown_grace,
+            ..Default::default()
+        };
+        stepguard::daemon::serve::serve(listener, router(d), limits, async move {
+            shutdown_signal().await;
+            // Readiness goes false first, so nothing new is sent our way before we close;
+            // long-polls answer at once with the step as it is.
+            d2.ready.store(false, Ordering::SeqCst);
+            d2.shutting_down.send_replace(true);
+            tracing::info!("shutting down");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        })
+        .await;
         Ok(0)
     })
 }

@@ -167,10 +167,7 @@ async fn checks(
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let opts = NodeOptions {
-        state_dir: Some(d.opts.state_dir.clone()),
-    };
-    let (results, _): (Vec<CheckResult>, _) = node::run(&d.cfg, &opts, &BTreeSet::new()).await;
+    let results = on_demand_checks(&d).await;
     if wants_text(&headers, &q) {
         return (
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
@@ -179,6 +176,27 @@ async fn checks(
             .into_response();
     }
     axum::Json(report::json(&results)).into_response()
+}
+
+/// How long an on-demand run of every check is reused.
+const ON_DEMAND_REUSE: Duration = Duration::from_secs(2);
+
+/// `GET /v1/checks` runs every check, probes included: one run at a time, reused for
+/// [`ON_DEMAND_REUSE`], so clients cannot multiply the probes (which would load the resolvers
+/// and skew what a step compares against).
+async fn on_demand_checks(d: &Daemon) -> Vec<CheckResult> {
+    let mut cached = d.on_demand.lock().await;
+    if let Some((at, results)) = cached.as_ref() {
+        if at.elapsed() < ON_DEMAND_REUSE {
+            return results.clone();
+        }
+    }
+    let opts = NodeOptions {
+        state_dir: Some(d.opts.state_dir.clone()),
+    };
+    let (results, _): (Vec<CheckResult>, _) = node::run(&d.cfg, &opts, &BTreeSet::new()).await;
+    *cached = Some((std::time::Instant::now(), results.clone()));
+    results
 }
 
 async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
@@ -340,14 +358,23 @@ async fn get_step(
         }
         Some(Err(e)) => return err(StatusCode::BAD_REQUEST, format!("wait: {e}")),
     };
+    // Long-polls are bounded: beyond the limit, or while shutting down, the answer comes at
+    // once (202 with the phase), and the stepper polls again.
+    let mut shutdown = d.shutting_down.subscribe();
+    let _permit = match d.long_polls.clone().try_acquire_owned() {
+        Ok(p) if !*shutdown.borrow() => Some(p),
+        _ => None,
+    };
+    let wait = if _permit.is_some() { wait } else { Duration::ZERO };
     let deadline = tokio::time::Instant::now() + wait;
     let mut rx = d.changed.subscribe();
+    let mut stop = false;
     loop {
         let Some(s) = find(&d, &id) else {
             return err(StatusCode::NOT_FOUND, format!("no step {id}"));
         };
         let done = s.is_final();
-        if done || tokio::time::Instant::now() >= deadline {
+        if done || stop || tokio::time::Instant::now() >= deadline {
             let code = if done {
                 StatusCode::OK
             } else {
@@ -366,6 +393,7 @@ async fn get_step(
         tokio::select! {
             _ = tokio::time::sleep_until(deadline) => {}
             r = rx.changed() => { if r.is_err() { tokio::time::sleep_until(deadline).await; } }
+            _ = shutdown.changed() => stop = true,
         }
     }
 }
@@ -435,6 +463,7 @@ mod tests {
                 burst_interval: Duration::from_millis(10),
                 token: token.map(str::to_string),
                 drop_accounting: false,
+                max_long_polls: 4,
             },
         )
         .unwrap()

@@ -2,6 +2,7 @@
 //! slower one, the step protocol, and the state behind the HTTP API.
 pub mod api;
 pub mod runner;
+pub mod serve;
 mod watch;
 
 use crate::checks::{self, dns as dns_check, vips as vips_check, CheckResult, Status};
@@ -27,6 +28,8 @@ pub struct DaemonOptions {
     pub token: Option<String>,
     /// Load the agent's eBPF drop counter (off only in in-process tests).
     pub drop_accounting: bool,
+    /// Long-polls held at once; more are answered at once.
+    pub max_long_polls: usize,
 }
 
 /// One resolver query in the steady DNS window.
@@ -76,6 +79,12 @@ pub struct Daemon {
     pub changed: tokio::sync::watch::Sender<u64>,
     pub burst: AtomicBool,
     pub wake_slow: tokio::sync::Notify,
+    /// Long-polls being held.
+    pub long_polls: Arc<tokio::sync::Semaphore>,
+    /// Set on SIGTERM: long-polls answer at once.
+    pub shutting_down: tokio::sync::watch::Sender<bool>,
+    /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
+    pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
 }
 
 /// How long DNS samples are kept (the baseline uses the last minute).
@@ -103,6 +112,7 @@ impl Daemon {
             }
         }
         let (tx, _) = tokio::sync::watch::channel(0u64);
+        let max_long_polls = opts.max_long_polls;
         let kernel_drops = if opts.drop_accounting {
             KernelDrops::start()
         } else {
@@ -126,6 +136,9 @@ impl Daemon {
             changed: tx,
             burst: AtomicBool::new(false),
             wake_slow: tokio::sync::Notify::new(),
+            long_polls: Arc::new(tokio::sync::Semaphore::new(max_long_polls)),
+            shutting_down: tokio::sync::watch::Sender::new(false),
+            on_demand: tokio::sync::Mutex::new(None),
         });
         Ok(d)
     }
@@ -584,6 +597,7 @@ mod tests {
                 burst_interval: Duration::from_millis(10),
                 token: None,
                 drop_accounting: false,
+                max_long_polls: 4,
             },
         )
         .unwrap();

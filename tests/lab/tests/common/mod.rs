@@ -325,6 +325,8 @@ pub struct Daemon {
     pub ns: String,
     pub state_dir: PathBuf,
     pub args: Vec<String>,
+    /// A command the agent runs under (e.g. `prlimit --nofile=N:N`); it must exec the agent.
+    pub wrapper: Vec<String>,
 }
 
 impl Daemon {
@@ -346,6 +348,18 @@ impl Daemon {
         port: u16,
         extra: &[&str],
     ) -> Daemon {
+        Self::start_wrapped(ns, config, state_dir, port, extra, &[])
+    }
+
+    /// Starts the agent under `wrapper` (a command that execs its arguments).
+    pub fn start_wrapped(
+        ns: String,
+        config: PathBuf,
+        state_dir: PathBuf,
+        port: u16,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> Daemon {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let mut args: Vec<String> = vec![
             "agent".into(),
@@ -357,9 +371,11 @@ impl Daemon {
             addr.to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
+        let wrapper: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
         let child = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{ns}"))
             .arg("--")
+            .args(&wrapper)
             .arg(bin("STEPGUARD_BIN", "stepguard"))
             .args(&args)
             .stdout(Stdio::null())
@@ -372,6 +388,7 @@ impl Daemon {
             ns,
             state_dir,
             args,
+            wrapper,
         };
         d.wait_ready();
         d
@@ -490,12 +507,18 @@ impl Daemon {
 
     /// Long-polls until the step is decided (bounded).
     pub fn verdict(&self, id: &str) -> Value {
-        for _ in 0..10 {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while Instant::now() < deadline {
+            let t = Instant::now();
             let (s, v) = self.get_json(&format!("/v1/steps/{id}?wait=60s"));
             if s == 200 {
                 return v;
             }
             assert_eq!(s, 202, "GET step: {v}");
+            // Answered at once (the agent holds no more long-polls): poll again shortly.
+            if t.elapsed() < Duration::from_secs(1) {
+                std::thread::sleep(Duration::from_millis(200));
+            }
         }
         panic!("step {id} was not decided within 10 minutes");
     }
@@ -511,6 +534,7 @@ impl Daemon {
         let child = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", self.ns))
             .arg("--")
+            .args(&self.wrapper)
             .arg(bin("STEPGUARD_BIN", "stepguard"))
             .args(&self.args)
             .stdout(Stdio::null())
