@@ -196,6 +196,35 @@ fn the_daemonset_is_least_privilege() {
                 .any(|v| v["hostPath"]["path"] == "/var/lib/stepguard"),
             "hostPath state directory"
         );
+        // Secure by default: mutating routes need the token from a required Secret.
+        let args: Vec<&str> = c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|a| a.as_str())
+            .collect();
+        let token_arg = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--token-file="))
+            .unwrap_or_else(|| panic!("--token-file in {args:?} ({})", overlay.display()));
+        let token_vol = vols
+            .iter()
+            .find(|v| v["secret"]["secretName"].is_string())
+            .expect("a Secret volume for the token");
+        assert_eq!(
+            token_vol["secret"]["optional"], false,
+            "the token Secret is required"
+        );
+        let token_mount = c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == token_vol["name"])
+            .expect("the token volume is mounted");
+        assert!(
+            token_arg.starts_with(token_mount["mountPath"].as_str().unwrap()),
+            "{token_arg} lies in the token mount"
+        );
         let bpffs_mount = c["volumeMounts"]
             .as_array()
             .unwrap()
