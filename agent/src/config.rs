@@ -106,6 +106,52 @@ pub struct Target {
     /// Source address for the probe (e.g. to leave the node like an outside client would).
     #[serde(default)]
     pub source: Option<IpAddr>,
+    /// dns: the answer expected (every address returned must be in the set), or `baseline`:
+    /// during a step, the answer must stay what it was when the step began.
+    #[serde(default)]
+    pub answers: Option<Answers>,
+}
+
+/// What a DNS answer must be.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answers {
+    /// During a step: the same address set as just before the step began.
+    Baseline,
+    /// Every address returned must be one of these (and there is at least one).
+    Set(Vec<IpAddr>),
+}
+
+impl<'de> Deserialize<'de> for Answers {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Word(String),
+            Set(Vec<IpAddr>),
+        }
+        match Raw::deserialize(d).map_err(|_| {
+            serde::de::Error::custom("expected `baseline` or a list of IP addresses")
+        })? {
+            Raw::Word(w) if w == "baseline" => Ok(Answers::Baseline),
+            Raw::Word(w) => Err(serde::de::Error::custom(format!(
+                "{w:?}: expected `baseline` or a list of IP addresses"
+            ))),
+            Raw::Set(v) if v.is_empty() => Err(serde::de::Error::custom(
+                "an empty address list would accept nothing: list the addresses or say `baseline`",
+            )),
+            Raw::Set(v) => Ok(Answers::Set(v)),
+        }
+    }
+}
+
+impl Answers {
+    /// The fixed set, when one is configured.
+    pub fn set(&self) -> Option<&[IpAddr]> {
+        match self {
+            Answers::Set(v) => Some(v),
+            Answers::Baseline => None,
+        }
+    }
 }
 
 impl Target {
@@ -139,6 +185,8 @@ pub struct DnsConfig {
     /// Highest acceptable p99 latency.
     #[serde(deserialize_with = "duration::deserialize")]
     pub max_p99: Duration,
+    /// Expected answers per name (see [`Answers`]); names not listed only need an answer.
+    pub expect: std::collections::BTreeMap<String, Answers>,
 }
 
 impl Default for DnsConfig {
@@ -151,6 +199,7 @@ impl Default for DnsConfig {
             timeout: Duration::from_millis(1000),
             min_success_ratio: 1.0,
             max_p99: Duration::from_millis(250),
+            expect: Default::default(),
         }
     }
 }
@@ -289,6 +338,12 @@ impl Config {
                     );
                 }
             }
+            if t.answers.is_some() && t.probe != ProbeKind::Dns {
+                return field(
+                    &format!("{f}.answers"),
+                    "only a dns probe has answers".into(),
+                );
+            }
             if t.expect.is_some_and(|s| !(100..=599).contains(&s)) {
                 return field(&format!("{f}.expect"), "an HTTP status is 100..599".into());
             }
@@ -296,6 +351,11 @@ impl Config {
         self.dns.resolver_addrs()?;
         if !(0.0..=1.0).contains(&self.dns.min_success_ratio) {
             return field("dns.min_success_ratio", "must be between 0 and 1".into());
+        }
+        for name in self.dns.expect.keys() {
+            if !self.dns.names.contains(name) {
+                return field(&format!("dns.expect.{name}"), "not one of dns.names".into());
+            }
         }
         if self.dns.burst == 0 || self.dns.burst > 1000 {
             return field("dns.burst", "must be between 1 and 1000".into());

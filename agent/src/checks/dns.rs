@@ -34,7 +34,8 @@ pub async fn burst(resolver: SocketAddr, cfg: &DnsConfig) -> ResolverSample {
             let kind = RecordKind::parse(t).unwrap_or(RecordKind::A);
             for _ in 0..cfg.burst {
                 let start = Instant::now();
-                let r = dns::query(resolver, name, kind, cfg.timeout, None, None).await;
+                let expect = cfg.expect.get(name).and_then(|a| a.set());
+                let r = dns::query(resolver, name, kind, cfg.timeout, expect, None).await;
                 s.sent += 1;
                 match r {
                     Ok(_) => {
@@ -217,6 +218,30 @@ mod tests {
         assert_eq!(evaluate(&cfg, &[reworded]).code, "dns_timeout");
         let r = evaluate(&cfg, &[sample(5, 5, 900, "")]);
         assert_eq!(r.code, "dns_slow");
+    }
+
+    /// The `dns` check with `dns.expect`: a resolver answering 127.0.0.1 fails it (before, any
+    /// answer passed the check).
+    #[tokio::test]
+    async fn a_resolver_giving_the_wrong_answer_fails_the_check() {
+        let answer =
+            std::sync::Arc::new(std::sync::Mutex::new(std::net::Ipv4Addr::new(127, 0, 0, 1)));
+        let server = crate::probe::dns::testserver::start(answer.clone());
+        let cfg = crate::config::Config::parse(&format!(
+            "dns: {{resolvers: [\"{server}\"], names: [gw.test], burst: 2, timeout: 500ms, expect: {{gw.test: [198.51.100.10]}}}}\n"
+        ))
+        .unwrap()
+        .dns;
+        let r = run(&cfg).await;
+        assert_eq!(
+            (r.status, r.code.as_str()),
+            (Status::Fail, "dns_failures"),
+            "{}",
+            r.reason
+        );
+        assert!(r.reason.contains("wrong answer"), "{}", r.reason);
+        *answer.lock().unwrap() = std::net::Ipv4Addr::new(198, 51, 100, 10);
+        assert_eq!(run(&cfg).await.status, Status::Pass);
     }
 
     #[test]

@@ -365,7 +365,11 @@ async fn get_step(
         Ok(p) if !*shutdown.borrow() => Some(p),
         _ => None,
     };
-    let wait = if _permit.is_some() { wait } else { Duration::ZERO };
+    let wait = if _permit.is_some() {
+        wait
+    } else {
+        Duration::ZERO
+    };
     let deadline = tokio::time::Instant::now() + wait;
     let mut rx = d.changed.subscribe();
     let mut stop = false;

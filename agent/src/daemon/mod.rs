@@ -79,6 +79,8 @@ pub struct Daemon {
     pub changed: tokio::sync::watch::Sender<u64>,
     pub burst: AtomicBool,
     pub wake_slow: tokio::sync::Notify,
+    /// `answers: baseline` references (see [`Daemon::answer_changed`]).
+    pub answer_refs: Mutex<BTreeMap<String, Vec<std::net::IpAddr>>>,
     /// Long-polls being held.
     pub long_polls: Arc<tokio::sync::Semaphore>,
     /// Set on SIGTERM: long-polls answer at once.
@@ -137,6 +139,7 @@ impl Daemon {
             burst: AtomicBool::new(false),
             wake_slow: tokio::sync::Notify::new(),
             long_polls: Arc::new(tokio::sync::Semaphore::new(max_long_polls)),
+            answer_refs: Mutex::new(BTreeMap::new()),
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
         });
@@ -161,7 +164,47 @@ impl Daemon {
     }
 
     /// Records one VIP probe: metrics, latest outcome, and the step timeline.
+    /// `answers: baseline`: while a step is active, an answer must be the one from just
+    /// before it began; outside steps the reference follows the answers. `key` names the
+    /// target or the resolver × name × type. Returns the problem when the answer changed.
+    pub fn answer_changed(&self, key: &str, answers: &[std::net::IpAddr]) -> Option<String> {
+        let mut refs = lock(&self.answer_refs);
+        if !self.step_active.load(Ordering::SeqCst) {
+            refs.insert(key.to_string(), answers.to_vec());
+            return None;
+        }
+        let before = refs.get(key)?;
+        (before.as_slice() != answers).then(|| {
+            let show = |v: &[std::net::IpAddr]| {
+                v.iter()
+                    .map(|a| a.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            format!(
+                "the answer changed during the step: {} before, {} now",
+                show(before),
+                show(answers)
+            )
+        })
+    }
+
     pub fn record_probe(&self, target: &crate::config::Target, o: &ProbeOutcome) {
+        let mut judged;
+        let o = match (&target.answers, &o.answers) {
+            (Some(crate::config::Answers::Baseline), Some(a)) if o.ok => {
+                match self.answer_changed(&format!("target:{}", target.name), a) {
+                    Some(problem) => {
+                        judged = o.clone();
+                        judged.ok = false;
+                        judged.detail = problem;
+                        &judged
+                    }
+                    None => o,
+                }
+            }
+            _ => o,
+        };
         {
             let m = lock(&self.metrics);
             let l = ProbeLabels {
@@ -507,7 +550,27 @@ async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
                 let kind = dns_probe::RecordKind::parse(t).unwrap_or(dns_probe::RecordKind::A);
                 let at = unix_now();
                 let start = Instant::now();
-                let r = dns_probe::query(resolver, name, kind, d.cfg.dns.timeout, None, None).await;
+                let expect = d.cfg.dns.expect.get(name);
+                let r = dns_probe::query(
+                    resolver,
+                    name,
+                    kind,
+                    d.cfg.dns.timeout,
+                    expect.and_then(|a| a.set()),
+                    None,
+                )
+                .await;
+                // `baseline`: a changed answer during a step is a failed query.
+                let r = match (expect, r) {
+                    (Some(crate::config::Answers::Baseline), Ok(mut a)) => {
+                        a.addresses.sort();
+                        match d.answer_changed(&format!("{resolver}/{name}/{t}"), &a.addresses) {
+                            Some(p) => Err(crate::probe::ProbeError::Answer(p)),
+                            None => Ok(a),
+                        }
+                    }
+                    (_, r) => r,
+                };
                 let latency = start.elapsed();
                 {
                     let m = lock(&d.metrics);
@@ -571,7 +634,54 @@ mod tests {
             latency: Duration::from_millis(1),
             detail: String::new(),
             ran: true,
+            answers: None,
         }
+    }
+
+    fn test_daemon(yaml: &str, name: &str) -> Arc<Daemon> {
+        let dir = std::env::temp_dir().join(format!("sg-{name}-{}", std::process::id()));
+        Daemon::new(
+            Config::parse(yaml).unwrap(),
+            DaemonOptions {
+                state_dir: dir,
+                probe_interval: Duration::from_secs(3600),
+                slow_interval: Duration::from_secs(3600),
+                burst_interval: Duration::from_millis(10),
+                token: None,
+                drop_accounting: false,
+                max_long_polls: 4,
+            },
+        )
+        .unwrap()
+    }
+
+    /// `answers: baseline`: outside a step the reference follows the answer; during a step a
+    /// changed answer set is a failed probe (an outage of the target), so a step cannot pass
+    /// while the name resolves elsewhere.
+    #[test]
+    fn a_changed_answer_during_a_step_is_a_failed_probe() {
+        let d = test_daemon(
+            "targets:\n  - {name: dns, address: 198.51.100.53, probe: dns, answers: baseline}\n",
+            "answers",
+        );
+        let t = d.cfg.targets[0].clone();
+        let with = |ip: &str, at: f64| ProbeOutcome {
+            answers: Some(vec![ip.parse().unwrap()]),
+            ..outcome(at, true)
+        };
+        d.record_probe(&t, &with("198.51.100.10", 1.0));
+        d.record_probe(&t, &with("198.51.100.11", 2.0)); // outside a step: follows
+        d.step_active.store(true, Ordering::SeqCst);
+        d.record_probe(&t, &with("198.51.100.11", 3.0));
+        assert!(lock(&d.probes).latest["dns"].ok);
+        d.record_probe(&t, &with("1.2.3.4", 4.0));
+        let latest = lock(&d.probes).latest["dns"].clone();
+        assert!(!latest.ok, "{latest:?}");
+        assert!(
+            latest.detail.contains("198.51.100.11 before, 1.2.3.4 now"),
+            "{}",
+            latest.detail
+        );
     }
 
     /// The agent sends `dns.burst` queries per name and type each interval, as the one-shot

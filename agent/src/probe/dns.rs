@@ -160,8 +160,11 @@ pub fn check_reply(
             kind.rtype()
         )));
     }
+    // Every address returned must be expected: a resolver answering 1.2.3.4, 0.0.0.0 or
+    // 127.0.0.1 (a sinkhole, a captive portal, a poisoned cache) besides or instead of the
+    // real address fails.
     if let Some(want) = expect {
-        if !addresses.iter().any(|a| want.contains(a)) {
+        if !addresses.iter().all(|a| want.contains(a)) {
             return Err(ProbeError::Answer(format!(
                 "wrong answer for {name}: {} (expected one of {})",
                 Answer { addresses }.summary(),
@@ -173,6 +176,47 @@ pub fn check_reply(
         }
     }
     Ok(Answer { addresses })
+}
+
+/// A DNS server on loopback for tests: answers every A query with the address it currently
+/// holds (switchable), bounded to a few minutes.
+#[cfg(test)]
+pub(crate) mod testserver {
+    use super::*;
+    use hickory_proto::rr::{rdata, Record};
+    use std::sync::{Arc, Mutex};
+
+    pub fn start(answer: Arc<Mutex<std::net::Ipv4Addr>>) -> SocketAddr {
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let addr = sock.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let end = std::time::Instant::now() + Duration::from_secs(120);
+            let mut buf = [0u8; 512];
+            while std::time::Instant::now() < end {
+                let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                    continue;
+                };
+                let Ok(q) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut r = Message::new(q.metadata.id, MessageType::Response, OpCode::Query);
+                r.metadata.recursion_desired = true;
+                for query in &q.queries {
+                    r.add_query(query.clone());
+                    let ip = *answer.lock().unwrap();
+                    r.answers.push(Record::from_rdata(
+                        query.name().clone(),
+                        5,
+                        RData::A(rdata::A(ip)),
+                    ));
+                }
+                let _ = sock.send_to(&r.to_vec().unwrap(), from);
+            }
+        });
+        addr
+    }
 }
 
 #[cfg(test)]

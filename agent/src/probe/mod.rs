@@ -25,6 +25,9 @@ pub struct ProbeOutcome {
     /// False when the probe could not even be sent (no socket, no permission): its result
     /// says nothing about the target.
     pub ran: bool,
+    /// dns: the addresses answered (sorted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answers: Option<Vec<IpAddr>>,
 }
 
 fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -40,6 +43,7 @@ pub fn unix_now() -> f64 {
 pub async fn probe(t: &Target) -> ProbeOutcome {
     let mut sent_at = unix_now();
     let start = Instant::now();
+    let mut answers = None;
     let addr = SocketAddr::new(t.address, t.port());
     let result: Result<String, ProbeError> = match t.probe {
         ProbeKind::Tcp => within(t.timeout, tcp_connect(addr, t.source))
@@ -67,9 +71,14 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
                 .query
                 .clone()
                 .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
-            dns::query(addr, &name, dns::RecordKind::A, t.timeout, None, t.source)
+            let expect = t.answers.as_ref().and_then(|a| a.set());
+            dns::query(addr, &name, dns::RecordKind::A, t.timeout, expect, t.source)
                 .await
-                .map(|a| a.summary())
+                .map(|mut a| {
+                    a.addresses.sort();
+                    answers = Some(a.addresses.clone());
+                    a.summary()
+                })
         }
     };
     let latency = start.elapsed();
@@ -80,6 +89,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
             latency,
             detail,
             ran: true,
+            answers: answers.clone(),
         },
         Ok(detail) => ProbeOutcome {
             ok: false,
@@ -90,6 +100,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
                 t.timeout.as_millis()
             ),
             ran: true,
+            answers: None,
         },
         Err(e) => ProbeOutcome {
             ok: false,
@@ -97,6 +108,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
             latency,
             ran: e.ran(),
             detail: e.to_string(),
+            answers: None,
         },
     }
 }
@@ -211,14 +223,43 @@ mod tests {
         Config::parse(&format!("targets:\n{yaml}")).unwrap().targets[0].clone()
     }
 
+    /// Wrong pass 3: a resolver answering 1.2.3.4 instead of the real address used to pass
+    /// the probe (no expected answer could be configured). With `answers:` it fails.
+    #[tokio::test]
+    async fn a_wrong_dns_answer_fails_the_probe() {
+        let answer =
+            std::sync::Arc::new(std::sync::Mutex::new(std::net::Ipv4Addr::new(1, 2, 3, 4)));
+        let server = dns::testserver::start(answer.clone());
+        let t = target(&format!(
+            "  - {{name: d, address: 127.0.0.1, port: {}, probe: dns, query: gw.test, timeout: 500ms, answers: [198.51.100.10]}}\n",
+            server.port()
+        ));
+        let o = probe(&t).await;
+        assert!(o.ran && !o.ok, "{o:?}");
+        assert!(
+            o.detail.contains("wrong answer for gw.test: 1.2.3.4"),
+            "{}",
+            o.detail
+        );
+        for bad in [[0, 0, 0, 0], [127, 0, 0, 1]] {
+            *answer.lock().unwrap() = bad.into();
+            assert!(!probe(&t).await.ok);
+        }
+        *answer.lock().unwrap() = std::net::Ipv4Addr::new(198, 51, 100, 10);
+        let o = probe(&t).await;
+        assert!(o.ok, "{o:?}");
+        assert_eq!(o.answers, Some(vec!["198.51.100.10".parse().unwrap()]));
+    }
+
     /// `source:` is used by every probe kind (before, dns and icmp ignored it): a source
     /// address that is not on this host cannot be bound, and the probe says it did not run;
     /// a local one is bound, as a resolver sees.
     #[tokio::test]
     async fn source_is_honoured_by_dns_and_icmp_probes() {
         for kind in ["dns", "icmp", "tcp"] {
+            let port = if kind == "icmp" { "" } else { "port: 9, " };
             let t = target(&format!(
-                "  - {{name: t, address: 127.0.0.1, port: 9, probe: {kind}, timeout: 200ms, source: 192.0.2.77}}\n"
+                "  - {{name: t, address: 127.0.0.1, {port}probe: {kind}, timeout: 200ms, source: 192.0.2.77}}\n"
             ));
             let o = probe(&t).await;
             assert!(!o.ran && !o.ok, "{kind}: {o:?}");

@@ -96,7 +96,14 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
             let (ns, addr, id) = (agent.ns.clone(), agent.addr, id.clone());
             std::thread::spawn(move || {
                 let t = Instant::now();
-                let (s, _) = http(&ns, addr, "GET", &format!("/v1/steps/{id}?wait=120s"), None, None);
+                let (s, _) = http(
+                    &ns,
+                    addr,
+                    "GET",
+                    &format!("/v1/steps/{id}?wait=120s"),
+                    None,
+                    None,
+                );
                 (s, t.elapsed())
             })
         })
@@ -122,7 +129,10 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
         assert_gap_matches(g, &r, g["target"].as_str().unwrap());
     }
     let rss = rss_mib(agent.child.id());
-    assert!(rss < 64.0, "RSS {rss:.1} MiB is over the DaemonSet's 64 Mi limit");
+    assert!(
+        rss < 64.0,
+        "RSS {rss:.1} MiB is over the DaemonSet's 64 Mi limit"
+    );
     // The long-polls: the step was decided, so the held ones returned 200; the ones beyond
     // the limit were answered at once with 202.
     let answers: Vec<(u16, Duration)> = polls.into_iter().map(|p| p.join().unwrap()).collect();
@@ -130,12 +140,25 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
         .iter()
         .filter(|(s, t)| *s == 202 && *t < Duration::from_secs(5))
         .count();
-    assert!(quick >= 4, "beyond the limit, answered at once: {answers:?}");
-    assert!(answers.iter().all(|(s, _)| *s == 200 || *s == 202), "{answers:?}");
+    assert!(
+        quick >= 4,
+        "beyond the limit, answered at once: {answers:?}"
+    );
+    assert!(
+        answers.iter().all(|(s, _)| *s == 200 || *s == 202),
+        "{answers:?}"
+    );
     // SIGTERM with idle connections and a long-poll open: the agent exits within its grace.
     let (ns, addr, id2) = (agent.ns.clone(), agent.addr, id.clone());
     let held = std::thread::spawn(move || {
-        http(&ns, addr, "GET", &format!("/v1/steps/{id2}?wait=120s"), None, None)
+        http(
+            &ns,
+            addr,
+            "GET",
+            &format!("/v1/steps/{id2}?wait=120s"),
+            None,
+            None,
+        )
     });
     let more = idle_connections(&agent.ns, agent.addr, 50);
     let t = Instant::now();
@@ -146,11 +169,18 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
         if let Some(s) = agent.child.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "the agent did not exit within 10 s of SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not exit within 10 s of SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}");
-    assert!(t.elapsed() < Duration::from_secs(6), "exit took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "exit took {:?}",
+        t.elapsed()
+    );
     let _ = held.join();
     drop((flood, more));
 }
