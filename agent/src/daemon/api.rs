@@ -631,6 +631,43 @@ mod tests {
         assert_eq!(v["verdict"]["status"], "cancelled");
     }
 
+    /// A state directory that cannot be written (read-only, full, or not a directory): the
+    /// step is refused, never answered 201 and then lost on the next agent restart.
+    #[tokio::test]
+    async fn a_step_whose_first_save_fails_is_refused() {
+        let d = daemon(None);
+        let steps = d.opts.state_dir.join("steps");
+        std::fs::remove_dir_all(&steps).unwrap();
+        std::fs::write(&steps, b"not a directory").unwrap();
+        let (_, params) =
+            StepParams::from_request(&StepRequest::default(), Duration::from_millis(10), &[])
+                .unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        d.ports
+            .commands
+            .send(Command::Begin {
+                step: Box::new(Step::new(
+                    "lost".into(),
+                    unix_now(),
+                    params,
+                    Default::default(),
+                    Default::default(),
+                )),
+                reply: tx,
+            })
+            .await
+            .unwrap();
+        match rx.await.unwrap() {
+            Begun::NotSaved(e) => assert!(!e.is_empty()),
+            _ => panic!("a step that cannot be saved was taken"),
+        }
+        assert!(d.current_step().is_none(), "nothing became active");
+        assert_eq!(
+            call(&d, "GET", "/v1/steps/lost", "", None).await.0,
+            StatusCode::NOT_FOUND
+        );
+    }
+
     /// Re-POSTing the active id with other parameters is 409 naming the field (before, the
     /// old parameters were kept silently).
     #[tokio::test]

@@ -175,7 +175,8 @@ pub fn finished(d: &Daemon, s: &Step) {
     }
     drop(m);
     d.store.prune(crate::step::KEEP_STEPS);
-    tracing::info!(step = %s.id, verdict = v.status.as_str(), reasons = ?v.reasons, summary = %v.summary, "step decided");
+    let reasons: Vec<&str> = v.reasons.iter().map(|r| r.as_str()).collect();
+    tracing::info!(step = %s.id, verdict = v.status.as_str(), reasons = ?reasons, summary = %v.summary, "step decided");
 }
 
 pub fn cancel(d: &Daemon, s: &mut Step) {

@@ -316,7 +316,19 @@ fn malformed_requests_get_their_status_and_one_line_and_the_daemon_keeps_serving
         None,
     );
     assert_eq!(s, 201, "{v}");
-    assert_eq!(agent.post("/v1/steps", r#"{"id":"one"}"#, None).0, 200);
+    assert_eq!(
+        agent
+            .post(
+                "/v1/steps",
+                r#"{"id":"one","settle":"1s","timeout":"30s"}"#,
+                None
+            )
+            .0,
+        200
+    );
+    // The same id with other parameters: 409 naming the field.
+    let (s, v) = agent.post("/v1/steps", r#"{"id":"one"}"#, None);
+    assert_eq!((s, v["field"].as_str()), (409, Some("timeout")), "{v}");
     let (s, v) = agent.post("/v1/steps", r#"{"id":"two"}"#, None);
     assert_eq!((s, v["active_id"].as_str()), (409, Some("one")));
     let (s, v) = agent.delete("/v1/steps/one", None);
@@ -420,6 +432,42 @@ fn the_cli_steps_and_waits_with_exit_codes() {
         ],
     );
     assert_eq!(out.status.code(), Some(2));
+    // Wrong pass 2: stepping the finished id again is refused (exit 2, naming its verdict);
+    // before, it printed "step begun" and a later `wait` answered the old PASSED at once.
+    let out = in_node(
+        &lab,
+        &bin("STEPGUARD_BIN", "stepguard").to_string_lossy(),
+        &["step", "--agent", &url, "--id", &id],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("already finished (passed)"), "{err}");
+}
+
+/// Concurrent POSTs of one id: exactly one begins the step (201), the others are the same
+/// step (200); before, most got 409.
+#[test]
+fn concurrent_posts_of_one_id_begin_one_step() {
+    let lab = lab(|_| {});
+    let agent = std::sync::Arc::new(Daemon::start(&lab, &[]));
+    let posts: Vec<_> = (0..20)
+        .map(|_| {
+            let a = agent.clone();
+            std::thread::spawn(move || {
+                a.post(
+                    "/v1/steps",
+                    r#"{"id":"same","settle":"1s","timeout":"30s"}"#,
+                    None,
+                )
+                .0
+            })
+        })
+        .collect();
+    let mut codes: Vec<u16> = posts.into_iter().map(|p| p.join().unwrap()).collect();
+    codes.sort();
+    assert_eq!(codes.iter().filter(|c| **c == 201).count(), 1, "{codes:?}");
+    assert!(codes.iter().all(|c| *c == 200 || *c == 201), "{codes:?}");
+    assert_eq!(agent.delete("/v1/steps/same", None).0, 200);
 }
 
 #[test]
