@@ -93,8 +93,9 @@ struct AgentArgs {
     /// VIP probe cadence during a step (a step may ask for its own).
     #[arg(long, default_value = "10ms", value_parser = parse_dur)]
     burst_interval: Duration,
-    /// HTTP connections served at once (a small reserve beyond it serves only clients that
-    /// send their request at once, so /readyz and /metrics answer under a flood).
+    /// HTTP connections served at once. A connection takes a slot only once its request
+    /// starts to arrive; idle ones wait without a slot (at most 128; the oldest is closed
+    /// first), so /readyz and /metrics answer under a flood of idle connections.
     #[arg(long, default_value = "256")]
     max_connections: usize,
     /// Time a client has to send its request headers.

@@ -409,7 +409,9 @@ pub fn run_targets(
         return Ok(true);
     }
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.current_dir(root).args(["test", "-p", &pkg.name]);
+    // Every target runs even when an earlier one fails: the ledger shows them all.
+    cmd.current_dir(root)
+        .args(["test", "--no-fail-fast", "-p", &pkg.name]);
     for (k, v) in &stage.envs {
         cmd.env(k, v);
     }

@@ -115,6 +115,10 @@ impl Daemon {
         }
         let (tx, _) = tokio::sync::watch::channel(0u64);
         let max_long_polls = opts.max_long_polls;
+        // Per-CPU reads size their buffers by this: read it now, while descriptors are free.
+        if let Err(e) = crate::kernel::bpf::possible_cpus() {
+            tracing::warn!(error = %e, "cannot read the number of possible CPUs: per-CPU counters stay unknown");
+        }
         let kernel_drops = if opts.drop_accounting {
             KernelDrops::start()
         } else {

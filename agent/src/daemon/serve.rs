@@ -1,7 +1,10 @@
-//! Serving the API with bounds, so that no client can take the agent down or hold it up:
-//! a connection limit (with a small reserve that only clients sending their request at once
-//! can use, so `/readyz` and `/metrics` keep answering under a flood of idle connections), a
-//! request-header read timeout, and a shutdown that finishes within the pod's grace period.
+//! Serving the API with bounds, so that no client can take the agent down or hold it up.
+//! A new connection first waits, without a slot, until its request starts to arrive (at most
+//! the header timeout); only then does it take one of `max_connections` slots. Connections
+//! waiting so are bounded too, and when they are all taken the oldest waiter is closed: idle
+//! connections (a flood, half-open sockets) can never hold the slots that serve requests, and
+//! a client that sends its request at once (`/readyz`, `/metrics`) is served under a flood.
+//! Request headers have a read timeout; shutdown finishes within the pod's grace period.
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
@@ -10,19 +13,17 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, Semaphore};
 
 /// The API's limits (flags of `stepguard agent`).
 #[derive(Clone, Debug)]
 pub struct Limits {
-    /// Connections served at once (beyond them, only the reserve).
+    /// Connections served at once (their request has started to arrive).
     pub max_connections: usize,
-    /// Connections beyond the limit that are served only if their request arrives at once.
-    pub reserve: usize,
+    /// Connections waiting for their first bytes; beyond it the oldest waiter is closed.
+    pub waiting: usize,
     /// Time a client has to send its request headers (also between keep-alive requests).
     pub header_timeout: Duration,
-    /// ... on a reserve connection.
-    pub reserve_header_timeout: Duration,
     /// After SIGTERM, how long open connections get before the agent exits anyway.
     pub shutdown_grace: Duration,
 }
@@ -31,9 +32,8 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 256,
-            reserve: 32,
+            waiting: 128,
             header_timeout: Duration::from_secs(5),
-            reserve_header_timeout: Duration::from_millis(500),
             shutdown_grace: Duration::from_secs(5),
         }
     }
@@ -46,9 +46,11 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl Future<Output = ()>,
 ) {
-    let main = Arc::new(Semaphore::new(limits.max_connections));
-    let reserve = Arc::new(Semaphore::new(limits.reserve));
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let waiters: Arc<std::sync::Mutex<std::collections::VecDeque<(u64, oneshot::Sender<()>)>>> =
+        Default::default();
     let graceful = GracefulShutdown::new();
+    let mut next_id: u64 = 0;
     tokio::pin!(shutdown);
     loop {
         let (sock, _) = tokio::select! {
@@ -63,30 +65,59 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
-        let (permit, header_timeout) = match main.clone().try_acquire_owned() {
-            Ok(p) => (p, limits.header_timeout),
-            Err(_) => match reserve.clone().try_acquire_owned() {
-                Ok(p) => (p, limits.reserve_header_timeout),
-                Err(_) => {
-                    drop(sock); // over every limit: closed at once, costs nothing
-                    continue;
+        next_id += 1;
+        let id = next_id;
+        let (cancel_tx, cancel_rx) = oneshot::channel();
+        {
+            let mut w = waiters.lock().unwrap_or_else(|e| e.into_inner());
+            if w.len() >= limits.waiting.max(1) {
+                // The oldest waiter has sent nothing for the longest: it goes.
+                if let Some((_, oldest)) = w.pop_front() {
+                    let _ = oldest.send(());
                 }
-            },
-        };
-        let _ = sock.set_nodelay(true);
-        let svc = TowerToHyperService::new(router.clone());
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(header_timeout)
-            .max_buf_size(64 * 1024)
-            .serve_connection(TokioIo::new(sock), svc);
-        let conn = graceful.watch(conn);
+            }
+            w.push_back((id, cancel_tx));
+        }
+        let (slots, waiters, watcher, router) = (
+            slots.clone(),
+            waiters.clone(),
+            graceful.watcher(),
+            router.clone(),
+        );
+        let header_timeout = limits.header_timeout;
         tokio::spawn(async move {
-            let _ = conn.await;
+            let mut first = [0u8; 1];
+            let arrived = tokio::select! {
+                // Peek: a request byte has really arrived (0 = the client closed).
+                r = tokio::time::timeout(header_timeout, sock.peek(&mut first)) => matches!(r, Ok(Ok(n)) if n > 0),
+                _ = cancel_rx => false,
+            };
+            waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(w, _)| *w != id);
+            if !arrived {
+                return; // idle, evicted or broken: closed, having held no slot
+            }
+            let Ok(permit) = slots.try_acquire_owned() else {
+                return; // every slot serves a request: closed at once
+            };
+            let _ = sock.set_nodelay(true);
+            let svc = TowerToHyperService::new(router);
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(64 * 1024)
+                .serve_connection(TokioIo::new(sock), svc);
+            let _ = watcher.watch(conn).await;
             drop(permit);
         });
     }
     drop(listener);
+    // Waiting connections are closed; served ones finish their request within the grace.
+    for (_, w) in waiters.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        let _ = w.send(());
+    }
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(limits.shutdown_grace) => {

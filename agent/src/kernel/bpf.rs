@@ -282,23 +282,39 @@ struct ElemAttr {
     flags: u64,
 }
 
-fn possible_cpus() -> usize {
-    std::fs::read_to_string("/sys/devices/system/cpu/possible")
-        .ok()
-        .and_then(|s| {
-            s.trim()
-                .split(',')
-                .map(|r| match r.split_once('-') {
-                    Some((a, b)) => b
-                        .parse::<usize>()
-                        .ok()
-                        .zip(a.parse::<usize>().ok())
-                        .map(|(b, a)| b - a + 1),
-                    None => r.parse::<usize>().ok().map(|_| 1),
-                })
-                .sum::<Option<usize>>()
+/// Parses `/sys/devices/system/cpu/possible` (`0-3`, `0`, `0-3,8-11`).
+pub fn parse_possible(text: &str) -> Option<usize> {
+    text.trim()
+        .split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?);
+                b.checked_sub(a).map(|d| d + 1)
+            }
+            None => r.parse::<usize>().ok().map(|_| 1),
         })
-        .unwrap_or(1)
+        .sum::<Option<usize>>()
+        .filter(|n| *n > 0)
+}
+
+/// The number of possible CPUs: how many values the kernel writes for one key of a per-CPU
+/// map. Read once and cached; never guessed. (A fallback of 1 when the file could not be read,
+/// e.g. with the process out of file descriptors, let the kernel write past a one-CPU buffer:
+/// heap corruption, found by the EMFILE abuse test.) Call early, while descriptors are free.
+pub fn possible_cpus() -> io::Result<usize> {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if let Some(n) = CPUS.get() {
+        return Ok(*n);
+    }
+    let path = "/sys/devices/system/cpu/possible";
+    let text = std::fs::read_to_string(path)?;
+    let n = parse_possible(&text).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{path}: cannot parse {:?}", text.trim()),
+        )
+    })?;
+    Ok(*CPUS.get_or_init(|| n))
 }
 
 /// Entries in a map. Hash-like maps are counted with batched lookups (a few syscalls per
@@ -333,7 +349,7 @@ fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
         MAP_TYPE_PERCPU_HASH | MAP_TYPE_LRU_PERCPU_HASH
     );
     let value_size = if percpu {
-        (info.value_size as usize).div_ceil(8) * 8 * possible_cpus()
+        (info.value_size as usize).div_ceil(8) * 8 * possible_cpus()?
     } else {
         info.value_size as usize
     };
@@ -439,10 +455,6 @@ pub fn keys(fd: &impl AsRawFd, key_size: u32, limit: usize) -> io::Result<Vec<Ve
             return Ok(out);
         }
     }
-}
-
-pub fn num_possible_cpus() -> usize {
-    possible_cpus()
 }
 
 /// True when `path` is on a bpf filesystem.

@@ -49,28 +49,45 @@ fn is_drop(code: u8) -> bool {
     code == 2 || code >= 130
 }
 
+/// `cilium_metrics` could not be read (the drops signal is unknown).
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: unexpected layout {key}x{value} (want 8x16)")]
+    Layout { path: String, key: u32, value: u32 },
+}
+
 /// Drops per reason label (`202_host_datapath_not_ready`), summed over CPUs, direction, line.
-pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, String> {
+pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, ReadError> {
     let path = bpffs.join("tc/globals/cilium_metrics");
-    let fd = bpf::obj_get_rdonly(&path).map_err(|e| format!("open {}: {e}", path.display()))?;
-    let info = bpf::map_info(&fd).map_err(|e| format!("map info {}: {e}", path.display()))?;
+    let io = |what: &'static str| {
+        let path = path.display().to_string();
+        move |source| ReadError::Io { what, path, source }
+    };
+    let fd = bpf::obj_get_rdonly(&path).map_err(io("open"))?;
+    let info = bpf::map_info(&fd).map_err(io("map info"))?;
     if info.key_size != 8 || info.value_size != 16 {
-        return Err(format!(
-            "{}: unexpected layout {}x{} (want 8x16)",
-            path.display(),
-            info.key_size,
-            info.value_size
-        ));
+        return Err(ReadError::Layout {
+            path: path.display().to_string(),
+            key: info.key_size,
+            value: info.value_size,
+        });
     }
-    let ncpu = bpf::num_possible_cpus();
-    let keys = bpf::keys(&fd, 8, 4096).map_err(|e| format!("walk {}: {e}", path.display()))?;
+    let ncpu = bpf::possible_cpus().map_err(io("count the possible CPUs for"))?;
+    let keys = bpf::keys(&fd, 8, 4096).map_err(io("walk"))?;
     let mut out = BTreeMap::new();
     let mut value = vec![0u8; 16 * ncpu];
     for k in keys {
         if !is_drop(k[0]) {
             continue;
         }
-        if !bpf::lookup(&fd, &k, &mut value).map_err(|e| format!("read {}: {e}", path.display()))? {
+        if !bpf::lookup(&fd, &k, &mut value).map_err(io("read"))? {
             continue;
         }
         let count: u64 = value
@@ -84,6 +101,17 @@ pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn possible_cpus_are_parsed_never_guessed() {
+        use crate::kernel::bpf::parse_possible;
+        assert_eq!(parse_possible("0-1\n"), Some(2));
+        assert_eq!(parse_possible("0"), Some(1));
+        assert_eq!(parse_possible("0-3,8-11"), Some(8));
+        assert_eq!(parse_possible(""), None);
+        assert_eq!(parse_possible("3-1"), None);
+        assert!(crate::kernel::bpf::possible_cpus().unwrap() >= 1);
+    }
+
     #[test]
     fn reasons_are_named_with_their_code() {
         assert_eq!(super::reason_name(202), "202_host_datapath_not_ready");

@@ -89,7 +89,7 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
     );
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
     let flood = idle_connections(&agent.ns, agent.addr, 400);
-    assert!(flood.len() >= 96, "{} connections", flood.len());
+    assert!(flood.len() >= 200, "{} connections", flood.len());
     // 12 long-polls where 8 are held: the rest are answered at once (202).
     let polls: Vec<_> = (0..12)
         .map(|_| {
@@ -108,8 +108,8 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
             })
         })
         .collect();
-    // /readyz and /metrics answer throughout (through the reserve: their request comes at
-    // once), while every main slot is held by an idle connection.
+    // /readyz and /metrics answer throughout: their request comes at once, while the idle
+    // connections wait without a slot (the oldest of them closed as new ones come).
     for _ in 0..10 {
         assert_eq!(agent.get("/readyz").0, 200);
         let (s, m) = agent.get("/metrics");
