@@ -39,6 +39,9 @@ impl Default for Limits {
     }
 }
 
+/// Connections waiting for their first bytes, oldest first, each with its eviction signal.
+type Waiters = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, oneshot::Sender<()>)>>>;
+
 /// Serves `router` on `listener` until `shutdown` completes, then closes within the grace.
 pub async fn serve(
     listener: TcpListener,
@@ -47,8 +50,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let waiters: Arc<std::sync::Mutex<std::collections::VecDeque<(u64, oneshot::Sender<()>)>>> =
-        Default::default();
+    let waiters: Waiters = Default::default();
     let graceful = GracefulShutdown::new();
     let mut next_id: u64 = 0;
     tokio::pin!(shutdown);
