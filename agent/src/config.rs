@@ -270,10 +270,16 @@ impl Config {
                 problem: p,
             })
         };
-        if self.cilium != "auto" && crate::profile::CiliumVersion::parse(&self.cilium).is_none() {
+        if self.cilium != "auto"
+            && crate::profile::CiliumVersion::parse(&self.cilium).is_none()
+            && !crate::profile::CiliumVersion::newer_than_newest(&self.cilium)
+        {
             return field(
                 "cilium",
-                format!("{:?} is not auto, 1.16, 1.18 or 1.20", self.cilium),
+                format!(
+                    "{:?} is not auto, 1.16, 1.17, 1.18, 1.19, 1.20 (or newer: checked against 1.20)",
+                    self.cilium
+                ),
             );
         }
         let mut names = std::collections::BTreeSet::new();

@@ -111,7 +111,12 @@ pub async fn run(
         let o = bpffs::observe_blocking(&cfg.bpffs, true).await;
         let (features, features_from) = features(cfg, cilium_snap);
         let exp = maps::MapsExpectation {
-            version: CiliumVersion::parse(&cfg.cilium),
+            // A version newer than the newest profile is checked against the newest (the
+            // maps check says so): never failed for names the profile does not know.
+            version: CiliumVersion::parse(&cfg.cilium).or_else(|| {
+                CiliumVersion::newer_than_newest(&cfg.cilium).then_some(CiliumVersion::NEWEST)
+            }),
+            newer: CiliumVersion::newer_than_newest(&cfg.cilium).then(|| cfg.cilium.clone()),
             features,
             features_from,
             required: cfg.maps.required.clone(),

@@ -18,6 +18,8 @@ pub struct MapsExpectation {
     pub features_from: String,
     pub required: Vec<String>,
     pub optional: Vec<String>,
+    /// The configured version is newer than the newest profile (checked against it).
+    pub newer: Option<String>,
 }
 
 pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectation) -> CheckResult {
@@ -61,6 +63,7 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
     let foreign = profile::foreign_names(version, exp.features, &all_names);
     let inferred = profile::infer_version(&all_names).map(|(v, _)| v.as_str());
     let evidence = json!({
+        "profile_note": exp.newer.as_ref().map(|n| format!("Cilium {n} is newer than the newest profile ({}): checked against it; names it does not know are not failures", version.as_str())),
         "bpffs_dir": "tc/globals",
         "cilium": version.as_str(),
         "cilium_from": how,
@@ -160,6 +163,7 @@ mod tests {
             features_from: "test".into(),
             required: vec![],
             optional: vec![],
+            newer: None,
         }
     }
 

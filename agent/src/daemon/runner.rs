@@ -85,6 +85,7 @@ struct Runner {
     resumed: bool,
     n: u64,
     last_maps: Option<BTreeMap<String, Option<u64>>>,
+    last_map_ids: Option<BTreeMap<String, u32>>,
     last_programs: Option<BTreeMap<String, Option<u32>>>,
 }
 
@@ -99,6 +100,7 @@ pub async fn run(d: Arc<Daemon>) {
         resumed: false,
         n: 0,
         last_maps: None,
+        last_map_ids: None,
         last_programs: None,
         d,
     };
@@ -233,7 +235,9 @@ impl Runner {
         }
         if n.is_multiple_of(10) || self.last_maps.is_none() {
             d.refresh_node().await;
-            self.last_maps = lock(&d.node).maps.as_ref().map(map_counts);
+            let node = lock(&d.node);
+            self.last_maps = node.maps.as_ref().map(map_counts);
+            self.last_map_ids = node.maps.as_ref().map(watch::map_ids);
         }
         let node_not_green: Vec<String> = d
             .node_results()
@@ -275,9 +279,26 @@ impl Runner {
             }
         }
         let mut drops = BTreeMap::new();
+        // cilium_metrics recreated (a property change on start: new id): its counters
+        // restarted from zero, so they count from there (rebased), not against the baseline.
+        let metrics_recreated = match (
+            s.baseline.map_ids.get("cilium_metrics"),
+            self.last_map_ids
+                .as_ref()
+                .and_then(|i| i.get("cilium_metrics")),
+        ) {
+            (Some(a), Some(b)) => a != b,
+            _ => false,
+        };
+        let zero = BTreeMap::new();
+        let cilium_base = if metrics_recreated {
+            &zero
+        } else {
+            &s.baseline.cilium_drops
+        };
         for (prefix, now_counts, base) in [
             ("kernel", &kd, &s.baseline.kernel_drops),
-            ("cilium", &cd, &s.baseline.cilium_drops),
+            ("cilium", &cd, cilium_base),
         ] {
             for (r, v) in now_counts.iter().flatten() {
                 let d0 = base.get(r).copied().unwrap_or(0);
@@ -292,6 +313,7 @@ impl Runner {
             now,
             programs: last_programs,
             maps: last_maps,
+            map_ids: self.last_map_ids.clone(),
             node_not_green,
             dns_p50_after_ms: dns_after,
             drops,

@@ -38,6 +38,11 @@ pub fn current_programs(
         .collect()
 }
 
+/// Map ids of the global maps.
+pub fn map_ids(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, u32> {
+    m.globals.iter().map(|(k, v)| (k.clone(), v.id)).collect()
+}
+
 pub fn map_counts(m: &crate::kernel::bpffs::MapsObservation) -> BTreeMap<String, Option<u64>> {
     m.globals
         .iter()
@@ -77,10 +82,11 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .into_iter()
         .filter_map(|(k, v)| v.map(|v| (k, v)))
         .collect();
-    let maps = crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, true)
+    let observed = crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, true)
         .await
-        .map(|m| map_counts(&m))
-        .unwrap_or_default();
+        .ok();
+    let maps = observed.as_ref().map(map_counts).unwrap_or_default();
+    let map_ids = observed.as_ref().map(map_ids).unwrap_or_default();
     let node_checks = d
         .node_results()
         .into_iter()
@@ -94,6 +100,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         kernel_drops: d.kernel_drops_now().unwrap_or_default(),
         cilium_drops: d.cilium_drops_now().unwrap_or_default(),
         node_checks,
+        map_ids,
     };
     let targets = d
         .cfg

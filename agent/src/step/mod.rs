@@ -229,6 +229,22 @@ pub struct Baseline {
     pub cilium_drops: BTreeMap<String, u64>,
     /// Node check statuses at the start.
     pub node_checks: BTreeMap<String, String>,
+    /// Map ids of global maps (a new id after the restart: the map was recreated).
+    #[serde(default)]
+    pub map_ids: BTreeMap<String, u32>,
+}
+
+/// How a global map fared across the step, by what Cilium does with it (see
+/// `profile::MapClass` and docs/cilium-fidelity.md).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct MapEvidence {
+    pub class: crate::profile::MapClass,
+    pub before: Option<u64>,
+    pub after: Option<u64>,
+    /// The map has a new id: recreated (by design on every start, or for a property change).
+    pub recreated: bool,
+    /// What the step made of it, one line.
+    pub judged: String,
 }
 
 /// Watching the datapath reload.
@@ -492,6 +508,9 @@ pub struct Step {
     /// Drops in the step window, by reason (kernel: `kernel:<REASON>`, Cilium: `cilium:<code>_<name>`).
     pub drops: BTreeMap<String, u64>,
     pub dns_p50_after_ms: Option<f64>,
+    /// Global maps across the step, by class (set once the reload is complete).
+    #[serde(default)]
+    pub maps: BTreeMap<String, MapEvidence>,
     pub verdict: Option<Verdict>,
     pub updated_at: f64,
     /// The boot the step began on (`/proc/sys/kernel/random/boot_id`).
@@ -523,6 +542,7 @@ impl Step {
             gaps: vec![],
             drops: BTreeMap::new(),
             dns_p50_after_ms: None,
+            maps: BTreeMap::new(),
             verdict: None,
             updated_at: now,
             boot_id: crate::clock::boot_id(),
@@ -785,6 +805,7 @@ mod tests {
             gaps: vec![],
             drops: BTreeMap::new(),
             dns_p50_after_ms: None,
+            maps: BTreeMap::new(),
             verdict: None,
             updated_at: 5.0,
             boot_id: boot.map(str::to_string),

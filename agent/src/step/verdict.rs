@@ -2,8 +2,9 @@
 //! what the daemon observed. `passed` only after every node and step check has been green for
 //! the settle window after a complete reload; never on incomplete evidence.
 use super::gaps::summarize;
-use super::{Phase, Reason, Reload, Status, Step, StepCheck, TargetGap, Verdict};
+use super::{MapEvidence, Phase, Reason, Reload, Status, Step, StepCheck, TargetGap, Verdict};
 use crate::checks::Status as CheckStatus;
+use crate::profile;
 use std::collections::BTreeMap;
 
 /// How long nothing may change before a reload counts as complete (Cilium attaches devices one
@@ -65,6 +66,8 @@ pub struct Observed {
     pub programs: Option<BTreeMap<String, Option<u32>>>,
     /// Current global maps and entry counts; None when unreadable.
     pub maps: Option<BTreeMap<String, Option<u64>>>,
+    /// Current map ids (to see recreated maps).
+    pub map_ids: Option<BTreeMap<String, u32>>,
     /// Node checks that are not passing, with their reason.
     pub node_not_green: Vec<String>,
     pub dns_p50_after_ms: Option<f64>,
@@ -293,44 +296,173 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
     }
 }
 
-/// `baseline`: after the reload, the maps the node had are still there and kept their
-/// entries, and DNS is not slower than before.
-pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
-    if step.reload.complete_at.is_none() {
-        return Judged::not_yet(CheckStatus::Unknown, "compared after the reload", None);
-    }
-    if let Some(maps) = &o.maps {
-        let missing: Vec<&str> = step
-            .baseline
-            .maps
-            .keys()
-            .filter(|m| !maps.contains_key(*m))
-            .map(String::as_str)
-            .collect();
-        if !missing.is_empty() {
-            return Judged::fatal(
-                Reason::MapMissing,
-                format!(
-                    "pinned map vanished across the restart: {}",
-                    missing.join(", ")
-                ),
-            );
+/// A kept-state map that lost more than this share of its entries (and had at least
+/// [`MAP_EMPTIED_MIN`]) failed; losing every entry fails at any size.
+pub const KEPT_LOSS_TOLERANCE: f64 = 0.5;
+
+/// Judges every baseline map by its class (what Cilium does with it on a start): kept state
+/// must come back with its entries; maps recreated by design (or for a property change: new
+/// id) must have refilled by the end of settle; churn is reported only; a map the version that
+/// came back does not have at all was removed by design. Returns the evidence and the first
+/// failure, or what is still awaited.
+pub fn judge_maps(
+    step: &Step,
+    maps: &BTreeMap<String, Option<u64>>,
+    ids: Option<&BTreeMap<String, u32>>,
+    settle_over: bool,
+) -> MapsJudged {
+    let after_names: std::collections::BTreeSet<String> = maps.keys().cloned().collect();
+    let mut ev = BTreeMap::new();
+    let mut fatal: Option<(Reason, String)> = None;
+    let mut waiting: Vec<String> = vec![];
+    let fail = |code: Reason, why: String, f: &mut Option<(Reason, String)>| {
+        if f.is_none() {
+            *f = Some((code, why));
         }
-        let emptied: Vec<String> = step
-            .baseline
-            .maps
-            .iter()
-            .filter_map(|(m, before)| {
-                let b = (*before)?;
-                let a = maps.get(m).copied().flatten()?;
-                (b >= MAP_EMPTIED_MIN && a * 2 < b).then(|| format!("{m} {b}→{a}"))
-            })
-            .collect();
-        if !emptied.is_empty() {
-            return Judged::fatal(
-                Reason::MapEmptied,
-                format!("maps lost most of their entries: {}", emptied.join(", ")),
+    };
+    for (m, before) in &step.baseline.maps {
+        let class = profile::map_class(m);
+        let Some(after) = maps.get(m) else {
+            let judged = match profile::removed_by_design(m, &after_names) {
+                Some(v) => format!("removed by design: Cilium {} has no {m}", v.as_str()),
+                None => {
+                    fail(
+                        Reason::MapMissing,
+                        format!("pinned map vanished across the restart: {m}"),
+                        &mut fatal,
+                    );
+                    "missing".into()
+                }
+            };
+            ev.insert(
+                m.clone(),
+                MapEvidence {
+                    class,
+                    before: *before,
+                    after: None,
+                    recreated: false,
+                    judged,
+                },
             );
+            continue;
+        };
+        let recreated = match (step.baseline.map_ids.get(m), ids.and_then(|i| i.get(m))) {
+            (Some(a), Some(b)) => a != b,
+            _ => false,
+        };
+        let (b, a) = (before.unwrap_or(0), after.unwrap_or(0));
+        let counted = before.is_some() && after.is_some();
+        let judged = match class {
+            profile::MapClass::Churn | profile::MapClass::Other => {
+                if counted {
+                    format!("{b}→{a} entries (reported only)")
+                } else {
+                    "present".into()
+                }
+            }
+            _ if !counted => "present (entries not countable)".into(),
+            profile::MapClass::Recreated => {
+                refill(m, b, a, recreated, settle_over, &mut fatal, &mut waiting)
+            }
+            profile::MapClass::Kept if recreated => {
+                refill(m, b, a, true, settle_over, &mut fatal, &mut waiting)
+            }
+            profile::MapClass::Kept => {
+                if b > 0 && a == 0 {
+                    fail(
+                        Reason::MapEmptied,
+                        format!(
+                            "{m} came back empty ({b}→0): Cilium keeps this state across a restart"
+                        ),
+                        &mut fatal,
+                    );
+                    format!("emptied {b}→0")
+                } else if b >= MAP_EMPTIED_MIN
+                    && (a as f64) < b as f64 * (1.0 - KEPT_LOSS_TOLERANCE)
+                {
+                    fail(
+                        Reason::MapEmptied,
+                        format!("{m} lost most of its entries ({b}→{a})"),
+                        &mut fatal,
+                    );
+                    format!("lost {b}→{a}")
+                } else {
+                    format!("kept {b}→{a}")
+                }
+            }
+        };
+        ev.insert(
+            m.clone(),
+            MapEvidence {
+                class,
+                before: *before,
+                after: *after,
+                recreated,
+                judged,
+            },
+        );
+    }
+    let waiting =
+        (!waiting.is_empty()).then(|| format!("waiting for {} to refill", waiting.join(", ")));
+    MapsJudged {
+        evidence: ev,
+        fatal,
+        waiting,
+    }
+}
+
+/// What [`judge_maps`] found.
+pub struct MapsJudged {
+    pub evidence: BTreeMap<String, MapEvidence>,
+    /// The first failure: the step has failed.
+    pub fatal: Option<(Reason, String)>,
+    /// Maps still refilling (the step is not green yet).
+    pub waiting: Option<String>,
+}
+
+/// A map recreated by design (or for a property change): it must hold entries again by the
+/// end of settle when it held some before.
+fn refill(
+    m: &str,
+    b: u64,
+    a: u64,
+    recreated: bool,
+    settle_over: bool,
+    fatal: &mut Option<(Reason, String)>,
+    waiting: &mut Vec<String>,
+) -> String {
+    let how = if recreated { "recreated" } else { "kept" };
+    if b == 0 || a > 0 {
+        return format!("{how}, {b}→{a} entries");
+    }
+    if settle_over {
+        if fatal.is_none() {
+            *fatal = Some((
+                Reason::MapEmptied,
+                format!("{m} was still empty at the end of settle ({b}→0): it was not refilled after the restart"),
+            ));
+        }
+        format!("{how}, still empty at the end of settle ({b}→0)")
+    } else {
+        waiting.push(m.to_string());
+        format!("{how}, refilling ({b}→0 so far)")
+    }
+}
+
+/// `baseline`: after the reload, the maps judged by class (see [`judge_maps`]), and DNS not
+/// slower than before.
+pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
+    let Some(reloaded_at) = step.reload.complete_at else {
+        return Judged::not_yet(CheckStatus::Unknown, "compared after the reload", None);
+    };
+    if let Some(maps) = &o.maps {
+        let settle_over = o.now >= reloaded_at + step.params.settle.as_secs_f64();
+        let j = judge_maps(step, maps, o.map_ids.as_ref(), settle_over);
+        if let Some((code, why)) = j.fatal {
+            return Judged::fatal(code, why);
+        }
+        if let Some(w) = j.waiting {
+            return Judged::not_yet(CheckStatus::Unknown, w, Some(Reason::MapEmptied));
         }
     }
     if let (Some(before), Some(after)) = (step.baseline.dns_p50_ms, o.dns_p50_after_ms) {
@@ -345,7 +477,7 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
             );
         }
     }
-    Judged::pass("devices, maps and DNS latency as before")
+    Judged::pass("devices, maps (by class) and DNS latency as before")
 }
 
 /// `drops`: drops in the step window within each configured budget.
@@ -404,6 +536,10 @@ pub fn decide(step: &mut Step, o: &Observed) {
     }
     step.gaps = gap_rows(step, o.complete_until.min(now));
     step.drops = o.drops.clone();
+    if let (Some(at), Some(maps)) = (step.reload.complete_at, &o.maps) {
+        let settle_over = now >= at + step.params.settle.as_secs_f64();
+        step.maps = judge_maps(step, maps, o.map_ids.as_ref(), settle_over).evidence;
+    }
     step.dns_p50_after_ms = o.dns_p50_after_ms;
     if let Some((target, from, to)) = stalls(step, o.complete_until.min(now)) {
         if step.evidence_incomplete.is_none() {
@@ -563,6 +699,7 @@ mod tests {
             gaps: vec![],
             drops: BTreeMap::new(),
             dns_p50_after_ms: None,
+            maps: BTreeMap::new(),
             verdict: None,
             updated_at: 0.0,
             boot_id: None,
@@ -660,12 +797,109 @@ mod tests {
         o.maps = Some([("cilium_ct4_global".to_string(), Some(100u64))].into());
         decide(&mut s, &o);
         assert_eq!(s.verdict.clone().unwrap().reasons, vec![Reason::MapMissing]);
+        // Wrong pass 6: the endpoint map came back empty; it held only 4 entries, under the
+        // old 8-entry threshold, and passed. Kept state emptied fails at any size.
         let mut s = step();
         decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
         let mut o = obs(2.5, progs(Some(20), Some(21)));
-        o.maps = maps(3);
+        o.maps = Some(
+            [
+                ("cilium_ct4_global".to_string(), Some(100u64)),
+                ("cilium_lxc".to_string(), Some(0)),
+            ]
+            .into(),
+        );
         decide(&mut s, &o);
-        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::MapEmptied]);
+        let v = s.verdict.unwrap();
+        assert_eq!(v.reasons, vec![Reason::MapEmptied], "{v:?}");
+        assert!(
+            v.summary.contains("cilium_lxc came back empty (4→0)"),
+            "{v:?}"
+        );
+    }
+
+    /// Connection tracking is churn: flushed, it is reported, never a failure by itself.
+    #[test]
+    fn churn_maps_are_reported_not_judged() {
+        let mut s = step();
+        for t in [1.0, 2.5, 5.0, 8.0] {
+            let mut o = obs(t, progs(Some(20), Some(21)));
+            o.maps = maps(0);
+            decide(&mut s, &o);
+        }
+        assert_eq!(
+            s.verdict.as_ref().unwrap().status,
+            Status::Passed,
+            "{:?}",
+            s.verdict
+        );
+        assert!(
+            s.maps["cilium_ct4_global"].judged.contains("100→0"),
+            "{:?}",
+            s.maps
+        );
+    }
+
+    fn ipcache_step() -> Step {
+        let mut s = step();
+        s.baseline.maps.insert("cilium_ipcache_v2".into(), Some(30));
+        s.baseline.map_ids.insert("cilium_ipcache_v2".into(), 7);
+        s
+    }
+
+    fn with_ipcache(t: f64, entries: u64, id: u32) -> Observed {
+        let mut o = obs(t, progs(Some(20), Some(21)));
+        let mut m = maps(100).unwrap();
+        m.insert("cilium_ipcache_v2".into(), Some(entries));
+        o.maps = Some(m);
+        o.map_ids = Some([("cilium_ipcache_v2".to_string(), id)].into());
+        o
+    }
+
+    /// ipcache is recreated on every Cilium start (new id, refilled): refilled within settle
+    /// passes; still empty at the end of settle fails.
+    #[test]
+    fn ipcache_recreated_must_refill_by_the_end_of_settle() {
+        let mut s = ipcache_step();
+        for (t, n) in [(1.0, 0), (2.5, 0), (4.0, 12), (6.0, 30), (9.0, 30)] {
+            decide(&mut s, &with_ipcache(t, n, 8));
+        }
+        let v = s.verdict.clone().unwrap();
+        assert_eq!(v.status, Status::Passed, "{v:?}");
+        assert!(s.maps["cilium_ipcache_v2"].recreated);
+        let mut s = ipcache_step();
+        for t in [1.0, 2.5, 5.0, 7.6] {
+            decide(&mut s, &with_ipcache(t, 0, 8));
+        }
+        let v = s.verdict.unwrap();
+        assert_eq!(v.reasons, vec![Reason::MapEmptied], "{v:?}");
+        assert!(
+            v.summary.contains("still empty at the end of settle"),
+            "{v:?}"
+        );
+    }
+
+    /// An upgrade to 1.18 unpins the tunnel map and the v1 node map by design.
+    #[test]
+    fn maps_removed_by_design_in_the_new_version_are_expected() {
+        let mut s = step();
+        s.baseline.maps.insert("cilium_tunnel_map".into(), Some(3));
+        for t in [1.0, 2.5, 5.0, 8.0] {
+            let mut o = obs(t, progs(Some(20), Some(21)));
+            let mut m = maps(100).unwrap();
+            m.insert("cilium_ipcache_v2".into(), Some(5));
+            o.maps = Some(m);
+            decide(&mut s, &o);
+        }
+        assert_eq!(
+            s.verdict.as_ref().unwrap().status,
+            Status::Passed,
+            "{:?}",
+            s.verdict
+        );
+        assert!(s.maps["cilium_tunnel_map"]
+            .judged
+            .contains("removed by design: Cilium 1.18"));
     }
 
     #[test]

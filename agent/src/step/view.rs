@@ -42,6 +42,9 @@ pub struct StepView {
     #[serde(default)]
     pub holes: Vec<(f64, f64)>,
     pub evidence_incomplete: Option<String>,
+    /// Global maps across the step, judged by class (new in this version).
+    #[serde(default)]
+    pub maps: BTreeMap<String, super::MapEvidence>,
     /// Probes recorded per target so far (new in this version).
     #[serde(default)]
     pub probes: BTreeMap<String, ProbeCount>,
@@ -67,6 +70,7 @@ impl StepView {
             dns_p50_after_ms: s.dns_p50_after_ms,
             holes: s.holes.clone(),
             evidence_incomplete: s.evidence_incomplete.clone(),
+            maps: s.maps.clone(),
             probes: s
                 .targets
                 .iter()

@@ -418,6 +418,22 @@ impl Lab {
         Ok(())
     }
 
+    /// Replaces the pinned ipcache with a new map (new id), refilled unless `refill` is false.
+    fn recreate_ipcache(&self, refill: bool) -> Result<()> {
+        let s = &self.state.spec;
+        let Some(spec) = maps::global_maps(s.profile, s.features, s.capacity)
+            .into_iter()
+            .find(|m| m.name.starts_with("cilium_ipcache"))
+        else {
+            return Ok(());
+        };
+        if refill {
+            self.facts_and_create(Some(&spec.name))
+        } else {
+            maps::create_pinned(&self.state.bpffs, &spec).map(|_| ())
+        }
+    }
+
     fn create_maps(&self) -> Result<()> {
         self.facts_and_create(None)?;
         // Per-endpoint maps: policy + tail calls for every pod and the host endpoint.
@@ -514,6 +530,7 @@ impl Lab {
                 b(s.features.kube_proxy_replacement),
             ),
             ("enable-l2-announcements", b(s.features.l2_announcements)),
+            ("routing-mode", "tunnel".into()),
             ("enable-tcx", b(s.attach == AttachMode::Tcx)),
             (
                 "enable-xdp-acceleration",
@@ -698,6 +715,9 @@ impl Lab {
         lift?;
         if !o.no_reload {
             self.create_tail_call_maps()?;
+            // Like Cilium's start: ipcache is unpinned, created anew and refilled
+            // (pkg/maps/ipcache Recreate), so its id changes; the fault leaves it empty.
+            self.recreate_ipcache(!o.no_refill)?;
         }
         self.state.attachments = new.clone();
         self.save()?;
@@ -787,6 +807,8 @@ pub struct RestartOpts {
     pub drop_device: Option<String>,
     pub lose_map: Option<String>,
     pub flush_map: Option<String>,
+    /// Fault: ipcache is recreated (as on every Cilium start) but not refilled.
+    pub no_refill: bool,
 }
 
 /// What really happened, for tests to compare against.

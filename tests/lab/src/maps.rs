@@ -134,7 +134,10 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
         m.flags = sys::BPF_F_NO_PREALLOC;
     }
     if profile == Profile::V1_16 {
+        // Up to 1.17: the tunnel map (tunnel routing mode, the lab's mode) and the v1 node
+        // map mirrored next to v2 (Cilium's pkg/maps/nodemap; removed at init from 1.18).
         v.push(spec("cilium_tunnel_map", HASH, 20, 20, 65536));
+        v.push(spec("cilium_node_map", HASH, 20, 2, 16384));
     }
     if f.kube_proxy_replacement {
         v.push(spec("cilium_snat_v4_external", LRU_HASH, 14, 16, ct));
@@ -274,7 +277,7 @@ pub fn populate(fd: &OwnedFd, m: &MapSpec, facts: &NodeFacts, ct_fill: u32) -> R
                 put(&k, &v)?;
             }
         }
-        "cilium_node_map_v2" | "cilium_tunnel_map" => {
+        "cilium_node_map_v2" | "cilium_node_map" | "cilium_tunnel_map" => {
             for (i, ip) in facts.node_ips.iter().enumerate() {
                 let mut k = vec![0u8; m.key_size as usize];
                 k[..4].copy_from_slice(ip);

@@ -282,13 +282,22 @@ fn lose_map_removes_exactly_that_pin_and_flush_map_empties_exactly_that_map() {
     let gone: Vec<&String> = before.iter().filter(|m| !after.contains(m)).collect();
     assert_eq!(gone, vec!["cilium_lb4_services_v2"]);
 
+    // Like Cilium, every restart recreates ipcache: a new map (new id), refilled.
+    let id = |m: &str| {
+        bpftool_json(&["map", "show", "pinned", &globals.join(m).to_string_lossy()])["id"]
+            .as_u64()
+            .unwrap()
+    };
+    let (ipc_id, ipc_n) = (id("cilium_ipcache_v2"), count("cilium_ipcache_v2"));
     lab.restart(&RestartOpts {
         gap: Duration::from_millis(20),
-        flush_map: Some("cilium_ipcache_v2".into()),
+        flush_map: Some("cilium_lxc".into()),
         ..Default::default()
     })
     .unwrap();
-    assert_eq!(count("cilium_ipcache_v2"), 0, "flushed map is empty");
+    assert_eq!(count("cilium_lxc"), 0, "flushed map is empty");
+    assert_ne!(id("cilium_ipcache_v2"), ipc_id, "ipcache recreated");
+    assert_eq!(count("cilium_ipcache_v2"), ipc_n, "and refilled");
     assert_eq!(
         count("cilium_ct4_global"),
         ct_before,

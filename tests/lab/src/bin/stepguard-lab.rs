@@ -76,6 +76,9 @@ enum Cmd {
         /// Fault: this map comes back empty.
         #[arg(long, value_name = "NAME")]
         flush_map: Option<String>,
+        /// Fault: ipcache is recreated (as on every Cilium start) but never refilled.
+        #[arg(long)]
+        no_refill: bool,
     },
     /// Change the lab's cilium-config the way kubelet does: `config set KEY=VALUE...`.
     Config {
@@ -226,6 +229,7 @@ fn real_main() -> Result<()> {
             drop_device,
             lose_map,
             flush_map,
+            no_refill,
         } => {
             let mut lab = pick(prefix)?;
             let r = lab.restart(&RestartOpts {
@@ -234,6 +238,7 @@ fn real_main() -> Result<()> {
                 drop_device,
                 lose_map,
                 flush_map,
+                no_refill,
             })?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
