@@ -1,10 +1,9 @@
 //! Runs the node checks: reads what several checks share once (device observation, maps,
 //! cilium-config), then decides each check on its own.
-use crate::checks::{self, config as config_check, devices, dns, maps, vips, CheckResult};
+use crate::checks::{self, CheckResult};
 use crate::ciliumconfig::{self, SnapshotStore};
 use crate::config::Config;
 use crate::kernel::{bpffs, links};
-use crate::profile::{CiliumVersion, Features};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,57 +22,24 @@ pub struct NodeObservation {
     pub maps: Option<bpffs::MapsObservation>,
 }
 
-fn features(cfg: &Config, cilium_cfg: Option<&ciliumconfig::Snapshot>) -> (Features, String) {
-    let mut base = Features::default();
-    if let Some(v) = cfg.maps.ipv6 {
-        base.ipv6 = v;
-    }
-    if let Some(v) = cfg.maps.snat {
-        base.snat = v;
-    }
-    if let Some(v) = cfg.maps.l2_announcements {
-        base.l2_announcements = v;
-    }
-    match cilium_cfg {
-        Some(s) => (
-            Features::from_cilium_config(&s.values, base),
-            "cilium-config".into(),
-        ),
-        None => (base, "agent config / defaults".into()),
-    }
-}
-
-fn expected_devices(
-    cfg: &Config,
-    cilium_cfg: Option<&ciliumconfig::Snapshot>,
-) -> devices::Expected {
-    if !cfg.devices.expected.is_empty() {
-        return devices::Expected::Patterns {
-            patterns: cfg.devices.expected.clone(),
-            source: "config devices.expected".into(),
-        };
-    }
-    if let Some(v) = cilium_cfg
-        .and_then(|s| s.values.get("devices"))
-        .map(|v| devices::split_devices(v))
-        .filter(|v| !v.is_empty())
-    {
-        return devices::Expected::Patterns {
-            patterns: v,
-            source: "cilium-config key `devices`".into(),
-        };
-    }
-    devices::Expected::Auto
-}
-
-/// Runs the checks named in `only` (all when empty), in the order of NODE_CHECKS.
+/// Runs the registered checks named in `only` (all when empty), in registry order: reads what
+/// the wanted checks need once (devices, maps, cilium-config), then decides each on its own.
 pub async fn run(
     cfg: &Config,
     opts: &NodeOptions,
     only: &BTreeSet<String>,
 ) -> (Vec<CheckResult>, NodeObservation) {
-    let wanted = |c: &str| only.is_empty() || only.contains(c);
-    let mut obs = NodeObservation::default();
+    let wanted: Vec<&checks::NodeCheck> = checks::REGISTRY
+        .iter()
+        .copied()
+        .filter(|c| only.is_empty() || only.contains(c.name))
+        .collect();
+    let needs = wanted
+        .iter()
+        .fold(checks::Needs::default(), |a, c| checks::Needs {
+            links: a.links || c.needs.links,
+            maps: a.maps || c.needs.maps,
+        });
     let cilium_cfg = cfg
         .cilium_config
         .as_ref()
@@ -85,72 +51,47 @@ pub async fn run(
             tracing::warn!(error = %e, "cannot remember the cilium-config snapshot");
         }
     }
-
+    // Observation time counts towards the first check that needs it.
+    let t = Instant::now();
+    let links = if needs.links {
+        Some(links::observe(&cfg.bpffs).await)
+    } else {
+        None
+    };
+    let links_took = t.elapsed();
+    let t = Instant::now();
+    let maps = if needs.maps {
+        Some(bpffs::observe_blocking(&cfg.bpffs, true).await)
+    } else {
+        None
+    };
+    let maps_took = t.elapsed();
+    let inputs = checks::Inputs {
+        cfg,
+        cilium: cilium_cfg.as_ref().map(|r| r.as_ref()),
+        store: store.as_ref(),
+        links: links.as_ref(),
+        maps: maps.as_ref(),
+    };
     let mut results = Vec::new();
-    let mut link_obs: Option<Result<links::Observation, links::LinkError>> = None;
-    if wanted("devices") || wanted("config") {
+    let (mut links_counted, mut maps_counted) = (false, false);
+    for c in wanted {
         let t = Instant::now();
-        let o = links::observe(&cfg.bpffs).await;
-        if wanted("devices") {
-            let mut r = match &o {
-                Ok(o) => devices::evaluate(o, &expected_devices(cfg, cilium_snap)),
-                Err(e) => CheckResult::unknown(
-                    devices::CHECK,
-                    "netlink_error",
-                    e.to_string(),
-                    serde_json::json!({}),
-                ),
-            };
-            r.duration_ms = t.elapsed();
-            results.push(r);
+        let mut r = (c.evaluate)(&inputs).await;
+        r.duration_ms = t.elapsed();
+        if c.needs.links && !links_counted {
+            r.duration_ms += links_took;
+            links_counted = true;
         }
-        link_obs = Some(o);
-    }
-    if wanted("maps") {
-        let t = Instant::now();
-        let o = bpffs::observe_blocking(&cfg.bpffs, true).await;
-        let (features, features_from) = features(cfg, cilium_snap);
-        let exp = maps::MapsExpectation {
-            // A version newer than the newest profile is checked against the newest (the
-            // maps check says so): never failed for names the profile does not know.
-            version: CiliumVersion::parse(&cfg.cilium).or_else(|| {
-                CiliumVersion::newer_than_newest(&cfg.cilium).then_some(CiliumVersion::NEWEST)
-            }),
-            newer: CiliumVersion::newer_than_newest(&cfg.cilium).then(|| cfg.cilium.clone()),
-            features,
-            features_from,
-            required: cfg.maps.required.clone(),
-            optional: cfg.maps.optional.clone(),
-        };
-        let mut r = maps::evaluate(o.as_ref(), &exp);
-        r.duration_ms = t.elapsed();
-        results.push(r);
-        obs.maps = o.ok();
-    }
-    if wanted("vips") {
-        let t = Instant::now();
-        let mut r = vips::run(&cfg.targets).await;
-        r.duration_ms = t.elapsed();
+        if c.needs.maps && !maps_counted {
+            r.duration_ms += maps_took;
+            maps_counted = true;
+        }
         results.push(r);
     }
-    if wanted("dns") {
-        let t = Instant::now();
-        let mut r = dns::run(&cfg.dns).await;
-        r.duration_ms = t.elapsed();
-        results.push(r);
-    }
-    if wanted("config") {
-        let t = Instant::now();
-        let loaded = match &link_obs {
-            Some(Ok(o)) if !o.prog_details_unreadable => devices::datapath_loaded_at(o),
-            _ => None,
-        };
-        let current = cilium_cfg.as_ref().map(|r| r.as_ref());
-        let mut r = config_check::evaluate(current, loaded, store.as_ref());
-        r.duration_ms = t.elapsed();
-        results.push(r);
-    }
-    obs.links = link_obs.and_then(|o| o.ok());
-    results.sort_by_key(|r| checks::NODE_CHECKS.iter().position(|c| *c == r.check));
+    let obs = NodeObservation {
+        links: links.and_then(|o| o.ok()),
+        maps: maps.and_then(|o| o.ok()),
+    };
     (results, obs)
 }

@@ -72,99 +72,15 @@ fn s(v: &Value) -> String {
 }
 
 fn evidence_lines(r: &CheckResult) -> Vec<String> {
-    let e = &r.evidence;
-    let mut l = Vec::new();
-    match r.check {
-        "devices" => {
-            l.push(format!(
-                "expected {} (from {})",
-                s(&e["expected"]),
-                s(&e["expected_from"]["source"])
-            ));
-            l.push(format!("selected {}", s(&e["selected"])));
-            for d in e["devices"].as_array().into_iter().flatten() {
-                let progs: Vec<String> = d["programs"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|p| {
-                        format!(
-                            "{}:{}#{}({})",
-                            p["hook"].as_str().unwrap_or(""),
-                            p["name"].as_str().or(p["filter"].as_str()).unwrap_or("?"),
-                            p["prog_id"],
-                            p["via"].as_str().unwrap_or("")
-                        )
-                    })
-                    .collect();
-                l.push(format!(
-                    "{:<14} {}",
-                    s(&d["device"]),
-                    if progs.is_empty() {
-                        "-".into()
-                    } else {
-                        progs.join(" ")
-                    }
-                ));
-            }
-            if let Some(n) = e["endpoint_devices"].as_u64() {
-                l.push(format!("endpoint devices (lxc*): {n}"));
-            }
-        }
-        "maps" => {
-            l.push(format!(
-                "Cilium {} ({}), features from {}",
-                s(&e["cilium"]),
-                s(&e["cilium_from"]),
-                s(&e["features_from"])
-            ));
-            for m in e["maps"].as_array().into_iter().flatten() {
-                l.push(format!(
-                    "{:<28} {:<16} {:>3}/{:<4} max {:<8} entries {}",
-                    s(&m["name"]),
-                    s(&m["type"]),
-                    m["key_size"],
-                    m["value_size"],
-                    m["max_entries"],
-                    s(&m["entries"])
-                ));
-            }
-            l.push(format!("per-endpoint maps: {}", s(&e["endpoint_maps"])));
-        }
-        "vips" => {
-            for t in e["targets"].as_array().into_iter().flatten() {
-                l.push(format!(
-                    "{:<12} {}:{} {:<5} {} in {} ms: {}",
-                    s(&t["name"]),
-                    s(&t["address"]),
-                    t["port"],
-                    s(&t["probe"]),
-                    if t["ok"] == true { "ok" } else { "FAILED" },
-                    t["latency_ms"],
-                    s(&t["detail"])
-                ));
-            }
-        }
-        "dns" => {
-            for r in e["resolvers"].as_array().into_iter().flatten() {
-                l.push(format!(
-                    "{:<22} {}/{} answered, p50 {} ms, p99 {} ms {}",
-                    s(&r["resolver"]),
-                    r["answered"],
-                    r["queries"],
-                    s(&r["p50_ms"]),
-                    s(&r["p99_ms"]),
-                    s(&r["errors"])
-                ));
-            }
-        }
-        _ => {
-            if let Some(o) = e.as_object() {
-                for (k, v) in o {
-                    l.push(format!("{k}: {}", s(v)));
-                }
-            }
-        }
-    }
-    l
+    crate::checks::registered(r.check)
+        .map(|c| (c.render)(r))
+        .unwrap_or_else(|| generic_lines(r))
+}
+
+/// Evidence as `key: value` lines (checks without a renderer of their own).
+pub fn generic_lines(r: &CheckResult) -> Vec<String> {
+    r.evidence
+        .as_object()
+        .map(|o| o.iter().map(|(k, v)| format!("{k}: {}", s(v))).collect())
+        .unwrap_or_default()
 }

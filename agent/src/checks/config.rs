@@ -72,6 +72,28 @@ pub fn evaluate(
     CheckResult::fail(CHECK, "config_not_applied", format!("cilium-config changed {age:.0}s after the running datapath loaded: merged but inert until cilium-agent restarts; {which}"), evidence)
 }
 
+/// The `config` node check: needs the device observation (when the datapath was loaded).
+pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
+    name: CHECK,
+    needs: super::Needs {
+        links: true,
+        maps: false,
+    },
+    from_probes: false,
+    evaluate: evaluate_node,
+    render: crate::report::generic_lines,
+};
+
+fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
+    Box::pin(async move {
+        let loaded = match i.links {
+            Some(Ok(o)) if !o.prog_details_unreadable => super::devices::datapath_loaded_at(o),
+            _ => None,
+        };
+        evaluate(i.cilium, loaded, i.store)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -216,6 +216,102 @@ pub fn datapath_loaded_at(obs: &Observation) -> Option<f64> {
         .min_by(|a, b| a.total_cmp(b))
 }
 
+/// The `devices` node check: needs the device observation.
+pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
+    name: CHECK,
+    needs: super::Needs {
+        links: true,
+        maps: false,
+    },
+    from_probes: false,
+    evaluate: evaluate_node,
+    render,
+};
+
+fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
+    Box::pin(async move {
+        match i.links {
+            Some(Ok(o)) => evaluate(o, &expected_devices(i.cfg, i.cilium.and_then(|c| c.ok()))),
+            Some(Err(e)) => {
+                CheckResult::unknown(CHECK, "netlink_error", e.to_string(), serde_json::json!({}))
+            }
+            None => CheckResult::unknown(
+                CHECK,
+                "not_observed",
+                "devices were not observed",
+                serde_json::json!({}),
+            ),
+        }
+    })
+}
+
+/// The devices the node is expected to select: the agent config's list, else cilium-config's
+/// `devices` key, else Cilium's auto-detection.
+pub fn expected_devices(
+    cfg: &crate::config::Config,
+    cilium_cfg: Option<&crate::ciliumconfig::Snapshot>,
+) -> Expected {
+    if !cfg.devices.expected.is_empty() {
+        return Expected::Patterns {
+            patterns: cfg.devices.expected.clone(),
+            source: "config devices.expected".into(),
+        };
+    }
+    if let Some(v) = cilium_cfg
+        .and_then(|s| s.values.get("devices"))
+        .map(|v| split_devices(v))
+        .filter(|v| !v.is_empty())
+    {
+        return Expected::Patterns {
+            patterns: v,
+            source: "cilium-config key `devices`".into(),
+        };
+    }
+    Expected::Auto
+}
+
+/// The `devices` check's evidence as lines for people.
+pub fn render(r: &CheckResult) -> Vec<String> {
+    let e = &r.evidence;
+    let s = super::show;
+    let mut l = Vec::new();
+    l.push(format!(
+        "expected {} (from {})",
+        s(&e["expected"]),
+        s(&e["expected_from"]["source"])
+    ));
+    l.push(format!("selected {}", s(&e["selected"])));
+    for d in e["devices"].as_array().into_iter().flatten() {
+        let progs: Vec<String> = d["programs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|p| {
+                format!(
+                    "{}:{}#{}({})",
+                    p["hook"].as_str().unwrap_or(""),
+                    p["name"].as_str().or(p["filter"].as_str()).unwrap_or("?"),
+                    p["prog_id"],
+                    p["via"].as_str().unwrap_or("")
+                )
+            })
+            .collect();
+        l.push(format!(
+            "{:<14} {}",
+            s(&d["device"]),
+            if progs.is_empty() {
+                "-".into()
+            } else {
+                progs.join(" ")
+            }
+        ));
+    }
+    if let Some(n) = e["endpoint_devices"].as_u64() {
+        l.push(format!("endpoint devices (lxc*): {n}"));
+    }
+    l
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

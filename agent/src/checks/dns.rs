@@ -175,6 +175,37 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
     )
 }
 
+/// The `dns` node check: a burst of queries per resolver (in the agent: its steady window).
+pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
+    name: CHECK,
+    needs: super::Needs {
+        links: false,
+        maps: false,
+    },
+    from_probes: true,
+    evaluate: |i| Box::pin(run(&i.cfg.dns)),
+    render,
+};
+
+/// The `dns` check's evidence as lines for people.
+pub fn render(r: &CheckResult) -> Vec<String> {
+    let e = &r.evidence;
+    let s = super::show;
+    let mut l = Vec::new();
+    for r in e["resolvers"].as_array().into_iter().flatten() {
+        l.push(format!(
+            "{:<22} {}/{} answered, p50 {} ms, p99 {} ms {}",
+            s(&r["resolver"]),
+            r["answered"],
+            r["queries"],
+            s(&r["p50_ms"]),
+            s(&r["p99_ms"]),
+            s(&r["errors"])
+        ));
+    }
+    l
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -132,6 +132,97 @@ fn policy_prefix_hint(obs: &MapsObservation) -> Vec<String> {
         .collect()
 }
 
+/// The `maps` node check: needs the pinned maps.
+pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
+    name: CHECK,
+    needs: super::Needs {
+        links: false,
+        maps: true,
+    },
+    from_probes: false,
+    evaluate: evaluate_node,
+    render,
+};
+
+fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
+    Box::pin(async move {
+        let Some(obs) = i.maps else {
+            return CheckResult::unknown(
+                CHECK,
+                "not_observed",
+                "maps were not observed",
+                json!({}),
+            );
+        };
+        let cfg = i.cfg;
+        let (features, features_from) = features(cfg, i.cilium.and_then(|c| c.ok()));
+        let exp = MapsExpectation {
+            // A version newer than the newest profile is checked against the newest (the
+            // evidence says so): never failed for names the profile does not know.
+            version: CiliumVersion::parse(&cfg.cilium).or_else(|| {
+                CiliumVersion::newer_than_newest(&cfg.cilium).then_some(CiliumVersion::NEWEST)
+            }),
+            newer: CiliumVersion::newer_than_newest(&cfg.cilium).then(|| cfg.cilium.clone()),
+            features,
+            features_from,
+            required: cfg.maps.required.clone(),
+            optional: cfg.maps.optional.clone(),
+        };
+        evaluate(obs.as_ref(), &exp)
+    })
+}
+
+/// The datapath features that decide the maps: cilium-config over the agent config over
+/// Helm's defaults.
+pub fn features(
+    cfg: &crate::config::Config,
+    cilium_cfg: Option<&crate::ciliumconfig::Snapshot>,
+) -> (Features, String) {
+    let mut base = Features::default();
+    if let Some(v) = cfg.maps.ipv6 {
+        base.ipv6 = v;
+    }
+    if let Some(v) = cfg.maps.snat {
+        base.snat = v;
+    }
+    if let Some(v) = cfg.maps.l2_announcements {
+        base.l2_announcements = v;
+    }
+    match cilium_cfg {
+        Some(s) => (
+            Features::from_cilium_config(&s.values, base),
+            "cilium-config".into(),
+        ),
+        None => (base, "agent config / defaults".into()),
+    }
+}
+
+/// The `maps` check's evidence as lines for people.
+pub fn render(r: &CheckResult) -> Vec<String> {
+    let e = &r.evidence;
+    let s = super::show;
+    let mut l = Vec::new();
+    l.push(format!(
+        "Cilium {} ({}), features from {}",
+        s(&e["cilium"]),
+        s(&e["cilium_from"]),
+        s(&e["features_from"])
+    ));
+    for m in e["maps"].as_array().into_iter().flatten() {
+        l.push(format!(
+            "{:<28} {:<16} {:>3}/{:<4} max {:<8} entries {}",
+            s(&m["name"]),
+            s(&m["type"]),
+            m["key_size"],
+            m["value_size"],
+            m["max_entries"],
+            s(&m["entries"])
+        ));
+    }
+    l.push(format!("per-endpoint maps: {}", s(&e["endpoint_maps"])));
+    l
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

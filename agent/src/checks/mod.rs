@@ -29,8 +29,68 @@ impl Status {
     }
 }
 
-/// Node check names: the `check` label, the `--only` values and the JSON keys.
+/// Node check names: the `check` label, the `--only` values and the JSON keys, in the order
+/// of [`REGISTRY`] (a test keeps them the same).
 pub const NODE_CHECKS: [&str; 5] = ["devices", "maps", "vips", "dns", "config"];
+
+/// What a node check needs observed before it is decided (read once per run, shared).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Needs {
+    /// Devices and their programs (rtnetlink, tcx, tc).
+    pub links: bool,
+    /// Pinned maps with entry counts (bpffs).
+    pub maps: bool,
+}
+
+/// What the node checks of one run share.
+pub struct Inputs<'a> {
+    pub cfg: &'a crate::config::Config,
+    pub cilium:
+        Option<Result<&'a crate::ciliumconfig::Snapshot, &'a crate::ciliumconfig::ReadError>>,
+    pub store: Option<&'a crate::ciliumconfig::SnapshotStore>,
+    pub links:
+        Option<&'a Result<crate::kernel::links::Observation, crate::kernel::links::LinkError>>,
+    pub maps:
+        Option<&'a Result<crate::kernel::bpffs::MapsObservation, crate::kernel::bpffs::BpffsError>>,
+}
+
+/// A decision in the making (some checks probe).
+pub type Evaluating<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = CheckResult> + Send + 'a>>;
+
+/// A node check: its name, what it needs, how it is decided, and how its evidence reads for
+/// people. Adding a check is one module with its `NODE_CHECK`, plus its line in [`REGISTRY`].
+pub struct NodeCheck {
+    pub name: &'static str,
+    pub needs: Needs,
+    /// In the agent, decided from the continuous probe windows (not re-run by the slow loop).
+    pub from_probes: bool,
+    pub evaluate: for<'a> fn(&'a Inputs<'a>) -> Evaluating<'a>,
+    pub render: fn(&CheckResult) -> Vec<String>,
+}
+
+/// Every node check, in report order.
+pub static REGISTRY: [&NodeCheck; 5] = [
+    &devices::NODE_CHECK,
+    &maps::NODE_CHECK,
+    &vips::NODE_CHECK,
+    &dns::NODE_CHECK,
+    &config::NODE_CHECK,
+];
+
+/// The registered check named `name`.
+pub fn registered(name: &str) -> Option<&'static NodeCheck> {
+    REGISTRY.iter().copied().find(|c| c.name == name)
+}
+
+/// A value as a short string for evidence lines.
+pub fn show(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct CheckResult {
@@ -127,5 +187,16 @@ mod tests {
         assert_eq!(exit_code(&[p.clone(), u.clone()]), 2);
         assert_eq!(exit_code(&[u, f, p]), 1);
         assert_eq!(exit_code(&[]), 2, "nothing checked is not a pass");
+    }
+
+    #[test]
+    fn the_registry_and_the_check_names_agree() {
+        let names: Vec<&str> = REGISTRY.iter().map(|c| c.name).collect();
+        assert_eq!(names, NODE_CHECKS);
+        // Every check renders its own evidence (the text report has no per-check code).
+        for c in REGISTRY {
+            let r = CheckResult::unknown(c.name, "x", "", serde_json::json!({"k": 1}));
+            let _ = (c.render)(&r);
+        }
     }
 }

@@ -68,3 +68,35 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome]) -> CheckResult {
         evidence,
     )
 }
+
+/// The `vips` node check: probes every target (in the agent: its latest probes).
+pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
+    name: CHECK,
+    needs: super::Needs {
+        links: false,
+        maps: false,
+    },
+    from_probes: true,
+    evaluate: |i| Box::pin(run(&i.cfg.targets)),
+    render,
+};
+
+/// The `vips` check's evidence as lines for people.
+pub fn render(r: &CheckResult) -> Vec<String> {
+    let e = &r.evidence;
+    let s = super::show;
+    let mut l = Vec::new();
+    for t in e["targets"].as_array().into_iter().flatten() {
+        l.push(format!(
+            "{:<12} {}:{} {:<5} {} in {} ms: {}",
+            s(&t["name"]),
+            s(&t["address"]),
+            t["port"],
+            s(&t["probe"]),
+            if t["ok"] == true { "ok" } else { "FAILED" },
+            t["latency_ms"],
+            s(&t["detail"])
+        ));
+    }
+    l
+}

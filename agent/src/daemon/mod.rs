@@ -345,17 +345,18 @@ impl Daemon {
         crate::stats::quantile(&lat, 0.5).map(|d| d.as_secs_f64() * 1e3)
     }
 
-    /// All five node checks as last known (devices/maps/config from the slow loop).
+    /// Every registered node check as last known: the kernel checks from the slow loop, the
+    /// probe checks from the continuous probe windows.
     pub fn node_results(&self) -> Vec<CheckResult> {
         let view = lock(&self.node);
         let mut out = Vec::new();
-        for c in checks::NODE_CHECKS {
-            let r = match c {
-                "vips" => self.vips_result(),
-                "dns" => self.dns_result(),
-                other => view.results.get(other).cloned().unwrap_or_else(|| {
+        for c in checks::REGISTRY {
+            let r = match (c.from_probes, c.name) {
+                (true, vips_check::CHECK) => self.vips_result(),
+                (true, dns_check::CHECK) => self.dns_result(),
+                (_, name) => view.results.get(name).cloned().unwrap_or_else(|| {
                     CheckResult::unknown(
-                        leak(other),
+                        c.name,
                         "not_checked_yet",
                         "not checked yet",
                         serde_json::json!({}),
@@ -378,9 +379,11 @@ impl Daemon {
 
     /// Runs devices/maps/config now, stores and exports them.
     pub async fn refresh_node(&self) {
-        let only: BTreeSet<String> = ["devices", "maps", "config"]
+        // The kernel checks; the probe checks come from the continuous probe windows.
+        let only: BTreeSet<String> = checks::REGISTRY
             .iter()
-            .map(|s| s.to_string())
+            .filter(|c| !c.from_probes)
+            .map(|c| c.name.to_string())
             .collect();
         let opts = NodeOptions {
             state_dir: Some(self.opts.state_dir.clone()),
@@ -464,14 +467,6 @@ pub fn supersedes(old: Option<&ProbeOutcome>, new: &ProbeOutcome) -> bool {
 
 fn t_kind(t: &crate::config::Target) -> String {
     t.probe.as_str().to_string()
-}
-
-fn leak(s: &str) -> &'static str {
-    checks::NODE_CHECKS
-        .iter()
-        .find(|c| **c == s)
-        .copied()
-        .unwrap_or("unknown")
 }
 
 trait ResultExt {
