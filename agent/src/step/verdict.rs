@@ -510,18 +510,36 @@ pub fn check_drops(step: &Step, o: &Observed) -> Judged {
     }
 }
 
-/// The step checks in the order their failures are reported.
-pub const STEP_CHECKS: [&str; 5] = ["evidence", "gaps", "reload", "baseline", "drops"];
-
-fn judge(name: &str, step: &Step, o: &Observed) -> Judged {
-    match name {
-        "evidence" => check_evidence(step),
-        "gaps" => check_gaps(step),
-        "reload" => check_reload(step, o.now),
-        "baseline" => check_baseline(step, o),
-        _ => check_drops(step, o),
-    }
+/// A step check: its name (the key in the step's `checks`) and its judgement. Adding one is
+/// a function here plus its line in [`STEP_CHECKS`].
+pub struct StepCheckDef {
+    pub name: &'static str,
+    pub judge: fn(&Step, &Observed) -> Judged,
 }
+
+/// The step checks, in the order their failures are reported.
+pub const STEP_CHECKS: [StepCheckDef; 5] = [
+    StepCheckDef {
+        name: "evidence",
+        judge: |s, _| check_evidence(s),
+    },
+    StepCheckDef {
+        name: "gaps",
+        judge: |s, _| check_gaps(s),
+    },
+    StepCheckDef {
+        name: "reload",
+        judge: |s, o| check_reload(s, o.now),
+    },
+    StepCheckDef {
+        name: "baseline",
+        judge: check_baseline,
+    },
+    StepCheckDef {
+        name: "drops",
+        judge: check_drops,
+    },
+];
 
 /// Advances the step with an observation; sets `step.verdict` once it is decided. The step
 /// checks are judged one by one; this is the one place they are composed.
@@ -552,13 +570,13 @@ pub fn decide(step: &mut Step, o: &Observed) {
     }
 
     let mut judged = Vec::new();
-    for name in STEP_CHECKS {
-        let j = judge(name, step, o);
+    for c in &STEP_CHECKS {
+        let j = (c.judge)(step, o);
         if let Some((code, why)) = j.fatal {
             finish(step, Status::Failed, vec![code], why, now);
             return;
         }
-        judged.push((name, j));
+        judged.push((c.name, j));
     }
     step.checks = judged
         .iter()
