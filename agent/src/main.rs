@@ -136,6 +136,13 @@ struct StepArgs {
     /// Probe cadence during the step.
     #[arg(long)]
     burst_interval: Option<String>,
+    /// The host devices that must carry the datapath after the restart, when the rollout
+    /// changes them on purpose (comma-separated, exact names). Default: as before.
+    #[arg(long, value_delimiter = ',')]
+    expect_devices: Option<Vec<String>>,
+    /// The Cilium version that must come back (an upgrade step), e.g. 1.18.
+    #[arg(long)]
+    expect_cilium: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -390,6 +397,16 @@ fn step_cmd(args: StepArgs) -> Result<i32> {
         if let Some(v) = v {
             body.insert(k.into(), serde_json::Value::String(v.clone()));
         }
+    }
+    let mut expect = serde_json::Map::new();
+    if let Some(d) = &args.expect_devices {
+        expect.insert("devices".into(), serde_json::json!(d));
+    }
+    if let Some(c) = &args.expect_cilium {
+        expect.insert("cilium".into(), serde_json::json!(c));
+    }
+    if !expect.is_empty() {
+        body.insert("expect".into(), serde_json::Value::Object(expect));
     }
     let (status, v) = runtime()?.block_on(agent.call(
         "POST",

@@ -258,9 +258,28 @@ pub fn possible_maps(v: CiliumVersion) -> BTreeSet<String> {
 /// Whether a map gone after a restart was removed by design: the version that came back
 /// (inferred from `after`) has no such map whatever its features (e.g. `cilium_tunnel_map`
 /// and the v1 `cilium_node_map` on 1.18).
-pub fn removed_by_design(name: &str, after: &BTreeSet<String>) -> Option<CiliumVersion> {
-    let (v, _) = infer_version(after)?;
+pub fn removed_by_design(
+    name: &str,
+    after: &BTreeSet<String>,
+    declared: Option<CiliumVersion>,
+) -> Option<CiliumVersion> {
+    let v = declared.or_else(|| infer_version(after).map(|(v, _)| v))?;
     (!possible_maps(v).contains(name)).then_some(v)
+}
+
+/// The maps every node of version `v` has whatever its features: what an upgrade step that
+/// declared `v` holds the node to.
+pub fn core_maps(v: CiliumVersion) -> BTreeSet<String> {
+    required_maps(
+        v,
+        Features {
+            ipv4: true,
+            ipv6: false,
+            snat: false,
+            l2_announcements: false,
+            tunnel: false,
+        },
+    )
 }
 
 /// Per-endpoint policy map prefix of a version: `cilium_policy_` (≤ 1.17),
@@ -397,11 +416,11 @@ mod tests {
             "cilium_policystats",
         ]);
         assert_eq!(
-            removed_by_design("cilium_tunnel_map", &after),
+            removed_by_design("cilium_tunnel_map", &after, None),
             Some(CiliumVersion::V1_18)
         );
-        assert!(removed_by_design("cilium_node_map", &after).is_some());
-        assert!(removed_by_design("cilium_lb4_services_v2", &after).is_none());
+        assert!(removed_by_design("cilium_node_map", &after, None).is_some());
+        assert!(removed_by_design("cilium_lb4_services_v2", &after, None).is_none());
         assert!(
             CiliumVersion::newer_than_newest("1.21") && !CiliumVersion::newer_than_newest("1.20")
         );

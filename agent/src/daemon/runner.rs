@@ -216,10 +216,13 @@ impl Runner {
     async fn tick(&mut self) {
         self.n += 1;
         let n = self.n;
-        let Some(tracked) = self
-            .active()
-            .map(|s| s.baseline.programs.keys().cloned().collect::<Vec<_>>())
-        else {
+        // The baseline's devices and any the step declared it expects after the restart.
+        let Some(tracked) = self.active().map(|s| {
+            let mut t: std::collections::BTreeSet<String> =
+                s.baseline.programs.keys().cloned().collect();
+            t.extend(verdict::wanted_devices(s));
+            t.into_iter().collect::<Vec<_>>()
+        }) else {
             self.last_maps = None;
             self.last_programs = None;
             return;

@@ -24,6 +24,18 @@ pub struct StepRequest {
     pub dns_slower_ratio: Option<f64>,
     /// Budget per drop reason for the step window, e.g. {"TC_INGRESS": 1000, "202_host_datapath_not_ready": 500}.
     pub drops_budget: Option<BTreeMap<String, u64>>,
+    /// What the node should look like after the restart, when a rollout changes it on purpose.
+    pub expect: Option<ExpectRequest>,
+}
+
+/// `expect` of a step request: the device set and/or Cilium version after the restart.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExpectRequest {
+    /// Host devices that must carry the datapath after the restart (exact names).
+    pub devices: Option<Vec<String>>,
+    /// The Cilium version that must come back (an upgrade step), e.g. "1.18".
+    pub cilium: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -38,6 +50,12 @@ pub struct StepParams {
     pub burst_interval: Duration,
     pub dns_slower_ratio: f64,
     pub drops_budget: BTreeMap<String, u64>,
+    /// Declared device set after the restart (None: as before).
+    #[serde(default)]
+    pub expect_devices: Option<Vec<String>>,
+    /// Declared Cilium version after the restart (None: whatever comes back, inferred).
+    #[serde(default)]
+    pub expect_cilium: Option<String>,
 }
 
 mod secs {
@@ -86,6 +104,11 @@ impl StepParams {
                 self.dns_slower_ratio != other.dns_slower_ratio,
             ),
             ("drops_budget", self.drops_budget != other.drops_budget),
+            (
+                "expect",
+                self.expect_devices != other.expect_devices
+                    || self.expect_cilium != other.expect_cilium,
+            ),
         ]
         .into_iter()
         .find(|(_, d)| *d)
@@ -186,6 +209,39 @@ impl StepParams {
                 ),
             ));
         }
+        let expect = r.expect.clone().unwrap_or_default();
+        let expect_devices = match expect.devices {
+            Some(d) if d.is_empty() => {
+                return Err(RequestError::new(
+                    "expect.devices",
+                    "an empty device set would expect no datapath at all",
+                ))
+            }
+            Some(d)
+                if d.iter()
+                    .any(|x| x.is_empty() || x.len() > 15 || x.contains('/')) =>
+            {
+                return Err(RequestError::new(
+                    "expect.devices",
+                    "device names are 1-15 characters without '/'",
+                ))
+            }
+            Some(mut d) => {
+                d.sort();
+                d.dedup();
+                Some(d)
+            }
+            None => None,
+        };
+        let expect_cilium = match expect.cilium {
+            Some(v) if crate::profile::CiliumVersion::parse(&v).is_none() => {
+                return Err(RequestError::new(
+                    "expect.cilium",
+                    format!("{v:?} is not 1.16, 1.17, 1.18, 1.19 or 1.20"),
+                ))
+            }
+            v => v,
+        };
         if let Some(id) = &r.id {
             if id.is_empty()
                 || id.len() > 64
@@ -209,6 +265,8 @@ impl StepParams {
                 burst_interval,
                 dns_slower_ratio,
                 drops_budget: r.drops_budget.clone().unwrap_or_default(),
+                expect_devices: expect_devices.clone(),
+                expect_cilium: expect_cilium.clone(),
             },
         ))
     }

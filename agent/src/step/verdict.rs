@@ -77,10 +77,27 @@ pub struct Observed {
     pub complete_until: f64,
 }
 
-/// Folds an observation of program ids into the reload state.
+/// The devices that must carry the datapath after the restart: the declared set (and
+/// `cilium_host` when the node had it), or the baseline's devices ("as before").
+pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
+    match &step.params.expect_devices {
+        Some(d) => {
+            let mut w: std::collections::BTreeSet<String> = d.iter().cloned().collect();
+            if step.baseline.programs.contains_key("cilium_host") {
+                w.insert("cilium_host".into());
+            }
+            w
+        }
+        None => step.baseline.programs.keys().cloned().collect(),
+    }
+}
+
+/// Folds an observation of program ids into the reload state: a wanted device has reloaded
+/// when it carries a program id other than its baseline one (any id, for a device new to it).
 pub fn update_reload(
     r: &mut Reload,
     baseline: &BTreeMap<String, u32>,
+    want: &std::collections::BTreeSet<String>,
     current: &BTreeMap<String, Option<u32>>,
     now: f64,
 ) {
@@ -90,22 +107,18 @@ pub fn update_reload(
         }
         r.last_seen = current.clone();
     }
-    for (dev, base) in baseline {
-        match current.get(dev).copied().flatten() {
-            Some(id) if id != *base => {
-                r.changed.entry(dev.clone()).or_insert((id, now));
+    for (dev, id) in current {
+        match (id, baseline.get(dev)) {
+            (Some(id), base) if base != Some(id) => {
+                r.changed.entry(dev.clone()).or_insert((*id, now));
                 r.lost.retain(|d| d != dev);
             }
-            Some(_) => {}
-            None => {
-                if !r.lost.contains(dev) {
-                    r.lost.push(dev.clone());
-                }
-            }
+            (None, _) if want.contains(dev) && !r.lost.contains(dev) => r.lost.push(dev.clone()),
+            _ => {}
         }
     }
-    let all_changed = baseline
-        .keys()
+    let all_changed = want
+        .iter()
         .all(|d| r.changed.contains_key(d) && !r.lost.contains(d));
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
     if all_changed && quiet && r.complete_at.is_none() {
@@ -250,31 +263,53 @@ pub fn check_gaps(step: &Step) -> Judged {
 /// period; a device whose program vanished once the rest reloaded is a changed device set.
 pub fn check_reload(step: &Step, now: f64) -> Judged {
     let r = &step.reload;
+    let want = wanted_devices(step);
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
+    let declared = step.params.expect_devices.is_some();
     if !r.lost.is_empty() && quiet && !r.changed.is_empty() {
         return Judged::fatal(
             Reason::DeviceSetChanged,
             format!(
-                "the reloaded datapath is no longer attached to {}",
-                r.lost.join(", ")
+                "the reloaded datapath is no longer attached to {}{}",
+                r.lost.join(", "),
+                if declared {
+                    " (declared in expect.devices)"
+                } else {
+                    ""
+                }
+            ),
+        );
+    }
+    // Devices the step declared gone that still carry the datapath after the reload: the
+    // node came back as before, not as the rollout intended.
+    let unwanted: Vec<&String> = r
+        .last_seen
+        .iter()
+        .filter(|(d, id)| id.is_some() && !want.contains(*d))
+        .map(|(d, _)| d)
+        .collect();
+    if declared && quiet && !r.changed.is_empty() && !unwanted.is_empty() {
+        return Judged::fatal(
+            Reason::DeviceSetChanged,
+            format!(
+                "the datapath is still attached to {} although the step expected only {}",
+                unwanted
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                want.iter().cloned().collect::<Vec<_>>().join(", ")
             ),
         );
     }
     if r.complete_at.is_some() {
         return Judged::pass(format!(
             "new program ids on {}",
-            step.baseline
-                .programs
-                .keys()
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ")
+            want.iter().cloned().collect::<Vec<_>>().join(", ")
         ));
     }
-    let unchanged: Vec<String> = step
-        .baseline
-        .programs
-        .keys()
+    let unchanged: Vec<String> = want
+        .iter()
         .filter(|d| !r.changed.contains_key(*d))
         .cloned()
         .collect();
@@ -323,7 +358,12 @@ pub fn judge_maps(
     for (m, before) in &step.baseline.maps {
         let class = profile::map_class(m);
         let Some(after) = maps.get(m) else {
-            let judged = match profile::removed_by_design(m, &after_names) {
+            let declared = step
+                .params
+                .expect_cilium
+                .as_deref()
+                .and_then(profile::CiliumVersion::parse);
+            let judged = match profile::removed_by_design(m, &after_names, declared) {
                 Some(v) => format!("removed by design: Cilium {} has no {m}", v.as_str()),
                 None => {
                     fail(
@@ -461,6 +501,31 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
         if let Some((code, why)) = j.fatal {
             return Judged::fatal(code, why);
         }
+        // An upgrade step: the node must come back with the declared version's maps.
+        if let Some(v) = step
+            .params
+            .expect_cilium
+            .as_deref()
+            .and_then(profile::CiliumVersion::parse)
+        {
+            let missing: Vec<String> = profile::core_maps(v)
+                .into_iter()
+                .filter(|m| !maps.contains_key(m))
+                .collect();
+            if !missing.is_empty() {
+                let looks = profile::infer_version(&maps.keys().cloned().collect())
+                    .map(|(a, _)| format!("; it looks like Cilium {}", a.as_str()))
+                    .unwrap_or_default();
+                return Judged::fatal(
+                    Reason::MapMissing,
+                    format!(
+                        "the step expected Cilium {} after the restart, whose maps {} are missing{looks}",
+                        v.as_str(),
+                        missing.join(", ")
+                    ),
+                );
+            }
+        }
         if let Some(w) = j.waiting {
             return Judged::not_yet(CheckStatus::Unknown, w, Some(Reason::MapEmptied));
         }
@@ -550,7 +615,8 @@ pub fn decide(step: &mut Step, o: &Observed) {
     let now = o.now;
     if let Some(p) = &o.programs {
         let base = step.baseline.programs.clone();
-        update_reload(&mut step.reload, &base, p, now);
+        let want = wanted_devices(step);
+        update_reload(&mut step.reload, &base, &want, p, now);
     }
     step.gaps = gap_rows(step, o.complete_until.min(now));
     step.drops = o.drops.clone();
@@ -688,6 +754,8 @@ mod tests {
                 burst_interval: Duration::from_millis(10),
                 dns_slower_ratio: 2.0,
                 drops_budget: BTreeMap::new(),
+                expect_devices: None,
+                expect_cilium: None,
             },
             phase: Phase::Watching,
             baseline: Baseline {
@@ -895,6 +963,51 @@ mod tests {
             v.summary.contains("still empty at the end of settle"),
             "{v:?}"
         );
+    }
+
+    /// A rollout that drops eth1 on purpose: declared, the node coming back without eth1
+    /// passes; coming back as before (eth1 reloaded too) fails with device_set_changed.
+    #[test]
+    fn a_declared_device_set_is_what_the_node_is_held_to() {
+        let expect = |s: &mut Step| s.params.expect_devices = Some(vec!["eth0".into()]);
+        let mut s = step();
+        expect(&mut s);
+        for t in [1.0, 2.5, 5.0, 8.0] {
+            decide(&mut s, &obs(t, progs(Some(20), None)));
+        }
+        assert_eq!(
+            s.verdict.as_ref().unwrap().status,
+            Status::Passed,
+            "{:?}",
+            s.verdict
+        );
+        let mut s = step();
+        expect(&mut s);
+        for t in [1.0, 2.5] {
+            decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+        }
+        let v = s.verdict.unwrap();
+        assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+        assert!(v.summary.contains("still attached to eth1"), "{v:?}");
+        // Without a declaration, losing eth1 is the failure it always was.
+        let mut s = step();
+        for t in [1.0, 2.5] {
+            decide(&mut s, &obs(t, progs(Some(20), None)));
+        }
+        assert_eq!(s.verdict.unwrap().reasons, vec![Reason::DeviceSetChanged]);
+    }
+
+    /// An upgrade step that declared 1.18: the node coming back with 1.16's maps fails.
+    #[test]
+    fn a_declared_version_is_what_the_maps_are_held_to() {
+        let mut s = step();
+        s.params.expect_cilium = Some("1.18".into());
+        for t in [1.0, 2.5] {
+            decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+        }
+        let v = s.verdict.unwrap();
+        assert_eq!(v.reasons, vec![Reason::MapMissing], "{v:?}");
+        assert!(v.summary.contains("expected Cilium 1.18"), "{v:?}");
     }
 
     /// An upgrade to 1.18 unpins the tunnel map and the v1 node map by design.

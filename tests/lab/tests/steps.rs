@@ -148,6 +148,45 @@ fn a_lost_map_fails_with_map_missing() {
     );
 }
 
+/// A rollout that drops eth1 on purpose declares it: the node coming back without eth1
+/// passes; coming back as before fails with device_set_changed.
+#[test]
+fn a_declared_device_set_passes_when_it_comes_back_that_way() {
+    let mut lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    let body = r#"{"settle":"1s","timeout":"30s","expect":{"devices":["eth0"]}}"#;
+    let id = agent.begin_probing(body);
+    // The rollout changes the device selection on purpose, then restarts the agent.
+    lab.config_set(&[("devices".into(), "eth0".into())])
+        .unwrap();
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(100),
+        drop_device: Some("eth1".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+    assert_eq!(v["params"]["expect_devices"], serde_json::json!(["eth0"]));
+    drop(agent);
+    drop(lab);
+    let mut lab2 = common::lab(|_| {});
+    let agent = Daemon::start(&lab2, &[]);
+    let id = agent.begin_probing(r#"{"id":"as-before","settle":"1s","timeout":"30s","expect":{"devices":["eth0","eth1","eth2"]}}"#);
+    lab2.restart(&RestartOpts {
+        gap: Duration::from_millis(100),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+    assert_eq!(
+        v["verdict"]["reasons"],
+        serde_json::json!(["device_set_changed"]),
+        "{v:#}"
+    );
+}
+
 /// Kept state (the endpoint map) coming back empty fails at any size (wrong pass 6: a node
 /// with fewer than 8 endpoints used to pass).
 #[test]
