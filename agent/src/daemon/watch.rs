@@ -70,7 +70,12 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
             obs.problems.first().cloned().unwrap_or_default(),
         ));
     }
-    let selected: Vec<String> = devices::carrying(&obs.devices).into_iter().collect();
+    // Host devices only: Cilium's own devices change programs by design across versions
+    // (cilium_wg0: cil_from_netdev up to 1.17, cil_from_wireguard from 1.18).
+    let selected: Vec<String> = devices::carrying(&obs.devices)
+        .into_iter()
+        .filter(|d| !devices::ciliums_own(d))
+        .collect();
     if selected.is_empty() {
         return Err(BeginError::NoDatapath);
     }

@@ -50,10 +50,16 @@ pub struct Device {
     pub name: String,
     pub ifindex: u32,
     pub up: bool,
+    /// IFF_LOOPBACK.
+    pub loopback: bool,
+    /// IFF_SLAVE (a bond port).
+    pub port: bool,
     /// Link kind (`veth`, `bridge`, ...), when the kernel says.
     pub kind: Option<String>,
     /// Enslaved to a bridge/bond.
     pub has_controller: bool,
+    /// Addresses of any scope (Cilium rejects a device without any).
+    pub addresses: usize,
     pub global_addrs: Vec<IpAddr>,
     pub programs: Vec<AttachedProgram>,
 }
@@ -138,8 +144,11 @@ fn global_unicast(ip: &IpAddr) -> bool {
     }
 }
 
+/// The link kind as the kernel names it (IFLA_INFO_KIND: `veth`, `bridge`, `openvswitch`):
+/// the crate's Display, not its Debug form (which turned `openvswitch` into
+/// `other("openvswitch")`, so OVS devices were never excluded).
 fn kind_name(k: &InfoKind) -> String {
-    format!("{k:?}").to_lowercase()
+    k.to_string()
 }
 
 /// Observes the current network namespace. `bpffs` is where Cilium pins its tcx links.
@@ -187,8 +196,11 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
             name: String::new(),
             ifindex: msg.header.index,
             up: msg.header.flags.contains(LinkFlags::Up),
+            loopback: msg.header.flags.contains(LinkFlags::Loopback),
+            port: msg.header.flags.contains(LinkFlags::Port),
             kind: None,
             has_controller: false,
+            addresses: 0,
             global_addrs: vec![],
             programs: vec![],
         };
@@ -232,12 +244,14 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
     // Addresses, for Cilium's auto-detection rule (global unicast).
     let mut addrs = handle.address().get().execute();
     let mut by_index: BTreeMap<u32, Vec<IpAddr>> = BTreeMap::new();
+    let mut any_addr: BTreeMap<u32, usize> = BTreeMap::new();
     while let Some(msg) = addrs.try_next().await.map_err(|e| LinkError::Dump {
         what: "address",
         message: e.to_string(),
     })? {
         for a in &msg.attributes {
             if let AddressAttribute::Address(ip) = a {
+                *any_addr.entry(msg.header.index).or_default() += 1;
                 if global_unicast(ip) {
                     by_index.entry(msg.header.index).or_default().push(*ip);
                 }
@@ -247,6 +261,7 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
     let pins = pinned_tcx_links(bpffs, &mut obs.link_pin_problems);
     for d in &mut devices {
         d.global_addrs = by_index.remove(&d.ifindex).unwrap_or_default();
+        d.addresses = any_addr.get(&d.ifindex).copied().unwrap_or(0);
         for (hook, at) in [
             ("ingress", bpf::BPF_TCX_INGRESS),
             ("egress", bpf::BPF_TCX_EGRESS),
@@ -370,8 +385,11 @@ mod tests {
             name: "eth0".into(),
             ifindex: 2,
             up: true,
+            loopback: false,
+            port: false,
             kind: None,
             has_controller: false,
+            addresses: 0,
             global_addrs: vec![],
             programs: ids
                 .iter()
