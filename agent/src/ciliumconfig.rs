@@ -126,6 +126,41 @@ impl SnapshotStore {
         std::fs::rename(tmp, path)
     }
 
+    /// Every value `key` had in a remembered snapshot (oldest first, deduplicated).
+    pub fn history(&self, key: &str) -> Vec<String> {
+        let mut snaps: Vec<Snapshot> = self.all();
+        snaps.sort_by(|a, b| a.changed_at.total_cmp(&b.changed_at));
+        let mut out: Vec<String> = Vec::new();
+        for v in snaps.iter().filter_map(|s| s.values.get(key)) {
+            if !out.contains(v) {
+                out.push(v.clone());
+            }
+        }
+        out
+    }
+
+    fn all(&self) -> Vec<Snapshot> {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return vec![];
+        };
+        rd.flatten()
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|t| serde_json::from_slice::<serde_json::Value>(&t).ok())
+            .map(|v| Snapshot {
+                changed_at: v["changed_at"].as_f64().unwrap_or(0.0),
+                version: v["version"].as_str().unwrap_or("").into(),
+                values: v["values"]
+                    .as_object()
+                    .map(|o| {
+                        o.iter()
+                            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
     /// The newest remembered snapshot that was already in place at `t` (unix seconds).
     pub fn in_effect_at(&self, t: f64) -> Option<Snapshot> {
         let rd = std::fs::read_dir(&self.dir).ok()?;

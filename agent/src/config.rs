@@ -12,9 +12,12 @@ use std::time::Duration;
 pub struct Config {
     /// bpffs root holding Cilium's pins.
     pub bpffs: PathBuf,
-    /// A mounted cilium-config ConfigMap directory (optional).
+    /// A mounted cilium-config ConfigMap directory (optional): what is declared now.
     pub cilium_config: Option<PathBuf>,
-    /// `auto`, `1.16`, `1.18` or `1.20`.
+    /// The cilium-agent's API socket (`/var/run/cilium/cilium.sock`, optional): what the
+    /// running agent loaded, compared with `cilium_config` by the `config` check.
+    pub cilium_api: Option<PathBuf>,
+    /// `auto`, `1.16` … `1.20` (newer: checked against 1.20).
     pub cilium: String,
     pub devices: DevicesConfig,
     pub maps: MapsConfig,
@@ -27,6 +30,7 @@ impl Default for Config {
         Self {
             bpffs: PathBuf::from("/sys/fs/bpf"),
             cilium_config: None,
+            cilium_api: None,
             cilium: "auto".into(),
             devices: DevicesConfig::default(),
             maps: MapsConfig::default(),

@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 
 pub mod checks;
+pub mod ciliumapi;
 pub mod ciliumconfig;
 pub mod client;
 pub mod clock;

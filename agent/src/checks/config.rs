@@ -1,22 +1,34 @@
-//! `config`: a ConfigMap change newer than the running datapath is "merged but inert" — the
-//! cilium-agent reads cilium-config only at startup, so the change is not in effect until the
-//! agent restarts (the seeds' incident: green everywhere, inert for a day). Names the keys that
-//! differ from what the datapath started with when an earlier snapshot is known.
+//! `config`: is the cilium-config declared now what the running cilium-agent loaded? The
+//! agent reads its config only at start, so an edit without a restart is "merged but inert"
+//! (the seeds' incident: green everywhere, inert for a day). Judged from content, not
+//! timestamps: the declared keys (the mounted ConfigMap) against the settings the agent
+//! reports it loaded (its API, `GET /v1/debuginfo`). A key whose loaded value is an earlier
+//! value of the ConfigMap was not applied; a loaded value the ConfigMap never had, on a node
+//! whose config sources include a CiliumNodeConfig, is a per-node override (reported). Keys
+//! the agent does not report cannot be verified (listed, never counted as a pass).
 use super::CheckResult;
-use crate::ciliumconfig::{changed_keys, Snapshot, SnapshotStore};
+use crate::ciliumconfig::{Snapshot, SnapshotStore};
 use serde_json::json;
+use std::collections::BTreeMap;
 
 pub const CHECK: &str = "config";
 
-/// Clock slack between kubelet's symlink swap and the agent's program loads.
-const SLACK_SECONDS: f64 = 1.0;
+/// The synthetic key `cilium-dbg build-config` adds (where the settings came from).
+const CONFIG_SOURCES: &str = "config-sources";
+
+fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.trim(), b.trim());
+    a == b
+        || (matches!(a.to_ascii_lowercase().as_str(), "true" | "false")
+            && a.eq_ignore_ascii_case(b))
+}
 
 pub fn evaluate(
-    current: Option<Result<&Snapshot, &crate::ciliumconfig::ReadError>>,
-    datapath_loaded_at: Option<f64>,
+    declared: Option<Result<&Snapshot, &crate::ciliumconfig::ReadError>>,
+    loaded: Option<Result<&BTreeMap<String, String>, &crate::ciliumapi::ApiError>>,
     store: Option<&SnapshotStore>,
 ) -> CheckResult {
-    let snap = match current {
+    let snap = match declared {
         None => {
             return CheckResult::unknown(
                 CHECK,
@@ -35,48 +47,116 @@ pub fn evaluate(
         }
         Some(Ok(s)) => s,
     };
-    let Some(loaded) = datapath_loaded_at else {
-        return CheckResult::unknown(CHECK, "datapath_unknown", "cannot tell when the running datapath was loaded (no readable cil_from_netdev programs)", json!({"config_changed_at": snap.changed_at}));
+    let loaded = match loaded {
+        None => {
+            return CheckResult::unknown(
+                CHECK,
+                "no_agent_api",
+                "cannot tell what the running cilium-agent loaded: set `cilium_api` to its API socket (/var/run/cilium/cilium.sock)",
+                json!({"config_version": snap.version, "keys": snap.values.len()}),
+            )
+        }
+        Some(Err(e)) => {
+            return CheckResult::unknown(
+                CHECK,
+                "agent_api_unreachable",
+                format!("cannot ask the running cilium-agent what it loaded: {e}"),
+                json!({"config_version": snap.version}),
+            )
+        }
+        Some(Ok(l)) => l,
     };
-    let mut evidence = json!({
-        "config_changed_at": snap.changed_at,
+    let sources = loaded.get(CONFIG_SOURCES).cloned().unwrap_or_default();
+    let per_node = sources.contains("cilium-node-config") || sources.contains("node:");
+    let (mut verified, mut not_applied, mut overrides, mut unsure, mut unverifiable) =
+        (0usize, Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (k, want) in snap
+        .values
+        .iter()
+        .filter(|(k, _)| k.as_str() != CONFIG_SOURCES)
+    {
+        let Some(have) = loaded.get(k) else {
+            unverifiable.push(k.clone());
+            continue;
+        };
+        if same(have, want) {
+            verified += 1;
+            continue;
+        }
+        let earlier = store
+            .map(|s| s.history(k))
+            .unwrap_or_default()
+            .iter()
+            .any(|v| same(v, have));
+        let row = json!({"key": k, "declared": want, "loaded": have});
+        match (earlier, per_node) {
+            // The agent runs with a value the ConfigMap had before: the edit did not reach it.
+            (true, _) | (false, false) => not_applied.push(row),
+            // A value the ConfigMap never had, from a per-node source: an override.
+            (false, true) => {
+                if store.is_some() {
+                    overrides.push(row)
+                } else {
+                    unsure.push(row)
+                }
+            }
+        }
+    }
+    let keys = |v: &[serde_json::Value]| {
+        v.iter()
+            .filter_map(|r| r["key"].as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let evidence = json!({
         "config_version": snap.version,
-        "datapath_loaded_at": loaded,
-        "keys": snap.values.len(),
+        "config_sources": sources,
+        "verified": verified,
+        "not_applied": not_applied,
+        "per_node_overrides": overrides,
+        "override_or_not_applied": unsure,
+        "unverifiable_keys": unverifiable,
     });
-    if snap.changed_at <= loaded + SLACK_SECONDS {
-        return CheckResult::pass(
+    if !not_applied.is_empty() {
+        return CheckResult::fail(
             CHECK,
-            "config_applied",
+            "config_not_applied",
             format!(
-                "cilium-config unchanged since the datapath loaded ({:.0}s before it)",
-                loaded - snap.changed_at
+                "cilium-config changed but the running cilium-agent still has the old value: merged but inert until it restarts; changed keys: {}",
+                keys(&not_applied)
             ),
             evidence,
         );
     }
-    let age = snap.changed_at - loaded;
-    let before = store.and_then(|s| s.in_effect_at(loaded + SLACK_SECONDS));
-    let keys = before
-        .as_ref()
-        .map(|b| changed_keys(&b.values, &snap.values));
-    evidence["changed_keys"] = json!(keys);
-    let which = match &keys {
-        Some(k) if !k.is_empty() => format!("changed keys: {}", k.join(", ")),
-        Some(_) => "no key differs from the snapshot taken when the datapath loaded (content rewritten unchanged)".into(),
-        None => "changed keys unknown (no snapshot from before the datapath loaded)".into(),
-    };
-    if keys.as_ref().is_some_and(|k| k.is_empty()) {
-        return CheckResult::pass(CHECK, "config_applied", which, evidence);
+    if !unsure.is_empty() {
+        return CheckResult::unknown(
+            CHECK,
+            "config_unverified",
+            format!(
+                "the running cilium-agent differs from cilium-config on {} (a per-node override or an edit not applied; no earlier snapshot to tell)",
+                keys(&unsure)
+            ),
+            evidence,
+        );
     }
-    CheckResult::fail(CHECK, "config_not_applied", format!("cilium-config changed {age:.0}s after the running datapath loaded: merged but inert until cilium-agent restarts; {which}"), evidence)
+    let mut reason = format!(
+        "the running cilium-agent loaded the declared cilium-config ({verified} keys verified"
+    );
+    if !overrides.is_empty() {
+        reason.push_str(&format!("; per-node overrides: {}", keys(&overrides)));
+    }
+    if !unverifiable.is_empty() {
+        reason.push_str(&format!("; {} keys it does not report", unverifiable.len()));
+    }
+    reason.push(')');
+    CheckResult::pass(CHECK, "config_applied", reason, evidence)
 }
 
-/// The `config` node check: needs the device observation (when the datapath was loaded).
+/// The `config` node check: asks the agent's API what it loaded.
 pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
     name: CHECK,
     needs: super::Needs {
-        links: true,
+        links: false,
         maps: false,
     },
     from_probes: false,
@@ -86,11 +166,11 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
 
 fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
     Box::pin(async move {
-        let loaded = match i.links {
-            Some(Ok(o)) if !o.prog_details_unreadable => super::devices::datapath_loaded_at(o),
-            _ => None,
+        let loaded = match &i.cfg.cilium_api {
+            Some(sock) => Some(crate::ciliumapi::loaded_settings(sock).await),
+            None => None,
         };
-        evaluate(i.cilium, loaded, i.store)
+        evaluate(i.cilium, loaded.as_ref().map(|r| r.as_ref()), i.store)
     })
 }
 
@@ -99,42 +179,85 @@ mod tests {
     use super::*;
     use crate::checks::Status;
 
-    fn snap(t: f64, devices: &str) -> Snapshot {
+    fn snap(t: f64, values: &[(&str, &str)]) -> Snapshot {
         Snapshot {
             changed_at: t,
             version: format!("..{t}"),
-            values: [("devices".to_string(), devices.to_string())].into(),
+            values: values
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         }
     }
+    fn loaded(values: &[(&str, &str)]) -> BTreeMap<String, String> {
+        values
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+    fn store(name: &str) -> (SnapshotStore, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("sg-cfg-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        (SnapshotStore::new(&dir), dir)
+    }
 
+    /// The headline case: the ConfigMap was edited (devices), the agent was not restarted
+    /// and still runs with the old value: not applied, naming the key.
     #[test]
-    fn a_change_after_the_datapath_loaded_is_inert() {
-        let r = evaluate(Some(Ok(&snap(200.0, "eth+"))), Some(100.0), None);
+    fn an_edit_the_agent_has_not_loaded_is_named() {
+        let (st, dir) = store("inert");
+        st.remember(&snap(50.0, &[("devices", "eth0 eth1")]))
+            .unwrap();
+        let now = snap(200.0, &[("devices", "eth0"), ("enable-ipv4", "true")]);
+        st.remember(&now).unwrap();
+        let l = loaded(&[("devices", "eth0 eth1"), ("enable-ipv4", "True")]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), Some(&st));
         assert_eq!(
             (r.status, r.code.as_str()),
             (Status::Fail, "config_not_applied")
         );
-        assert!(r.reason.contains("changed keys unknown"));
-        let r = evaluate(Some(Ok(&snap(50.0, "eth+"))), Some(100.0), None);
-        assert_eq!(r.status, Status::Pass);
-    }
-
-    #[test]
-    fn a_snapshot_names_the_keys() {
-        let dir = std::env::temp_dir().join(format!("sg-cfg-{}", std::process::id()));
-        let store = SnapshotStore::new(&dir);
-        store.remember(&snap(50.0, "eth0 eth1")).unwrap();
-        let r = evaluate(Some(Ok(&snap(200.0, "eth+"))), Some(100.0), Some(&store));
         assert!(r.reason.contains("changed keys: devices"), "{}", r.reason);
+        // After the restart the agent loaded it: applied (bools compare like Go's).
+        let l = loaded(&[("devices", "eth0"), ("enable-ipv4", "true")]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), Some(&st));
+        assert_eq!(r.status, Status::Pass, "{}", r.reason);
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// A value the ConfigMap never had, on a node with a CiliumNodeConfig source: a per-node
+    /// override, seen and reported, not a failure.
     #[test]
-    fn without_a_directory_or_datapath_it_is_unknown() {
-        assert_eq!(evaluate(None, Some(1.0), None).status, Status::Unknown);
-        assert_eq!(
-            evaluate(Some(Ok(&snap(1.0, "x"))), None, None).status,
-            Status::Unknown
+    fn a_per_node_override_is_seen() {
+        let (st, dir) = store("override");
+        let now = snap(100.0, &[("devices", "eth0 eth1")]);
+        st.remember(&now).unwrap();
+        let l = loaded(&[
+            ("devices", "eth0"),
+            (
+                "config-sources",
+                "config-map:kube-system/cilium-config,cilium-node-config:kube-system/n1",
+            ),
+        ]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), Some(&st));
+        assert_eq!(r.status, Status::Pass, "{}", r.reason);
+        assert!(
+            r.reason.contains("per-node overrides: devices"),
+            "{}",
+            r.reason
         );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Keys the agent does not report are listed, never counted as verified; without the
+    /// agent's API nothing can be said (unknown, not pass).
+    #[test]
+    fn what_cannot_be_verified_is_never_a_pass() {
+        let now = snap(1.0, &[("devices", "eth0"), ("some-new-key", "x")]);
+        let l = loaded(&[("devices", "eth0")]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None);
+        assert_eq!(r.evidence["unverifiable_keys"], json!(["some-new-key"]));
+        assert_eq!(r.evidence["verified"], 1);
+        assert_eq!(evaluate(Some(Ok(&now)), None, None).status, Status::Unknown);
+        assert_eq!(evaluate(None, Some(Ok(&l)), None).status, Status::Unknown);
     }
 }

@@ -46,6 +46,10 @@ pub struct LabSpec {
     pub capacity: Capacity,
     /// Entries written into `cilium_ct4_global` (benchmarks ask for ~500k).
     pub ct_fill: u32,
+    /// Per-node config overrides (a CiliumNodeConfig for this node): the agent loads them
+    /// over the ConfigMap.
+    #[serde(default)]
+    pub node_overrides: BTreeMap<String, String>,
 }
 
 impl LabSpec {
@@ -63,8 +67,26 @@ impl LabSpec {
             },
             capacity: Capacity::default(),
             ct_fill: 64,
+            node_overrides: BTreeMap::new(),
         }
     }
+}
+
+/// The `stepguard-lab` binary (it also serves the lab agent's API): `STEPGUARD_LAB_BIN`, this
+/// process when it is the lab binary, or the debug build next to the workspace.
+pub fn lab_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("STEPGUARD_LAB_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let me = std::env::current_exe().context("locate this executable")?;
+    if me.file_name().is_some_and(|n| n == "stepguard-lab") {
+        return Ok(me);
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/stepguard-lab");
+    if built.exists() {
+        return Ok(built);
+    }
+    bail!("cannot find the stepguard-lab binary (set STEPGUARD_LAB_BIN, or `cargo xtask build`)")
 }
 
 /// A fresh prefix nobody uses: `sglab` + 5 hex digits.
@@ -418,6 +440,38 @@ impl Lab {
         Ok(())
     }
 
+    /// The lab agent's runtime directory (Cilium's `/var/run/cilium`).
+    pub fn agent_run_dir(&self) -> PathBuf {
+        self.state.run_dir.join("cilium-run")
+    }
+
+    /// The lab agent's API socket (Cilium's `/var/run/cilium/cilium.sock`).
+    pub fn agent_socket(&self) -> PathBuf {
+        self.agent_run_dir().join("cilium.sock")
+    }
+
+    fn agent_settings(&self) -> PathBuf {
+        self.agent_run_dir().join("loaded-settings.json")
+    }
+
+    /// The lab's agent (re)starts: it loads the cilium-config as it is now, with the per-node
+    /// overrides (Cilium: `cilium-dbg build-config` merges the ConfigMap and matching
+    /// CiliumNodeConfigs, later sources winning, and records `config-sources`).
+    fn load_agent_config(&self) -> Result<()> {
+        let mut values = ciliumconfig::read(&self.state.cilium_config)?;
+        let mut sources = vec!["config-map:kube-system/cilium-config".to_string()];
+        if !self.state.spec.node_overrides.is_empty() {
+            for (k, v) in &self.state.spec.node_overrides {
+                values.insert(k.clone(), v.clone());
+            }
+            sources.push("cilium-node-config:kube-system/lab-node".into());
+        }
+        values.insert("config-sources".into(), sources.join(","));
+        std::fs::create_dir_all(self.agent_run_dir())?;
+        std::fs::write(self.agent_settings(), serde_json::to_vec(&values)?)
+            .context("write the lab agent's loaded settings")
+    }
+
     /// Replaces the pinned ipcache with a new map (new id), refilled unless `refill` is false.
     fn recreate_ipcache(&self, refill: bool) -> Result<()> {
         let s = &self.state.spec;
@@ -562,6 +616,18 @@ impl Lab {
         let p = services::start_nginx(&fabric, &dir, &GATEWAY_VIP.to_string(), GATEWAY_PORT)?;
         self.state.procs.push(p);
         self.save()?;
+        // The "agent" loads its config at start, as Cilium's does (the init container merges
+        // the ConfigMap into what the agent reads); its API tells what it loaded.
+        self.load_agent_config()?;
+        std::fs::create_dir_all(self.agent_run_dir())?;
+        let p = services::start_agent_api(
+            &lab_binary()?,
+            &self.agent_socket(),
+            &self.agent_settings(),
+            &dir.join("agent-api.log"),
+        )?;
+        self.state.procs.push(p);
+        self.save()?;
         // Ready means reachable from the node namespace, through eth0 and the fake datapath.
         let node = self.node_ns();
         services::wait_until("gateway VIP (nginx)", Duration::from_secs(10), || {
@@ -603,6 +669,7 @@ impl Lab {
             "# stepguard config for lab {prefix} (written by the lab; run the agent in {node})\n\
              bpffs: {bpffs}\n\
              cilium_config: {cfg}\n\
+             cilium_api: {api}\n\
              cilium: \"{profile}\"\n\
              targets:\n\
              \x20 - name: gateway\n    address: {gw}\n    port: {gwp}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\
@@ -612,6 +679,7 @@ impl Lab {
             node = self.node_ns(),
             bpffs = s.bpffs.display(),
             cfg = s.cilium_config.display(),
+            api = self.agent_socket().display(),
             profile = s.spec.profile,
             gw = GATEWAY_VIP,
             gwp = GATEWAY_PORT,
@@ -714,6 +782,8 @@ impl Lab {
         let new = result?;
         lift?;
         if !o.no_reload {
+            // The agent restarted: it loaded the cilium-config as it is now.
+            self.load_agent_config()?;
             self.create_tail_call_maps()?;
             // Like Cilium's start: ipcache is unpinned, created anew and refilled
             // (pkg/maps/ipcache Recreate), so its id changes; the fault leaves it empty.

@@ -174,3 +174,93 @@ pub fn wait_until(
         }
     }
 }
+
+/// The lab's stand-in for the cilium-agent API on `cilium.sock` (`GET /v1/debuginfo`): the
+/// settings the lab's "agent" loaded at its last start, as `environment-variables`
+/// (`key:value`), read from `settings` (JSON object) on every request. Runs as
+/// `stepguard-lab agent-api` (the lab binary itself), detached like the other servers.
+pub fn start_agent_api(lab_bin: &Path, socket: &Path, settings: &Path, log: &Path) -> Result<Proc> {
+    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
+    let err = out.try_clone()?;
+    let mut cmd = Command::new(lab_bin);
+    cmd.arg("agent-api")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--settings")
+        .arg(settings)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    // SAFETY: setsid is async-signal-safe; detaches the server from our session.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("start the agent API stand-in ({})", lab_bin.display()))?;
+    let pid = child.id() as i32;
+    wait_until("the agent API socket", Duration::from_secs(5), || {
+        if socket.exists() {
+            Ok(())
+        } else {
+            bail!("{} not there yet", socket.display())
+        }
+    })?;
+    let start_ticks = start_ticks(pid).with_context(|| {
+        format!(
+            "the agent API stand-in exited at once; see {}",
+            log.display()
+        )
+    })?;
+    Ok(Proc {
+        what: "agent-api".into(),
+        pid,
+        start_ticks,
+    })
+}
+
+/// Serves `GET /v1/debuginfo` on a unix socket until killed (the body of `agent-api`).
+pub fn serve_agent_api(socket: &Path, settings: &Path) -> Result<()> {
+    use std::io::{Read, Write};
+    let _ = std::fs::remove_file(socket);
+    let listener = std::os::unix::net::UnixListener::bind(socket)
+        .with_context(|| format!("bind {}", socket.display()))?;
+    for conn in listener.incoming() {
+        let Ok(mut c) = conn else { continue };
+        let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16384 {
+            match c.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let req = String::from_utf8_lossy(&buf);
+        let (status, body) = if req.starts_with("GET /v1/debuginfo") {
+            let values: serde_json::Map<String, serde_json::Value> = std::fs::read(settings)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            let env: Vec<String> = values
+                .iter()
+                .map(|(k, v)| format!("{k}:{}", v.as_str().unwrap_or_default()))
+                .collect();
+            (
+                "200 OK",
+                serde_json::json!({"environment-variables": env}).to_string(),
+            )
+        } else {
+            ("404 Not Found", "{}".to_string())
+        };
+        let _ = write!(
+            c,
+            "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+    Ok(())
+}

@@ -45,7 +45,7 @@ fn down_leaves_no_namespace_interface_mount_or_process() {
     let mut lab = lab(|s| s.pods = 4);
     let prefix = lab.state.spec.prefix.clone();
     let pids: Vec<i32> = lab.state.procs.iter().map(|p| p.pid).collect();
-    assert_eq!(pids.len(), 2, "dnsmasq and nginx");
+    assert_eq!(pids.len(), 3, "dnsmasq, nginx and the agent API stand-in");
     let prog_ids: Vec<u32> = lab.state.attachments.iter().map(|a| a.prog_id).collect();
     lab.down().unwrap();
     assert_gone(&prefix, &pids);

@@ -17,6 +17,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// (internal) Serve the lab agent's API on a unix socket, as `lab up` starts it.
+    #[command(hide = true)]
+    AgentApi {
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        #[arg(long)]
+        settings: std::path::PathBuf,
+    },
     /// Create a lab: namespaces, devices, bpffs with Cilium's maps, fake datapath, DNS/HTTP VIPs.
     Up {
         /// Unique name prefix for the lab's namespaces (default: a fresh `sglabXXXXX`).
@@ -174,6 +182,9 @@ fn main() {
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::AgentApi { socket, settings } => {
+            stepguard_lab::services::serve_agent_api(&socket, &settings)?;
+        }
         Cmd::Up {
             prefix,
             cilium,
