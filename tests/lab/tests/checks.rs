@@ -287,7 +287,6 @@ fn an_empty_bpffs_is_never_a_pass() {
         ],
     );
     assert_ne!(code, 0);
-    assert_eq!(result(&v, "maps")["status"], "unknown");
     assert_eq!(result(&v, "maps")["code"], "bpffs_missing");
     // A bpffs without Cilium's pins: the profile's maps are all missing.
     sh("mount", &["-t", "bpf", "bpf", &empty.to_string_lossy()]);
@@ -353,7 +352,8 @@ fn without_cap_bpf_and_cap_sys_admin_nothing_passes_overall() {
     assert_ne!(out.status.code(), Some(0), "{v:#}");
     assert_eq!(result(&v, "devices")["status"], "unknown");
     assert_eq!(result(&v, "devices")["code"], "no_permission");
-    assert_eq!(result(&v, "config")["status"], "unknown");
+    // The config check asks the agent's API socket, which needs no BPF capability.
+    assert_eq!(result(&v, "config")["status"], "pass", "{v:#}");
 }
 
 #[test]
