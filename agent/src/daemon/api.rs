@@ -508,8 +508,8 @@ mod tests {
         (status, v)
     }
 
-    /// Installs a step through the runner (as POST does after taking a baseline).
-    async fn active(d: &Arc<Daemon>, id: &str) {
+    /// Hands the runner a step (as POST does after taking a baseline); returns its answer.
+    async fn send_begin(d: &Arc<Daemon>, id: &str) -> Begun {
         let (_, params) =
             StepParams::from_request(&StepRequest::default(), Duration::from_millis(10), &[])
                 .unwrap();
@@ -528,7 +528,12 @@ mod tests {
             })
             .await
             .unwrap();
-        assert!(matches!(rx.await.unwrap(), Begun::Created(_)));
+        rx.await.unwrap()
+    }
+
+    /// Installs a step through the runner.
+    async fn active(d: &Arc<Daemon>, id: &str) {
+        assert!(matches!(send_begin(d, id).await, Begun::Created(_)));
     }
 
     #[tokio::test]
@@ -639,25 +644,7 @@ mod tests {
         let steps = d.opts.state_dir.join("steps");
         std::fs::remove_dir_all(&steps).unwrap();
         std::fs::write(&steps, b"not a directory").unwrap();
-        let (_, params) =
-            StepParams::from_request(&StepRequest::default(), Duration::from_millis(10), &[])
-                .unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        d.ports
-            .commands
-            .send(Command::Begin {
-                step: Box::new(Step::new(
-                    "lost".into(),
-                    unix_now(),
-                    params,
-                    Default::default(),
-                    Default::default(),
-                )),
-                reply: tx,
-            })
-            .await
-            .unwrap();
-        match rx.await.unwrap() {
+        match send_begin(&d, "lost").await {
             Begun::NotSaved(e) => assert!(!e.is_empty()),
             _ => panic!("a step that cannot be saved was taken"),
         }

@@ -692,24 +692,12 @@ mod tests {
             .set_read_timeout(Some(Duration::from_millis(300)))
             .unwrap();
         let port = server.local_addr().unwrap().port();
-        let dir = std::env::temp_dir().join(format!("sg-dnsburst-{}", std::process::id()));
-        let cfg = Config::parse(&format!(
-            "dns: {{resolvers: [\"127.0.0.1:{port}\"], names: [a.test, b.test], burst: 3, timeout: 20ms}}\n"
-        ))
-        .unwrap();
-        let d = Daemon::new(
-            cfg,
-            DaemonOptions {
-                state_dir: dir.clone(),
-                probe_interval: Duration::from_secs(3600),
-                slow_interval: Duration::from_secs(3600),
-                burst_interval: Duration::from_millis(10),
-                token: None,
-                drop_accounting: false,
-                max_long_polls: 4,
-            },
-        )
-        .unwrap();
+        let d = test_daemon(
+            &format!(
+                "dns: {{resolvers: [\"127.0.0.1:{port}\"], names: [a.test, b.test], burst: 3, timeout: 20ms}}\n"
+            ),
+            "dnsburst",
+        );
         let resolver = format!("127.0.0.1:{port}").parse().unwrap();
         let task = tokio::spawn(dns_loop(d.clone(), resolver));
         // One interval (the first tick fires at once, the next in an hour): 2 names x 3.
@@ -725,7 +713,6 @@ mod tests {
         .unwrap();
         task.abort();
         assert_eq!(n, 6);
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// A probe sent at t=1 times out at t=2, after the probe sent at t=1.5 succeeded: the

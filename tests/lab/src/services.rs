@@ -27,16 +27,21 @@ pub fn start_ticks(pid: i32) -> Option<u64> {
 }
 
 fn spawn_in(ns: &str, what: &str, program: &str, args: &[String], log: &Path) -> Result<Proc> {
-    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
-    let err = out.try_clone()?;
     let mut cmd = Command::new("nsenter");
     cmd.arg(format!("--net={}", netns_path(ns).display()))
         .arg("--")
         .arg(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err);
+        .args(args);
+    // nsenter execs the server in place: the pid is the server's.
+    spawn_detached(cmd, what, log)
+}
+
+/// Starts `cmd` detached (own session, so it outlives `lab up`), output to `log`; records its
+/// pid and start time.
+fn spawn_detached(mut cmd: Command, what: &str, log: &Path) -> Result<Proc> {
+    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
+    let err = out.try_clone()?;
+    cmd.stdin(Stdio::null()).stdout(out).stderr(err);
     // SAFETY: setsid is async-signal-safe; detaches the server from our session and terminal.
     unsafe {
         cmd.pre_exec(|| {
@@ -44,11 +49,10 @@ fn spawn_in(ns: &str, what: &str, program: &str, args: &[String], log: &Path) ->
             Ok(())
         });
     }
-    let child = cmd.spawn().with_context(|| {
-        format!("start {what} ({program}): is it installed? (cargo xtask setup)")
-    })?;
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("start {what}: is it installed? (cargo xtask setup)"))?;
     let pid = child.id() as i32;
-    // nsenter execs the server in place: the pid is the server's.
     std::thread::sleep(Duration::from_millis(20));
     let start_ticks = start_ticks(pid)
         .with_context(|| format!("{what} exited at once; see {}", log.display()))?;
@@ -180,28 +184,13 @@ pub fn wait_until(
 /// (`key:value`), read from `settings` (JSON object) on every request. Runs as
 /// `stepguard-lab agent-api` (the lab binary itself), detached like the other servers.
 pub fn start_agent_api(lab_bin: &Path, socket: &Path, settings: &Path, log: &Path) -> Result<Proc> {
-    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
-    let err = out.try_clone()?;
     let mut cmd = Command::new(lab_bin);
     cmd.arg("agent-api")
         .arg("--socket")
         .arg(socket)
         .arg("--settings")
-        .arg(settings)
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err);
-    // SAFETY: setsid is async-signal-safe; detaches the server from our session.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .with_context(|| format!("start the agent API stand-in ({})", lab_bin.display()))?;
-    let pid = child.id() as i32;
+        .arg(settings);
+    let proc = spawn_detached(cmd, "agent-api", log)?;
     wait_until("the agent API socket", Duration::from_secs(5), || {
         if socket.exists() {
             Ok(())
@@ -209,17 +198,7 @@ pub fn start_agent_api(lab_bin: &Path, socket: &Path, settings: &Path, log: &Pat
             bail!("{} not there yet", socket.display())
         }
     })?;
-    let start_ticks = start_ticks(pid).with_context(|| {
-        format!(
-            "the agent API stand-in exited at once; see {}",
-            log.display()
-        )
-    })?;
-    Ok(Proc {
-        what: "agent-api".into(),
-        pid,
-        start_ticks,
-    })
+    Ok(proc)
 }
 
 /// Serves `GET /v1/debuginfo` on a unix socket until killed (the body of `agent-api`).

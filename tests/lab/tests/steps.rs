@@ -234,11 +234,7 @@ fn an_agent_killed_before_the_restart_resumes_the_step_from_disk_as_incomplete_e
     let mut lab = lab(|_| {});
     let mut agent = Daemon::start(&lab, &[]);
     let id = agent.begin_probing(STEP);
-    agent.wait_persisted(&id, |s| {
-        s["targets"]
-            .as_object()
-            .is_some_and(|t| t.values().all(|t| t["persisted_through"].is_array()))
-    });
+    agent.wait_persisted(&id, every_target_persisted);
     agent.kill9();
     agent.restart_same();
     lab.restart(&RestartOpts {
@@ -269,11 +265,7 @@ fn an_outage_while_the_agent_is_down_never_passes() {
     let id = agent.begin_probing(
         r#"{"settle":"1s","timeout":"30s","drops_budget":{"TC_INGRESS":0,"202_host_datapath_not_ready":0}}"#,
     );
-    agent.wait_persisted(&id, |s| {
-        s["targets"]
-            .as_object()
-            .is_some_and(|t| t.values().all(|t| t["persisted_through"].is_array()))
-    });
+    agent.wait_persisted(&id, every_target_persisted);
     agent.kill9();
     blackhole(&lab, true);
     wait_for_blackhole(&lab.state.bpffs);
@@ -318,11 +310,7 @@ fn an_agent_killed_during_the_outage_never_passes() {
     });
     // Kill the agent once the blackhole is on and the agent has seen (and persisted) failures.
     wait_for_blackhole(&bpffs);
-    agent.wait_persisted(&id, |s| {
-        s["targets"]
-            .as_object()
-            .is_some_and(|t| t.values().any(|t| t["persisted_through"][1] == false))
-    });
+    agent.wait_persisted(&id, some_target_persisted_failing);
     agent.kill9();
     // The agent stays away for a while (a deliberate duration, not a wait for a state).
     std::thread::sleep(Duration::from_millis(500));

@@ -602,6 +602,20 @@ pub fn assert_gap_matches(g: &Value, r: &stepguard_lab::RestartReport, what: &st
     );
 }
 
+/// A step on disk whose every target has samples persisted.
+pub fn every_target_persisted(s: &Value) -> bool {
+    s["targets"]
+        .as_object()
+        .is_some_and(|t| t.values().all(|t| t["persisted_through"].is_array()))
+}
+
+/// A step on disk with a target whose last persisted probe failed (an outage going on).
+pub fn some_target_persisted_failing(s: &Value) -> bool {
+    s["targets"]
+        .as_object()
+        .is_some_and(|t| t.values().any(|t| t["persisted_through"][1] == false))
+}
+
 /// Waits (bounded) until the lab's blackhole flag reads 1, as bpftool sees it.
 pub fn wait_for_blackhole(bpffs: &std::path::Path) {
     let pin = bpffs.join("stepguard-lab/blackhole");
