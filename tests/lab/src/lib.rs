@@ -472,6 +472,43 @@ impl Lab {
             .context("write the lab agent's loaded settings")
     }
 
+    /// The maps of an agent coming back as `to`: global maps the new version does not have are
+    /// unpinned (as 1.18 unpins the tunnel map and the v1 node map, and RemoveDisabledMaps
+    /// the rest), new ones are created and filled; per-endpoint policy maps follow the new
+    /// name prefix.
+    fn upgrade_maps(&mut self, to: Profile) -> Result<()> {
+        let s = &self.state.spec;
+        let old: Vec<maps::MapSpec> = maps::global_maps(s.profile, s.features, s.capacity);
+        let new: Vec<maps::MapSpec> = maps::global_maps(to, s.features, s.capacity);
+        let globals = maps::globals_dir(&self.state.bpffs);
+        for m in old.iter().filter(|m| !new.iter().any(|n| n.name == m.name)) {
+            let _ = std::fs::remove_file(globals.join(&m.name));
+        }
+        let from = s.profile;
+        self.state.spec.profile = to;
+        for m in new.iter().filter(|m| !old.iter().any(|o| o.name == m.name)) {
+            self.facts_and_create(Some(&m.name))?;
+        }
+        // Per-endpoint policy maps renamed by the new version: the old pins go.
+        let eps: Vec<u16> = self
+            .state
+            .lxc
+            .iter()
+            .map(|l| l.1)
+            .chain([self.state.host_endpoint])
+            .collect();
+        for ep in eps {
+            let (a, b) = (
+                maps::policy_map_name(from, ep),
+                maps::policy_map_name(to, ep),
+            );
+            if a != b && globals.join(&a).exists() {
+                let _ = std::fs::rename(globals.join(&a), globals.join(&b));
+            }
+        }
+        self.save()
+    }
+
     /// Replaces the pinned ipcache with a new map (new id), refilled unless `refill` is false.
     fn recreate_ipcache(&self, refill: bool) -> Result<()> {
         let s = &self.state.spec;
@@ -670,7 +707,7 @@ impl Lab {
              bpffs: {bpffs}\n\
              cilium_config: {cfg}\n\
              cilium_api: {api}\n\
-             cilium: \"{profile}\"\n\
+             cilium: auto\n\
              targets:\n\
              \x20 - name: gateway\n    address: {gw}\n    port: {gwp}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\
              \x20 - name: dns\n    address: {dns}\n    port: {dnsp}\n    probe: dns\n    query: gateway.{zone}\n    timeout: 500ms\n\
@@ -680,7 +717,6 @@ impl Lab {
             bpffs = s.bpffs.display(),
             cfg = s.cilium_config.display(),
             api = self.agent_socket().display(),
-            profile = s.spec.profile,
             gw = GATEWAY_VIP,
             gwp = GATEWAY_PORT,
             dns = DNS_VIP,
@@ -781,6 +817,9 @@ impl Lab {
         let end = now_ns();
         let new = result?;
         lift?;
+        if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
+            self.upgrade_maps(to)?;
+        }
         if !o.no_reload {
             // The agent restarted: it loaded the cilium-config as it is now.
             self.load_agent_config()?;
@@ -879,6 +918,9 @@ pub struct RestartOpts {
     pub flush_map: Option<String>,
     /// Fault: ipcache is recreated (as on every Cilium start) but not refilled.
     pub no_refill: bool,
+    /// An upgrade (or downgrade) restart: the agent comes back as this version, with its
+    /// maps (those the new version no longer has are unpinned, new ones created and filled).
+    pub to: Option<Profile>,
 }
 
 /// What really happened, for tests to compare against.

@@ -21,10 +21,22 @@ pub const LPM_TRIE: u32 = 11;
 pub enum Profile {
     #[serde(rename = "1.16")]
     V1_16,
+    #[serde(rename = "1.17")]
+    V1_17,
     #[serde(rename = "1.18")]
     V1_18,
+    #[serde(rename = "1.19")]
+    V1_19,
     #[serde(rename = "1.20")]
     V1_20,
+}
+
+impl Profile {
+    /// 1.16 and 1.17 share their global maps (ipcache v1, the v1 node map, the tunnel map),
+    /// as do 1.18 and 1.19 (docs/cilium-fidelity.md).
+    pub fn before_1_18(self) -> bool {
+        matches!(self, Self::V1_16 | Self::V1_17)
+    }
 }
 
 impl std::str::FromStr for Profile {
@@ -32,9 +44,11 @@ impl std::str::FromStr for Profile {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "1.16" => Ok(Self::V1_16),
+            "1.17" => Ok(Self::V1_17),
             "1.18" => Ok(Self::V1_18),
+            "1.19" => Ok(Self::V1_19),
             "1.20" => Ok(Self::V1_20),
-            _ => anyhow::bail!("unknown Cilium profile {s:?}: expected 1.16, 1.18 or 1.20"),
+            _ => anyhow::bail!("unknown Cilium profile {s:?}: expected 1.16 … 1.20"),
         }
     }
 }
@@ -43,7 +57,9 @@ impl std::fmt::Display for Profile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::V1_16 => "1.16",
+            Self::V1_17 => "1.17",
             Self::V1_18 => "1.18",
+            Self::V1_19 => "1.19",
             Self::V1_20 => "1.20",
         })
     }
@@ -102,7 +118,7 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
         .map(|n| n.get() as u32)
         .unwrap_or(1);
     let ct = cap.ct_entries;
-    let ipcache = if profile == Profile::V1_16 {
+    let ipcache = if profile.before_1_18() {
         "cilium_ipcache"
     } else {
         "cilium_ipcache_v2"
@@ -113,7 +129,7 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
             ipcache,
             LPM_TRIE,
             24,
-            if profile == Profile::V1_16 { 20 } else { 24 },
+            if profile.before_1_18() { 20 } else { 24 },
             512000,
         ),
         spec("cilium_ct4_global", LRU_HASH, 14, 56, ct),
@@ -126,14 +142,17 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
         spec("cilium_runtime_config", ARRAY, 4, 8, 256),
         spec("cilium_call_policy", PROG_ARRAY, 4, 4, 65535),
         spec("cilium_egresscall_policy", PROG_ARRAY, 4, 4, 65535),
-        spec("cilium_policystats", PERCPU_HASH, 16, 16, 65536),
         spec("cilium_auth_map", HASH, 12, 8, 524288),
         spec("cilium_node_map_v2", HASH, 20, 4, 16384),
     ];
     for m in v.iter_mut().filter(|m| m.name == "cilium_auth_map") {
         m.flags = sys::BPF_F_NO_PREALLOC;
     }
-    if profile == Profile::V1_16 {
+    if !profile.before_1_18() {
+        // Per-CPU policy stats from 1.18 (pkg/maps/policymap/statsmap.go).
+        v.push(spec("cilium_policystats", PERCPU_HASH, 16, 16, 65536));
+    }
+    if profile.before_1_18() {
         // Up to 1.17: the tunnel map (tunnel routing mode, the lab's mode) and the v1 node
         // map mirrored next to v2 (Cilium's pkg/maps/nodemap; removed at init from 1.18).
         v.push(spec("cilium_tunnel_map", HASH, 20, 20, 65536));

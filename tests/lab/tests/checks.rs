@@ -63,7 +63,7 @@ fn healthy(profile: Profile, attach: AttachMode) {
             .unwrap_or_else(|| panic!("{n} listed"))["entries"]
             .as_u64()
     };
-    let ipcache = if profile == Profile::V1_16 {
+    let ipcache = if profile.before_1_18() {
         "cilium_ipcache"
     } else {
         "cilium_ipcache_v2"

@@ -26,12 +26,14 @@ fn expected_maps(profile: Profile) -> Vec<&'static str> {
         "cilium_l2_responder_v4",
     ];
     match profile {
-        Profile::V1_16 => v.extend([
+        Profile::V1_16 | Profile::V1_17 => v.extend([
             "cilium_ipcache",
             "cilium_tunnel_map",
             "cilium_policy_v2_01000",
         ]),
-        Profile::V1_18 => v.extend(["cilium_ipcache_v2", "cilium_policy_v2_01000"]),
+        Profile::V1_18 | Profile::V1_19 => {
+            v.extend(["cilium_ipcache_v2", "cilium_policy_v2_01000"])
+        }
         Profile::V1_20 => v.extend(["cilium_ipcache_v2", "cilium_policy_v3_01000"]),
     }
     v
@@ -39,8 +41,8 @@ fn expected_maps(profile: Profile) -> Vec<&'static str> {
 
 fn absent_maps(profile: Profile) -> Vec<&'static str> {
     match profile {
-        Profile::V1_16 => vec!["cilium_ipcache_v2", "cilium_policy_v3_01000"],
-        Profile::V1_18 => vec![
+        Profile::V1_16 | Profile::V1_17 => vec!["cilium_ipcache_v2", "cilium_policy_v3_01000"],
+        Profile::V1_18 | Profile::V1_19 => vec![
             "cilium_ipcache",
             "cilium_tunnel_map",
             "cilium_policy_v3_01000",

@@ -187,6 +187,45 @@ fn a_declared_device_set_passes_when_it_comes_back_that_way() {
     );
 }
 
+/// Upgrade restarts pass when healthy: each minor version to the next, the maps the new
+/// version no longer has removed by design (ipcache v1, the v1 node map and the tunnel map at
+/// 1.18), new ones created, the step declaring the version it expects.
+#[test]
+fn healthy_upgrades_pass() {
+    use stepguard_lab::Profile::*;
+    for (from, to) in [
+        (V1_16, V1_17),
+        (V1_17, V1_18),
+        (V1_18, V1_19),
+        (V1_19, V1_20),
+    ] {
+        let mut lab = common::lab(|s| s.profile = from);
+        let agent = Daemon::start(&lab, &[]);
+        let body = format!(r#"{{"settle":"1s","timeout":"30s","expect":{{"cilium":"{to}"}}}}"#);
+        let id = agent.begin_probing(&body);
+        lab.restart(&RestartOpts {
+            gap: Duration::from_millis(50),
+            to: Some(to),
+            ..Default::default()
+        })
+        .unwrap();
+        let v = agent.verdict(&id);
+        assert_eq!(v["verdict"]["status"], "passed", "{from} → {to}: {v:#}");
+        if from == V1_17 {
+            for m in ["cilium_ipcache", "cilium_node_map", "cilium_tunnel_map"] {
+                assert!(
+                    v["maps"][m]["judged"]
+                        .as_str()
+                        .unwrap_or("")
+                        .starts_with("removed by design"),
+                    "{m}: {}",
+                    v["maps"][m]
+                );
+            }
+        }
+    }
+}
+
 /// Kept state (the endpoint map) coming back empty fails at any size (wrong pass 6: a node
 /// with fewer than 8 endpoints used to pass).
 #[test]

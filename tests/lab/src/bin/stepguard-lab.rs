@@ -87,6 +87,10 @@ enum Cmd {
         /// Fault: ipcache is recreated (as on every Cilium start) but never refilled.
         #[arg(long)]
         no_refill: bool,
+        /// An upgrade restart: the agent comes back as this Cilium version (1.16 … 1.20),
+        /// with that version's maps.
+        #[arg(long, value_name = "VERSION")]
+        to: Option<Profile>,
     },
     /// Change the lab's cilium-config the way kubelet does: `config set KEY=VALUE...`.
     Config {
@@ -241,6 +245,7 @@ fn real_main() -> Result<()> {
             lose_map,
             flush_map,
             no_refill,
+            to,
         } => {
             let mut lab = pick(prefix)?;
             let r = lab.restart(&RestartOpts {
@@ -250,6 +255,7 @@ fn real_main() -> Result<()> {
                 lose_map,
                 flush_map,
                 no_refill,
+                to,
             })?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
