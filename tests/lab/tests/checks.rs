@@ -288,11 +288,25 @@ fn an_empty_bpffs_is_never_a_pass() {
     );
     assert_ne!(code, 0);
     assert_eq!(result(&v, "maps")["code"], "bpffs_missing");
-    // A bpffs without Cilium's pins: the profile's maps are all missing.
+    // A bpffs without Cilium's pins: the profile's maps are all missing (with the version
+    // given: `auto` cannot infer one from nothing, and says so, unknown).
     sh("mount", &["-t", "bpf", "bpf", &empty.to_string_lossy()]);
     let (code, v, _) = check(
         &lab,
         &["--only", "maps", "--bpffs", &empty.to_string_lossy()],
+    );
+    assert_eq!(code, 2, "{v}");
+    assert_eq!(result(&v, "maps")["code"], "version_unknown");
+    let (code, v, _) = check(
+        &lab,
+        &[
+            "--only",
+            "maps",
+            "--cilium",
+            "1.18",
+            "--bpffs",
+            &empty.to_string_lossy(),
+        ],
     );
     sh("umount", &[&empty.to_string_lossy()]);
     assert_eq!(code, 1);

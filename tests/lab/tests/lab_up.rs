@@ -19,29 +19,40 @@ fn expected_maps(profile: Profile) -> Vec<&'static str> {
         "cilium_runtime_config",
         "cilium_call_policy",
         "cilium_egresscall_policy",
-        "cilium_policystats",
         "cilium_auth_map",
         "cilium_node_map_v2",
         "cilium_snat_v4_external",
         "cilium_l2_responder_v4",
     ];
     match profile {
+        // 1.16/1.17: ipcache v1, the tunnel map and the v1 node map; policy stats from 1.18.
         Profile::V1_16 | Profile::V1_17 => v.extend([
             "cilium_ipcache",
             "cilium_tunnel_map",
+            "cilium_node_map",
             "cilium_policy_v2_01000",
         ]),
-        Profile::V1_18 | Profile::V1_19 => {
-            v.extend(["cilium_ipcache_v2", "cilium_policy_v2_01000"])
-        }
-        Profile::V1_20 => v.extend(["cilium_ipcache_v2", "cilium_policy_v3_01000"]),
+        Profile::V1_18 | Profile::V1_19 => v.extend([
+            "cilium_ipcache_v2",
+            "cilium_policystats",
+            "cilium_policy_v2_01000",
+        ]),
+        Profile::V1_20 => v.extend([
+            "cilium_ipcache_v2",
+            "cilium_policystats",
+            "cilium_policy_v3_01000",
+        ]),
     }
     v
 }
 
 fn absent_maps(profile: Profile) -> Vec<&'static str> {
     match profile {
-        Profile::V1_16 | Profile::V1_17 => vec!["cilium_ipcache_v2", "cilium_policy_v3_01000"],
+        Profile::V1_16 | Profile::V1_17 => vec![
+            "cilium_ipcache_v2",
+            "cilium_policystats",
+            "cilium_policy_v3_01000",
+        ],
         Profile::V1_18 | Profile::V1_19 => vec![
             "cilium_ipcache",
             "cilium_tunnel_map",
