@@ -89,17 +89,15 @@ pub fn evaluate(
             .iter()
             .any(|v| same(v, have));
         let row = json!({"key": k, "declared": want, "loaded": have});
-        match (earlier, per_node) {
+        match (earlier, per_node && store.is_some()) {
             // The agent runs with a value the ConfigMap had before: the edit did not reach it.
-            (true, _) | (false, false) => not_applied.push(row),
+            (true, _) => not_applied.push(row),
             // A value the ConfigMap never had, from a per-node source: an override.
-            (false, true) => {
-                if store.is_some() {
-                    overrides.push(row)
-                } else {
-                    unsure.push(row)
-                }
-            }
+            (false, true) => overrides.push(row),
+            // A value the mounted ConfigMap never had, and no per-node source: the mount may
+            // lag behind (kubelet syncs it late; the restarted agent built its config from the
+            // API server), or there is no history to tell. Unknown, never "not applied".
+            (false, false) => unsure.push(row),
         }
     }
     let keys = |v: &[serde_json::Value]| {
@@ -133,7 +131,7 @@ pub fn evaluate(
             CHECK,
             "config_unverified",
             format!(
-                "the running cilium-agent differs from cilium-config on {} (a per-node override or an edit not applied; no earlier snapshot to tell)",
+                "the running cilium-agent runs with values the mounted cilium-config never had on {} (the mount may lag behind an edit, or a per-node override applies)",
                 keys(&unsure)
             ),
             evidence,

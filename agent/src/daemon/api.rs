@@ -204,10 +204,35 @@ async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
     axum::Json(json!({"steps": steps})).into_response()
 }
 
-async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes) -> Response {
+/// How long a client has to send a request body.
+const BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn post_step(
+    State(d): State<Arc<Daemon>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    // The token is checked before the body is read, and the body must arrive in time: a
+    // client without the token cannot hold a connection by trickling a body.
     if let Err(r) = authorized(&d, &headers) {
         return *r;
     }
+    let body: Bytes =
+        match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, BODY_LIMIT)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(_)) => {
+                return err(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("request body over {} KiB", BODY_LIMIT / 1024),
+                )
+            }
+            Err(_) => {
+                return err(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("request body not sent within {}s", BODY_TIMEOUT.as_secs()),
+                )
+            }
+        };
     let req: StepRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
         StepRequest::default()
     } else {
@@ -238,6 +263,21 @@ async fn post_step(State(d): State<Arc<Daemon>>, headers: HeaderMap, body: Bytes
             )
         }
     };
+    // A cadence so fine that a target's timeout would need more probes in flight than the
+    // probe loop allows: probes would be skipped during an outage and read as a stall.
+    if let Some(t) = d.cfg.targets.iter().map(|t| t.timeout).max() {
+        if params.burst_interval * crate::daemon::MAX_IN_FLIGHT as u32 <= t {
+            return err(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "invalid step request: burst_interval: {} with a {} probe timeout needs more than {} probes in flight per target",
+                    duration::human(params.burst_interval),
+                    duration::human(t),
+                    crate::daemon::MAX_IN_FLIGHT
+                ),
+            );
+        }
+    }
     // One step at a time; re-POSTing the active id is idempotent (checked here to answer
     // at once, and again by the runner, which alone decides).
     if let Some(active) = d.current_step().filter(|s| !s.is_final()) {

@@ -488,12 +488,15 @@ impl ResultExt for CheckResult {
     }
 }
 
+/// Probes of one target in flight at once (a step's cadence must not need more: see the API).
+pub const MAX_IN_FLIGHT: usize = 256;
+
 /// Probes one target forever at the current cadence; probes overlap when a target is slow
 /// (bounded), so a timeout never stretches the cadence.
 async fn probe_loop(d: Arc<Daemon>, idx: usize) {
     let target = Arc::new(d.cfg.targets[idx].clone());
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let max_in_flight = 256;
+    let max_in_flight = MAX_IN_FLIGHT;
     let mut next = tokio::time::Instant::now();
     loop {
         let interval = d.probe_interval();

@@ -117,7 +117,7 @@ pub async fn run(d: Arc<Daemon>) {
                     r.sample(s);
                 }
             }
-            _ = tick.tick() => r.tick().await,
+            _ = tick.tick() => r.tick(&mut samples).await,
         }
     }
 }
@@ -165,6 +165,12 @@ impl Runner {
                         match watch::persist(&self.d, &mut s) {
                             Err(e) => Begun::NotSaved(e.to_string()),
                             Ok(()) => {
+                                // Probes count from here (the baseline took its time before):
+                                // the stall scan starts when the step is installed.
+                                let installed = unix_now();
+                                for t in s.targets.values_mut() {
+                                    t.scanned_through = Some(installed);
+                                }
                                 watch::exported_begin(&self.d, &s);
                                 tracing::info!(step = %s.id, "step begun; probing in burst mode");
                                 self.step = Some(s.clone());
@@ -213,7 +219,7 @@ impl Runner {
 
     /// Device programs every 200 ms, maps and node checks every second, decides every
     /// 100 ms, persists every 500 ms.
-    async fn tick(&mut self) {
+    async fn tick(&mut self, samples: &mut mpsc::Receiver<Sample>) {
         self.n += 1;
         let n = self.n;
         // The baseline's devices and any the step declared it expects after the restart.
@@ -242,12 +248,11 @@ impl Runner {
             self.last_maps = node.maps.as_ref().map(map_counts);
             self.last_map_ids = node.maps.as_ref().map(watch::map_ids);
         }
-        let node_not_green: Vec<String> = d
-            .node_results()
-            .into_iter()
-            .filter(|r| r.status != Status::Pass)
-            .map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason))
-            .collect();
+        let baseline_checks = self
+            .active()
+            .map(|s| s.baseline.node_checks.clone())
+            .unwrap_or_default();
+        let node_not_green = blocking_node_checks(&d.node_results(), &baseline_checks);
         let now = unix_now();
         let kd = d.kernel_drops_now();
         let cd = d.cilium_drops_now();
@@ -257,6 +262,11 @@ impl Runner {
             .iter()
             .map(|t| t.timeout.as_secs_f64())
             .fold(0.0, f64::max);
+        // Results that arrived while the kernel was observed are read before anything is
+        // decided: "every probe sent before `complete_until` is recorded" must hold.
+        while let Ok(s) = samples.try_recv() {
+            self.sample(s);
+        }
         let resumed = self.resumed && self.last_programs.is_some();
         if resumed {
             self.resumed = false;
@@ -310,6 +320,12 @@ impl Runner {
                 }
             }
         }
+        let mut drops_unknown: Vec<String> = s.baseline.drops_unknown_at_start.clone();
+        for (source, now_known) in [("kernel", kd.is_some()), ("cilium", cd.is_some())] {
+            if !now_known && !drops_unknown.iter().any(|x| x == source) {
+                drops_unknown.push(source.to_string());
+            }
+        }
         let dns_after = s.reload.complete_at.and_then(|t| d.dns_p50_since(t));
         judge_first_samples_after_a_hole(s);
         let o = Observed {
@@ -320,6 +336,7 @@ impl Runner {
             node_not_green,
             dns_p50_after_ms: dns_after,
             drops,
+            drops_unknown,
             // Every probe sent before this has answered or timed out, and been recorded (a
             // little slack for the recording itself on a busy node).
             complete_until: now - max_timeout - COMPLETION_SLACK_S,
@@ -341,6 +358,52 @@ impl Runner {
             watch::finished(&d, s);
         }
         self.publish();
+    }
+}
+
+/// The node checks that keep a step from passing: any that fails, and any that was passing
+/// when the step began and is no longer known. A check unknown from the start (not
+/// configured: no targets, no cilium-config, no agent API) cannot regress and does not block;
+/// before, such a check kept every step of such a node from ever passing.
+pub fn blocking_node_checks(
+    now: &[crate::checks::CheckResult],
+    baseline: &BTreeMap<String, String>,
+) -> Vec<String> {
+    now.iter()
+        .filter(|r| {
+            r.status == Status::Fail
+                || (r.status == Status::Unknown
+                    && baseline.get(r.check).is_some_and(|b| b == "pass"))
+        })
+        .map(|r| format!("{} {}: {}", r.check, r.status.as_str(), r.reason))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::CheckResult;
+
+    #[test]
+    fn only_failing_or_regressed_node_checks_block_a_step() {
+        let now = [
+            CheckResult::unknown("config", "no_cilium_config", "", serde_json::json!({})),
+            CheckResult::unknown("maps", "no_permission", "", serde_json::json!({})),
+            CheckResult::fail("devices", "device_missing", "", serde_json::json!({})),
+            CheckResult::pass("vips", "ok", "", serde_json::json!({})),
+        ];
+        let baseline: BTreeMap<String, String> = [
+            ("config", "unknown"),
+            ("maps", "pass"),
+            ("devices", "pass"),
+            ("vips", "pass"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let b = blocking_node_checks(&now, &baseline);
+        assert_eq!(b.len(), 2, "{b:?}");
+        assert!(b[0].starts_with("maps unknown") && b[1].starts_with("devices fail"));
     }
 }
 

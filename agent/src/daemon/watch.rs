@@ -97,15 +97,24 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .into_iter()
         .map(|r| (r.check.to_string(), r.status.as_str().to_string()))
         .collect();
+    let (kernel_drops, cilium_drops) = (d.kernel_drops_now(), d.cilium_drops_now());
     let baseline = Baseline {
         programs,
         selected,
         maps,
         dns_p50_ms: d.dns_p50_since(now - 60.0),
-        kernel_drops: d.kernel_drops_now().unwrap_or_default(),
-        cilium_drops: d.cilium_drops_now().unwrap_or_default(),
+        kernel_drops: kernel_drops.clone().unwrap_or_default(),
+        cilium_drops: cilium_drops.clone().unwrap_or_default(),
         node_checks,
         map_ids,
+        drops_unknown_at_start: [
+            ("kernel", kernel_drops.is_none()),
+            ("cilium", cilium_drops.is_none()),
+        ]
+        .into_iter()
+        .filter(|(_, unknown)| *unknown)
+        .map(|(s, _)| s.to_string())
+        .collect(),
     };
     let targets = d
         .cfg

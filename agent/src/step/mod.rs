@@ -290,6 +290,9 @@ pub struct Baseline {
     /// Map ids of global maps (a new id after the restart: the map was recreated).
     #[serde(default)]
     pub map_ids: BTreeMap<String, u32>,
+    /// Drop counters (`kernel`, `cilium`) that could not be read at the start.
+    #[serde(default)]
+    pub drops_unknown_at_start: Vec<String>,
 }
 
 /// How a global map fared across the step, by what Cilium does with it (see

@@ -73,6 +73,9 @@ pub struct Observed {
     pub dns_p50_after_ms: Option<f64>,
     /// Drops since the step began, by reason.
     pub drops: BTreeMap<String, u64>,
+    /// Drop counters (`kernel`, `cilium`) unknown now or at the start: drops there are not
+    /// counted, so a budget cannot pass on them.
+    pub drops_unknown: Vec<String>,
     /// Samples are complete up to this time (older probes have all answered or timed out).
     pub complete_until: f64,
 }
@@ -472,20 +475,23 @@ fn refill(
     waiting: &mut Vec<String>,
 ) -> String {
     let how = if recreated { "recreated" } else { "kept" };
-    if b == 0 || a > 0 {
+    // Refilled: at least half of what it held (the same tolerance as kept state), so a map
+    // holding only its first few entries again does not count as refilled.
+    let refilled = b == 0 || (a > 0 && a as f64 >= b as f64 * (1.0 - KEPT_LOSS_TOLERANCE));
+    if refilled {
         return format!("{how}, {b}→{a} entries");
     }
     if settle_over {
         if fatal.is_none() {
             *fatal = Some((
                 Reason::MapEmptied,
-                format!("{m} was still empty at the end of settle ({b}→0): it was not refilled after the restart"),
+                format!("{m} was not refilled by the end of settle ({b}→{a})"),
             ));
         }
-        format!("{how}, still empty at the end of settle ({b}→0)")
+        format!("{how}, not refilled by the end of settle ({b}→{a})")
     } else {
         waiting.push(m.to_string());
-        format!("{how}, refilling ({b}→0 so far)")
+        format!("{how}, refilling ({b}→{a} so far)")
     }
 }
 
@@ -547,6 +553,16 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
 
 /// `drops`: drops in the step window within each configured budget.
 pub fn check_drops(step: &Step, o: &Observed) -> Judged {
+    if !step.params.drops_budget.is_empty() && !o.drops_unknown.is_empty() {
+        return Judged::not_yet(
+            CheckStatus::Unknown,
+            format!(
+                "drop budgets are set but the {} drop counters are unknown: they cannot pass",
+                o.drops_unknown.join(" and ")
+            ),
+            Some(Reason::DropsOverBudget),
+        );
+    }
     let over: Vec<String> = step
         .params
         .drops_budget
@@ -947,7 +963,14 @@ mod tests {
     #[test]
     fn ipcache_recreated_must_refill_by_the_end_of_settle() {
         let mut s = ipcache_step();
-        for (t, n) in [(1.0, 0), (2.5, 0), (4.0, 12), (6.0, 30), (9.0, 30)] {
+        for (t, n) in [
+            (1.0, 0),
+            (2.5, 0),
+            (4.0, 12),
+            (6.0, 30),
+            (9.0, 30),
+            (11.5, 30),
+        ] {
             decide(&mut s, &with_ipcache(t, n, 8));
         }
         let v = s.verdict.clone().unwrap();
@@ -960,7 +983,8 @@ mod tests {
         let v = s.verdict.unwrap();
         assert_eq!(v.reasons, vec![Reason::MapEmptied], "{v:?}");
         assert!(
-            v.summary.contains("still empty at the end of settle"),
+            v.summary
+                .contains("not refilled by the end of settle (30→0)"),
             "{v:?}"
         );
     }
@@ -1109,6 +1133,25 @@ mod tests {
         let mut s = bare_step();
         decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
         assert_eq!(s.verdict.unwrap().reasons, vec![Reason::EvidenceIncomplete]);
+    }
+
+    /// A drop budget on a counter that cannot be read is never a pass (before: "0 drops in
+    /// the window", and the budget passed).
+    #[test]
+    fn a_budget_on_unknown_drop_counters_cannot_pass() {
+        let mut s = step();
+        s.params.drops_budget.insert("TC_INGRESS".into(), 10);
+        for t in [1.0, 2.5, 8.0, 61.0] {
+            let mut o = obs(t, progs(Some(20), Some(21)));
+            o.drops_unknown = vec!["kernel".into()];
+            decide(&mut s, &o);
+        }
+        let v = s.verdict.unwrap();
+        assert!(v.reasons.contains(&Reason::DropsOverBudget), "{v:?}");
+        assert!(
+            v.summary.contains("kernel drop counters are unknown"),
+            "{v:?}"
+        );
     }
 
     #[test]
