@@ -725,7 +725,15 @@ impl StepStore {
     }
 
     /// Saves a step to disk (write and rename) and keeps it in memory.
+    /// A step already known is updated in memory first, so its verdict is served even when
+    /// the disk refuses the write; a new step is kept only once it is on disk.
     pub fn save(&self, s: &Step) -> std::io::Result<()> {
+        {
+            let mut m = self.mem();
+            if let Some(known) = m.get_mut(&s.id) {
+                *known = s.clone();
+            }
+        }
         let path = self.dir.join(format!("{}.json", s.id));
         let tmp = self.dir.join(format!(".{}.json.tmp", s.id));
         std::fs::write(&tmp, serde_json::to_vec(s)?)?;

@@ -417,13 +417,21 @@ impl Lab {
         r.map(|_| ())
     }
 
+    /// What the maps are filled with: pod IPs, node IPs, VIPs.
+    #[allow(clippy::type_complexity)]
+    fn fact_data(&self) -> (Vec<[u8; 4]>, [[u8; 4]; 2], [([u8; 4], u16); 2]) {
+        (
+            (0..self.state.spec.pods).map(pod_ip).collect(),
+            [[192, 0, 2, 1], [203, 0, 113, 1]],
+            [
+                (GATEWAY_VIP.octets(), GATEWAY_PORT),
+                (DNS_VIP.octets(), DNS_PORT),
+            ],
+        )
+    }
+
     fn facts_and_create(&self, only: Option<&str>) -> Result<()> {
-        let pod_ips: Vec<[u8; 4]> = (0..self.state.spec.pods).map(pod_ip).collect();
-        let node_ips = [[192, 0, 2, 1], [203, 0, 113, 1]];
-        let vips = [
-            (GATEWAY_VIP.octets(), GATEWAY_PORT),
-            (DNS_VIP.octets(), DNS_PORT),
-        ];
+        let (pod_ips, node_ips, vips) = self.fact_data();
         let facts = maps::NodeFacts {
             pod_ips: &pod_ips,
             node_ips: &node_ips,
@@ -507,6 +515,27 @@ impl Lab {
             }
         }
         self.save()
+    }
+
+    /// Recreates a global map with twice its max entries (a new id), refilled, as Cilium does
+    /// when a map's properties change between versions or configurations.
+    fn resize_map(&self, name: &str) -> Result<()> {
+        let s = &self.state.spec;
+        let Some(mut spec) = maps::global_maps(s.profile, s.features, s.capacity)
+            .into_iter()
+            .find(|m| m.name == name)
+        else {
+            bail!("--resize-map {name}: not a global map of this lab");
+        };
+        spec.max_entries *= 2;
+        let fd = maps::create_pinned(&self.state.bpffs, &spec)?;
+        let (pod_ips, node_ips, vips) = self.fact_data();
+        let facts = maps::NodeFacts {
+            pod_ips: &pod_ips,
+            node_ips: &node_ips,
+            vips: &vips,
+        };
+        maps::populate(&fd, &spec, &facts, s.ct_fill).map(|_| ())
     }
 
     /// Replaces the pinned ipcache with a new map (new id), refilled unless `refill` is false.
@@ -820,6 +849,9 @@ impl Lab {
         if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
             self.upgrade_maps(to)?;
         }
+        if let Some(m) = &o.resize_map {
+            self.resize_map(m)?;
+        }
         if !o.no_reload {
             // The agent restarted: it loaded the cilium-config as it is now.
             self.load_agent_config()?;
@@ -921,6 +953,9 @@ pub struct RestartOpts {
     /// An upgrade (or downgrade) restart: the agent comes back as this version, with its
     /// maps (those the new version no longer has are unpinned, new ones created and filled).
     pub to: Option<Profile>,
+    /// A property change (Cilium's `pkg/bpf` "Removing map to allow for property upgrade"):
+    /// this map is recreated with twice its max entries (a new id) and refilled.
+    pub resize_map: Option<String>,
 }
 
 /// What really happened, for tests to compare against.

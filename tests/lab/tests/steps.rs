@@ -226,6 +226,26 @@ fn healthy_upgrades_pass() {
     }
 }
 
+/// A property change recreates a kept-state map (new id) and Cilium refills it: the step
+/// passes and names the map as recreated (before, a new map was judged only by its counts).
+#[test]
+fn a_map_recreated_for_a_property_change_and_refilled_passes() {
+    let mut lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    let id = agent.begin_probing(STEP);
+    lab.restart(&RestartOpts {
+        gap: Duration::from_millis(50),
+        resize_map: Some("cilium_lb4_services_v2".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+    let m = &v["maps"]["cilium_lb4_services_v2"];
+    assert_eq!(m["recreated"], true, "{m}");
+    assert_eq!(m["class"], "kept", "{m}");
+}
+
 /// Kept state (the endpoint map) coming back empty fails at any size (wrong pass 6: a node
 /// with fewer than 8 endpoints used to pass).
 #[test]

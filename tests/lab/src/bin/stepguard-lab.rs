@@ -91,6 +91,9 @@ enum Cmd {
         /// with that version's maps.
         #[arg(long, value_name = "VERSION")]
         to: Option<Profile>,
+        /// A property change: this map is recreated with twice its size (new id), refilled.
+        #[arg(long, value_name = "NAME")]
+        resize_map: Option<String>,
     },
     /// Change the lab's cilium-config the way kubelet does: `config set KEY=VALUE...`.
     Config {
@@ -246,6 +249,7 @@ fn real_main() -> Result<()> {
             flush_map,
             no_refill,
             to,
+            resize_map,
         } => {
             let mut lab = pick(prefix)?;
             let r = lab.restart(&RestartOpts {
@@ -256,6 +260,7 @@ fn real_main() -> Result<()> {
                 flush_map,
                 no_refill,
                 to,
+                resize_map,
             })?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
