@@ -853,32 +853,19 @@ mod tests {
     }
 
     fn bare(boot: Option<&str>) -> Step {
-        Step {
-            id: "s".into(),
-            created_at: 0.0,
-            params: StepParams::from_request(
-                &StepRequest::default(),
-                Duration::from_millis(10),
-                &[],
-            )
-            .unwrap()
-            .1,
-            phase: Phase::Watching,
-            baseline: Baseline::default(),
-            reload: Reload::default(),
-            targets: BTreeMap::new(),
-            holes: vec![],
-            evidence_incomplete: None,
-            green_since: None,
-            checks: BTreeMap::new(),
-            gaps: vec![],
-            drops: BTreeMap::new(),
-            dns_p50_after_ms: None,
-            maps: BTreeMap::new(),
-            verdict: None,
-            updated_at: 5.0,
-            boot_id: boot.map(str::to_string),
-        }
+        let (_, params) =
+            StepParams::from_request(&StepRequest::default(), Duration::from_millis(10), &[])
+                .unwrap();
+        let mut s = Step::new(
+            "s".into(),
+            0.0,
+            params,
+            Baseline::default(),
+            BTreeMap::new(),
+        );
+        s.updated_at = 5.0;
+        s.boot_id = boot.map(str::to_string);
+        s
     }
 
     /// A step persisted on one boot and resumed on another (the node rebooted with the

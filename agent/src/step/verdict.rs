@@ -760,10 +760,10 @@ mod tests {
     }
 
     fn bare_step() -> Step {
-        Step {
-            id: "s".into(),
-            created_at: 0.0,
-            params: StepParams {
+        let mut s = Step::new(
+            "s".into(),
+            0.0,
+            StepParams {
                 timeout: Duration::from_secs(60),
                 settle: Duration::from_secs(5),
                 max_gap: Duration::from_secs(2),
@@ -773,8 +773,7 @@ mod tests {
                 expect_devices: None,
                 expect_cilium: None,
             },
-            phase: Phase::Watching,
-            baseline: Baseline {
+            Baseline {
                 programs: [("eth0".to_string(), 10u32), ("eth1".to_string(), 11u32)].into(),
                 maps: [
                     ("cilium_ct4_global".to_string(), Some(100u64)),
@@ -784,8 +783,7 @@ mod tests {
                 dns_p50_ms: Some(1.0),
                 ..Default::default()
             },
-            reload: Default::default(),
-            targets: [(
+            [(
                 "gw".to_string(),
                 TargetTimeline {
                     kind: "http".into(),
@@ -794,18 +792,9 @@ mod tests {
                 },
             )]
             .into(),
-            holes: vec![],
-            evidence_incomplete: None,
-            green_since: None,
-            checks: BTreeMap::new(),
-            gaps: vec![],
-            drops: BTreeMap::new(),
-            dns_p50_after_ms: None,
-            maps: BTreeMap::new(),
-            verdict: None,
-            updated_at: 0.0,
-            boot_id: None,
-        }
+        );
+        s.boot_id = None;
+        s
     }
     fn progs(a: Option<u32>, b: Option<u32>) -> Option<BTreeMap<String, Option<u32>>> {
         Some([("eth0".to_string(), a), ("eth1".to_string(), b)].into())
