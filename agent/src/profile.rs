@@ -344,6 +344,19 @@ pub fn infer_version(present: &BTreeSet<String>) -> Option<(CiliumVersion, Strin
     None
 }
 
+/// The Cilium version(s) a set of pinned map names points to, for people and the step JSON:
+/// `1.16/1.17`, `1.18/1.19` (the pairs share their global maps) or `1.20`.
+pub fn version_label(present: &BTreeSet<String>) -> Option<String> {
+    infer_version(present).map(|(v, _)| {
+        match v {
+            CiliumVersion::V1_16 | CiliumVersion::V1_17 => "1.16/1.17",
+            CiliumVersion::V1_18 | CiliumVersion::V1_19 => "1.18/1.19",
+            CiliumVersion::V1_20 => "1.20",
+        }
+        .to_string()
+    })
+}
+
 /// Names that belong to another version's profile but not to `v`'s: evidence of a wrong profile.
 pub fn foreign_names(v: CiliumVersion, f: Features, present: &BTreeSet<String>) -> Vec<String> {
     let mine = required_maps(v, f);

@@ -365,7 +365,7 @@ fn daemon(quick: bool) -> Result<Value> {
         std::thread::sleep(Duration::from_millis(300));
         let r: Value = serde_json::from_slice(
             &run_ok(
-                Command::new(lab_bin()).args(["restart", "--prefix", &prefix, "--gap", "300ms"]),
+                Command::new(lab_bin()).args(["restart", "--prefix", &prefix, "--down", "300ms", "--blackhole"]),
             )?
             .stdout,
         )?;

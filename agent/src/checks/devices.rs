@@ -16,6 +16,9 @@ pub enum Expected {
     Patterns {
         patterns: Vec<String>,
         source: String,
+        /// cilium-config `force-device-detection`: devices not matching the filter still go
+        /// through auto-detection (selected = listed + detected).
+        force: bool,
     },
     /// Cilium's auto-detection (no list configured anywhere).
     Auto,
@@ -59,21 +62,40 @@ pub fn ciliums_own(name: &str) -> bool {
     name.starts_with("cilium_")
 }
 
+/// Suffix of the reload-tracking key for a device's XDP program (`eth0:xdp`).
+pub const XDP_KEY: &str = ":xdp";
+
+/// Cilium's overlay devices (tunnel routing mode: VXLAN or Geneve), which carry
+/// `cil_from_overlay`/`cil_to_overlay`.
+pub fn is_overlay(name: &str) -> bool {
+    matches!(name, "cilium_vxlan" | "cilium_geneve")
+}
+
 /// Cilium's `isSelectedDevice` (devices controller, 1.16+): a device without a name, without
 /// any address, or not administratively up is rejected first; then a device matching the
-/// user's filter is selected whatever its kind; without a filter, auto-detection rejects
-/// loopback, bond ports, enslaved devices, excluded prefixes, bridges and Open vSwitch, and
-/// needs a global-unicast route (here: a global-unicast address, whose connected route is
-/// one). Not modelled (docs/cilium-fidelity.md): veths without a default route, and
-/// `force-device-detection`.
-pub fn selected_by_cilium(d: &Device, filter: &[String]) -> bool {
+/// user's filter is selected whatever its kind; a device not matching a filter is rejected
+/// unless `force-device-detection` is on; auto-detection rejects loopback, bond ports,
+/// enslaved devices, excluded prefixes, bridges and Open vSwitch, veths without a default
+/// route (only when no filter is set), and needs a route with a global-unicast destination.
+pub fn selected_by_cilium(d: &Device, filter: &[String], force: bool) -> bool {
     if d.name.is_empty() || d.addresses == 0 || !d.up {
         return false;
     }
     if !filter.is_empty() {
-        return filter.iter().any(|p| matches(p, &d.name));
+        if filter.iter().any(|p| matches(p, &d.name)) {
+            return true;
+        }
+        if !force {
+            return false;
+        }
     }
-    !excluded(d) && !d.global_addrs.is_empty()
+    if excluded(d) {
+        return false;
+    }
+    if filter.is_empty() && d.kind.as_deref() == Some("veth") && !d.default_route {
+        return false;
+    }
+    d.global_route
 }
 
 /// Devices carrying `cil_from_netdev` on ingress (Cilium's own devices included).
@@ -91,13 +113,15 @@ pub fn carrying(devices: &[Device]) -> BTreeSet<String> {
 
 /// The device names Cilium would select on this node.
 pub fn expected_set(devices: &[Device], exp: &Expected) -> BTreeSet<String> {
-    let filter: &[String] = match exp {
-        Expected::Patterns { patterns, .. } => patterns,
-        Expected::Auto => &[],
+    let (filter, force): (&[String], bool) = match exp {
+        Expected::Patterns {
+            patterns, force, ..
+        } => (patterns, *force),
+        Expected::Auto => (&[], false),
     };
     devices
         .iter()
-        .filter(|d| !ciliums_own(&d.name) && selected_by_cilium(d, filter))
+        .filter(|d| !ciliums_own(&d.name) && selected_by_cilium(d, filter, force))
         .map(|d| d.name.clone())
         .collect()
 }
@@ -139,7 +163,11 @@ pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
         )
         .collect();
     let source = match exp {
-        Expected::Patterns { patterns, source } => json!({"patterns": patterns, "source": source}),
+        Expected::Patterns {
+            patterns,
+            source,
+            force,
+        } => json!({"patterns": patterns, "source": source, "force_device_detection": force}),
         Expected::Auto => {
             json!({"source": "Cilium's auto-detection (up, an address, a global-unicast route; not loopback, enslaved, bridge, openvswitch, cilium_/lo/lxc/cni/docker)"})
         }
@@ -291,10 +319,14 @@ pub fn expected_devices(
     cfg: &crate::config::Config,
     cilium_cfg: Option<&crate::ciliumconfig::Snapshot>,
 ) -> Expected {
+    let force = cilium_cfg
+        .and_then(|s| s.values.get("force-device-detection"))
+        .is_some_and(|v| v.trim() == "true");
     if !cfg.devices.expected.is_empty() {
         return Expected::Patterns {
             patterns: cfg.devices.expected.clone(),
             source: "config devices.expected".into(),
+            force,
         };
     }
     if let Some(v) = cilium_cfg
@@ -305,6 +337,7 @@ pub fn expected_devices(
         return Expected::Patterns {
             patterns: v,
             source: "cilium-config key `devices`".into(),
+            force,
         };
     }
     Expected::Auto
@@ -380,6 +413,8 @@ mod tests {
             has_controller: false,
             addresses: 1,
             global_addrs: vec!["192.0.2.1".parse().unwrap()],
+            default_route: true,
+            global_route: true,
             programs: progs.iter().map(|(h, n)| prog(h, n)).collect(),
         }
     }
@@ -406,6 +441,7 @@ mod tests {
         Expected::Patterns {
             patterns: p.iter().map(|s| s.to_string()).collect(),
             source: "test".into(),
+            force: false,
         }
     }
 
@@ -471,22 +507,22 @@ mod tests {
         let mut br = dev("br-ext", &[]);
         br.kind = Some("bridge".into());
         assert!(
-            selected_by_cilium(&br, &["br-ext".into()]),
+            selected_by_cilium(&br, &["br-ext".into()], false),
             "a listed bridge is selected"
         );
-        assert!(!selected_by_cilium(&br, &[]), "but never auto-detected");
+        assert!(!selected_by_cilium(&br, &[], false), "but never auto-detected");
         let mut bare = dev("eth5", &[]);
         bare.addresses = 0;
         assert!(
-            !selected_by_cilium(&bare, &["eth+".into()]),
+            !selected_by_cilium(&bare, &["eth+".into()], false),
             "no address: rejected first"
         );
         let mut ovs = dev("ovs0", &[]);
         ovs.kind = Some("openvswitch".into());
-        assert!(!selected_by_cilium(&ovs, &[]));
+        assert!(!selected_by_cilium(&ovs, &[], false));
         let mut lo = dev("eth7", &[]);
         lo.loopback = true;
-        assert!(!selected_by_cilium(&lo, &[]));
+        assert!(!selected_by_cilium(&lo, &[], false));
         assert!(matches("+", "anything") && matches("eth++", "eth3") && !matches("eth", "eth0"));
         // cilium_wg0 carries cil_from_netdev (WireGuard with KPR, up to 1.17): not unexpected.
         let wg = dev("cilium_wg0", &[("ingress", "cil_from_netdev")]);
@@ -508,6 +544,38 @@ mod tests {
         assert_eq!(
             expected_set(&o.devices, &Expected::Auto),
             ["eth0", "eth1"].iter().map(|s| s.to_string()).collect()
+        );
+    }
+
+    /// A veth without a default route is not auto-detected, but a filter selects it; a
+    /// device without a global-unicast route is never auto-detected; with
+    /// `force-device-detection` the listed devices are joined by the detected ones.
+    #[test]
+    fn veths_routes_and_forced_detection_follow_cilium() {
+        let mut v = dev("eth3", &[]);
+        v.default_route = false;
+        assert!(!selected_by_cilium(&v, &[], false), "veth, no default route");
+        assert!(selected_by_cilium(&v, &["eth3".into()], false), "listed");
+        let mut dummy = v.clone();
+        dummy.kind = Some("dummy".into());
+        assert!(selected_by_cilium(&dummy, &[], false), "not a veth: no default route needed");
+        let mut local = dev("eth4", &[]);
+        local.global_route = false;
+        assert!(!selected_by_cilium(&local, &[], false), "no global-unicast route");
+        let o = node(vec![]);
+        let forced = Expected::Patterns {
+            patterns: vec!["eth0".into()],
+            source: "test".into(),
+            force: true,
+        };
+        assert_eq!(
+            expected_set(&o.devices, &forced),
+            ["eth0", "eth1"].iter().map(|s| s.to_string()).collect(),
+            "eth1 is detected although not listed"
+        );
+        assert_eq!(
+            expected_set(&o.devices, &pats(&["eth0"])),
+            ["eth0"].iter().map(|s| s.to_string()).collect()
         );
     }
 

@@ -1,7 +1,7 @@
 //! The step lifecycle's pieces the runner uses: taking the baseline, persisting, and
 //! exporting the outcome. The runner (`runner.rs`) alone owns and advances the active step.
 use super::{lock, Daemon};
-use crate::checks::devices;
+use crate::checks::devices::{self, XDP_KEY};
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
 use crate::probe::unix_now;
@@ -9,33 +9,62 @@ use crate::step::{Baseline, Step, StepParams, TargetTimeline, Verdict};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// Program id per baseline device: `cil_from_netdev` on host devices, `cil_to_host` on
-/// cilium_host. None when the program is gone.
-pub fn current_programs(
-    obs: &links::Observation,
-    devices: &[String],
-) -> BTreeMap<String, Option<u32>> {
-    devices
-        .iter()
-        .map(|dev| {
-            let prog = if dev == "cilium_host" {
-                "cil_to_host"
-            } else {
-                "cil_from_netdev"
-            };
+/// What the reload check follows under a tracking key: the device and the program (Cilium's
+/// entry points, bpf/bpf_host.c, bpf_overlay.c, bpf_xdp.c): `cil_from_netdev` on a host
+/// device, `cil_to_host` on cilium_host, `cil_from_overlay` on the overlay device, and
+/// `cil_xdp_entry` for `<dev>:xdp`.
+pub fn tracked_program(key: &str) -> (&str, &'static str, &'static str) {
+    if let Some(dev) = key.strip_suffix(XDP_KEY) {
+        (dev, "xdp", "cil_xdp_entry")
+    } else if key == "cilium_host" {
+        (key, "ingress", "cil_to_host")
+    } else if devices::is_overlay(key) {
+        (key, "ingress", "cil_from_overlay")
+    } else {
+        (key, "ingress", "cil_from_netdev")
+    }
+}
+
+/// Program id per tracking key (see [`tracked_program`]). None when the program is gone.
+pub fn current_programs(obs: &links::Observation, keys: &[String]) -> BTreeMap<String, Option<u32>> {
+    keys.iter()
+        .map(|key| {
+            let (dev, hook, prog) = tracked_program(key);
             let id = obs
                 .devices
                 .iter()
-                .find(|d| &d.name == dev)
-                .and_then(|d| {
-                    d.programs
-                        .iter()
-                        .find(|p| p.hook == "ingress" && p.is(prog))
-                })
+                .find(|d| d.name == dev)
+                .and_then(|d| d.programs.iter().find(|p| p.hook == hook && p.is(prog)))
                 .map(|p| p.prog_id);
-            (dev.clone(), id)
+            (key.clone(), id)
         })
         .collect()
+}
+
+/// The keys a step follows for the reload: the selected host devices, `cilium_host`, the
+/// overlay device when it carries `cil_from_overlay`, and `<dev>:xdp` for every selected
+/// device carrying `cil_xdp_entry`. Cilium reloads all of them on every start.
+pub fn reload_keys(obs: &links::Observation, selected: &[String]) -> Vec<String> {
+    let mut keys = selected.to_vec();
+    let carries = |name: &str, hook: &str, prog: &str| {
+        obs.devices
+            .iter()
+            .any(|d| d.name == name && d.programs.iter().any(|p| p.hook == hook && p.is(prog)))
+    };
+    if obs.devices.iter().any(|x| x.name == "cilium_host") {
+        keys.push("cilium_host".into());
+    }
+    for d in obs.devices.iter().filter(|d| devices::is_overlay(&d.name)) {
+        if carries(&d.name, "ingress", "cil_from_overlay") {
+            keys.push(d.name.clone());
+        }
+    }
+    for dev in selected {
+        if carries(dev, "xdp", "cil_xdp_entry") {
+            keys.push(format!("{dev}{XDP_KEY}"));
+        }
+    }
+    keys
 }
 
 /// Map ids of the global maps.
@@ -79,10 +108,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
     if selected.is_empty() {
         return Err(BeginError::NoDatapath);
     }
-    let mut tracked = selected.clone();
-    if obs.devices.iter().any(|x| x.name == "cilium_host") {
-        tracked.push("cilium_host".into());
-    }
+    let tracked = reload_keys(&obs, &selected);
     let programs: BTreeMap<String, u32> = current_programs(&obs, &tracked)
         .into_iter()
         .filter_map(|(k, v)| v.map(|v| (k, v)))
@@ -99,6 +125,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .collect();
     let (kernel_drops, cilium_drops) = (d.kernel_drops_now(), d.cilium_drops_now());
     let baseline = Baseline {
+        cilium: crate::profile::version_label(&maps.keys().cloned().collect()),
         programs,
         selected,
         maps,

@@ -7,7 +7,7 @@ use netlink_packet_route::address::AddressAttribute;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkXdp};
 use netlink_packet_route::tc::{TcAttribute, TcFilterBpfOption, TcOption};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
@@ -61,6 +61,12 @@ pub struct Device {
     /// Addresses of any scope (Cilium rejects a device without any).
     pub addresses: usize,
     pub global_addrs: Vec<IpAddr>,
+    /// A route in the main table with destination 0.0.0.0/0 or ::/0 through this device
+    /// (Cilium's `tables.HasDefaultRoute`: a veth without one is not auto-selected).
+    pub default_route: bool,
+    /// A route in any table through this device whose destination is global unicast
+    /// (Cilium's auto-detection needs one; a global address gives one in the local table).
+    pub global_route: bool,
     pub programs: Vec<AttachedProgram>,
 }
 
@@ -184,6 +190,52 @@ pub async fn observe(bpffs: &Path) -> Result<Observation, LinkError> {
     r
 }
 
+/// Output devices of default routes (main table) and of routes with a global-unicast
+/// destination (any table), IPv4 and IPv6, as Cilium's devices controller reads them.
+/// Multipath routes name their devices in nexthops and are not followed.
+async fn routes(
+    handle: &rtnetlink::Handle,
+) -> Result<(BTreeSet<u32>, BTreeSet<u32>), LinkError> {
+    use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteHeader};
+    let (mut default, mut global) = (BTreeSet::new(), BTreeSet::new());
+    for msg in [
+        rtnetlink::RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+        rtnetlink::RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+    ] {
+        let mut dump = handle.route().get(msg).execute();
+        while let Some(r) = dump.try_next().await.map_err(|e| LinkError::Dump {
+            what: "route",
+            message: e.to_string(),
+        })? {
+            let mut table = u32::from(r.header.table);
+            let (mut oif, mut dst) = (None, None);
+            for a in &r.attributes {
+                match a {
+                    RouteAttribute::Table(t) => table = *t,
+                    RouteAttribute::Oif(i) => oif = Some(*i),
+                    RouteAttribute::Destination(RouteAddress::Inet(ip)) => {
+                        dst = Some(IpAddr::V4(*ip))
+                    }
+                    RouteAttribute::Destination(RouteAddress::Inet6(ip)) => {
+                        dst = Some(IpAddr::V6(*ip))
+                    }
+                    _ => {}
+                }
+            }
+            let Some(oif) = oif else { continue };
+            if r.header.destination_prefix_length == 0
+                && table == u32::from(RouteHeader::RT_TABLE_MAIN)
+            {
+                default.insert(oif);
+            }
+            if dst.is_some_and(|ip| global_unicast(&ip)) {
+                global.insert(oif);
+            }
+        }
+    }
+    Ok((default, global))
+}
+
 async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observation, LinkError> {
     let mut obs = Observation::default();
     let mut links = handle.link().get().execute();
@@ -202,6 +254,8 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
             has_controller: false,
             addresses: 0,
             global_addrs: vec![],
+            default_route: false,
+            global_route: false,
             programs: vec![],
         };
         for a in &msg.attributes {
@@ -258,10 +312,13 @@ async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observ
             }
         }
     }
+    let (default_route, global_route) = routes(handle).await?;
     let pins = pinned_tcx_links(bpffs, &mut obs.link_pin_problems);
     for d in &mut devices {
         d.global_addrs = by_index.remove(&d.ifindex).unwrap_or_default();
         d.addresses = any_addr.get(&d.ifindex).copied().unwrap_or(0);
+        d.default_route = default_route.contains(&d.ifindex);
+        d.global_route = global_route.contains(&d.ifindex);
         for (hook, at) in [
             ("ingress", bpf::BPF_TCX_INGRESS),
             ("egress", bpf::BPF_TCX_EGRESS),
@@ -391,6 +448,8 @@ mod tests {
             has_controller: false,
             addresses: 0,
             global_addrs: vec![],
+            default_route: false,
+            global_route: false,
             programs: ids
                 .iter()
                 .map(|id| AttachedProgram {

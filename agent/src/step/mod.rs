@@ -293,6 +293,10 @@ pub struct Baseline {
     /// Drop counters (`kernel`, `cilium`) that could not be read at the start.
     #[serde(default)]
     pub drops_unknown_at_start: Vec<String>,
+    /// The Cilium version the pinned maps pointed to at the start (`1.16/1.17`, `1.18/1.19`,
+    /// `1.20`; see `profile::version_label`).
+    #[serde(default)]
+    pub cilium: Option<String>,
 }
 
 /// How a global map fared across the step, by what Cilium does with it (see
@@ -569,6 +573,10 @@ pub struct Step {
     /// Drops in the step window, by reason (kernel: `kernel:<REASON>`, Cilium: `cilium:<code>_<name>`).
     pub drops: BTreeMap<String, u64>,
     pub dns_p50_after_ms: Option<f64>,
+    /// The Cilium version the pinned maps point to after the reload (the step's `baseline.cilium`
+    /// is the one before).
+    #[serde(default)]
+    pub cilium_after: Option<String>,
     /// Global maps across the step, by class (set once the reload is complete).
     #[serde(default)]
     pub maps: BTreeMap<String, MapEvidence>,
@@ -603,6 +611,7 @@ impl Step {
             gaps: vec![],
             drops: BTreeMap::new(),
             dns_p50_after_ms: None,
+            cilium_after: None,
             maps: BTreeMap::new(),
             verdict: None,
             updated_at: now,

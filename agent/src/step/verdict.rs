@@ -80,18 +80,26 @@ pub struct Observed {
     pub complete_until: f64,
 }
 
-/// The devices that must carry the datapath after the restart: the declared set (and
-/// `cilium_host` when the node had it), or the baseline's devices ("as before").
+/// The reload keys that must carry the datapath after the restart: the declared device set
+/// (with XDP on each when the node had XDP, and `cilium_host` and the overlay device when
+/// it had them), or the baseline's keys ("as before"). See `watch::tracked_program`.
 pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
+    use crate::checks::devices::XDP_KEY;
+    let base = &step.baseline.programs;
     match &step.params.expect_devices {
         Some(d) => {
             let mut w: std::collections::BTreeSet<String> = d.iter().cloned().collect();
-            if step.baseline.programs.contains_key("cilium_host") {
-                w.insert("cilium_host".into());
+            if base.keys().any(|k| k.ends_with(XDP_KEY)) {
+                w.extend(d.iter().map(|d| format!("{d}{XDP_KEY}")));
             }
+            w.extend(
+                base.keys()
+                    .filter(|k| *k == "cilium_host" || crate::checks::devices::is_overlay(k))
+                    .cloned(),
+            );
             w
         }
-        None => step.baseline.programs.keys().cloned().collect(),
+        None => base.keys().cloned().collect(),
     }
 }
 
@@ -637,6 +645,7 @@ pub fn decide(step: &mut Step, o: &Observed) {
     step.gaps = gap_rows(step, o.complete_until.min(now));
     step.drops = o.drops.clone();
     if let (Some(at), Some(maps)) = (step.reload.complete_at, &o.maps) {
+        step.cilium_after = profile::version_label(&maps.keys().cloned().collect());
         let settle_over = now >= at + step.params.settle.as_secs_f64();
         step.maps = judge_maps(step, maps, o.map_ids.as_ref(), settle_over).evidence;
     }
@@ -976,6 +985,24 @@ mod tests {
                 .contains("not refilled by the end of settle (30→0)"),
             "{v:?}"
         );
+    }
+
+    /// The reload follows XDP and the overlay device too: with a declared device set, each
+    /// declared device must get XDP again when the node had XDP, and the overlay stays.
+    #[test]
+    fn declared_devices_carry_xdp_and_the_overlay_along() {
+        let mut s = step();
+        for k in ["eth0:xdp", "cilium_vxlan", "cilium_host"] {
+            s.baseline.programs.insert(k.into(), 9);
+        }
+        s.params.expect_devices = Some(vec!["eth0".into(), "eth2".into()]);
+        let w: Vec<String> = wanted_devices(&s).into_iter().collect();
+        assert_eq!(
+            w,
+            ["cilium_host", "cilium_vxlan", "eth0", "eth0:xdp", "eth2", "eth2:xdp"]
+        );
+        s.params.expect_devices = None;
+        assert!(wanted_devices(&s).contains("eth0:xdp"));
     }
 
     /// A rollout that drops eth1 on purpose: declared, the node coming back without eth1

@@ -39,6 +39,9 @@ pub struct StepView {
     #[serde(default)]
     pub drops: BTreeMap<String, u64>,
     pub dns_p50_after_ms: Option<f64>,
+    /// The Cilium version the maps point to after the reload (before: `baseline.cilium`).
+    #[serde(default)]
+    pub cilium_after: Option<String>,
     #[serde(default)]
     pub holes: Vec<(f64, f64)>,
     pub evidence_incomplete: Option<String>,
@@ -68,6 +71,7 @@ impl StepView {
             baseline: s.baseline.clone(),
             drops: s.drops.clone(),
             dns_p50_after_ms: s.dns_p50_after_ms,
+            cilium_after: s.cilium_after.clone(),
             holes: s.holes.clone(),
             evidence_incomplete: s.evidence_incomplete.clone(),
             maps: s.maps.clone(),
@@ -112,6 +116,18 @@ impl StepView {
                 out.push_str(&format!("\n  {}\n", v.summary));
             }
             None => out.push('\n'),
+        }
+        if let Some(before) = &self.baseline.cilium {
+            let after = self.cilium_after.as_deref().unwrap_or("not yet seen");
+            let declared = self
+                .params
+                .expect_cilium
+                .as_deref()
+                .map(|v| format!(", declared {v}"))
+                .unwrap_or_default();
+            out.push_str(&format!(
+                "  cilium (from the pinned maps): {before} -> {after}{declared}\n"
+            ));
         }
         if !self.gaps.is_empty() {
             out.push_str(&format!(

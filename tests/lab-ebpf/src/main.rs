@@ -104,6 +104,16 @@ pub fn cil_from_container(ctx: TcContext) -> i32 {
     tc_verdict(&ctx, METRIC_INGRESS, line!() as u16)
 }
 
+#[classifier]
+pub fn cil_from_overlay(ctx: TcContext) -> i32 {
+    tc_verdict(&ctx, METRIC_INGRESS, line!() as u16)
+}
+
+#[classifier]
+pub fn cil_to_overlay(ctx: TcContext) -> i32 {
+    tc_verdict(&ctx, METRIC_EGRESS, line!() as u16)
+}
+
 #[xdp]
 pub fn cil_xdp_entry(ctx: XdpContext) -> u32 {
     if blackholed() {

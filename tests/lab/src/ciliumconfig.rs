@@ -23,13 +23,19 @@ pub fn read(dir: &Path) -> Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
-/// Writes `values` as the ConfigMap's new content, kubelet style.
-pub fn write(dir: &Path, values: &BTreeMap<String, String>) -> Result<()> {
-    for k in values.keys() {
+/// Refuses keys a ConfigMap (or a CiliumNodeConfig) cannot have.
+pub fn validate_keys<'a>(keys: impl IntoIterator<Item = &'a String>) -> Result<()> {
+    for k in keys {
         if k.is_empty() || k.starts_with('.') || k.contains('/') {
             bail!("invalid ConfigMap key {k:?}");
         }
     }
+    Ok(())
+}
+
+/// Writes `values` as the ConfigMap's new content, kubelet style.
+pub fn write(dir: &Path, values: &BTreeMap<String, String>) -> Result<()> {
+    validate_keys(values.keys())?;
     fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)

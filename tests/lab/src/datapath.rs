@@ -70,20 +70,39 @@ impl Attachment {
 /// What goes where: `(device, program, hook, endpoint id)`.
 pub type Plan = Vec<(String, &'static str, Hook, Option<u16>)>;
 
-/// The attachments for host devices, endpoints and (with `cilium_host`) the host device pair.
-pub fn plan(host_devices: &[String], lxc: &[(String, u16)], xdp: bool, cilium_host: bool) -> Plan {
+/// Where Cilium attaches what, for one lab (docs/cilium-fidelity.md, "Devices").
+#[derive(Clone, Copy, Debug)]
+pub struct PlanOpts {
+    /// `cil_xdp_entry` on the host devices (XDP acceleration).
+    pub xdp: bool,
+    /// `cil_to_netdev` on the host devices: only when devices are required (`AreDevicesRequired`:
+    /// NodePort/KPR, L2 announcements, ...).
+    pub to_netdev: bool,
+    /// `cilium_host`/`cilium_net`, and the overlay device when tunnelling.
+    pub host: bool,
+    pub overlay: Option<&'static str>,
+}
+
+/// The attachments for host devices, endpoints and (with `host`) Cilium's own devices.
+pub fn plan(host_devices: &[String], lxc: &[(String, u16)], o: PlanOpts) -> Plan {
     let mut p: Plan = Vec::new();
     for d in host_devices {
         p.push((d.clone(), "cil_from_netdev", Hook::Ingress, None));
-        p.push((d.clone(), "cil_to_netdev", Hook::Egress, None));
-        if xdp {
+        if o.to_netdev {
+            p.push((d.clone(), "cil_to_netdev", Hook::Egress, None));
+        }
+        if o.xdp {
             p.push((d.clone(), "cil_xdp_entry", Hook::Xdp, None));
         }
     }
-    if cilium_host {
+    if o.host {
         p.push(("cilium_host".into(), "cil_to_host", Hook::Ingress, None));
         p.push(("cilium_host".into(), "cil_from_host", Hook::Egress, None));
         p.push(("cilium_net".into(), "cil_to_host", Hook::Ingress, None));
+        if let Some(dev) = o.overlay {
+            p.push((dev.into(), "cil_from_overlay", Hook::Ingress, None));
+            p.push((dev.into(), "cil_to_overlay", Hook::Egress, None));
+        }
     }
     for (dev, ep) in lxc {
         p.push((dev.clone(), "cil_from_container", Hook::Ingress, Some(*ep)));
@@ -266,16 +285,17 @@ pub struct Prepared {
     loaded: Vec<Loaded>,
 }
 
+/// Loads a new instance of every attached program `keep` does not hold back.
 pub fn prepare(
     ns: &str,
     bpffs: &Path,
     atts: &[Attachment],
-    skip_device: Option<&str>,
+    keep: impl Fn(&Attachment) -> bool,
 ) -> Result<Prepared> {
     let bpffs = bpffs.to_path_buf();
     let entries: Vec<_> = atts
         .iter()
-        .filter(|a| Some(a.device.as_str()) != skip_device)
+        .filter(|a| !keep(a))
         .map(|a| {
             Ok((
                 a.device.clone(),
@@ -294,8 +314,10 @@ pub fn prepare(
 }
 
 fn program_static(name: &str) -> Result<&'static str> {
-    const ALL: [&str; 6] = [
+    const ALL: [&str; 8] = [
         "cil_from_netdev",
+        "cil_from_overlay",
+        "cil_to_overlay",
         "cil_to_netdev",
         "cil_to_host",
         "cil_from_host",
@@ -310,7 +332,7 @@ fn program_static(name: &str) -> Result<&'static str> {
 
 /// Swaps every prepared program in (tcx/XDP: BPF_LINK_UPDATE on the pinned link; tc: filter
 /// replace at the same handle and priority), and detaches everything on `drop_device`.
-/// Returns the attachments as they are afterwards.
+/// Returns the attachments as they are afterwards (those not prepared keep their old program).
 pub fn replace(
     ns: &str,
     atts: &[Attachment],
@@ -342,6 +364,14 @@ pub fn replace(
                 prog_id: new_id,
                 ..old.clone()
             });
+        }
+        for a in &atts {
+            let replaced = prepared.loaded.iter().any(|l| {
+                l.entry.0 == a.device && l.entry.1 == a.program && l.entry.2 == a.hook
+            });
+            if !replaced && drop_device.as_deref() != Some(a.device.as_str()) {
+                out.push(a.clone());
+            }
         }
         if let Some(drop) = &drop_device {
             for a in atts.iter().filter(|a| &a.device == drop) {

@@ -32,6 +32,8 @@ const FABRIC_ETH0: &str = "192.0.2.254";
 const NODE_ETH1: &str = "203.0.113.1";
 const FABRIC_ETH1: &str = "203.0.113.254";
 const CILIUM_HOST_IP: &str = "169.254.100.1";
+/// Cilium's VXLAN overlay device (tunnel routing mode).
+const OVERLAY: &str = "cilium_vxlan";
 
 /// What to build.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -64,6 +66,7 @@ impl LabSpec {
                 ipv6: false,
                 kube_proxy_replacement: true,
                 l2_announcements: true,
+                tunnel: true,
             },
             capacity: Capacity::default(),
             ct_fill: 64,
@@ -252,6 +255,9 @@ impl Lab {
         if prefix_in_use(&spec.prefix) {
             bail!("lab prefix {:?} is already in use (see `cargo xtask lab status`; remove it with `cargo xtask lab down --prefix {}`)", spec.prefix, spec.prefix);
         }
+        if spec.features.l2_announcements && !spec.features.kube_proxy_replacement {
+            bail!("L2 announcements need kube-proxy replacement (Cilium's documented prerequisite): turn L2 announcements off too (--no-l2)");
+        }
         if spec.pods > 2000 {
             bail!("--pods {} is more than the lab supports (2000)", spec.pods);
         }
@@ -333,6 +339,13 @@ impl Lab {
                 "eth0",
             ],
         )?;
+        // Default routes through both NICs (Cilium does not auto-detect a veth without one).
+        self.ip_batch(
+            Some(&node),
+            &format!(
+                "route add default via {FABRIC_ETH0} dev eth0 metric 100\nroute add default via {FABRIC_ETH1} dev eth1 metric 200\n"
+            ),
+        )?;
         // cilium_host/cilium_net are a veth pair in Cilium too.
         netns::ip(
             &node,
@@ -348,6 +361,16 @@ impl Lab {
             ],
         )?;
         netns::ip(&node, &["link", "set", "cilium_host", "up"])?;
+        if self.state.spec.features.tunnel {
+            // The overlay device, as Cilium creates it in tunnel mode (VXLAN, port 8472).
+            netns::ip(
+                &node,
+                &[
+                    "link", "add", OVERLAY, "type", "vxlan", "external", "dstport", "8472",
+                ],
+            )?;
+            netns::ip(&node, &["link", "set", OVERLAY, "up"])?;
+        }
         netns::ip(&node, &["link", "set", "cilium_net", "up"])?;
         netns::add_addr(&node, "cilium_host", &format!("{CILIUM_HOST_IP}/32"))?;
 
@@ -385,12 +408,7 @@ impl Lab {
         self.create_maps()?;
         self.write_cilium_config()?;
 
-        let plan = datapath::plan(
-            &self.state.devices,
-            &self.state.lxc,
-            self.state.spec.xdp,
-            true,
-        );
+        let plan = datapath::plan(&self.state.devices, &self.state.lxc, self.plan_opts(true));
         self.state.attachments =
             datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
         self.create_tail_call_maps()?;
@@ -400,6 +418,16 @@ impl Lab {
         self.write_stepguard_config()?;
         self.state.ready = true;
         self.save()
+    }
+
+    fn plan_opts(&self, host: bool) -> datapath::PlanOpts {
+        let s = &self.state.spec;
+        datapath::PlanOpts {
+            xdp: s.xdp,
+            to_netdev: s.features.devices_required(),
+            host,
+            overlay: s.features.tunnel.then_some(OVERLAY),
+        }
     }
 
     fn ip_batch(&self, ns: Option<&str>, cmds: &str) -> Result<()> {
@@ -538,20 +566,34 @@ impl Lab {
         maps::populate(&fd, &spec, &facts, s.ct_fill).map(|_| ())
     }
 
-    /// Replaces the pinned ipcache with a new map (new id), refilled unless `refill` is false.
-    fn recreate_ipcache(&self, refill: bool) -> Result<()> {
+    /// Replaces the pinned ipcache with a new, empty map (new id).
+    fn recreate_ipcache(&self) -> Result<()> {
+        match self.global_map_like("cilium_ipcache") {
+            Some(spec) => maps::create_pinned(&self.state.bpffs, &spec).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    fn global_map_like(&self, prefix: &str) -> Option<maps::MapSpec> {
         let s = &self.state.spec;
-        let Some(spec) = maps::global_maps(s.profile, s.features, s.capacity)
+        maps::global_maps(s.profile, s.features, s.capacity)
             .into_iter()
-            .find(|m| m.name.starts_with("cilium_ipcache"))
-        else {
+            .find(|m| m.name.starts_with(prefix))
+    }
+
+    /// Fills the pinned map (as it is now) with the lab's facts.
+    fn fill_map_named_like(&self, prefix: &str) -> Result<()> {
+        let Some(spec) = self.global_map_like(prefix) else {
             return Ok(());
         };
-        if refill {
-            self.facts_and_create(Some(&spec.name))
-        } else {
-            maps::create_pinned(&self.state.bpffs, &spec).map(|_| ())
-        }
+        let fd = sys::obj_get(&maps::globals_dir(&self.state.bpffs).join(&spec.name))?;
+        let (pod_ips, node_ips, vips) = self.fact_data();
+        let facts = maps::NodeFacts {
+            pod_ips: &pod_ips,
+            node_ips: &node_ips,
+            vips: &vips,
+        };
+        maps::populate(&fd, &spec, &facts, self.state.spec.ct_fill).map(|_| ())
     }
 
     fn create_maps(&self) -> Result<()> {
@@ -650,10 +692,17 @@ impl Lab {
                 b(s.features.kube_proxy_replacement),
             ),
             ("enable-l2-announcements", b(s.features.l2_announcements)),
-            ("routing-mode", "tunnel".into()),
+            (
+                "routing-mode",
+                if s.features.tunnel {
+                    "tunnel".into()
+                } else {
+                    "native".into()
+                },
+            ),
             ("enable-tcx", b(s.attach == AttachMode::Tcx)),
             (
-                "enable-xdp-acceleration",
+                "bpf-lb-acceleration",
                 if s.xdp {
                     "native".into()
                 } else {
@@ -802,6 +851,11 @@ impl Lab {
                 bail!("--drop-device {d}: no lab programs are attached to {d}");
             }
         }
+        if let Some(p) = &o.stale {
+            if !self.state.attachments.iter().any(|a| &a.program == p) {
+                bail!("--stale {p}: no lab device carries {p}");
+            }
+        }
         let globals = maps::globals_dir(&self.state.bpffs);
         for m in [&o.lose_map, &o.flush_map].into_iter().flatten() {
             if !globals.join(m).exists() {
@@ -814,19 +868,21 @@ impl Lab {
         let prepared = if o.no_reload {
             None
         } else {
-            Some(datapath::prepare(
-                &node,
-                &bpffs,
-                &old,
-                o.drop_device.as_deref(),
-            )?)
+            Some(datapath::prepare(&node, &bpffs, &old, |a| {
+                Some(a.device.as_str()) == o.drop_device.as_deref()
+                    || Some(a.program.as_str()) == o.stale.as_deref()
+            })?)
         };
 
+        // The agent is down: Cilium's pinned links and maps stay and the old programs keep
+        // forwarding; only the blackhole fault drops traffic meanwhile.
         let start = now_ns();
-        datapath::set_blackhole(&bpffs, true)?;
+        if o.blackhole {
+            datapath::set_blackhole(&bpffs, true)?;
+        }
         let on = now_ns();
         let result = (|| -> Result<Vec<Attachment>> {
-            std::thread::sleep(o.gap);
+            std::thread::sleep(o.down);
             if let Some(m) = &o.lose_map {
                 std::fs::remove_file(globals.join(m))
                     .with_context(|| format!("remove pinned map {m}"))?;
@@ -842,10 +898,16 @@ impl Lab {
         })();
         // Whatever happened, the blackhole is lifted.
         let off = now_ns();
-        let lift = datapath::set_blackhole(&bpffs, false);
+        let lift = if o.blackhole {
+            datapath::set_blackhole(&bpffs, false)
+        } else {
+            Ok(())
+        };
         let end = now_ns();
         let new = result?;
         lift?;
+        self.state.attachments = new.clone();
+        self.save()?;
         if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
             self.upgrade_maps(to)?;
         }
@@ -853,18 +915,24 @@ impl Lab {
             self.resize_map(m)?;
         }
         if !o.no_reload {
-            // The agent restarted: it loaded the cilium-config as it is now.
-            self.load_agent_config()?;
+            if !o.keep_config {
+                // The agent restarted: it loaded the cilium-config as it is now.
+                self.load_agent_config()?;
+            }
             self.create_tail_call_maps()?;
-            // Like Cilium's start: ipcache is unpinned, created anew and refilled
-            // (pkg/maps/ipcache Recreate), so its id changes; the fault leaves it empty.
-            self.recreate_ipcache(!o.no_refill)?;
+            // Like Cilium's start: ipcache is unpinned, created anew (new id) and refilled
+            // from the agent's state (pkg/maps/ipcache Recreate) over `refill_after`; the
+            // fault leaves it empty.
+            self.recreate_ipcache()?;
+            if !o.no_refill {
+                std::thread::sleep(o.refill_after);
+                self.fill_map_named_like("cilium_ipcache")?;
+            }
         }
-        self.state.attachments = new.clone();
-        self.save()?;
         Ok(RestartReport {
             prefix: self.state.spec.prefix.clone(),
-            gap_requested_ns: o.gap.as_nanos(),
+            gap_requested_ns: o.down.as_nanos(),
+            blackhole: o.blackhole,
             blackhole_start_ns: start,
             blackhole_on_ns: on,
             blackhole_off_ns: off,
@@ -878,6 +946,16 @@ impl Lab {
         })
     }
 
+    /// `lab config override KEY=VALUE...`: a CiliumNodeConfig for this node. Like Cilium's,
+    /// it takes effect when the agent next starts (the init container merges it).
+    pub fn config_override(&mut self, changes: &[(String, String)]) -> Result<()> {
+        ciliumconfig::validate_keys(changes.iter().map(|c| &c.0))?;
+        for (k, v) in changes {
+            self.state.spec.node_overrides.insert(k.clone(), v.clone());
+        }
+        self.save()
+    }
+
     /// A new host device (veth into the fabric) that the datapath attaches to, as when a node
     /// gains a NIC matching Cilium's selection: `cil_from_netdev`/`cil_to_netdev` on it.
     pub fn add_host_device(&mut self, name: &str) -> Result<()> {
@@ -888,9 +966,14 @@ impl Lab {
         let node = self.node_ns();
         let peer = format!("fab{}", self.state.devices.len());
         netns::add_veth(&node, name, &self.fabric_ns(), &peer)?;
+        netns::add_addr(
+            &node,
+            name,
+            &format!("203.0.113.{}/32", 10 + self.state.devices.len()),
+        )?;
         self.state.devices.push(name.to_string());
         self.save()?;
-        let plan = datapath::plan(&[name.to_string()], &[], self.state.spec.xdp, false);
+        let plan = datapath::plan(&[name.to_string()], &[], self.plan_opts(false));
         let atts = datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
         self.state.attachments.extend(atts);
         self.save()
@@ -939,30 +1022,49 @@ fn is_mountpoint(p: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// A simulated cilium-agent restart: blackhole for `gap`, then new program instances replace
-/// the old ones atomically, then the blackhole is lifted. Fault flags change what comes back.
+/// A simulated cilium-agent restart, as Cilium does one: the agent is down for `down` while
+/// its pinned links and maps stay and the old programs keep forwarding; then new program
+/// instances replace the old ones atomically, the agent reloads its config, recreates ipcache
+/// and refills it over `refill_after`. Fault flags change what comes back.
 #[derive(Clone, Debug, Default)]
 pub struct RestartOpts {
-    pub gap: Duration,
+    /// How long the agent is down.
+    pub down: Duration,
+    /// Fault: the datapath drops all traffic while the agent is down (Cilium's does not; this
+    /// is how the lab produces a measurable outage).
+    pub blackhole: bool,
     pub no_reload: bool,
     pub drop_device: Option<String>,
     pub lose_map: Option<String>,
     pub flush_map: Option<String>,
     /// Fault: ipcache is recreated (as on every Cilium start) but not refilled.
     pub no_refill: bool,
+    /// How long after the new programs are in the recreated ipcache is refilled.
+    pub refill_after: Duration,
     /// An upgrade (or downgrade) restart: the agent comes back as this version, with its
     /// maps (those the new version no longer has are unpinned, new ones created and filled).
     pub to: Option<Profile>,
     /// A property change (Cilium's `pkg/bpf` "Removing map to allow for property upgrade"):
     /// this map is recreated with twice its max entries (a new id) and refilled.
     pub resize_map: Option<String>,
+    /// Fault: this program (e.g. `cil_xdp_entry`, `cil_from_overlay`) keeps its old instance
+    /// on every device while the rest is reloaded.
+    pub stale: Option<String>,
+    /// Fault: the programs are reloaded but the agent does not read its config again (as when
+    /// Cilium reloads the datapath for a device change without restarting).
+    pub keep_config: bool,
 }
 
 /// What really happened, for tests to compare against.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RestartReport {
     pub prefix: String,
+    /// How long the agent was asked to be down.
     pub gap_requested_ns: u128,
+    /// Whether the datapath dropped traffic while the agent was down (the blackhole fault);
+    /// the `blackhole_*` instants bound the agent-down window either way.
+    #[serde(default)]
+    pub blackhole: bool,
     /// Wall clock (CLOCK_REALTIME, ns since the epoch) just before the blackhole was set.
     pub blackhole_start_ns: u128,
     /// Wall clock just after it was set: the blackhole began in

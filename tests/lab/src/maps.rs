@@ -71,6 +71,21 @@ pub struct Features {
     pub ipv6: bool,
     pub kube_proxy_replacement: bool,
     pub l2_announcements: bool,
+    /// `routing-mode: tunnel` (Helm's default, VXLAN); false is native routing.
+    #[serde(default = "yes")]
+    pub tunnel: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Features {
+    /// Cilium's `AreDevicesRequired` as far as the lab's features go (NodePort/KPR,
+    /// L2 announcements): `cil_to_netdev` is attached only then.
+    pub fn devices_required(self) -> bool {
+        self.kube_proxy_replacement || self.l2_announcements
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -153,9 +168,11 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
         v.push(spec("cilium_policystats", PERCPU_HASH, 16, 16, 65536));
     }
     if profile.before_1_18() {
-        // Up to 1.17: the tunnel map (tunnel routing mode, the lab's mode) and the v1 node
-        // map mirrored next to v2 (Cilium's pkg/maps/nodemap; removed at init from 1.18).
-        v.push(spec("cilium_tunnel_map", HASH, 20, 20, 65536));
+        // Up to 1.17: the tunnel map (only in tunnel routing mode) and the v1 node map
+        // mirrored next to v2 (Cilium's pkg/maps/nodemap; removed at init from 1.18).
+        if f.tunnel {
+            v.push(spec("cilium_tunnel_map", HASH, 20, 20, 65536));
+        }
         v.push(spec("cilium_node_map", HASH, 20, 2, 16384));
     }
     if f.kube_proxy_replacement {

@@ -48,7 +48,8 @@ fn probes_that_cannot_run_are_a_hole_never_a_pass() {
     let flood = idle_connections(&agent.ns, agent.addr, 300);
     assert!(flood.len() > 160, "only {} connections", flood.len());
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(1000),
+        down: Duration::from_millis(1000),
+        blackhole: true,
         ..Default::default()
     })
     .unwrap();
@@ -119,7 +120,8 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
     }
     let r = lab
         .restart(&RestartOpts {
-            gap: Duration::from_millis(300),
+            down: Duration::from_millis(300),
+            blackhole: true,
             ..Default::default()
         })
         .unwrap();

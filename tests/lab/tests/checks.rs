@@ -122,7 +122,8 @@ fn a_healthy_node_passes_1_20_tc() {
 fn dropped_device_is_named(attach: AttachMode) {
     let mut lab = lab(|s| s.attach = attach);
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(10),
+        down: Duration::from_millis(10),
+        blackhole: true,
         drop_device: Some("eth1".into()),
         ..Default::default()
     })
@@ -159,7 +160,8 @@ fn an_unexpected_extra_device_is_caught_and_named() {
 fn a_lost_map_is_caught_and_named() {
     let mut lab = lab(|_| {});
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(10),
+        down: Duration::from_millis(10),
+        blackhole: true,
         lose_map: Some("cilium_lb4_services_v2".into()),
         ..Default::default()
     })
@@ -230,7 +232,8 @@ fn a_config_change_without_a_restart_fails_until_the_restart() {
         "{r}"
     );
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(10),
+        down: Duration::from_millis(10),
+        blackhole: true,
         ..Default::default()
     })
     .unwrap();
@@ -240,7 +243,8 @@ fn a_config_change_without_a_restart_fails_until_the_restart() {
     lab.config_set(&[("devices".into(), "eth0 eth1".into())])
         .unwrap();
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(10),
+        down: Duration::from_millis(10),
+        blackhole: true,
         ..Default::default()
     })
     .unwrap();
@@ -248,19 +252,36 @@ fn a_config_change_without_a_restart_fails_until_the_restart() {
     assert_eq!(code, 0, "{}", result(&v, "config"));
 }
 
-/// A per-node override (a CiliumNodeConfig): the agent runs with a value the ConfigMap never
-/// had; the check sees it and reports it, and does not call it "not applied".
+/// A per-node override (a CiliumNodeConfig), given with the lab's CLI: like Cilium's, it is
+/// loaded when the agent next starts. The check sees the value the ConfigMap never had and
+/// reports it as an override, never as "not applied".
 #[test]
 fn a_per_node_override_is_seen_not_failed() {
-    let lab = lab(|s| {
-        s.node_overrides
-            .insert("cluster-name".into(), "overridden-here".into());
-    });
+    let mut lab = lab(|_| {});
     let state = lab.state.run_dir.join("agent-state");
-    let (code, v, _) = check(
-        &lab,
-        &["--only", "config", "--state-dir", &state.to_string_lossy()],
+    let state_arg = state.to_string_lossy().into_owned();
+    let (code, _, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
+    assert_eq!(code, 0, "the ConfigMap as loaded, remembered");
+    let prefix = lab.state.spec.prefix.clone();
+    let out = sh(
+        &bin("STEPGUARD_LAB_BIN", "stepguard-lab").to_string_lossy(),
+        &[
+            "config",
+            "override",
+            "--prefix",
+            &prefix,
+            "cluster-name=overridden-here",
+        ],
     );
+    assert!(out.contains("cluster-name=overridden-here"), "{out}");
+    // The lab's state on disk carries the override into the next restart.
+    lab.0 = stepguard_lab::Lab::open(&prefix).unwrap();
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(10),
+        ..Default::default()
+    })
+    .unwrap();
+    let (code, v, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
     let r = result(&v, "config");
     assert_eq!(code, 0, "{r}");
     assert!(
@@ -268,6 +289,37 @@ fn a_per_node_override_is_seen_not_failed() {
             .as_str()
             .unwrap()
             .contains("per-node overrides: cluster-name"),
+        "{r}"
+    );
+}
+
+/// Cilium reloads its datapath without reading its config again (a device change): new
+/// program ids are no evidence that an edit was applied (the false pass of the old
+/// timestamp rule). The check still names the key as not applied.
+#[test]
+fn a_reload_without_a_config_read_is_still_not_applied() {
+    let mut lab = lab(|_| {});
+    let state = lab.state.run_dir.join("agent-state");
+    let state_arg = state.to_string_lossy().into_owned();
+    let (code, _, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
+    assert_eq!(code, 0);
+    lab.config_set(&[("enable-ipv6".into(), "true".into())])
+        .unwrap();
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(10),
+        keep_config: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let (code, v, _) = check(&lab, &["--only", "config", "--state-dir", &state_arg]);
+    let r = result(&v, "config");
+    assert_eq!(code, 1, "{r}");
+    assert_eq!(r["code"], "config_not_applied", "{r}");
+    assert!(
+        r["reason"]
+            .as_str()
+            .unwrap()
+            .contains("changed keys: enable-ipv6"),
         "{r}"
     );
 }

@@ -91,7 +91,8 @@ fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
     });
     let r = lab
         .restart(&RestartOpts {
-            gap: Duration::from_millis(2000),
+            down: Duration::from_millis(2000),
+            blackhole: true,
             ..Default::default()
         })
         .unwrap();

@@ -1,4 +1,5 @@
-//! `restart` blackholes the datapath for the recorded window and swaps program IDs; each fault
+//! `restart` (with the blackhole fault) drops traffic for the recorded window and swaps program
+//! IDs; without it no traffic breaks; each fault
 //! variant does exactly what it claims. The test probes on its own (TCP connects to the gateway
 //! VIP from the node namespace) and compares with the recorded, not the requested, window.
 mod common;
@@ -85,7 +86,8 @@ fn gap_is_measured_within_the_probe_interval(attach: AttachMode) {
     let (r, probes) = restart_while_probing(
         &mut lab,
         RestartOpts {
-            gap: Duration::from_millis(500),
+            down: Duration::from_millis(500),
+            blackhole: true,
             ..Default::default()
         },
     );
@@ -176,7 +178,8 @@ fn no_reload_keeps_every_program_id() {
     let mut lab = lab(|_| {});
     let r = lab
         .restart(&RestartOpts {
-            gap: Duration::from_millis(50),
+            down: Duration::from_millis(50),
+            blackhole: true,
             no_reload: true,
             ..Default::default()
         })
@@ -201,7 +204,8 @@ fn drop_device_detaches_only_that_device(attach: AttachMode) {
     let mut lab = lab(|s| s.attach = attach);
     let r = lab
         .restart(&RestartOpts {
-            gap: Duration::from_millis(50),
+            down: Duration::from_millis(50),
+            blackhole: true,
             drop_device: Some("eth1".into()),
             ..Default::default()
         })
@@ -270,7 +274,8 @@ fn lose_map_removes_exactly_that_pin_and_flush_map_empties_exactly_that_map() {
     assert!(count("cilium_ipcache_v2") > 0);
 
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(20),
+        down: Duration::from_millis(20),
+        blackhole: true,
         lose_map: Some("cilium_lb4_services_v2".into()),
         ..Default::default()
     })
@@ -290,7 +295,8 @@ fn lose_map_removes_exactly_that_pin_and_flush_map_empties_exactly_that_map() {
     };
     let (ipc_id, ipc_n) = (id("cilium_ipcache_v2"), count("cilium_ipcache_v2"));
     lab.restart(&RestartOpts {
-        gap: Duration::from_millis(20),
+        down: Duration::from_millis(20),
+        blackhole: true,
         flush_map: Some("cilium_lxc".into()),
         ..Default::default()
     })
@@ -314,4 +320,51 @@ fn lose_map_removes_exactly_that_pin_and_flush_map_empties_exactly_that_map() {
         err.to_string().contains("no pinned map cilium_nope"),
         "{err}"
     );
+}
+
+/// The lab's restart without a fault is Cilium's: while the agent is down the pinned links
+/// and maps stay and the old programs keep forwarding, so traffic that does not depend on the
+/// agent sees no outage; afterwards every program has a new id and ipcache a new map id.
+fn a_restart_without_a_fault_breaks_no_traffic(attach: AttachMode) {
+    let mut lab = lab(|s| s.attach = attach);
+    let ipcache = lab.state.bpffs.join("tc/globals/cilium_ipcache_v2");
+    let id_before = bpftool_json(&["map", "show", "pinned", &ipcache.to_string_lossy()])["id"]
+        .as_u64()
+        .unwrap();
+    let (r, probes) = restart_while_probing(
+        &mut lab,
+        RestartOpts {
+            down: Duration::from_millis(300),
+            refill_after: Duration::from_millis(100),
+            ..Default::default()
+        },
+    );
+    assert!(!r.blackhole);
+    let during = probes
+        .iter()
+        .filter(|p| p.0 >= r.blackhole_start_ns && p.0 <= r.blackhole_end_ns)
+        .count();
+    assert!(during >= 10, "probes while the agent was down: {during}");
+    let failed: Vec<_> = probes.iter().filter(|p| !p.1).collect();
+    assert!(failed.is_empty(), "{} probes failed: {failed:?}", failed.len());
+    for (o, n) in r.old_programs.iter().zip(&r.new_programs) {
+        assert_ne!(o.prog_id, n.prog_id, "{} on {} reloaded", o.program, o.device);
+    }
+    let after = bpftool_json(&["map", "show", "pinned", &ipcache.to_string_lossy()]);
+    assert_ne!(after["id"].as_u64().unwrap(), id_before, "ipcache recreated");
+    let dump = bpftool_json(&["map", "dump", "pinned", &ipcache.to_string_lossy()]);
+    assert!(
+        dump.as_array().is_some_and(|a| !a.is_empty()),
+        "ipcache refilled: {dump}"
+    );
+}
+
+#[test]
+fn a_restart_without_a_fault_breaks_no_traffic_tcx() {
+    a_restart_without_a_fault_breaks_no_traffic(AttachMode::Tcx);
+}
+
+#[test]
+fn a_restart_without_a_fault_breaks_no_traffic_tc() {
+    a_restart_without_a_fault_breaks_no_traffic(AttachMode::Tc);
 }

@@ -115,7 +115,8 @@ fn a_real_prometheus_scrapes_check_and_step_metrics() {
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"30s"}"#);
     let r = lab
         .restart(&RestartOpts {
-            gap: Duration::from_millis(200),
+            down: Duration::from_millis(200),
+            blackhole: true,
             ..Default::default()
         })
         .unwrap();

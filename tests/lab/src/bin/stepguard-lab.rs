@@ -30,7 +30,7 @@ enum Cmd {
         /// Unique name prefix for the lab's namespaces (default: a fresh `sglabXXXXX`).
         #[arg(long)]
         prefix: Option<String>,
-        /// Cilium version whose map names the lab imitates: 1.16, 1.18 or 1.20.
+        /// Cilium version whose maps the lab imitates: 1.16, 1.17, 1.18, 1.19 or 1.20.
         #[arg(long, default_value = "1.18")]
         cilium: Profile,
         /// How the datapath attaches: tcx (bpf_link, pinned) or tc (legacy clsact filters).
@@ -45,12 +45,17 @@ enum Cmd {
         /// enable-ipv6 (adds the IPv6 maps).
         #[arg(long)]
         ipv6: bool,
-        /// Turn kube-proxy replacement off (no SNAT map).
+        /// Turn kube-proxy replacement off (no SNAT map; with --no-l2, no cil_to_netdev).
+        /// Cilium needs KPR for L2 announcements, so this needs --no-l2.
         #[arg(long)]
         no_kpr: bool,
         /// Turn L2 announcements off (no L2 responder map).
         #[arg(long)]
         no_l2: bool,
+        /// routing-mode: tunnel (VXLAN overlay device cilium_vxlan; the tunnel map up to
+        /// 1.17) or native.
+        #[arg(long, default_value = "tunnel", value_parser = ["tunnel", "native"])]
+        routing: String,
         /// max_entries of cilium_ct4_global (LRU, preallocated).
         #[arg(long, default_value_t = 65536)]
         ct_entries: u32,
@@ -69,9 +74,24 @@ enum Cmd {
     Restart {
         #[arg(long)]
         prefix: Option<String>,
-        /// How long the datapath blackholes traffic (e.g. 300ms, 2s).
-        #[arg(long, default_value = "500ms", value_parser = parse_duration)]
-        gap: std::time::Duration,
+        /// How long the agent is down (e.g. 300ms, 2s). As in Cilium, the old programs keep
+        /// forwarding meanwhile, unless --blackhole.
+        #[arg(long, alias = "gap", default_value = "500ms", value_parser = parse_duration)]
+        down: std::time::Duration,
+        /// Fault: the datapath drops all traffic while the agent is down (a measurable
+        /// outage; a real Cilium restart does not do this).
+        #[arg(long)]
+        blackhole: bool,
+        /// How long after the reload the recreated ipcache is refilled.
+        #[arg(long, default_value = "0s", value_parser = parse_duration)]
+        refill_after: std::time::Duration,
+        /// Fault: this program keeps its old instance on every device (e.g. cil_xdp_entry,
+        /// cil_from_overlay) while the rest is reloaded.
+        #[arg(long, value_name = "PROGRAM")]
+        stale: Option<String>,
+        /// Fault: the programs are reloaded but the agent does not read its config again.
+        #[arg(long)]
+        keep_config: bool,
         /// Fault: nothing is replaced (same program IDs afterwards).
         #[arg(long)]
         no_reload: bool,
@@ -95,11 +115,13 @@ enum Cmd {
         #[arg(long, value_name = "NAME")]
         resize_map: Option<String>,
     },
-    /// Change the lab's cilium-config the way kubelet does: `config set KEY=VALUE...`.
+    /// The lab's cilium-config: `config set KEY=VALUE...` edits the ConfigMap the way kubelet
+    /// updates its mount; `config override KEY=VALUE...` adds a per-node override (a
+    /// CiliumNodeConfig), loaded like the ConfigMap when the agent next restarts; `show`.
     Config {
         #[arg(long)]
         prefix: Option<String>,
-        #[arg(value_parser = ["set", "show"])]
+        #[arg(value_parser = ["set", "override", "show"])]
         action: String,
         /// KEY=VALUE pairs (for `set`).
         pairs: Vec<String>,
@@ -201,6 +223,7 @@ fn real_main() -> Result<()> {
             ipv6,
             no_kpr,
             no_l2,
+            routing,
             ct_entries,
             ct_fill,
         } => {
@@ -213,6 +236,7 @@ fn real_main() -> Result<()> {
             spec.features.ipv6 = ipv6;
             spec.features.kube_proxy_replacement = !no_kpr;
             spec.features.l2_announcements = !no_l2;
+            spec.features.tunnel = routing == "tunnel";
             spec.capacity.ct_entries = ct_entries;
             spec.ct_fill = ct_fill;
             let lab = Lab::up(spec)?;
@@ -242,7 +266,11 @@ fn real_main() -> Result<()> {
         }
         Cmd::Restart {
             prefix,
-            gap,
+            down,
+            blackhole,
+            refill_after,
+            stale,
+            keep_config,
             no_reload,
             drop_device,
             lose_map,
@@ -253,7 +281,11 @@ fn real_main() -> Result<()> {
         } => {
             let mut lab = pick(prefix)?;
             let r = lab.restart(&RestartOpts {
-                gap,
+                down,
+                blackhole,
+                refill_after,
+                stale,
+                keep_config,
                 no_reload,
                 drop_device,
                 lose_map,
@@ -269,22 +301,26 @@ fn real_main() -> Result<()> {
             action,
             pairs,
         } => {
-            let lab = pick(prefix)?;
-            let values = if action == "set" {
-                if pairs.is_empty() {
-                    bail!("config set needs KEY=VALUE pairs");
+            let mut lab = pick(prefix)?;
+            let changes = pairs
+                .iter()
+                .map(|p| {
+                    p.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .with_context(|| format!("{p:?} is not KEY=VALUE"))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if action != "show" && changes.is_empty() {
+                bail!("config {action} needs KEY=VALUE pairs");
+            }
+            let values = match action.as_str() {
+                "set" => lab.config_set(&changes)?,
+                "override" => {
+                    lab.config_override(&changes)?;
+                    println!("# per-node overrides (loaded at the agent's next restart):");
+                    lab.state.spec.node_overrides.clone()
                 }
-                let changes = pairs
-                    .iter()
-                    .map(|p| {
-                        p.split_once('=')
-                            .map(|(k, v)| (k.to_string(), v.to_string()))
-                            .with_context(|| format!("{p:?} is not KEY=VALUE"))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                lab.config_set(&changes)?
-            } else {
-                stepguard_lab::ciliumconfig::read(&lab.state.cilium_config)?
+                _ => stepguard_lab::ciliumconfig::read(&lab.state.cilium_config)?,
             };
             for (k, v) in values {
                 println!("{k}={v}");
