@@ -21,3 +21,4 @@ pub mod profile;
 pub mod report;
 pub mod stats;
 pub mod step;
+pub mod witness;

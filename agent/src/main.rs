@@ -52,6 +52,10 @@ enum LogFormat {
 enum Cmd {
     /// Run the agent: probes, node checks, the step protocol; serves the HTTP API and /metrics.
     Agent(AgentArgs),
+    /// Probe the VIPs as a LAN client does, from a machine that is not a Cilium node (a NAS,
+    /// a router, a small VM): a node cannot see its own L2-announcement lease move. Serves the
+    /// witness side of the step protocol; the stepped node's agent collects its gaps.
+    Witness(WitnessArgs),
     /// Begin a step on an agent (POST /v1/steps); prints the step id on the last line.
     Step(StepArgs),
     /// Wait for a step's verdict; exit 0 passed, 1 failed, 2 timed out / agent unreachable / usage.
@@ -110,6 +114,26 @@ struct AgentArgs {
     shutdown_grace: Duration,
 }
 
+#[derive(clap::Args)]
+struct WitnessArgs {
+    /// YAML config: only `targets` is used (the VIPs as LAN clients reach them).
+    #[arg(long, env = "STEPGUARD_CONFIG")]
+    config: PathBuf,
+    /// Address to serve on.
+    #[arg(long, default_value = "0.0.0.0:9970", env = "STEPGUARD_LISTEN")]
+    listen: SocketAddr,
+    /// File holding a bearer token that POST/DELETE requests must carry (the agents send
+    /// their own token).
+    #[arg(long, env = "STEPGUARD_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Probe cadence outside steps.
+    #[arg(long, default_value = "1s", value_parser = parse_dur)]
+    probe_interval: Duration,
+    /// Probe cadence during a step (a step may ask for its own).
+    #[arg(long, default_value = "10ms", value_parser = parse_dur)]
+    burst_interval: Duration,
+}
+
 fn parse_dur(s: &str) -> Result<Duration, stepguard::duration::DurationError> {
     stepguard::duration::parse(s)
 }
@@ -143,6 +167,10 @@ struct StepArgs {
     /// The Cilium version that must come back (an upgrade step), e.g. 1.18.
     #[arg(long)]
     expect_cilium: Option<String>,
+    /// A witness (`stepguard witness` on a LAN machine, http://HOST:PORT) that probes the VIPs
+    /// as LAN clients do during the step; repeat for several. Its gaps are part of the verdict.
+    #[arg(long = "witness", value_name = "URL")]
+    witnesses: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -259,6 +287,7 @@ fn main() {
 fn run(cmd: Cmd) -> Result<i32> {
     match cmd {
         Cmd::Agent(args) => agent(args),
+        Cmd::Witness(args) => witness(args),
         Cmd::Step(args) => step_cmd(args),
         Cmd::Wait(args) => wait_cmd(args),
         Cmd::Check(args) => check(args),
@@ -383,6 +412,55 @@ fn agent(args: AgentArgs) -> Result<i32> {
     })
 }
 
+fn witness(args: WitnessArgs) -> Result<i32> {
+    let ms = Duration::from_millis;
+    if !(ms(10)..=ms(3_600_000)).contains(&args.probe_interval) {
+        anyhow::bail!("--probe-interval: out of range (10ms to 1h)");
+    }
+    if !(ms(1)..=ms(10_000)).contains(&args.burst_interval) {
+        anyhow::bail!("--burst-interval: out of range (1ms to 10s)");
+    }
+    if args.listen.port() == 0 {
+        anyhow::bail!("--listen: port 0 is not a port an agent can find");
+    }
+    let cfg = Config::load(&args.config)?;
+    if cfg.targets.is_empty() {
+        anyhow::bail!(
+            "{}: a witness needs `targets` (the VIPs to probe)",
+            args.config.display()
+        );
+    }
+    let token = stepguard::client::read_token(args.token_file.as_deref())?;
+    let opts = stepguard::witness::WitnessOptions {
+        probe_interval: args.probe_interval,
+        burst_interval: args.burst_interval,
+        token,
+    };
+    runtime()?.block_on(async move {
+        let neigh = match stepguard::kernel::neigh::follow(&stepguard::witness::Witness::watched(&cfg)).await {
+            Ok(n) => Some(n),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot follow the neighbour table: reports carry no MAC addresses");
+                None
+            }
+        };
+        let w = stepguard::witness::Witness::new(cfg, opts, neigh);
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("listen on {}", args.listen))?;
+        stepguard::witness::spawn_loops(&w);
+        tracing::info!(listen = %args.listen, targets = w.cfg.targets.len(), instance = %w.instance, "stepguard witness serving");
+        stepguard::daemon::serve::serve(
+            listener,
+            stepguard::witness::router(w),
+            stepguard::daemon::serve::Limits::default(),
+            shutdown_signal(),
+        )
+        .await;
+        Ok(0)
+    })
+}
+
 fn step_cmd(args: StepArgs) -> Result<i32> {
     let token = stepguard::client::read_token(args.token_file.as_deref())?;
     let agent = stepguard::client::Agent::new(&args.agent, token)?;
@@ -407,6 +485,9 @@ fn step_cmd(args: StepArgs) -> Result<i32> {
     }
     if !expect.is_empty() {
         body.insert("expect".into(), serde_json::Value::Object(expect));
+    }
+    if !args.witnesses.is_empty() {
+        body.insert("witnesses".into(), serde_json::json!(args.witnesses));
     }
     let (status, v) = runtime()?.block_on(agent.call(
         "POST",

@@ -21,6 +21,11 @@ labels!(ReasonLabels { reason });
 labels!(CheckLabels { check });
 labels!(VersionLabels { version });
 labels!(ProbeLabels { kind, target });
+labels!(GapLabels {
+    kind,
+    target,
+    vantage
+});
 labels!(VerdictLabels { verdict });
 labels!(DeviceLabels { device });
 labels!(MapLabels { map });
@@ -44,7 +49,8 @@ pub struct Metrics {
     pub probe_duration: Family<ProbeLabels, Histogram>,
     pub probe_failures: Family<ProbeLabels, Counter>,
     pub gap_budget: Family<ProbeLabels, GaugeF>,
-    pub last_step_gap: Family<ProbeLabels, GaugeF>,
+    /// By vantage point: `node` (the agent's own probes) or `witness:<host:port>`.
+    pub last_step_gap: Family<GapLabels, GaugeF>,
     pub step_gap: Histogram,
     pub step_active: Gauge,
     pub steps: Family<VerdictLabels, Counter>,
@@ -111,10 +117,10 @@ impl Metrics {
             Unit::Seconds,
             gap_budget.clone(),
         );
-        let last_step_gap = Family::<ProbeLabels, GaugeF>::default();
+        let last_step_gap = Family::<GapLabels, GaugeF>::default();
         r.register_with_unit(
             "last_step_gap",
-            "Longest outage of the target during the last step",
+            "Longest outage of the target during the last step, by vantage point (node: the agent's own probes; witness:HOST:PORT: a LAN client)",
             Unit::Seconds,
             last_step_gap.clone(),
         );

@@ -364,9 +364,14 @@ fn daemon(quick: bool) -> Result<Value> {
         )?;
         std::thread::sleep(Duration::from_millis(300));
         let r: Value = serde_json::from_slice(
-            &run_ok(
-                Command::new(lab_bin()).args(["restart", "--prefix", &prefix, "--down", "300ms", "--blackhole"]),
-            )?
+            &run_ok(Command::new(lab_bin()).args([
+                "restart",
+                "--prefix",
+                &prefix,
+                "--down",
+                "300ms",
+                "--blackhole",
+            ]))?
             .stdout,
         )?;
         let window = (r["blackhole_end_ns"].as_u64().unwrap_or(0)

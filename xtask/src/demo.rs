@@ -192,7 +192,9 @@ pub fn demo() -> Result<()> {
     println!("\n== 3. a step around a healthy cilium-agent restart (agent down 300 ms)");
     let healthy = step_around_restart(&prefix, &ns, &agent_url, &["--down", "300ms"])?;
 
-    println!("== 4. a step around a restart that broke traffic for 300 ms (the lab's --blackhole fault)");
+    println!(
+        "== 4. a step around a restart that broke traffic for 300 ms (the lab's --blackhole fault)"
+    );
     let first = step_around_restart(
         &prefix,
         &ns,
@@ -220,7 +222,9 @@ pub fn demo() -> Result<()> {
     println!("\ndemo took {:.1} s; step exits: healthy {healthy}, 300 ms outage {first} (0 = passed), dropped device {second} (1 = failed)", t0.elapsed().as_secs_f64());
     drop(cleanup);
     if healthy != 0 || first != 0 || second != 1 {
-        bail!("the demo's steps did not end as expected (the first two should pass, the third fail)");
+        bail!(
+            "the demo's steps did not end as expected (the first two should pass, the third fail)"
+        );
     }
     Ok(())
 }

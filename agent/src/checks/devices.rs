@@ -510,7 +510,10 @@ mod tests {
             selected_by_cilium(&br, &["br-ext".into()], false),
             "a listed bridge is selected"
         );
-        assert!(!selected_by_cilium(&br, &[], false), "but never auto-detected");
+        assert!(
+            !selected_by_cilium(&br, &[], false),
+            "but never auto-detected"
+        );
         let mut bare = dev("eth5", &[]);
         bare.addresses = 0;
         assert!(
@@ -554,14 +557,23 @@ mod tests {
     fn veths_routes_and_forced_detection_follow_cilium() {
         let mut v = dev("eth3", &[]);
         v.default_route = false;
-        assert!(!selected_by_cilium(&v, &[], false), "veth, no default route");
+        assert!(
+            !selected_by_cilium(&v, &[], false),
+            "veth, no default route"
+        );
         assert!(selected_by_cilium(&v, &["eth3".into()], false), "listed");
         let mut dummy = v.clone();
         dummy.kind = Some("dummy".into());
-        assert!(selected_by_cilium(&dummy, &[], false), "not a veth: no default route needed");
+        assert!(
+            selected_by_cilium(&dummy, &[], false),
+            "not a veth: no default route needed"
+        );
         let mut local = dev("eth4", &[]);
         local.global_route = false;
-        assert!(!selected_by_cilium(&local, &[], false), "no global-unicast route");
+        assert!(
+            !selected_by_cilium(&local, &[], false),
+            "no global-unicast route"
+        );
         let o = node(vec![]);
         let forced = Expected::Patterns {
             patterns: vec!["eth0".into()],

@@ -58,22 +58,27 @@ fn wants_text(headers: &HeaderMap, q: &HashMap<String, String>) -> bool {
         .is_some_and(|a| a.contains("text/plain") && !a.contains("json"))
 }
 
-fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Box<Response>> {
-    let Some(token) = &d.opts.token else {
-        return Ok(());
+/// Whether `headers` carry `Authorization: Bearer <token>` (always true without a token).
+/// Constant-time comparison: the token is a secret.
+pub fn bearer_ok(token: Option<&str>, headers: &HeaderMap) -> bool {
+    let Some(token) = token else {
+        return true;
     };
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    // Constant-time comparison: the token is a secret.
-    let ok = given.is_some_and(|g| {
+    given.is_some_and(|g| {
         g.len() == token.len()
             && g.bytes()
                 .zip(token.bytes())
                 .fold(0u8, |a, (x, y)| a | (x ^ y))
                 == 0
-    });
+    })
+}
+
+fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let ok = bearer_ok(d.opts.token.as_deref(), headers);
     if ok {
         Ok(())
     } else {

@@ -47,11 +47,25 @@ pub enum Begun {
     NotSaved(String),
 }
 
+/// A witness's answer to a poll, for the step it was asked about.
+pub struct WitnessPoll {
+    pub step: String,
+    pub url: String,
+    pub result: Result<crate::witness::WitnessReport, watch::WitnessPollError>,
+}
+
+type Receivers = (
+    mpsc::Receiver<Command>,
+    mpsc::Receiver<Sample>,
+    mpsc::Receiver<WitnessPoll>,
+);
+
 /// The channels between the daemon and its runner.
 pub struct Ports {
     pub commands: mpsc::Sender<Command>,
     pub samples: mpsc::Sender<Sample>,
-    receivers: std::sync::Mutex<Option<(mpsc::Receiver<Command>, mpsc::Receiver<Sample>)>>,
+    pub witness: mpsc::Sender<WitnessPoll>,
+    receivers: std::sync::Mutex<Option<Receivers>>,
 }
 
 /// Samples buffered while the runner observes the kernel (10 targets at 1 ms for 6 s).
@@ -61,10 +75,12 @@ impl Ports {
     pub fn new() -> Ports {
         let (ctx, crx) = mpsc::channel(64);
         let (stx, srx) = mpsc::channel(SAMPLE_BUFFER);
+        let (wtx, wrx) = mpsc::channel(64);
         Ports {
             commands: ctx,
             samples: stx,
-            receivers: std::sync::Mutex::new(Some((crx, srx))),
+            witness: wtx,
+            receivers: std::sync::Mutex::new(Some((crx, srx, wrx))),
         }
     }
 }
@@ -91,7 +107,7 @@ struct Runner {
 
 /// Runs the step runner until the daemon goes away. Call once per daemon.
 pub async fn run(d: Arc<Daemon>) {
-    let Some((mut commands, mut samples)) = lock(&d.ports.receivers).take() else {
+    let Some((mut commands, mut samples, mut witness)) = lock(&d.ports.receivers).take() else {
         tracing::error!("the step runner was started twice");
         return;
     };
@@ -110,6 +126,7 @@ pub async fn run(d: Arc<Daemon>) {
     loop {
         tokio::select! {
             Some(c) = commands.recv() => r.command(c),
+            Some(w) = witness.recv() => r.witness_poll(w),
             Some(s) = samples.recv() => {
                 r.sample(s);
                 // Drain what is queued before the next observation.
@@ -201,6 +218,61 @@ impl Runner {
         }
     }
 
+    /// Folds a witness's answer into the active step.
+    fn witness_poll(&mut self, p: WitnessPoll) {
+        let now = unix_now();
+        let Some(s) = self
+            .step
+            .as_mut()
+            .filter(|s| !s.is_final() && s.id == p.step)
+        else {
+            return;
+        };
+        let Some(t) = s.witnesses.get_mut(&p.url) else {
+            return;
+        };
+        match p.result {
+            Ok(r) if r.instance != t.instance => {
+                t.lost.get_or_insert(format!(
+                    "restarted during the step (instance {}, was {}): its evidence of the window is gone",
+                    r.instance, t.instance
+                ));
+            }
+            Ok(r) => {
+                t.report = Some(r);
+                t.last_ok_at = Some(now);
+                t.last_error = None;
+            }
+            Err(watch::WitnessPollError::Unknown(e)) => {
+                t.lost.get_or_insert(format!(
+                    "no longer knows the step ({e}): it restarted, its evidence of the window is gone"
+                ));
+            }
+            Err(watch::WitnessPollError::Failed(e)) => t.last_error = Some(e),
+        }
+    }
+
+    /// Asks every witness of the active step for its report (answers come back as
+    /// [`WitnessPoll`]s; a slow witness never holds up the runner).
+    fn poll_witnesses(&self) {
+        let Some(s) = self.active() else { return };
+        let after = s.reload.complete_at;
+        for url in s.witnesses.keys() {
+            let (url, id, token) = (url.clone(), s.id.clone(), self.d.opts.token.clone());
+            let tx = self.d.ports.witness.clone();
+            tokio::spawn(async move {
+                let result = watch::poll_witness(url.clone(), token, id.clone(), after).await;
+                let _ = tx
+                    .send(WitnessPoll {
+                        step: id,
+                        url,
+                        result,
+                    })
+                    .await;
+            });
+        }
+    }
+
     fn sample(&mut self, x: Sample) {
         let Some(s) = self.step.as_mut().filter(|s| !s.is_final()) else {
             return;
@@ -235,6 +307,9 @@ impl Runner {
         };
         let d = self.d.clone();
         lock(&d.metrics).step_active.set(1);
+        if n.is_multiple_of(5) {
+            self.poll_witnesses();
+        }
         if n.is_multiple_of(2) || self.last_programs.is_none() {
             self.last_programs = links::observe(&d.cfg.bpffs)
                 .await

@@ -26,7 +26,10 @@ pub fn tracked_program(key: &str) -> (&str, &'static str, &'static str) {
 }
 
 /// Program id per tracking key (see [`tracked_program`]). None when the program is gone.
-pub fn current_programs(obs: &links::Observation, keys: &[String]) -> BTreeMap<String, Option<u32>> {
+pub fn current_programs(
+    obs: &links::Observation,
+    keys: &[String],
+) -> BTreeMap<String, Option<u32>> {
     keys.iter()
         .map(|key| {
             let (dev, hook, prog) = tracked_program(key);
@@ -88,6 +91,116 @@ pub enum BeginError {
     ProgramsUnreadable(String),
     #[error("cannot take a baseline: no device carries cil_from_netdev")]
     NoDatapath,
+    #[error("witness {url}: {problem} (the step was not begun)")]
+    Witness { url: String, problem: String },
+}
+
+/// How long the agent waits for a witness's answer.
+pub const WITNESS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Begins the step on every witness it names (idempotent there); their instances and start
+/// times, by URL.
+pub async fn begin_witnesses(
+    d: &Daemon,
+    id: &str,
+    params: &StepParams,
+) -> Result<BTreeMap<String, crate::step::WitnessTrack>, BeginError> {
+    let mut out = BTreeMap::new();
+    for url in &params.witnesses {
+        let fail = |problem: String| BeginError::Witness {
+            url: url.clone(),
+            problem,
+        };
+        let w = crate::client::Agent::new(url, d.opts.token.clone())
+            .map_err(|e| fail(format!("{e:#}")))?;
+        let ms = |d: std::time::Duration| Some(format!("{}ms", d.as_millis().max(1)));
+        let body = crate::witness::WitnessStepRequest {
+            id: id.to_string(),
+            burst_interval: ms(params.burst_interval),
+            // The witness ends by itself a minute after the step's timeout.
+            timeout: ms(params.timeout + std::time::Duration::from_secs(60)),
+            max_gap: ms(params.max_gap),
+        };
+        let (status, v) = w
+            .call(
+                "POST",
+                "/v1/steps",
+                Some(serde_json::to_value(&body).unwrap_or_default()),
+                WITNESS_TIMEOUT,
+            )
+            .await
+            .map_err(|e| fail(format!("unreachable: {e:#}")))?;
+        if status != 201 && status != 200 {
+            return Err(fail(format!(
+                "answered {status}: {}",
+                v["error"].as_str().unwrap_or("")
+            )));
+        }
+        let b: crate::witness::WitnessBegun =
+            serde_json::from_value(v).map_err(|e| fail(format!("unexpected answer: {e}")))?;
+        out.insert(
+            url.clone(),
+            crate::step::WitnessTrack {
+                instance: b.instance,
+                began_at: b.created_at,
+                ..Default::default()
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Polls a witness for its report of step `id`.
+pub async fn poll_witness(
+    url: String,
+    token: Option<String>,
+    id: String,
+    after: Option<f64>,
+) -> Result<crate::witness::WitnessReport, WitnessPollError> {
+    let w = crate::client::Agent::new(&url, token)
+        .map_err(|e| WitnessPollError::Failed(format!("{e:#}")))?;
+    let path = match after {
+        Some(a) => format!("/v1/steps/{id}?after={a:.3}"),
+        None => format!("/v1/steps/{id}"),
+    };
+    let (status, v) = w
+        .call("GET", &path, None, WITNESS_TIMEOUT)
+        .await
+        .map_err(|e| WitnessPollError::Failed(format!("unreachable: {e:#}")))?;
+    match status {
+        200 => serde_json::from_value(v)
+            .map_err(|e| WitnessPollError::Failed(format!("unexpected report: {e}"))),
+        404 => Err(WitnessPollError::Unknown(
+            v["error"].as_str().unwrap_or("no such step").to_string(),
+        )),
+        s => Err(WitnessPollError::Failed(format!(
+            "answered {s}: {}",
+            v["error"].as_str().unwrap_or("")
+        ))),
+    }
+}
+
+/// Why a witness poll brought no report.
+#[derive(Debug, Clone)]
+pub enum WitnessPollError {
+    /// The witness does not know the step (it restarted): its evidence is gone.
+    Unknown(String),
+    /// Unreachable or a bad answer: try again.
+    Failed(String),
+}
+
+/// Ends the step on its witnesses (best effort, in the background).
+pub fn end_witnesses(d: &Daemon, s: &Step) {
+    for url in s.witnesses.keys() {
+        let (url, token, id) = (url.clone(), d.opts.token.clone(), s.id.clone());
+        tokio::spawn(async move {
+            if let Ok(w) = crate::client::Agent::new(&url, token) {
+                let _ = w
+                    .call("DELETE", &format!("/v1/steps/{id}"), None, WITNESS_TIMEOUT)
+                    .await;
+            }
+        });
+    }
 }
 
 /// Takes the baseline and creates the step.
@@ -158,7 +271,10 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
             )
         })
         .collect();
-    Ok(Step::new(id, now, params, baseline, targets))
+    let witnesses = begin_witnesses(d, &id, &params).await?;
+    let mut s = Step::new(id, now, params, baseline, targets);
+    s.witnesses = witnesses;
+    Ok(s)
 }
 
 /// The step as persisted: this run's samples folded into outages.
@@ -214,14 +330,26 @@ pub fn finished(d: &Daemon, s: &Step) {
     m.last_step_finished.set(v.finished_at);
     m.step_active.set(0);
     for g in &s.gaps {
-        let l = ProbeLabels {
+        let l = crate::metrics::GapLabels {
             kind: g.kind.clone(),
             target: g.target.clone(),
+            vantage: "node".into(),
         };
         m.last_step_gap.get_or_create(&l).set(g.longest_s);
         m.step_gap.observe(g.longest_s);
     }
+    for (url, w) in &s.witnesses {
+        for g in w.report.iter().flat_map(|r| &r.gaps) {
+            let l = crate::metrics::GapLabels {
+                kind: g.kind.clone(),
+                target: g.target.clone(),
+                vantage: format!("witness:{}", url.trim_start_matches("http://")),
+            };
+            m.last_step_gap.get_or_create(&l).set(g.longest_s);
+        }
+    }
     drop(m);
+    end_witnesses(d, s);
     d.store.prune(crate::step::KEEP_STEPS);
     let reasons: Vec<&str> = v.reasons.iter().map(|r| r.as_str()).collect();
     tracing::info!(step = %s.id, verdict = v.status.as_str(), reasons = ?reasons, summary = %v.summary, "step decided");

@@ -193,9 +193,7 @@ pub async fn observe(bpffs: &Path) -> Result<Observation, LinkError> {
 /// Output devices of default routes (main table) and of routes with a global-unicast
 /// destination (any table), IPv4 and IPv6, as Cilium's devices controller reads them.
 /// Multipath routes name their devices in nexthops and are not followed.
-async fn routes(
-    handle: &rtnetlink::Handle,
-) -> Result<(BTreeSet<u32>, BTreeSet<u32>), LinkError> {
+async fn routes(handle: &rtnetlink::Handle) -> Result<(BTreeSet<u32>, BTreeSet<u32>), LinkError> {
     use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteHeader};
     let (mut default, mut global) = (BTreeSet::new(), BTreeSet::new());
     for msg in [

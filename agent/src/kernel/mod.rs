@@ -8,6 +8,7 @@ pub mod ciliumdrops;
 pub mod drops;
 pub mod icmp;
 pub mod links;
+pub mod neigh;
 
 /// CLOCK_BOOTTIME now, in seconds.
 pub fn boottime() -> f64 {

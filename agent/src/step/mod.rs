@@ -26,6 +26,9 @@ pub struct StepRequest {
     pub drops_budget: Option<BTreeMap<String, u64>>,
     /// What the node should look like after the restart, when a rollout changes it on purpose.
     pub expect: Option<ExpectRequest>,
+    /// Witnesses (`http://HOST:PORT` of `stepguard witness` on the LAN) that burst-probe the
+    /// VIPs as LAN clients during the step; their gaps are part of the verdict.
+    pub witnesses: Option<Vec<String>>,
 }
 
 /// `expect` of a step request: the device set and/or Cilium version after the restart.
@@ -56,9 +59,12 @@ pub struct StepParams {
     /// Declared Cilium version after the restart (None: whatever comes back, inferred).
     #[serde(default)]
     pub expect_cilium: Option<String>,
+    /// Witness URLs (see [`StepRequest::witnesses`]).
+    #[serde(default)]
+    pub witnesses: Vec<String>,
 }
 
-mod secs {
+pub mod secs {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::Duration;
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -109,6 +115,7 @@ impl StepParams {
                 self.expect_devices != other.expect_devices
                     || self.expect_cilium != other.expect_cilium,
             ),
+            ("witnesses", self.witnesses != other.witnesses),
         ]
         .into_iter()
         .find(|(_, d)| *d)
@@ -242,6 +249,20 @@ impl StepParams {
             }
             v => v,
         };
+        let mut witnesses = r.witnesses.clone().unwrap_or_default();
+        if witnesses.len() > MAX_WITNESSES {
+            return Err(RequestError::new(
+                "witnesses",
+                format!("at most {MAX_WITNESSES} witnesses per step"),
+            ));
+        }
+        for w in &witnesses {
+            if let Err(e) = crate::client::Agent::new(w, None) {
+                return Err(RequestError::new("witnesses", format!("{e:#}")));
+            }
+        }
+        witnesses.sort();
+        witnesses.dedup();
         if let Some(id) = &r.id {
             if id.is_empty()
                 || id.len() > 64
@@ -267,9 +288,29 @@ impl StepParams {
                 drops_budget: r.drops_budget.clone().unwrap_or_default(),
                 expect_devices: expect_devices.clone(),
                 expect_cilium: expect_cilium.clone(),
+                witnesses,
             },
         ))
     }
+}
+
+/// Witnesses a step may name.
+pub const MAX_WITNESSES: usize = 8;
+
+/// A witness's part in a step, as the agent follows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct WitnessTrack {
+    /// The witness instance that began the step (a restart changes it).
+    pub instance: String,
+    pub began_at: f64,
+    /// Its latest report.
+    pub report: Option<crate::witness::WitnessReport>,
+    /// When the agent last heard from it.
+    pub last_ok_at: Option<f64>,
+    /// Why the last poll failed (unreachable), when it did.
+    pub last_error: Option<String>,
+    /// The witness restarted or forgot the step: its evidence of the window is gone.
+    pub lost: Option<String>,
 }
 
 /// What the node looked like when the step began.
@@ -577,6 +618,9 @@ pub struct Step {
     /// is the one before).
     #[serde(default)]
     pub cilium_after: Option<String>,
+    /// Witnesses named by the step, by URL.
+    #[serde(default)]
+    pub witnesses: BTreeMap<String, WitnessTrack>,
     /// Global maps across the step, by class (set once the reload is complete).
     #[serde(default)]
     pub maps: BTreeMap<String, MapEvidence>,
@@ -612,6 +656,7 @@ impl Step {
             drops: BTreeMap::new(),
             dns_p50_after_ms: None,
             cilium_after: None,
+            witnesses: BTreeMap::new(),
             maps: BTreeMap::new(),
             verdict: None,
             updated_at: now,

@@ -51,6 +51,10 @@ pub struct StepView {
     /// Probes recorded per target so far (new in this version).
     #[serde(default)]
     pub probes: BTreeMap<String, ProbeCount>,
+    /// The witnesses' view (LAN clients), by URL: instance, latest report (gaps, the MAC
+    /// addresses each VIP was reached at, latency before/after), reachability.
+    #[serde(default)]
+    pub witnesses: BTreeMap<String, super::WitnessTrack>,
 }
 
 impl StepView {
@@ -75,6 +79,7 @@ impl StepView {
             holes: s.holes.clone(),
             evidence_incomplete: s.evidence_incomplete.clone(),
             maps: s.maps.clone(),
+            witnesses: s.witnesses.clone(),
             probes: s
                 .targets
                 .iter()
@@ -131,12 +136,17 @@ impl StepView {
         }
         if !self.gaps.is_empty() {
             out.push_str(&format!(
-                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
+                "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}",
                 "TARGET", "PROBE", "LONGEST GAP", "TOTAL", "OUTAGES", "BUDGET"
             ));
+            let witnesses: Vec<(&String, &super::WitnessTrack)> = self.witnesses.iter().collect();
+            for (k, _) in witnesses.iter().enumerate() {
+                out.push_str(&format!(" {:>16}", format!("WITNESS {}", k + 1)));
+            }
+            out.push('\n');
             for g in &self.gaps {
                 out.push_str(&format!(
-                    "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}\n",
+                    "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}",
                     g.target,
                     g.kind,
                     format!("{:.0}±{:.0}ms", g.longest_s * 1e3, g.error_bound_s * 1e3),
@@ -144,6 +154,55 @@ impl StepView {
                     g.count,
                     format!("{:.0}ms", g.budget_s * 1e3)
                 ));
+                for (_, w) in &witnesses {
+                    let cell = w
+                        .report
+                        .as_ref()
+                        .and_then(|r| r.gaps.iter().find(|x| x.target == g.target))
+                        .map(|x| format!("{:.0}±{:.0}ms", x.longest_s * 1e3, x.error_bound_s * 1e3))
+                        .unwrap_or_else(|| "-".into());
+                    out.push_str(&format!(" {cell:>16}"));
+                }
+                out.push('\n');
+            }
+            if !witnesses.is_empty() {
+                out.push_str("  (LONGEST GAP is the node's own view: with kube-proxy replacement its probes never cross the wire and cannot see an L2-announcement lease move; WITNESS columns are LAN clients)\n");
+            }
+            for (k, (url, w)) in witnesses.iter().enumerate() {
+                let state = match (&w.lost, &w.report, &w.last_error) {
+                    (Some(l), _, _) => format!("LOST: {l}"),
+                    (None, None, Some(e)) => format!("no report yet: {e}"),
+                    (None, None, None) => "no report yet".into(),
+                    (None, Some(_), Some(e)) => format!("last poll failed: {e}"),
+                    (None, Some(_), None) => "reporting".into(),
+                };
+                out.push_str(&format!("  witness {} = {url} ({state})\n", k + 1));
+                if let Some(r) = &w.report {
+                    for (target, macs) in &r.macs {
+                        if macs.len() > 1 {
+                            out.push_str(&format!(
+                                "    {target}: answered by {}\n",
+                                macs.iter()
+                                    .map(|m| format!(
+                                        "{} from +{:.3}s",
+                                        m.mac.as_deref().unwrap_or("nobody"),
+                                        m.at - self.created_at
+                                    ))
+                                    .collect::<Vec<_>>()
+                                    .join(", then ")
+                            ));
+                        }
+                    }
+                    for (target, l) in &r.latency_ms {
+                        if let (Some(b), Some(a)) = (l.before_p50_ms, l.after_p50_ms) {
+                            out.push_str(&format!(
+                                "    {target}: p50 {b:.1}ms before, {a:.1}ms after; p99 {:.1}ms before, {:.1}ms after\n",
+                                l.before_p99_ms.unwrap_or(f64::NAN),
+                                l.after_p99_ms.unwrap_or(f64::NAN)
+                            ));
+                        }
+                    }
+                }
             }
         }
         for (k, c) in &self.checks {

@@ -366,9 +366,10 @@ pub fn replace(
             });
         }
         for a in &atts {
-            let replaced = prepared.loaded.iter().any(|l| {
-                l.entry.0 == a.device && l.entry.1 == a.program && l.entry.2 == a.hook
-            });
+            let replaced = prepared
+                .loaded
+                .iter()
+                .any(|l| l.entry.0 == a.device && l.entry.1 == a.program && l.entry.2 == a.hook);
             if !replaced && drop_device.as_deref() != Some(a.device.as_str()) {
                 out.push(a.clone());
             }

@@ -6,6 +6,7 @@
 //! created, so `down` removes exactly that, even after the creating process crashed.
 pub mod ciliumconfig;
 pub mod datapath;
+pub mod lan;
 pub mod maps;
 pub mod netns;
 pub mod services;
@@ -52,6 +53,18 @@ pub struct LabSpec {
     /// over the ConfigMap.
     #[serde(default)]
     pub node_overrides: BTreeMap<String, String>,
+    /// A node of a multi-node LAN lab ([`lan::LanLab`]): `eth1` is this node's port on the
+    /// shared LAN segment instead of a veth into its own fabric.
+    #[serde(default)]
+    pub lan: Option<LanPort>,
+}
+
+/// Where a node's `eth1` plugs into a LAN segment: a bridge `br0` in namespace `ns`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LanPort {
+    pub ns: String,
+    /// The node's index on the segment: port `n<index>`, address `203.0.113.<1 + index>`.
+    pub index: u8,
 }
 
 impl LabSpec {
@@ -71,6 +84,7 @@ impl LabSpec {
             capacity: Capacity::default(),
             ct_fill: 64,
             node_overrides: BTreeMap::new(),
+            lan: None,
         }
     }
 }
@@ -319,11 +333,34 @@ impl Lab {
 
         // Host devices: eth0/eth1 are veths into the fabric, which holds the VIPs.
         netns::add_veth(&node, "eth0", &fabric, "fab0")?;
-        netns::add_veth(&node, "eth1", &fabric, "fab1")?;
         netns::add_addr(&node, "eth0", &format!("{NODE_ETH0}/24"))?;
-        netns::add_addr(&node, "eth1", &format!("{NODE_ETH1}/24"))?;
         netns::add_addr(&fabric, "fab0", &format!("{FABRIC_ETH0}/24"))?;
-        netns::add_addr(&fabric, "fab1", &format!("{FABRIC_ETH1}/24"))?;
+        match self.state.spec.lan.clone() {
+            None => {
+                netns::add_veth(&node, "eth1", &fabric, "fab1")?;
+                netns::add_addr(&node, "eth1", &format!("{NODE_ETH1}/24"))?;
+                netns::add_addr(&fabric, "fab1", &format!("{FABRIC_ETH1}/24"))?;
+            }
+            Some(port) => {
+                // eth1 is this node's NIC on the shared LAN; ARP is answered only for
+                // addresses on the NIC itself (the L2-announced VIPs), see `lan`.
+                let peer = format!("n{}", port.index);
+                netns::add_veth(&node, "eth1", &port.ns, &peer)?;
+                netns::ip(&port.ns, &["link", "set", &peer, "master", "br0"])?;
+                netns::add_addr(&node, "eth1", &format!("{}/24", lan::node_addr(port.index)))?;
+                netns::run(
+                    "nsenter",
+                    &[
+                        &format!("--net={}", netns::netns_path(&node).display()),
+                        "--",
+                        "sysctl",
+                        "-qw",
+                        "net.ipv4.conf.all.arp_ignore=1",
+                        "net.ipv4.conf.eth1.arp_ignore=1",
+                    ],
+                )?;
+            }
+        }
         for vip in [GATEWAY_VIP, DNS_VIP] {
             netns::add_addr(&fabric, "lo", &format!("{vip}/32"))?;
         }
@@ -343,7 +380,8 @@ impl Lab {
         self.ip_batch(
             Some(&node),
             &format!(
-                "route add default via {FABRIC_ETH0} dev eth0 metric 100\nroute add default via {FABRIC_ETH1} dev eth1 metric 200\n"
+                "route add default via {FABRIC_ETH0} dev eth0 metric 100\nroute add default via {} dev eth1 metric 200\n",
+                if self.state.spec.lan.is_some() { lan::LAN_ROUTER } else { FABRIC_ETH1 }
             ),
         )?;
         // cilium_host/cilium_net are a veth pair in Cilium too.
@@ -842,6 +880,16 @@ impl Lab {
 
     /// Simulates a cilium-agent restart; see [`RestartOpts`].
     pub fn restart(&mut self, o: &RestartOpts) -> Result<RestartReport> {
+        self.restart_with(o, &mut |_| {})
+    }
+
+    /// [`Lab::restart`], calling `on_down` the moment the agent went down (with that instant,
+    /// wall clock ns): a LAN lab starts its lease clock there.
+    pub fn restart_with(
+        &mut self,
+        o: &RestartOpts,
+        on_down: &mut dyn FnMut(u128),
+    ) -> Result<RestartReport> {
         check_root()?;
         if !self.state.ready {
             bail!("lab {} is not ready", self.state.spec.prefix);
@@ -881,6 +929,7 @@ impl Lab {
             datapath::set_blackhole(&bpffs, true)?;
         }
         let on = now_ns();
+        on_down(start);
         let result = (|| -> Result<Vec<Attachment>> {
             std::thread::sleep(o.down);
             if let Some(m) = &o.lose_map {

@@ -6,10 +6,21 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Runs a command, failing with its stderr when it exits non-zero.
+/// Runs a command, failing with its stderr when it exits non-zero. The command dies with the
+/// lab process (a killed `lab up` must not leave an `ip -batch` creating namespaces after
+/// `down` has removed the recorded ones).
 pub fn run(program: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new(program)
-        .args(args)
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let out = cmd
         .output()
         .with_context(|| format!("run {program}: is it installed? (cargo xtask setup)"))?;
     if !out.status.success() {

@@ -332,3 +332,68 @@ fn netlink_request(msg: &[u8]) -> io::Result<()> {
         Ok(())
     }
 }
+
+/// A packet socket for gratuitous ARPs, opened ahead so that sending is quick (closing a
+/// packet socket waits for an RCU grace period: do it after the timed part).
+pub struct GarpSocket(OwnedFd);
+
+const ETH_P_ARP: u16 = 0x0806;
+
+impl GarpSocket {
+    pub fn open() -> io::Result<GarpSocket> {
+        // SAFETY: plain socket(2); the fd is owned below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                (ETH_P_ARP.to_be()) as i32,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(GarpSocket(fd_result(fd as libc::c_long)))
+    }
+
+    /// Sends one gratuitous ARP (an ARP *request* with sender and target both `ip`, from
+    /// `mac`, to the broadcast address) on interface `ifindex` of the socket's network
+    /// namespace, as Cilium's L2 responder reconciler does when it takes over a VIP
+    /// (`garp.SendOnInterfaceIdx`, an `arp.Client.Request`).
+    pub fn send(&self, ifindex: u32, mac: [u8; 6], ip: std::net::Ipv4Addr) -> io::Result<()> {
+        let mut frame = Vec::with_capacity(42);
+        frame.extend_from_slice(&[0xff; 6]);
+        frame.extend_from_slice(&mac);
+        frame.extend_from_slice(&ETH_P_ARP.to_be_bytes());
+        frame.extend_from_slice(&1u16.to_be_bytes()); // Ethernet
+        frame.extend_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+        frame.extend_from_slice(&[6, 4]);
+        frame.extend_from_slice(&1u16.to_be_bytes()); // request
+        frame.extend_from_slice(&mac);
+        frame.extend_from_slice(&ip.octets());
+        frame.extend_from_slice(&[0; 6]);
+        frame.extend_from_slice(&ip.octets());
+        // SAFETY: sockaddr_ll is plain data; zeroed is a valid value.
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = ETH_P_ARP.to_be();
+        addr.sll_ifindex = ifindex as i32;
+        addr.sll_halen = 6;
+        addr.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+        // SAFETY: frame and addr are valid for the call.
+        let r = unsafe {
+            libc::sendto(
+                self.0.as_raw_fd(),
+                frame.as_ptr() as *const libc::c_void,
+                frame.len(),
+                0,
+                &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+}

@@ -346,12 +346,24 @@ fn a_restart_without_a_fault_breaks_no_traffic(attach: AttachMode) {
         .count();
     assert!(during >= 10, "probes while the agent was down: {during}");
     let failed: Vec<_> = probes.iter().filter(|p| !p.1).collect();
-    assert!(failed.is_empty(), "{} probes failed: {failed:?}", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} probes failed: {failed:?}",
+        failed.len()
+    );
     for (o, n) in r.old_programs.iter().zip(&r.new_programs) {
-        assert_ne!(o.prog_id, n.prog_id, "{} on {} reloaded", o.program, o.device);
+        assert_ne!(
+            o.prog_id, n.prog_id,
+            "{} on {} reloaded",
+            o.program, o.device
+        );
     }
     let after = bpftool_json(&["map", "show", "pinned", &ipcache.to_string_lossy()]);
-    assert_ne!(after["id"].as_u64().unwrap(), id_before, "ipcache recreated");
+    assert_ne!(
+        after["id"].as_u64().unwrap(),
+        id_before,
+        "ipcache recreated"
+    );
     let dump = bpftool_json(&["map", "dump", "pinned", &ipcache.to_string_lossy()]);
     assert!(
         dump.as_array().is_some_and(|a| !a.is_empty()),

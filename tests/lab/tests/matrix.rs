@@ -240,7 +240,10 @@ fn run_cell(c: Cell, faults: &[Fault]) -> Vec<String> {
         }
     }
     let m = &v["maps"];
-    match m.get("cilium_ipcache").or_else(|| m.get("cilium_ipcache_v2")) {
+    match m
+        .get("cilium_ipcache")
+        .or_else(|| m.get("cilium_ipcache_v2"))
+    {
         Some(ipc) if ipc["class"] == "recreated" && ipc["recreated"] == true => {}
         other => errors.push(format!("{c}: ipcache not judged as recreated: {other:?}")),
     }

@@ -62,6 +62,20 @@ enum Cmd {
         /// Entries written into cilium_ct4_global.
         #[arg(long, default_value_t = 64)]
         ct_fill: u32,
+        /// 2 to 4: a LAN lab — that many nodes with their eth1 on one segment, a LAN client
+        /// namespace for a witness, and L2-announced VIPs (gateway, dns-a, dns-b) whose leases
+        /// move as Cilium's do.
+        #[arg(long, default_value_t = 1)]
+        nodes: u8,
+        /// LAN lab: l2-announcements-lease-duration.
+        #[arg(long, default_value = "15s", value_parser = parse_duration)]
+        lease_duration: std::time::Duration,
+        /// LAN lab: l2-announcements-renew-deadline.
+        #[arg(long, default_value = "5s", value_parser = parse_duration)]
+        lease_renew: std::time::Duration,
+        /// LAN lab: l2-announcements-retry-period.
+        #[arg(long, default_value = "2s", value_parser = parse_duration)]
+        lease_retry: std::time::Duration,
     },
     /// Show a lab (or all labs) as text or JSON.
     Status {
@@ -92,6 +106,12 @@ enum Cmd {
         /// Fault: the programs are reloaded but the agent does not read its config again.
         #[arg(long)]
         keep_config: bool,
+        /// LAN lab: restart the agent on this node (its leases move as Cilium's do).
+        #[arg(long)]
+        node: Option<u8>,
+        /// LAN lab: the agent crashes (its leases are not released; they expire).
+        #[arg(long, requires = "node")]
+        crash: bool,
         /// Fault: nothing is replaced (same program IDs afterwards).
         #[arg(long)]
         no_reload: bool,
@@ -226,8 +246,28 @@ fn real_main() -> Result<()> {
             routing,
             ct_entries,
             ct_fill,
+            nodes,
+            lease_duration,
+            lease_renew,
+            lease_retry,
         } => {
             stepguard_lab::check_root()?;
+            if nodes > 1 {
+                let mut spec = stepguard_lab::lan::LanSpec::new(
+                    prefix.unwrap_or_else(stepguard_lab::unique_prefix),
+                );
+                spec.nodes = nodes;
+                spec.profile = cilium;
+                spec.attach = attach;
+                spec.lease = stepguard_lab::lan::LeaseTimings {
+                    duration: lease_duration,
+                    renew: lease_renew,
+                    retry: lease_retry,
+                };
+                let lan = stepguard_lab::lan::LanLab::up(spec)?;
+                println!("{}", serde_json::to_string_pretty(&lan.status())?);
+                return Ok(());
+            }
             let mut spec = LabSpec::new(prefix.unwrap_or_else(stepguard_lab::unique_prefix));
             spec.profile = cilium;
             spec.attach = attach;
@@ -243,6 +283,14 @@ fn real_main() -> Result<()> {
             print_status(&lab);
         }
         Cmd::Status { prefix, format } => {
+            if let Some(p) = prefix
+                .as_deref()
+                .filter(|p| stepguard_lab::lan::LanLab::list().iter().any(|l| l == p))
+            {
+                let lan = stepguard_lab::lan::LanLab::open(p)?;
+                println!("{}", serde_json::to_string_pretty(&lan.status())?);
+                return Ok(());
+            }
             let labs: Vec<Lab> = match prefix {
                 Some(p) => vec![Lab::open(&p)?],
                 None => Lab::list()
@@ -278,9 +326,10 @@ fn real_main() -> Result<()> {
             no_refill,
             to,
             resize_map,
+            node,
+            crash,
         } => {
-            let mut lab = pick(prefix)?;
-            let r = lab.restart(&RestartOpts {
+            let opts = RestartOpts {
                 down,
                 blackhole,
                 refill_after,
@@ -293,7 +342,26 @@ fn real_main() -> Result<()> {
                 no_refill,
                 to,
                 resize_map,
-            })?;
+            };
+            if let Some(i) = node {
+                let p = match prefix {
+                    Some(p) => p,
+                    None => match stepguard_lab::lan::LanLab::list().as_slice() {
+                        [one] => one.clone(),
+                        [] => bail!("no LAN lab is up: `stepguard-lab up --nodes 2`"),
+                        many => bail!(
+                            "several LAN labs are up ({}): pass --prefix",
+                            many.join(", ")
+                        ),
+                    },
+                };
+                let mut lan = stepguard_lab::lan::LanLab::open(&p)?;
+                let r = lan.restart(i, &opts, crash)?;
+                println!("{}", serde_json::to_string_pretty(&r)?);
+                return Ok(());
+            }
+            let mut lab = pick(prefix)?;
+            let r = lab.restart(&opts)?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
         Cmd::Config {
@@ -340,6 +408,18 @@ fn real_main() -> Result<()> {
         }
         Cmd::Down { prefix, all } => {
             stepguard_lab::check_root()?;
+            let lans = stepguard_lab::lan::LanLab::list();
+            if let Some(p) = prefix.as_deref().filter(|p| lans.iter().any(|l| l == p)) {
+                stepguard_lab::lan::LanLab::open(p)?.down()?;
+                println!("LAN lab {p} removed");
+                return Ok(());
+            }
+            if all {
+                for p in &lans {
+                    stepguard_lab::lan::LanLab::open(p)?.down()?;
+                    println!("LAN lab {p} removed");
+                }
+            }
             let prefixes = if all {
                 Lab::list()
             } else {

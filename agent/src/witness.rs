@@ -1,0 +1,868 @@
+//! `stepguard witness`: probes the VIPs as a LAN client does, from a machine that is not a
+//! Cilium node (a NAS, a router, a small VM). With kube-proxy replacement a node's own
+//! connections to a LoadBalancer VIP are translated on the node (socket-LB) and never cross
+//! the wire, so no node can see its L2-announcement lease move; a LAN client can.
+//!
+//! The witness uses the agent's probes (same kinds, same timeouts), the same step timeline and
+//! gap arithmetic (`step::TargetTimeline`, `verdict::gap_row`), and records which MAC address
+//! its kernel sends to for each VIP (the neighbour table, followed through rtnetlink), so a
+//! report shows the lease move itself. It decides nothing: the agent on the node being
+//! stepped collects its report into the step's verdict.
+//!
+//! API: `POST /v1/steps {"id", "burst_interval"?, "timeout"?, "max_gap"?}` begins burst probing
+//! for a step (idempotent per id); `GET /v1/steps/{id}[?after=UNIX]` is the report (latency
+//! quantiles "after" are over probes sent from `after`); `DELETE /v1/steps/{id}` ends it;
+//! `GET /v1/status`, `/metrics`, `/livez`, `/readyz`.
+use crate::config::Config;
+use crate::kernel::neigh::NeighLog;
+use crate::probe::{self, unix_now, ProbeOutcome};
+use crate::step::verdict::gap_row;
+use crate::step::view::ProbeCount;
+use crate::step::{TargetGap, TargetTimeline};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Steps remembered (the newest; ended ones are dropped first).
+pub const MAX_STEPS: usize = 16;
+/// Latency samples kept per target (steady window and per step).
+const MAX_LATENCIES: usize = 4096;
+/// Steady latencies older than this are dropped ("before" uses the last minute).
+const STEADY_WINDOW_S: f64 = 120.0;
+/// The longest a witness step may run before it ends by itself.
+const MAX_STEP: Duration = Duration::from_secs(6 * 3600);
+
+/// `POST /v1/steps` on a witness.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WitnessStepRequest {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_interval: Option<String>,
+    /// The step ends by itself after this (default 15m): a node agent that vanished cannot
+    /// leave the witness bursting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<String>,
+    /// Budget for every target without its own `max_gap` (default 5s, as on the agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_gap: Option<String>,
+}
+
+/// A MAC address the witness's kernel used for a target's address, from `at` on (None: no
+/// usable neighbour entry).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MacChange {
+    pub at: f64,
+    pub mac: Option<String>,
+}
+
+/// Latency quantiles of successful probes, before the step (the minute before it began) and
+/// after (from the `after` instant the agent asks for: the end of the reload).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Latency {
+    pub before_p50_ms: Option<f64>,
+    pub before_p99_ms: Option<f64>,
+    pub after_p50_ms: Option<f64>,
+    pub after_p99_ms: Option<f64>,
+}
+
+/// `GET /v1/steps/{id}` on a witness.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct WitnessReport {
+    pub id: String,
+    /// Changes whenever the witness restarts: a report from another instance is not the
+    /// same evidence.
+    pub instance: String,
+    pub created_at: f64,
+    /// Every probe sent before this has answered or timed out and is in `gaps`.
+    pub complete_until: f64,
+    pub ended: bool,
+    #[serde(with = "crate::step::secs")]
+    pub burst_interval: Duration,
+    pub gaps: Vec<TargetGap>,
+    pub macs: BTreeMap<String, Vec<MacChange>>,
+    pub probes: BTreeMap<String, ProbeCount>,
+    pub latency_ms: BTreeMap<String, Latency>,
+}
+
+/// `POST /v1/steps` answer on a witness.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct WitnessBegun {
+    pub id: String,
+    pub instance: String,
+    pub created_at: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct WitnessOptions {
+    pub probe_interval: Duration,
+    pub burst_interval: Duration,
+    pub token: Option<String>,
+}
+
+struct WStep {
+    created_at: f64,
+    until: f64,
+    ended_at: Option<f64>,
+    burst: Duration,
+    targets: BTreeMap<String, TargetTimeline>,
+    latencies: BTreeMap<String, VecDeque<(f64, f32)>>,
+}
+
+impl WStep {
+    fn active(&self, now: f64) -> bool {
+        self.ended_at.is_none() && now < self.until
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProbeLabels {
+    kind: String,
+    target: String,
+    vantage: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TargetLabels {
+    target: String,
+}
+
+struct WitnessMetrics {
+    registry: Registry,
+    probe_duration: Family<ProbeLabels, Histogram>,
+    probe_failures: Family<ProbeLabels, Counter>,
+    mac_changes: Family<TargetLabels, Counter>,
+    steps_active: Gauge,
+}
+
+impl WitnessMetrics {
+    fn new() -> Self {
+        let mut r = Registry::with_prefix("stepguard");
+        let probe_duration = Family::<ProbeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(crate::metrics::PROBE_BUCKETS)
+        });
+        r.register_with_unit(
+            "probe_duration",
+            "Probe latency, by vantage point (witness: a LAN client)",
+            Unit::Seconds,
+            probe_duration.clone(),
+        );
+        let probe_failures = Family::<ProbeLabels, Counter>::default();
+        r.register(
+            "probe_failures",
+            "Failed probes, by vantage point (witness: a LAN client)",
+            probe_failures.clone(),
+        );
+        let mac_changes = Family::<TargetLabels, Counter>::default();
+        r.register(
+            "witness_mac_changes",
+            "Changes of the MAC address the witness sends a target's traffic to (lease moves)",
+            mac_changes.clone(),
+        );
+        let steps_active = Gauge::default();
+        r.register(
+            "witness_steps_active",
+            "Steps the witness is burst-probing for",
+            steps_active.clone(),
+        );
+        WitnessMetrics {
+            registry: r,
+            probe_duration,
+            probe_failures,
+            mac_changes,
+            steps_active,
+        }
+    }
+}
+
+pub struct Witness {
+    pub cfg: Config,
+    pub opts: WitnessOptions,
+    pub instance: String,
+    pub started_at: f64,
+    steps: Mutex<BTreeMap<String, WStep>>,
+    steady: Mutex<BTreeMap<String, VecDeque<(f64, f32)>>>,
+    latest: Mutex<BTreeMap<String, ProbeOutcome>>,
+    neigh: Option<Arc<NeighLog>>,
+    /// MAC last seen per target address, for the change counter.
+    last_mac: Mutex<BTreeMap<String, Option<String>>>,
+    metrics: Mutex<WitnessMetrics>,
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn quantile_ms(v: &[f32], q: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let i = ((s.len() - 1) as f64 * q).round() as usize;
+    Some(f64::from(s[i]))
+}
+
+fn push_bounded(q: &mut VecDeque<(f64, f32)>, x: (f64, f32)) {
+    if q.len() >= MAX_LATENCIES {
+        q.pop_front();
+    }
+    q.push_back(x);
+}
+
+impl Witness {
+    /// A witness for `cfg.targets`; `neigh` follows the targets' neighbour entries (None when
+    /// netlink is unavailable: reports then carry no MACs).
+    pub fn new(cfg: Config, opts: WitnessOptions, neigh: Option<Arc<NeighLog>>) -> Arc<Witness> {
+        let mut id = [0u8; 6];
+        let _ = getrandom::fill(&mut id);
+        Arc::new(Witness {
+            cfg,
+            opts,
+            instance: id.iter().map(|b| format!("{b:02x}")).collect(),
+            started_at: unix_now(),
+            steps: Mutex::new(BTreeMap::new()),
+            steady: Mutex::new(BTreeMap::new()),
+            latest: Mutex::new(BTreeMap::new()),
+            neigh,
+            last_mac: Mutex::new(BTreeMap::new()),
+            metrics: Mutex::new(WitnessMetrics::new()),
+            changed: tokio::sync::watch::Sender::new(0),
+        })
+    }
+
+    /// The addresses whose neighbour entries a witness follows.
+    pub fn watched(cfg: &Config) -> Vec<IpAddr> {
+        cfg.targets.iter().map(|t| t.address).collect()
+    }
+
+    /// The cadence now: the fastest active step's burst, or the steady interval.
+    fn interval(&self) -> Duration {
+        let now = unix_now();
+        lock(&self.steps)
+            .values()
+            .filter(|s| s.active(now))
+            .map(|s| s.burst)
+            .min()
+            .unwrap_or(self.opts.probe_interval)
+    }
+
+    fn max_timeout(&self) -> f64 {
+        self.cfg
+            .targets
+            .iter()
+            .map(|t| t.timeout.as_secs_f64())
+            .fold(0.0, f64::max)
+    }
+
+    fn record(&self, target: &crate::config::Target, o: &ProbeOutcome) {
+        {
+            let m = lock(&self.metrics);
+            let l = ProbeLabels {
+                kind: target.probe.as_str().into(),
+                target: target.name.clone(),
+                vantage: "witness".into(),
+            };
+            m.probe_duration
+                .get_or_create(&l)
+                .observe(o.latency.as_secs_f64());
+            if !o.ok {
+                m.probe_failures.get_or_create(&l).inc();
+            }
+        }
+        lock(&self.latest).insert(target.name.clone(), o.clone());
+        if !o.ran {
+            return;
+        }
+        let lat = (o.sent_at, (o.latency.as_secs_f64() * 1e3) as f32);
+        if o.ok {
+            let mut steady = lock(&self.steady);
+            let q = steady.entry(target.name.clone()).or_default();
+            while q.front().is_some_and(|f| f.0 < o.sent_at - STEADY_WINDOW_S) {
+                q.pop_front();
+            }
+            push_bounded(q, lat);
+        }
+        let now = unix_now();
+        for s in lock(&self.steps).values_mut() {
+            if !s.active(now) || o.sent_at < s.created_at {
+                continue;
+            }
+            if let Some(t) = s.targets.get_mut(&target.name) {
+                t.samples.push((o.sent_at, o.ok));
+                t.probes += 1;
+                t.failures += u64::from(!o.ok);
+            }
+            if o.ok {
+                push_bounded(s.latencies.entry(target.name.clone()).or_default(), lat);
+            }
+        }
+    }
+
+    /// Begins (or finds) the step `id`.
+    pub fn begin(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, String> {
+        if r.id.is_empty()
+            || r.id.len() > 64
+            || !r
+                .id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        {
+            return Err("id: 1-64 characters of letters, digits, - _ .".into());
+        }
+        let d =
+            |field: &str, v: &Option<String>, default: Duration, min: Duration, max: Duration| {
+                let x = match v {
+                    None => default,
+                    Some(s) => crate::duration::parse(s).map_err(|e| format!("{field}: {e}"))?,
+                };
+                if x < min || x > max {
+                    return Err(format!(
+                        "{field}: {} is out of range ({} to {})",
+                        crate::duration::human(x),
+                        crate::duration::human(min),
+                        crate::duration::human(max)
+                    ));
+                }
+                Ok(x)
+            };
+        let ms = Duration::from_millis;
+        let burst = d(
+            "burst_interval",
+            &r.burst_interval,
+            self.opts.burst_interval,
+            ms(1),
+            ms(10_000),
+        )?;
+        let timeout = d("timeout", &r.timeout, ms(900_000), ms(1_000), MAX_STEP)?;
+        let max_gap = d("max_gap", &r.max_gap, ms(5_000), ms(1), ms(3_600_000))?;
+        let now = unix_now();
+        let mut steps = lock(&self.steps);
+        if let Some(s) = steps.get(&r.id) {
+            return Ok(WitnessBegun {
+                id: r.id.clone(),
+                instance: self.instance.clone(),
+                created_at: s.created_at,
+            });
+        }
+        // Forget the oldest ended steps, then the oldest, to stay bounded.
+        while steps.len() >= MAX_STEPS {
+            let victim = steps
+                .iter()
+                .filter(|(_, s)| !s.active(now))
+                .min_by(|a, b| a.1.created_at.total_cmp(&b.1.created_at))
+                .or_else(|| {
+                    steps
+                        .iter()
+                        .min_by(|a, b| a.1.created_at.total_cmp(&b.1.created_at))
+                })
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(k) => steps.remove(&k),
+                None => break,
+            };
+        }
+        let targets = self
+            .cfg
+            .targets
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    TargetTimeline {
+                        kind: t.probe.as_str().into(),
+                        budget: t.max_gap.unwrap_or(max_gap).as_secs_f64(),
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect();
+        steps.insert(
+            r.id.clone(),
+            WStep {
+                created_at: now,
+                until: now + timeout.as_secs_f64(),
+                ended_at: None,
+                burst,
+                targets,
+                latencies: BTreeMap::new(),
+            },
+        );
+        drop(steps);
+        self.changed.send_modify(|v| *v += 1);
+        Ok(WitnessBegun {
+            id: r.id.clone(),
+            instance: self.instance.clone(),
+            created_at: now,
+        })
+    }
+
+    /// Ends the step (its evidence stays readable). False when unknown.
+    pub fn end(&self, id: &str) -> bool {
+        let now = unix_now();
+        let found = lock(&self.steps).get_mut(id).map(|s| {
+            if s.ended_at.is_none() {
+                s.ended_at = Some(now);
+            }
+        });
+        self.changed.send_modify(|v| *v += 1);
+        found.is_some()
+    }
+
+    /// The report of step `id`; `after`: where the "after" latencies start.
+    pub fn report(&self, id: &str, after: Option<f64>) -> Option<WitnessReport> {
+        let now = unix_now();
+        let slack = self.max_timeout() + 0.25;
+        let steps = lock(&self.steps);
+        let s = steps.get(id)?;
+        let end = s.ended_at.unwrap_or(now).min(s.until);
+        let complete_until = (now - slack).min(end).max(s.created_at);
+        let cadence = s.burst.as_secs_f64();
+        let gaps = s
+            .targets
+            .iter()
+            .map(|(name, t)| gap_row(name, t, cadence, complete_until))
+            .collect();
+        let probes = s
+            .targets
+            .iter()
+            .map(|(k, t)| {
+                (
+                    k.clone(),
+                    ProbeCount {
+                        sent: t.probes,
+                        failed: t.failures,
+                    },
+                )
+            })
+            .collect();
+        let steady = lock(&self.steady);
+        let mut latency_ms = BTreeMap::new();
+        for t in &self.cfg.targets {
+            let before: Vec<f32> = steady
+                .get(&t.name)
+                .map(|q| {
+                    q.iter()
+                        .filter(|x| x.0 < s.created_at && x.0 >= s.created_at - 60.0)
+                        .map(|x| x.1)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let after_v: Vec<f32> = match after {
+                Some(a) => s
+                    .latencies
+                    .get(&t.name)
+                    .map(|q| q.iter().filter(|x| x.0 >= a).map(|x| x.1).collect())
+                    .unwrap_or_default(),
+                None => vec![],
+            };
+            latency_ms.insert(
+                t.name.clone(),
+                Latency {
+                    before_p50_ms: quantile_ms(&before, 0.5),
+                    before_p99_ms: quantile_ms(&before, 0.99),
+                    after_p50_ms: quantile_ms(&after_v, 0.5),
+                    after_p99_ms: quantile_ms(&after_v, 0.99),
+                },
+            );
+        }
+        let macs = match &self.neigh {
+            Some(n) => self
+                .cfg
+                .targets
+                .iter()
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        n.since(t.address, s.created_at)
+                            .into_iter()
+                            .filter(|c| c.0 <= end)
+                            .map(|(at, mac)| MacChange { at, mac })
+                            .collect(),
+                    )
+                })
+                .collect(),
+            None => BTreeMap::new(),
+        };
+        Some(WitnessReport {
+            id: id.to_string(),
+            instance: self.instance.clone(),
+            created_at: s.created_at,
+            complete_until,
+            ended: s.ended_at.is_some() || now >= s.until,
+            burst_interval: s.burst,
+            gaps,
+            macs,
+            probes,
+            latency_ms,
+        })
+    }
+
+    /// Every 500 ms: folds old samples (bounded memory in long steps), counts MAC changes,
+    /// publishes the active step count.
+    fn maintain(&self) {
+        let now = unix_now();
+        let cutoff = now - self.max_timeout() - 0.25;
+        let mut active = 0;
+        for s in lock(&self.steps).values_mut() {
+            if s.active(now) {
+                active += 1;
+            }
+            for t in s.targets.values_mut() {
+                t.compact(cutoff);
+            }
+        }
+        let m = lock(&self.metrics);
+        m.steps_active.set(active);
+        if let Some(n) = &self.neigh {
+            let mut last = lock(&self.last_mac);
+            for t in &self.cfg.targets {
+                let mac = n.since(t.address, now).last().and_then(|c| c.1.clone());
+                let prev = last.insert(t.name.clone(), mac.clone());
+                if prev.is_some_and(|p| p != mac) {
+                    m.mac_changes
+                        .get_or_create(&TargetLabels {
+                            target: t.name.clone(),
+                        })
+                        .inc();
+                }
+            }
+        }
+    }
+
+    fn encode_metrics(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.metrics).registry);
+        out
+    }
+}
+
+/// Probes one target forever at the witness's cadence (overlapping, bounded like the agent's).
+async fn probe_loop(w: Arc<Witness>, idx: usize) {
+    let target = Arc::new(w.cfg.targets[idx].clone());
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let mut next = tokio::time::Instant::now();
+    let mut changed = w.changed.subscribe();
+    loop {
+        let interval = w.interval();
+        if in_flight.load(Ordering::SeqCst) < crate::daemon::MAX_IN_FLIGHT {
+            in_flight.fetch_add(1, Ordering::SeqCst);
+            let (w2, t2, f2) = (w.clone(), target.clone(), in_flight.clone());
+            tokio::spawn(async move {
+                let o = probe::probe(&t2).await;
+                w2.record(&t2, &o);
+                f2.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+        next += interval;
+        let now = tokio::time::Instant::now();
+        if next + interval < now {
+            next = now;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(next) => {}
+            // A step beginning switches to its burst cadence at once.
+            Ok(()) = changed.changed() => {
+                if w.interval() < interval {
+                    next = tokio::time::Instant::now();
+                }
+            }
+        }
+    }
+}
+
+/// Starts the witness's probe loops and maintenance.
+pub fn spawn_loops(w: &Arc<Witness>) {
+    for i in 0..w.cfg.targets.len() {
+        tokio::spawn(probe_loop(w.clone(), i));
+    }
+    let w2 = w.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            w2.maintain();
+        }
+    });
+}
+
+fn err(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, axum::Json(json!({"error": msg.into()}))).into_response()
+}
+
+pub fn router(w: Arc<Witness>) -> Router {
+    Router::new()
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .route("/v1/status", get(status))
+        .route("/v1/steps", axum::routing::post(post_step))
+        .route("/v1/steps/{id}", get(get_step).delete(delete_step))
+        .fallback(|| async {
+            err(
+                StatusCode::NOT_FOUND,
+                "no such route; see /v1/status, /v1/steps, /metrics",
+            )
+        })
+        .layer(DefaultBodyLimit::max(crate::daemon::api::BODY_LIMIT))
+        .with_state(w)
+}
+
+async fn metrics(State(w): State<Arc<Witness>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        w.encode_metrics(),
+    )
+        .into_response()
+}
+
+async fn status(State(w): State<Arc<Witness>>) -> Response {
+    let now = unix_now();
+    let macs: BTreeMap<String, Option<String>> = match &w.neigh {
+        Some(n) => w
+            .cfg
+            .targets
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    n.since(t.address, now).last().and_then(|c| c.1.clone()),
+                )
+            })
+            .collect(),
+        None => BTreeMap::new(),
+    };
+    axum::Json(json!({
+        "role": "witness",
+        "instance": w.instance,
+        "started_at": w.started_at,
+        "targets": w.cfg.targets.iter().map(|t| &t.name).collect::<Vec<_>>(),
+        "latest": *lock(&w.latest),
+        "macs": macs,
+        "neighbour_table": if w.neigh.is_some() { "followed" } else { "unavailable: reports carry no MAC addresses" },
+        "steps": lock(&w.steps).keys().cloned().collect::<Vec<_>>(),
+    }))
+    .into_response()
+}
+
+async fn post_step(
+    State(w): State<Arc<Witness>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    if !crate::daemon::api::bearer_ok(w.opts.token.as_deref(), &headers) {
+        return err(
+            StatusCode::UNAUTHORIZED,
+            "this witness needs `Authorization: Bearer <token>`",
+        );
+    }
+    let r: WitnessStepRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "invalid JSON body: {}",
+                    e.to_string().lines().next().unwrap_or("")
+                ),
+            )
+        }
+    };
+    match w.begin(&r) {
+        Ok(b) => (StatusCode::CREATED, axum::Json(b)).into_response(),
+        Err(e) => err(StatusCode::BAD_REQUEST, e),
+    }
+}
+
+async fn get_step(
+    State(w): State<Arc<Witness>>,
+    Path(id): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let after = match q.get("after").map(|a| a.parse::<f64>()) {
+        None => None,
+        Some(Ok(a)) if a.is_finite() => Some(a),
+        Some(_) => return err(StatusCode::BAD_REQUEST, "after: a unix time in seconds"),
+    };
+    match w.report(&id, after) {
+        Some(r) => axum::Json(r).into_response(),
+        None => err(
+            StatusCode::NOT_FOUND,
+            format!("this witness (instance {}) has no step {id:?}", w.instance),
+        ),
+    }
+}
+
+async fn delete_step(
+    State(w): State<Arc<Witness>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if !crate::daemon::api::bearer_ok(w.opts.token.as_deref(), &headers) {
+        return err(
+            StatusCode::UNAUTHORIZED,
+            "this witness needs `Authorization: Bearer <token>`",
+        );
+    }
+    if w.end(&id) {
+        axum::Json(json!({"id": id, "ended": true})).into_response()
+    } else {
+        err(StatusCode::NOT_FOUND, format!("no step {id:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    fn witness(token: Option<&str>) -> Arc<Witness> {
+        let cfg: Config = serde_yaml_ng::from_str(
+            "targets:\n  - {name: gw, address: 127.0.0.1, port: 9, probe: tcp, timeout: 100ms}\n",
+        )
+        .unwrap();
+        Witness::new(
+            cfg,
+            WitnessOptions {
+                probe_interval: Duration::from_secs(1),
+                burst_interval: Duration::from_millis(10),
+                token: token.map(String::from),
+            },
+            None,
+        )
+    }
+
+    async fn call(
+        w: &Arc<Witness>,
+        method: &str,
+        uri: &str,
+        body: &str,
+        auth: Option<&str>,
+    ) -> (u16, serde_json::Value) {
+        let mut req = axum::http::Request::builder().method(method).uri(uri);
+        if let Some(a) = auth {
+            req = req.header("authorization", format!("Bearer {a}"));
+        }
+        let resp = router(w.clone())
+            .oneshot(req.body(Body::from(body.to_string())).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    #[tokio::test]
+    async fn steps_begin_once_report_gaps_and_end() {
+        let w = witness(Some("s3cret"));
+        assert_eq!(
+            call(&w, "POST", "/v1/steps", r#"{"id":"a"}"#, None).await.0,
+            401
+        );
+        let (s, b) = call(
+            &w,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"a","burst_interval":"5ms"}"#,
+            Some("s3cret"),
+        )
+        .await;
+        assert_eq!(s, 201, "{b}");
+        assert_eq!(b["instance"], w.instance.as_str());
+        let (s2, b2) = call(&w, "POST", "/v1/steps", r#"{"id":"a"}"#, Some("s3cret")).await;
+        assert_eq!(
+            (s2, &b2["created_at"]),
+            (201, &b["created_at"]),
+            "idempotent"
+        );
+        assert_eq!(w.interval(), Duration::from_millis(5), "bursting");
+        // Samples: ok, two failures, ok: one outage.
+        let t0 = b["created_at"].as_f64().unwrap();
+        let tgt = w.cfg.targets[0].clone();
+        for (dt, ok) in [(0.01, true), (0.02, false), (0.03, false), (0.04, true)] {
+            w.record(
+                &tgt,
+                &ProbeOutcome {
+                    ok,
+                    sent_at: t0 + dt,
+                    latency: Duration::from_millis(1),
+                    detail: String::new(),
+                    ran: true,
+                    answers: None,
+                },
+            );
+        }
+        let r = w.report("a", Some(t0)).unwrap();
+        assert_eq!(r.probes["gw"].sent, 4);
+        let (s, v) = call(&w, "GET", "/v1/steps/a?after=x", "", None).await;
+        assert_eq!(s, 400, "{v}");
+        assert_eq!(call(&w, "GET", "/v1/steps/nope", "", None).await.0, 404);
+        assert_eq!(
+            call(&w, "DELETE", "/v1/steps/a", "", Some("s3cret"))
+                .await
+                .0,
+            200
+        );
+        assert_eq!(w.interval(), Duration::from_secs(1), "steady again");
+        let r = w.report("a", None).unwrap();
+        assert!(r.ended);
+        assert_eq!(r.gaps[0].count, 1, "{:?}", r.gaps);
+        assert!((r.gaps[0].longest_s - 0.02).abs() < 1e-6, "{:?}", r.gaps);
+        let (s, v) = call(
+            &w,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"b","max_gap":"soon"}"#,
+            Some("s3cret"),
+        )
+        .await;
+        assert_eq!(s, 400);
+        assert!(v["error"].as_str().unwrap().starts_with("max_gap:"), "{v}");
+        let (s, _) = call(
+            &w,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"b","extra":1}"#,
+            Some("s3cret"),
+        )
+        .await;
+        assert_eq!(s, 400, "unknown fields are refused");
+    }
+
+    #[test]
+    fn steps_stay_bounded() {
+        let w = witness(None);
+        for i in 0..(MAX_STEPS + 5) {
+            w.begin(&WitnessStepRequest {
+                id: format!("s{i}"),
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        assert_eq!(lock(&w.steps).len(), MAX_STEPS);
+    }
+}

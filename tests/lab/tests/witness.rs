@@ -1,0 +1,314 @@
+//! The VIP gap as LAN clients see it (issue 12): a LAN lab of two nodes with L2-announced
+//! VIPs, a witness in the LAN client namespace, the agent on the node being stepped.
+//! The lab records when each VIP stopped and resumed answering for the LAN client; the
+//! witness's gaps must match within ± (cadence + 10 ms) (plus the lab's own recording
+//! windows), while the node's own probes (local, like socket-LB) see nothing.
+mod common;
+use common::*;
+use serde_json::Value;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use stepguard_lab::lan::{LanGuard, LanLab, LanRestartReport, LanSpec, LeaseTimings};
+use stepguard_lab::RestartOpts;
+
+fn lan(lease: LeaseTimings) -> LanGuard {
+    require_root();
+    let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
+    spec.lease = lease;
+    LanGuard(LanLab::up(spec).expect("LAN lab up"))
+}
+
+fn short_lease(duration_ms: u64) -> LeaseTimings {
+    LeaseTimings {
+        duration: Duration::from_millis(duration_ms),
+        renew: Duration::from_millis(duration_ms / 2),
+        retry: Duration::from_millis(duration_ms / 4),
+    }
+}
+
+/// `stepguard witness` in the LAN client namespace; killed on drop.
+struct Witness {
+    child: Child,
+    url: String,
+}
+
+impl Witness {
+    fn start(lan: &LanLab) -> Witness {
+        let addr = format!(
+            "{}:{}",
+            stepguard_lab::lan::CLIENT_ADDR,
+            stepguard_lab::lan::WITNESS_PORT
+        );
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", lan.client_ns()))
+            .arg("--")
+            .arg(bin("STEPGUARD_BIN", "stepguard"))
+            .args(["witness", "--config"])
+            .arg(lan.witness_config())
+            .args(["--listen", &addr])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start stepguard witness");
+        let w = Witness {
+            child,
+            url: format!("http://{addr}"),
+        };
+        // Ready: it answers, and every target has been probed once.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = stepguard_lab::netns::in_netns(&lan.client_ns(), {
+                let addr = addr.clone();
+                move || {
+                    let out = std::process::Command::new("curl")
+                        .args(["-s", "-m", "1", &format!("http://{addr}/v1/status")])
+                        .output()?;
+                    Ok(serde_json::from_slice::<Value>(&out.stdout).unwrap_or(Value::Null))
+                }
+            })
+            .unwrap_or(Value::Null);
+            if ok["latest"].as_object().is_some_and(|l| l.len() == 3) {
+                return w;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the witness never became ready: {ok}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Witness {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The agent on node `i` with its LAN config (targets: the LAN VIPs, reached locally).
+fn agent_on(lan: &LanLab, i: u8) -> Daemon {
+    let node = lan.node(i).unwrap();
+    Daemon::start_with(
+        node.node_ns(),
+        lan.node_config(i),
+        lan.state.run_dir.join(format!("agent-state-n{i}")),
+        free_port(),
+        &[],
+    )
+}
+
+fn witness_gaps<'a>(v: &'a Value, w: &Witness) -> &'a Vec<Value> {
+    v["witnesses"][&w.url]["report"]["gaps"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no report from {}: {v:#}", w.url))
+}
+
+fn gap_of<'a>(gaps: &'a [Value], target: &str) -> &'a Value {
+    gaps.iter()
+        .find(|g| g["target"] == target)
+        .unwrap_or_else(|| panic!("no gap for {target} in {gaps:?}"))
+}
+
+/// The witness's gap for a VIP matches the lab's ground truth within ± (cadence + 10 ms),
+/// widened by the lab's recording windows.
+fn assert_lan_gap(g: &Value, r: &LanRestartReport, vip: &str, cadence: f64) {
+    let s = |ns: u128| ns as f64 / 1e9;
+    let truth = r.vips.iter().find(|v| v.name == vip).unwrap();
+    let (stop, resume) = (truth.stopped.unwrap(), truth.resumed.unwrap());
+    let tol = cadence + 0.010;
+    let longest = g["longest_s"].as_f64().unwrap();
+    let (lo, hi) = (s(resume.0) - s(stop.1), s(resume.1) - s(stop.0));
+    assert!(
+        longest >= lo - tol && longest <= hi + tol,
+        "{vip}: the witness measured {:.1} ms, the lab's truth {:.1}..{:.1} ms (± {:.0} ms): {g}",
+        longest * 1e3,
+        lo * 1e3,
+        hi * 1e3,
+        tol * 1e3
+    );
+    let start = g["longest_start"].as_f64().unwrap();
+    assert!(
+        start >= s(stop.0) - tol && start <= s(stop.1) + tol,
+        "{vip}: outage began at {start:.4}, truth [{:.4}, {:.4}]",
+        s(stop.0),
+        s(stop.1)
+    );
+}
+
+fn restart(
+    lan: &mut LanLab,
+    node: u8,
+    down_ms: u64,
+    blackhole: bool,
+    crash: bool,
+) -> LanRestartReport {
+    lan.restart(
+        node,
+        &RestartOpts {
+            down: Duration::from_millis(down_ms),
+            blackhole,
+            ..Default::default()
+        },
+        crash,
+    )
+    .unwrap()
+}
+
+fn step_body(w: &Witness, extra: &str) -> String {
+    format!(
+        r#"{{"settle":"1s","timeout":"30s","witnesses":["{}"]{extra}}}"#,
+        w.url
+    )
+}
+
+/// Graceful and crash restarts of the lease holder, over two lease durations: the witness
+/// measures each VIP's gap as the lab made it; the node's own probes see none; a node that
+/// holds no lease shows no LAN gap and passes.
+#[test]
+fn the_witness_measures_lease_moves_the_node_cannot_see() {
+    for lease_ms in [2000u64, 3000] {
+        let mut lab = lan(short_lease(lease_ms));
+        let w = Witness::start(&lab);
+        let cadence = 0.010;
+
+        // Graceful: node 0 holds gateway and dns-a; its datapath is down (blackhole) while
+        // the agent restarts; node 1 takes the leases one retry period after the release.
+        let a0 = agent_on(&lab, 0);
+        let id = a0.begin_probing(&step_body(&w, ""));
+        let r = restart(&mut lab, 0, lease_ms / 2 + 500, true, false);
+        let v = a0.verdict(&id);
+        assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+        let gaps = witness_gaps(&v, &w);
+        for vip in ["gateway", "dns-a"] {
+            let t = r.vips.iter().find(|x| x.name == vip).unwrap();
+            assert_eq!((t.holder_before, t.holder_after), (0, 1), "{vip} moved");
+            assert_lan_gap(gap_of(gaps, vip), &r, vip, cadence);
+            let macs = v["witnesses"][&w.url]["report"]["macs"][vip]
+                .as_array()
+                .unwrap();
+            assert!(
+                macs.len() >= 2,
+                "the lease move is seen as a new MAC: {macs:?}"
+            );
+        }
+        assert_eq!(
+            gap_of(gaps, "dns-b")["count"],
+            0,
+            "the second DNS VIP, announced by node 1, covers LAN clients with two resolvers"
+        );
+        for g in v["gaps"].as_array().unwrap() {
+            assert_eq!(
+                g["count"], 0,
+                "the node's own probes cannot see the lease move: {g}"
+            );
+        }
+        let text = a0.get(&format!("/v1/steps/{id}?format=text")).1;
+        assert!(
+            text.contains("WITNESS 1") && text.contains("answered by"),
+            "{text}"
+        );
+        drop(a0);
+
+        // Node 0 now holds no lease: its restart (datapath down too) is no LAN gap.
+        let a0 = agent_on(&lab, 0);
+        let id = a0.begin_probing(&step_body(&w, ""));
+        let r = restart(&mut lab, 0, 500, true, false);
+        assert!(r.vips.iter().all(|v| v.stopped.is_none()), "{r:?}");
+        let v = a0.verdict(&id);
+        assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+        for g in witness_gaps(&v, &w) {
+            assert_eq!(g["count"], 0, "no lease, no LAN gap: {g}");
+        }
+        drop(a0);
+
+        // Crash of node 1, which now holds every lease: nothing is released; node 0 takes
+        // them when they expire, one lease duration plus a retry period later.
+        let a1 = agent_on(&lab, 1);
+        let id = a1.begin_probing(&step_body(&w, ""));
+        let r = restart(&mut lab, 1, lease_ms + lease_ms / 4 + 1000, true, true);
+        let v = a1.verdict(&id);
+        assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+        let gaps = witness_gaps(&v, &w);
+        for vip in ["gateway", "dns-a", "dns-b"] {
+            let t = r.vips.iter().find(|x| x.name == vip).unwrap();
+            let took = t.takeover.expect("taken over after expiry");
+            let waited = (took.0 - r.restart.blackhole_start_ns) as f64 / 1e9;
+            assert!(
+                waited >= (lease_ms + lease_ms / 4) as f64 / 1e3 - 0.005,
+                "{vip}: taken {waited:.3}s after the crash, not before the lease expired"
+            );
+            assert_lan_gap(gap_of(gaps, vip), &r, vip, cadence);
+        }
+    }
+}
+
+/// A witness stopped during the step: the evidence is incomplete, never a pass.
+#[test]
+fn a_stopped_witness_makes_the_step_evidence_incomplete() {
+    let mut lab = lan(short_lease(2000));
+    let mut w = Witness::start(&lab);
+    let a0 = agent_on(&lab, 0);
+    let id = a0.begin_probing(&format!(
+        r#"{{"settle":"1s","timeout":"8s","witnesses":["{}"]}}"#,
+        w.url
+    ));
+    w.kill();
+    restart(&mut lab, 0, 200, false, false);
+    let v = a0.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+    assert!(
+        v["verdict"]["reasons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == "evidence_incomplete"),
+        "{:#}",
+        v["verdict"]
+    );
+    // A witness that is not there at all: the step is not begun, with one line.
+    let (s, b) = a0.post(
+        "/v1/steps",
+        &format!(r#"{{"witnesses":["{}"]}}"#, w.url),
+        None,
+    );
+    assert_eq!(s, 503, "{b}");
+    assert!(b["error"].as_str().unwrap().contains(&w.url), "{b}");
+}
+
+/// A LAN-side gap over the budget fails the step with gap_over_budget, naming the witness and
+/// the target, although the node's own probes saw nothing.
+#[test]
+fn a_lan_gap_over_budget_fails_naming_the_witness_and_the_target() {
+    let mut lab = lan(short_lease(2000));
+    let w = Witness::start(&lab);
+    let a0 = agent_on(&lab, 0);
+    let id = a0.begin_probing(&step_body(&w, r#","max_gap":"200ms""#));
+    restart(&mut lab, 0, 1500, true, false);
+    let v = a0.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+    assert_eq!(
+        v["verdict"]["reasons"],
+        serde_json::json!(["gap_over_budget"])
+    );
+    let why = v["verdict"]["summary"].as_str().unwrap();
+    assert!(
+        why.contains(&w.url) && (why.contains("gateway") || why.contains("dns-a")),
+        "{why}"
+    );
+    for g in v["gaps"].as_array().unwrap() {
+        assert_eq!(g["count"], 0, "the node saw nothing: {g}");
+    }
+    let (_, m) = a0.get("/metrics");
+    assert!(
+        m.contains(&format!(
+            "vantage=\"witness:{}\"",
+            w.url.trim_start_matches("http://")
+        )),
+        "{m}"
+    );
+}
