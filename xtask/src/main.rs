@@ -56,6 +56,10 @@ enum Cmd {
         /// Smaller sizes, for a quick look.
         #[arg(long)]
         quick: bool,
+        /// Run only these parts (comma-separated: devmaps, daemon, witness); the report then
+        /// has only them.
+        #[arg(long, value_delimiter = ',', value_parser = ["devmaps", "daemon", "witness"])]
+        only: Vec<String>,
     },
     /// Build the OCI image.
     Image,
@@ -287,14 +291,14 @@ fn main() {
         Cmd::Test { unit, filter } => test(unit, filter),
         Cmd::Demo => demo(),
         Cmd::Lab { args } => lab(args),
-        Cmd::Bench { quick } => {
+        Cmd::Bench { quick, only } => {
             if !is_root() {
                 eprintln!("xtask: the benchmarks build labs: run as root");
                 std::process::exit(1);
             }
             setup::setup(false)
                 .and_then(|_| build(true))
-                .and_then(|_| bench::bench(quick))
+                .and_then(|_| bench::bench(quick, &only))
         }
         Cmd::Image => image::image().map(|_| ()),
     };

@@ -1236,6 +1236,83 @@ mod tests {
         assert_eq!(s.verdict.unwrap().status, Status::Passed);
     }
 
+    fn witness_report(complete_until: f64, longest: f64) -> crate::witness::WitnessReport {
+        crate::witness::WitnessReport {
+            id: "s".into(),
+            instance: "w1".into(),
+            created_at: 0.0,
+            complete_until,
+            ended: false,
+            burst_interval: Duration::from_millis(10),
+            gaps: vec![TargetGap {
+                target: "gw".into(),
+                kind: "http".into(),
+                longest_s: longest,
+                error_bound_s: 0.01,
+                total_s: longest,
+                count: usize::from(longest > 0.0),
+                budget_s: 2.0,
+                open: false,
+                longest_start: None,
+                longest_end: None,
+            }],
+            macs: BTreeMap::new(),
+            probes: BTreeMap::new(),
+            latency_ms: BTreeMap::new(),
+        }
+    }
+
+    /// A witness's evidence is part of the verdict: over budget fails naming it and the
+    /// target; a witness that restarted is a hole; stale evidence never passes; covered
+    /// evidence within budget passes.
+    #[test]
+    fn witnesses_are_judged_like_the_nodes_own_probes() {
+        let run = |track: super::super::WitnessTrack, fresh: bool| {
+            let mut s = step();
+            s.witnesses.insert("http://w:9970".into(), track.clone());
+            let mut last = None;
+            for t in [1.0, 2.5, 5.0, 9.0, 15.0] {
+                if fresh {
+                    let mut tr = track.clone();
+                    if let Some(r) = tr.report.as_mut() {
+                        r.complete_until = t - 0.3;
+                    }
+                    s.witnesses.insert("http://w:9970".into(), tr);
+                }
+                decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+                last = s.verdict.clone();
+            }
+            last
+        };
+        let ok = super::super::WitnessTrack {
+            instance: "w1".into(),
+            report: Some(witness_report(0.0, 0.5)),
+            ..Default::default()
+        };
+        let v = run(ok.clone(), true).expect("decided");
+        assert_eq!(v.status, Status::Passed, "{v:?}");
+        assert!(v.summary.contains("as a LAN client sees it"), "{v:?}");
+        let over = super::super::WitnessTrack {
+            report: Some(witness_report(0.0, 3.0)),
+            ..ok.clone()
+        };
+        let v = run(over, true).expect("decided");
+        assert_eq!(v.reasons, vec![Reason::GapOverBudget]);
+        assert!(v.summary.contains("witness http://w:9970: gw"), "{v:?}");
+        let lost = super::super::WitnessTrack {
+            lost: Some("restarted".into()),
+            ..ok.clone()
+        };
+        let v = run(lost, true).expect("decided");
+        assert_eq!(v.reasons, vec![Reason::EvidenceIncomplete]);
+        // Stale: the witness's evidence stops at 0 (unreachable): not passed by 15 s.
+        let v = run(ok, false);
+        assert!(
+            v.as_ref().is_none_or(|v| v.status != Status::Passed),
+            "{v:?}"
+        );
+    }
+
     /// The probe loop stalled for 400 ms (or probes could not run): a hole, never a pass.
     #[test]
     fn a_stalled_probe_loop_is_a_hole_in_the_evidence() {
