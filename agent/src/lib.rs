@@ -19,6 +19,7 @@ pub mod node;
 pub mod probe;
 pub mod profile;
 pub mod report;
+pub mod rollout;
 pub mod stats;
 pub mod step;
 pub mod witness;

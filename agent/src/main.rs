@@ -58,6 +58,10 @@ enum Cmd {
     Witness(WitnessArgs),
     /// Begin a step on an agent (POST /v1/steps); prints the step id on the last line.
     Step(StepArgs),
+    /// Step a Cilium DaemonSet (updateStrategy OnDelete) node by node, each verified by the
+    /// node's agent; stops at the first failed step. Exit 0 all passed, 1 a step failed,
+    /// 2 refused / interrupted / usage.
+    Rollout(stepguard::rollout::RolloutArgs),
     /// Wait for a step's verdict; exit 0 passed, 1 failed, 2 timed out / agent unreachable / usage.
     Wait(WaitArgs),
     /// Run the node checks once and print the result; exit 0 all pass, 1 any fail, 2 any unknown or usage/config error.
@@ -288,6 +292,7 @@ fn run(cmd: Cmd) -> Result<i32> {
     match cmd {
         Cmd::Agent(args) => agent(args),
         Cmd::Witness(args) => witness(args),
+        Cmd::Rollout(args) => stepguard::rollout::run(args),
         Cmd::Step(args) => step_cmd(args),
         Cmd::Wait(args) => wait_cmd(args),
         Cmd::Check(args) => check(args),

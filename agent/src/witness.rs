@@ -288,6 +288,13 @@ impl Witness {
         }
         lock(&self.latest).insert(target.name.clone(), o.clone());
         if !o.ran {
+            let now = unix_now();
+            for s in lock(&self.steps).values_mut().filter(|s| s.active(now)) {
+                if let Some(t) = s.targets.get_mut(&target.name) {
+                    t.not_run += 1;
+                    t.not_run_detail.get_or_insert_with(|| o.detail.clone());
+                }
+            }
             return;
         }
         let lat = (o.sent_at, (o.latency.as_secs_f64() * 1e3) as f32);
@@ -448,6 +455,7 @@ impl Witness {
                     ProbeCount {
                         sent: t.probes,
                         failed: t.failures,
+                        not_run: t.not_run,
                     },
                 )
             })

@@ -71,7 +71,10 @@ fn every_overlay_renders_and_validates_offline() {
         "CRD schemas not found in {}: ServiceMonitor/PrometheusRule cannot be validated — failing rather than skipping",
         crds.display()
     );
-    for overlay in overlays() {
+    for overlay in overlays()
+        .into_iter()
+        .chain([root().join("deploy/rollout")])
+    {
         let objects = render(&overlay);
         assert!(
             objects.len() >= 5,
@@ -282,4 +285,71 @@ fn the_alert_rules_check_and_their_unit_tests_pass() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The stepper's RBAC is exactly what it uses: nodes listed cluster-wide; in kube-system the
+/// cilium DaemonSet read, revisions and pods listed, cilium pods deleted, Leases only read,
+/// Events created; in stepguard's namespace its lock Lease written. Never write access to
+/// kube-system Leases (the control plane's leader elections live there).
+#[test]
+fn the_rollout_rbac_is_least_privilege() {
+    let objects = render(&root().join("deploy/rollout"));
+    let rules = |kind: &str, ns: Option<&str>| -> Vec<(String, Vec<String>)> {
+        let o = objects
+            .iter()
+            .find(|o| o["kind"] == kind && ns.is_none_or(|n| o["metadata"]["namespace"] == n))
+            .unwrap_or_else(|| panic!("{kind} in {ns:?}"));
+        o["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| {
+                let verbs: Vec<String> = r["verbs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_str().unwrap().to_string())
+                    .collect();
+                r["resources"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(move |res| (res.as_str().unwrap().to_string(), verbs.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        rules("ClusterRole", None),
+        [("nodes".to_string(), v(&["list"]))]
+    );
+    let ks = rules("Role", Some("kube-system"));
+    assert!(
+        ks.contains(&("pods".into(), v(&["list", "delete"]))),
+        "{ks:?}"
+    );
+    assert!(
+        ks.contains(&("leases".into(), v(&["list"]))),
+        "kube-system Leases read only: {ks:?}"
+    );
+    assert!(ks.contains(&("events".into(), v(&["create"]))), "{ks:?}");
+    assert!(!ks.iter().any(|(r, _)| r == "secrets"), "{ks:?}");
+    let sg = rules("Role", Some("stepguard"));
+    assert!(
+        sg.contains(&("leases".into(), v(&["get", "create", "update", "delete"]))),
+        "{sg:?}"
+    );
+    let text = serde_json::to_string(&objects).unwrap();
+    assert!(!text.contains("\"*\""), "no wildcards");
+    let d = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .expect("the --watch Deployment");
+    assert_eq!(d["spec"]["replicas"], 1);
+    assert!(
+        serde_json::to_string(&d["spec"]["template"]["spec"]["containers"][0]["args"])
+            .unwrap()
+            .contains("--watch")
+    );
 }

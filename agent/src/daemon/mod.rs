@@ -233,11 +233,17 @@ impl Daemon {
         // Into the active step's timeline (the runner owns it). A probe that could not run
         // is no sample: the gap it leaves is judged as a stall. A full buffer drops samples
         // the same way (never silently into a pass).
-        if o.ran && self.step_active.load(Ordering::SeqCst) {
+        if self.step_active.load(Ordering::SeqCst) {
             let _ = self.ports.samples.try_send(runner::Sample {
                 target: target.name.clone(),
                 sent_at: o.sent_at,
                 ok: o.ok,
+                ran: o.ran,
+                detail: if o.ran {
+                    String::new()
+                } else {
+                    o.detail.clone()
+                },
             });
         }
     }

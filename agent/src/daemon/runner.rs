@@ -20,6 +20,9 @@ pub struct Sample {
     pub target: String,
     pub sent_at: f64,
     pub ok: bool,
+    /// False: the probe could not even be sent (no socket, no permission); `detail` says why.
+    pub ran: bool,
+    pub detail: String,
 }
 
 /// What the API asks of the runner.
@@ -281,6 +284,11 @@ impl Runner {
             return;
         }
         if let Some(t) = s.targets.get_mut(&x.target) {
+            if !x.ran {
+                t.not_run += 1;
+                t.not_run_detail.get_or_insert(x.detail);
+                return;
+            }
             t.samples.push((x.sent_at, x.ok));
             t.probes += 1;
             if !x.ok {

@@ -396,6 +396,11 @@ pub struct TargetTimeline {
     pub dropped_outages: u64,
     #[serde(default)]
     pub dropped_total_s: f64,
+    /// Probes that could not even be sent (no socket, no permission), and the first reason.
+    #[serde(default)]
+    pub not_run: u64,
+    #[serde(default)]
+    pub not_run_detail: Option<String>,
     /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
     #[serde(skip)]
     pub samples: Vec<(f64, bool)>,

@@ -21,6 +21,25 @@ pub const STALL_INTERVALS: f64 = 5.0;
 /// stalled loop. The gap's error bound still reports the actual probe spacing.
 pub const STALL_MIN_S: f64 = 0.25;
 
+/// Probes of one target that could not run before the step's evidence counts as incomplete
+/// (probes that never left are not scheduler noise: the agent lacks sockets or permission).
+pub const NOT_RUN_LIMIT: u64 = 5;
+
+/// The first target with too many probes that could not run: a hole in the evidence.
+pub fn not_run_hole<'a>(
+    targets: impl IntoIterator<Item = (&'a String, u64, Option<&'a String>)>,
+) -> Option<String> {
+    targets
+        .into_iter()
+        .find(|(_, n, _)| *n >= NOT_RUN_LIMIT)
+        .map(|(t, n, why)| {
+            format!(
+                "{n} probes of {t} could not run ({}): the evidence has holes",
+                why.map(String::as_str).unwrap_or("no reason recorded")
+            )
+        })
+}
+
 /// The longest a target may go without a probe sent, at `cadence`.
 pub fn stall_limit(cadence: f64) -> f64 {
     (cadence * STALL_INTERVALS).max(STALL_MIN_S)
@@ -643,6 +662,9 @@ pub fn check_witnesses(step: &Step, o: &Observed) -> Judged {
             ));
             continue;
         };
+        if let Some(hole) = not_run_hole(r.probes.iter().map(|(k, p)| (k, p.not_run, None))) {
+            return Judged::fatal(Reason::EvidenceIncomplete, format!("witness {url}: {hole}"));
+        }
         if let Some(g) = r.gaps.iter().find(|g| g.longest_s > g.budget_s) {
             return Judged::fatal(
                 Reason::GapOverBudget,
@@ -738,6 +760,13 @@ pub fn decide(step: &mut Step, o: &Observed) {
         step.maps = judge_maps(step, maps, o.map_ids.as_ref(), settle_over).evidence;
     }
     step.dns_p50_after_ms = o.dns_p50_after_ms;
+    if step.evidence_incomplete.is_none() {
+        step.evidence_incomplete = not_run_hole(
+            step.targets
+                .iter()
+                .map(|(k, t)| (k, t.not_run, t.not_run_detail.as_ref())),
+        );
+    }
     if let Some((target, from, to)) = stalls(step, o.complete_until.min(now)) {
         if step.evidence_incomplete.is_none() {
             step.evidence_incomplete = Some(format!(
@@ -1309,6 +1338,26 @@ mod tests {
         let v = run(ok, false);
         assert!(
             v.as_ref().is_none_or(|v| v.status != Status::Passed),
+            "{v:?}"
+        );
+    }
+
+    /// Probes that could not even be sent (EMFILE, no permission) are a hole, never noise:
+    /// five of them end the step as evidence_incomplete, whatever the gaps say.
+    #[test]
+    fn probes_that_could_not_run_are_a_hole() {
+        let mut s = step();
+        s.targets.get_mut("gw").unwrap().not_run = NOT_RUN_LIMIT - 1;
+        decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
+        assert!(s.evidence_incomplete.is_none(), "under the limit");
+        let t = s.targets.get_mut("gw").unwrap();
+        t.not_run = NOT_RUN_LIMIT;
+        t.not_run_detail = Some("Too many open files".into());
+        decide(&mut s, &obs(2.5, progs(Some(20), Some(21))));
+        let v = s.verdict.expect("decided");
+        assert_eq!(v.reasons, vec![Reason::EvidenceIncomplete]);
+        assert!(
+            v.summary.contains("could not run (Too many open files)"),
             "{v:?}"
         );
     }

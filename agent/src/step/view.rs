@@ -18,6 +18,9 @@ pub struct ReloadView {
 pub struct ProbeCount {
     pub sent: u64,
     pub failed: u64,
+    /// Probes that could not even be sent (no socket, no permission).
+    #[serde(default)]
+    pub not_run: u64,
 }
 
 /// `GET /v1/steps/{id}`, `POST /v1/steps` and `last_step` in `/v1/verdict`.
@@ -89,6 +92,7 @@ impl StepView {
                         ProbeCount {
                             sent: t.probes,
                             failed: t.failures,
+                            not_run: t.not_run,
                         },
                     )
                 })

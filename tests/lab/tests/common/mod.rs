@@ -8,6 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stepguard_lab::{Lab, LabGuard, LabSpec};
 
+pub mod fakekube;
+
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     assert_eq!(
@@ -361,6 +363,18 @@ impl Daemon {
         wrapper: &[&str],
     ) -> Daemon {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        Self::start_at(ns, config, state_dir, addr, extra, wrapper)
+    }
+
+    /// Starts the agent listening on `addr` (e.g. a node's LAN address).
+    pub fn start_at(
+        ns: String,
+        config: PathBuf,
+        state_dir: PathBuf,
+        addr: SocketAddr,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> Daemon {
         let mut args: Vec<String> = vec![
             "agent".into(),
             "--config".into(),

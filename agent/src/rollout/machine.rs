@@ -1,0 +1,349 @@
+//! Stepping one node, as a pure state machine: the driver performs the action the machine
+//! asks for and feeds back what happened; the machine decides. Every path (refusals aside,
+//! which `plan` decides) is tested here: failures in each phase, timeouts, the lock lost,
+//! and resuming an interrupted step without repeating it.
+use serde::Serialize;
+
+/// Where a node's step is.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum Phase {
+    /// Begin a step on the node's agent.
+    Begin,
+    /// Delete the node's cilium pod (UID precondition).
+    Delete {
+        step: String,
+    },
+    /// Wait for the replacement pod to be Ready on the current revision.
+    Replace {
+        step: String,
+        since: f64,
+    },
+    /// Wait for the agent's verdict.
+    Verdict {
+        step: String,
+        since: f64,
+    },
+    Done(Outcome),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    Passed {
+        step: String,
+        summary: String,
+    },
+    /// The step failed or could not be done: the rollout stops here.
+    Failed {
+        step: Option<String>,
+        why: String,
+    },
+    /// The lock was lost or the stepper was told to stop: nothing more is touched.
+    Stopped {
+        why: String,
+    },
+}
+
+/// What the driver must do next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    BeginStep,
+    DeletePod,
+    /// Look for the replacement pod (poll).
+    FindReplacement,
+    /// Ask the agent for the verdict (long-poll).
+    WaitVerdict {
+        step: String,
+    },
+    Finished,
+}
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Begun(Result<String, String>),
+    /// `Ok(true)`: deleted; `Ok(false)`: already gone (a resumed step); `Err`: refused (e.g. the
+    /// UID precondition failed: another pod is there now).
+    Deleted(Result<bool, String>),
+    /// A Ready pod on the current revision replaced the old one.
+    Replaced(bool),
+    /// `Ok(Some((status, summary)))` decided; `Ok(None)` not yet; `Err` unreachable.
+    Verdict(Result<Option<(String, String)>, String>),
+    /// Time passes (timeouts).
+    Tick,
+    LockLost,
+}
+
+/// Phase timeouts (seconds).
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    pub replace: f64,
+    pub verdict: f64,
+}
+
+/// The action a phase asks for.
+pub fn action(p: &Phase) -> Action {
+    match p {
+        Phase::Begin => Action::BeginStep,
+        Phase::Delete { .. } => Action::DeletePod,
+        Phase::Replace { .. } => Action::FindReplacement,
+        Phase::Verdict { step, .. } => Action::WaitVerdict { step: step.clone() },
+        Phase::Done(_) => Action::Finished,
+    }
+}
+
+fn failed(step: Option<&str>, why: impl Into<String>) -> Phase {
+    Phase::Done(Outcome::Failed {
+        step: step.map(String::from),
+        why: why.into(),
+    })
+}
+
+/// Advances a node's step by one event at time `now`.
+pub fn advance(p: Phase, ev: Event, now: f64, t: Timeouts) -> Phase {
+    if ev == Event::LockLost {
+        return match p {
+            Phase::Done(o) => Phase::Done(o),
+            _ => Phase::Done(Outcome::Stopped {
+                why: "the rollout lock was lost (another stepper, or the API server refused the renewal): nothing more is touched".into(),
+            }),
+        };
+    }
+    match (p, ev) {
+        (Phase::Begin, Event::Begun(Ok(step))) => Phase::Delete { step },
+        (Phase::Begin, Event::Begun(Err(e))) => failed(
+            None,
+            format!("could not begin a step on the node's agent: {e}"),
+        ),
+        (Phase::Delete { step }, Event::Deleted(Ok(_))) => Phase::Replace { step, since: now },
+        (Phase::Delete { step }, Event::Deleted(Err(e))) => {
+            failed(Some(&step), format!("could not delete the cilium pod: {e}"))
+        }
+        (Phase::Replace { step, .. }, Event::Replaced(true)) => Phase::Verdict { step, since: now },
+        (Phase::Replace { step, since }, Event::Replaced(false) | Event::Tick) => {
+            if now - since > t.replace {
+                failed(
+                    Some(&step),
+                    format!(
+                        "no Ready cilium pod on the current revision within {:.0}s",
+                        t.replace
+                    ),
+                )
+            } else {
+                Phase::Replace { step, since }
+            }
+        }
+        (Phase::Verdict { step, .. }, Event::Verdict(Ok(Some((status, summary))))) => {
+            if status == "passed" {
+                Phase::Done(Outcome::Passed { step, summary })
+            } else {
+                failed(Some(&step), format!("step {status}: {summary}"))
+            }
+        }
+        (Phase::Verdict { step, since }, Event::Verdict(Ok(None) | Err(_)) | Event::Tick) => {
+            if now - since > t.verdict {
+                failed(
+                    Some(&step),
+                    format!("no verdict from the node's agent within {:.0}s", t.verdict),
+                )
+            } else {
+                Phase::Verdict { step, since }
+            }
+        }
+        (Phase::Done(o), _) => Phase::Done(o),
+        // An event that does not belong to the phase changes nothing.
+        (p, _) => p,
+    }
+}
+
+/// Where an interrupted step resumes, from what the lock recorded and what is there now:
+/// the step the agent still knows, whether the old pod is still there, whether a Ready
+/// replacement on the current revision is.
+pub fn resume(
+    step: Option<&str>,
+    agent_knows_step: bool,
+    old_pod_present: bool,
+    replaced: bool,
+    now: f64,
+) -> Phase {
+    match step {
+        Some(s) if agent_knows_step => {
+            if replaced {
+                Phase::Verdict {
+                    step: s.into(),
+                    since: now,
+                }
+            } else if old_pod_present {
+                Phase::Delete { step: s.into() }
+            } else {
+                Phase::Replace {
+                    step: s.into(),
+                    since: now,
+                }
+            }
+        }
+        _ => Phase::Begin,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Timeouts = Timeouts {
+        replace: 60.0,
+        verdict: 120.0,
+    };
+
+    fn run(events: &[(Event, f64)]) -> Phase {
+        let mut p = Phase::Begin;
+        for (e, now) in events {
+            p = advance(p, e.clone(), *now, T);
+        }
+        p
+    }
+
+    #[test]
+    fn a_healthy_step_passes_through_every_phase() {
+        let mut p = Phase::Begin;
+        assert_eq!(action(&p), Action::BeginStep);
+        p = advance(p, Event::Begun(Ok("s1".into())), 0.0, T);
+        assert_eq!(action(&p), Action::DeletePod);
+        p = advance(p, Event::Deleted(Ok(true)), 1.0, T);
+        assert_eq!(action(&p), Action::FindReplacement);
+        p = advance(p, Event::Replaced(false), 5.0, T);
+        p = advance(p, Event::Replaced(true), 9.0, T);
+        assert_eq!(action(&p), Action::WaitVerdict { step: "s1".into() });
+        p = advance(p, Event::Verdict(Ok(None)), 20.0, T);
+        p = advance(
+            p,
+            Event::Verdict(Ok(Some(("passed".into(), "ok".into())))),
+            30.0,
+            T,
+        );
+        assert_eq!(
+            p,
+            Phase::Done(Outcome::Passed {
+                step: "s1".into(),
+                summary: "ok".into()
+            })
+        );
+        assert_eq!(action(&p), Action::Finished);
+    }
+
+    #[test]
+    fn each_phase_can_fail_and_stops_the_rollout() {
+        let f = |p: Phase| matches!(p, Phase::Done(Outcome::Failed { .. }));
+        assert!(f(run(&[(Event::Begun(Err("503".into())), 0.0)])));
+        assert!(f(run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Err("uid precondition".into())), 1.0)
+        ])));
+        assert!(
+            f(run(&[
+                (Event::Begun(Ok("s".into())), 0.0),
+                (Event::Deleted(Ok(true)), 1.0),
+                (Event::Tick, 62.0)
+            ])),
+            "replacement timeout"
+        );
+        assert!(
+            f(run(&[
+                (Event::Begun(Ok("s".into())), 0.0),
+                (Event::Deleted(Ok(true)), 1.0),
+                (Event::Replaced(true), 2.0),
+                (Event::Verdict(Err("unreachable".into())), 130.0)
+            ])),
+            "verdict timeout"
+        );
+        let p = run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Ok(true)), 1.0),
+            (Event::Replaced(true), 2.0),
+            (
+                Event::Verdict(Ok(Some(("failed".into(), "map_emptied".into())))),
+                3.0,
+            ),
+        ]);
+        assert_eq!(
+            p,
+            Phase::Done(Outcome::Failed {
+                step: Some("s".into()),
+                why: "step failed: map_emptied".into()
+            })
+        );
+        // Unreachable for a while is not a failure yet.
+        let p = run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Ok(true)), 1.0),
+            (Event::Replaced(true), 2.0),
+            (Event::Verdict(Err("x".into())), 50.0),
+        ]);
+        assert!(matches!(p, Phase::Verdict { .. }));
+    }
+
+    #[test]
+    fn a_lost_lock_stops_in_any_phase_but_keeps_a_decided_outcome() {
+        for prefix in [0usize, 1, 2, 3] {
+            let evs = [
+                (Event::Begun(Ok("s".into())), 0.0),
+                (Event::Deleted(Ok(true)), 1.0),
+                (Event::Replaced(true), 2.0),
+            ];
+            let mut v: Vec<(Event, f64)> = evs[..prefix].to_vec();
+            v.push((Event::LockLost, 3.0));
+            assert!(
+                matches!(run(&v), Phase::Done(Outcome::Stopped { .. })),
+                "after {prefix} events"
+            );
+        }
+        let done = Phase::Done(Outcome::Passed {
+            step: "s".into(),
+            summary: String::new(),
+        });
+        assert_eq!(advance(done.clone(), Event::LockLost, 0.0, T), done);
+    }
+
+    #[test]
+    fn an_interrupted_step_resumes_where_it_stopped_never_twice() {
+        assert_eq!(resume(None, false, true, false, 0.0), Phase::Begin);
+        assert_eq!(
+            resume(Some("s"), false, true, false, 0.0),
+            Phase::Begin,
+            "the agent lost it: begin anew"
+        );
+        assert_eq!(
+            resume(Some("s"), true, true, false, 0.0),
+            Phase::Delete { step: "s".into() }
+        );
+        assert_eq!(
+            resume(Some("s"), true, false, false, 1.0),
+            Phase::Replace {
+                step: "s".into(),
+                since: 1.0
+            }
+        );
+        assert_eq!(
+            resume(Some("s"), true, false, true, 1.0),
+            Phase::Verdict {
+                step: "s".into(),
+                since: 1.0
+            }
+        );
+        // A resumed delete whose pod is already gone goes on.
+        let p = advance(
+            Phase::Delete { step: "s".into() },
+            Event::Deleted(Ok(false)),
+            2.0,
+            T,
+        );
+        assert_eq!(
+            p,
+            Phase::Replace {
+                step: "s".into(),
+                since: 2.0
+            }
+        );
+    }
+}

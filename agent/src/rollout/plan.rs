@@ -1,0 +1,471 @@
+//! The rollout plan, from a view of the cluster (pure): which nodes' cilium pods are not on the
+//! DaemonSet's current revision, in which order to step them, which L2-announced VIPs move at
+//! each step, and why the rollout must not start at all.
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct NodeInfo {
+    pub name: String,
+    pub ready: bool,
+    pub zone: Option<String>,
+    pub control_plane: bool,
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CiliumPod {
+    pub name: String,
+    pub uid: String,
+    pub node: String,
+    /// `controller-revision-hash` label.
+    pub revision: String,
+    pub ready: bool,
+}
+
+/// A Cilium L2-announcement lease (`cilium-l2announce-<ns>-<svc>`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct L2Lease {
+    /// `<ns>-<svc>` (the lease name without the prefix).
+    pub service: String,
+    pub holder: Option<String>,
+    pub duration: Duration,
+}
+
+/// What the plan is made from.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ClusterView {
+    pub daemonset: String,
+    pub generation: i64,
+    pub observed_generation: i64,
+    /// The current revision: (hash, number).
+    pub revision: Option<(String, i64)>,
+    /// The Cilium minor version of the current revision's image (e.g. "1.18").
+    pub cilium_version: Option<String>,
+    pub nodes: Vec<NodeInfo>,
+    pub pods: Vec<CiliumPod>,
+    /// The stepguard agent per node (URL).
+    pub agents: BTreeMap<String, String>,
+    /// The device set each agent reports (`devices` check), or why it could not be read.
+    pub devices: BTreeMap<String, Result<Vec<String>, String>>,
+    pub leases: Vec<L2Lease>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct PlanOpts {
+    pub canary: Option<String>,
+    pub canary_label: Option<(String, String)>,
+    pub max_nodes: Option<usize>,
+    /// VIP group → lease services (`<ns>-<svc>`): holders of one group are never stepped back
+    /// to back (clients with two resolvers keep one).
+    pub vip_groups: BTreeMap<String, Vec<String>>,
+    pub pause_between: Duration,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PlannedStep {
+    pub node: String,
+    pub pod: String,
+    pub pod_uid: String,
+    /// Why it is here in the order: canary, worker (zone), lease holder, control plane.
+    pub why: String,
+    /// L2-announced VIPs (lease services) that move when this node's agent restarts.
+    pub moves: Vec<String>,
+    /// Wait this long before stepping the node (lease holders after another holder wait at
+    /// least a lease duration).
+    #[serde(with = "crate::step::secs")]
+    pub pause_before: Duration,
+}
+
+/// Why a rollout must not start. Listed in this order (README, "Stepping a Cilium rollout").
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "refusal", rename_all = "snake_case")]
+pub enum Refusal {
+    /// `status.observedGeneration` has not caught up: the controller's counts are stale.
+    NotObserved {
+        generation: i64,
+        observed: i64,
+    },
+    NoRevision,
+    NodeNotReady {
+        node: String,
+    },
+    AgentMissing {
+        node: String,
+    },
+    DevicesUnknown {
+        node: String,
+        problem: String,
+    },
+    /// Nodes on the same revision report different device sets.
+    DevicesDiffer {
+        revision: String,
+        sets: BTreeMap<String, Vec<String>>,
+    },
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::NotObserved { generation, observed } => write!(f, "the DaemonSet's status is stale (generation {generation}, observedGeneration {observed}): its counts cannot be trusted yet"),
+            Refusal::NoRevision => write!(f, "no ControllerRevision owned by the DaemonSet: its current revision is unknown"),
+            Refusal::NodeNotReady { node } => write!(f, "node {node} is NotReady"),
+            Refusal::AgentMissing { node } => write!(f, "no stepguard agent on node {node}: a step there could not be verified"),
+            Refusal::DevicesUnknown { node, problem } => write!(f, "the device set of node {node} is unknown: {problem}"),
+            Refusal::DevicesDiffer { revision, sets } => write!(
+                f,
+                "nodes on revision {revision} report different device sets: {}",
+                sets.iter().map(|(set, nodes)| format!("[{set}] on {}", nodes.join(", "))).collect::<Vec<_>>().join("; ")
+            ),
+        }
+    }
+}
+
+/// The nodes to step, in order, or every reason not to start.
+pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refusal>> {
+    let mut refusals = Vec::new();
+    if v.observed_generation < v.generation {
+        refusals.push(Refusal::NotObserved {
+            generation: v.generation,
+            observed: v.observed_generation,
+        });
+    }
+    let Some((rev, _)) = &v.revision else {
+        refusals.push(Refusal::NoRevision);
+        return Err(refusals);
+    };
+    let with_pod: BTreeSet<&str> = v.pods.iter().map(|p| p.node.as_str()).collect();
+    for n in v
+        .nodes
+        .iter()
+        .filter(|n| with_pod.contains(n.name.as_str()))
+    {
+        if !n.ready {
+            refusals.push(Refusal::NodeNotReady {
+                node: n.name.clone(),
+            });
+        }
+    }
+    for n in &with_pod {
+        if !v.agents.contains_key(*n) {
+            refusals.push(Refusal::AgentMissing {
+                node: n.to_string(),
+            });
+        }
+    }
+    // Homogeneity within a revision: mid-rollout, old and new revisions may differ.
+    let mut by_rev: BTreeMap<&str, BTreeMap<String, Vec<String>>> = BTreeMap::new();
+    for p in &v.pods {
+        match v.devices.get(&p.node) {
+            Some(Ok(d)) => {
+                let mut d = d.clone();
+                d.sort();
+                by_rev
+                    .entry(&p.revision)
+                    .or_default()
+                    .entry(d.join(","))
+                    .or_default()
+                    .push(p.node.clone());
+            }
+            Some(Err(e)) if v.agents.contains_key(&p.node) => {
+                refusals.push(Refusal::DevicesUnknown {
+                    node: p.node.clone(),
+                    problem: e.clone(),
+                })
+            }
+            _ => {}
+        }
+    }
+    for (r, sets) in by_rev {
+        if sets.len() > 1 {
+            refusals.push(Refusal::DevicesDiffer {
+                revision: r.to_string(),
+                sets,
+            });
+        }
+    }
+    if !refusals.is_empty() {
+        return Err(refusals);
+    }
+
+    let node = |name: &str| v.nodes.iter().find(|n| n.name == name);
+    let held = |name: &str| -> Vec<String> {
+        v.leases
+            .iter()
+            .filter(|l| l.holder.as_deref() == Some(name))
+            .map(|l| l.service.clone())
+            .collect()
+    };
+    let mut todo: Vec<&CiliumPod> = v.pods.iter().filter(|p| &p.revision != rev).collect();
+    todo.sort_by(|a, b| a.node.cmp(&b.node));
+    let canary = o.canary.clone().or_else(|| {
+        let (k, val) = o.canary_label.as_ref()?;
+        todo.iter()
+            .find(|p| node(&p.node).is_some_and(|n| n.labels.get(k) == Some(val)))
+            .map(|p| p.node.clone())
+    });
+    let mut order: Vec<(&CiliumPod, String)> = Vec::new();
+    if let Some(c) = &canary {
+        if let Some(i) = todo.iter().position(|p| &p.node == c) {
+            order.push((todo.remove(i), "canary".into()));
+        }
+    }
+    let cp = |p: &CiliumPod| node(&p.node).is_some_and(|n| n.control_plane);
+    // Workers without leases, interleaved by zone.
+    let mut zones: BTreeMap<String, Vec<&CiliumPod>> = BTreeMap::new();
+    for p in todo.iter().filter(|p| !cp(p) && held(&p.node).is_empty()) {
+        let z = node(&p.node)
+            .and_then(|n| n.zone.clone())
+            .unwrap_or_default();
+        zones.entry(z).or_default().push(p);
+    }
+    let mut queues: Vec<std::collections::VecDeque<&CiliumPod>> =
+        zones.into_values().map(Into::into).collect();
+    loop {
+        let mut any = false;
+        for q in &mut queues {
+            if let Some(p) = q.pop_front() {
+                let z = node(&p.node).and_then(|n| n.zone.clone());
+                order.push((
+                    p,
+                    match z {
+                        Some(z) => format!("worker (zone {z})"),
+                        None => "worker".into(),
+                    },
+                ));
+                any = true;
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    // Lease holders, then control-plane nodes; holders of one VIP group never back to back.
+    let group_of = |svc: &str| -> String {
+        o.vip_groups
+            .iter()
+            .find(|(_, s)| s.iter().any(|x| x == svc))
+            .map(|(g, _)| g.clone())
+            .unwrap_or_else(|| svc.to_string())
+    };
+    let groups = |n: &str| -> BTreeSet<String> { held(n).iter().map(|s| group_of(s)).collect() };
+    for control_plane in [false, true] {
+        let mut rest: Vec<&CiliumPod> = todo
+            .iter()
+            .copied()
+            .filter(|p| cp(p) == control_plane && (control_plane || !held(&p.node).is_empty()))
+            .collect();
+        while !rest.is_empty() {
+            let prev: BTreeSet<String> = order
+                .last()
+                .map(|(p, _)| groups(&p.node))
+                .unwrap_or_default();
+            let i = rest
+                .iter()
+                .position(|p| groups(&p.node).is_disjoint(&prev))
+                .unwrap_or(0);
+            let p = rest.remove(i);
+            let why = if control_plane {
+                "control plane".to_string()
+            } else {
+                "lease holder".to_string()
+            };
+            order.push((p, why));
+        }
+    }
+    let longest_lease = v
+        .leases
+        .iter()
+        .map(|l| l.duration)
+        .max()
+        .unwrap_or(Duration::ZERO);
+    let mut out: Vec<PlannedStep> = Vec::new();
+    for (p, why) in order {
+        let moves = held(&p.node);
+        let after_holder = out.last().is_some_and(|s| !s.moves.is_empty());
+        let pause_before = if out.is_empty() {
+            Duration::ZERO
+        } else if after_holder && !moves.is_empty() {
+            o.pause_between.max(longest_lease)
+        } else {
+            o.pause_between
+        };
+        out.push(PlannedStep {
+            node: p.node.clone(),
+            pod: p.name.clone(),
+            pod_uid: p.uid.clone(),
+            why,
+            moves,
+            pause_before,
+        });
+    }
+    if let Some(m) = o.max_nodes {
+        out.truncate(m);
+    }
+    Ok(out)
+}
+
+/// The plan for people: a line per step.
+pub fn render(v: &ClusterView, steps: &[PlannedStep]) -> String {
+    let mut s = format!(
+        "plan for {}: revision {} (Cilium {}), {} of {} nodes to step\n",
+        v.daemonset,
+        v.revision
+            .as_ref()
+            .map(|r| format!("{} #{}", r.0, r.1))
+            .unwrap_or_default(),
+        v.cilium_version.as_deref().unwrap_or("?"),
+        steps.len(),
+        v.pods.len()
+    );
+    for (i, st) in steps.iter().enumerate() {
+        s.push_str(&format!(
+            "  {:>2}. {:<20} {:<22} {}{}\n",
+            i + 1,
+            st.node,
+            st.why,
+            if st.moves.is_empty() {
+                "no L2 lease".to_string()
+            } else {
+                format!("moves L2 VIPs: {}", st.moves.join(", "))
+            },
+            if st.pause_before.is_zero() {
+                String::new()
+            } else {
+                format!(" (after a {}s pause)", st.pause_before.as_secs())
+            }
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn n(name: &str, zone: &str, cp: bool) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            ready: true,
+            zone: Some(zone.into()),
+            control_plane: cp,
+            labels: BTreeMap::new(),
+        }
+    }
+    fn pod(node: &str, rev: &str) -> CiliumPod {
+        CiliumPod {
+            name: format!("cilium-{node}"),
+            uid: format!("uid-{node}"),
+            node: node.into(),
+            revision: rev.into(),
+            ready: true,
+        }
+    }
+    fn view() -> ClusterView {
+        let names = [
+            ("a1", "a", false),
+            ("a2", "a", false),
+            ("b1", "b", false),
+            ("b2", "b", false),
+            ("cp", "a", true),
+        ];
+        ClusterView {
+            daemonset: "kube-system/cilium".into(),
+            generation: 3,
+            observed_generation: 3,
+            revision: Some(("new".into(), 3)),
+            cilium_version: Some("1.18".into()),
+            nodes: names.iter().map(|(x, z, c)| n(x, z, *c)).collect(),
+            pods: names.iter().map(|(x, _, _)| pod(x, "old")).collect(),
+            agents: names
+                .iter()
+                .map(|(x, _, _)| (x.to_string(), format!("http://{x}:9969")))
+                .collect(),
+            devices: names
+                .iter()
+                .map(|(x, _, _)| (x.to_string(), Ok(vec!["eth0".to_string()])))
+                .collect(),
+            leases: vec![
+                L2Lease {
+                    service: "net-pihole-a".into(),
+                    holder: Some("a1".into()),
+                    duration: Duration::from_secs(15),
+                },
+                L2Lease {
+                    service: "net-pihole-b".into(),
+                    holder: Some("b1".into()),
+                    duration: Duration::from_secs(15),
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn canary_first_workers_by_zone_then_holders_apart_then_control_plane() {
+        let o = PlanOpts {
+            canary: Some("b2".into()),
+            vip_groups: [(
+                "dns".to_string(),
+                vec!["net-pihole-a".to_string(), "net-pihole-b".to_string()],
+            )]
+            .into(),
+            ..Default::default()
+        };
+        let p = plan(&view(), &o).unwrap();
+        let names: Vec<&str> = p.iter().map(|s| s.node.as_str()).collect();
+        assert_eq!(names, ["b2", "a2", "a1", "b1", "cp"]);
+        assert_eq!(
+            p[3].pause_before,
+            Duration::from_secs(15),
+            "a lease duration between holders"
+        );
+        assert_eq!(p[2].moves, ["net-pihole-a"]);
+        assert!(render(&view(), &p).contains("moves L2 VIPs: net-pihole-a"));
+    }
+
+    #[test]
+    fn nodes_already_on_the_revision_are_not_stepped_and_max_nodes_limits() {
+        let mut v = view();
+        v.pods[0].revision = "new".into();
+        let p = plan(
+            &v,
+            &PlanOpts {
+                max_nodes: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(p.len(), 2);
+        assert!(p.iter().all(|s| s.node != "a1"));
+    }
+
+    #[test]
+    fn refusals_come_in_the_documented_order() {
+        let mut v = view();
+        v.observed_generation = 2;
+        v.nodes[1].ready = false;
+        v.agents.remove("b1");
+        v.devices
+            .insert("b2".into(), Ok(vec!["eth0".into(), "eth1".into()]));
+        let r = plan(&v, &PlanOpts::default()).unwrap_err();
+        let kinds: Vec<&str> = r
+            .iter()
+            .map(|x| match x {
+                Refusal::NotObserved { .. } => "stale",
+                Refusal::NoRevision => "norev",
+                Refusal::NodeNotReady { .. } => "notready",
+                Refusal::AgentMissing { .. } => "agent",
+                Refusal::DevicesUnknown { .. } => "devunknown",
+                Refusal::DevicesDiffer { .. } => "devices",
+            })
+            .collect();
+        assert_eq!(kinds, ["stale", "notready", "agent", "devices"]);
+        assert!(r[3].to_string().contains("[eth0,eth1] on b2"), "{}", r[3]);
+        // Mid-rollout, another revision may differ: no refusal.
+        let mut v = view();
+        v.pods[4].revision = "new".into();
+        v.devices.insert("cp".into(), Ok(vec!["eth1".into()]));
+        assert!(plan(&v, &PlanOpts::default()).is_ok());
+    }
+}
