@@ -1073,10 +1073,21 @@ async fn step_node(
                         )
                         .await;
                     match r {
-                        Ok((200, v)) => Event::Verdict(Ok(Some((
-                            v["verdict"]["status"].as_str().unwrap_or("?").to_string(),
-                            v["verdict"]["summary"].as_str().unwrap_or("").to_string(),
-                        )))),
+                        Ok((200, v)) => {
+                            let reasons: Vec<&str> = v["verdict"]["reasons"]
+                                .as_array()
+                                .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
+                                .unwrap_or_default();
+                            let summary = v["verdict"]["summary"].as_str().unwrap_or("");
+                            Event::Verdict(Ok(Some((
+                                v["verdict"]["status"].as_str().unwrap_or("?").to_string(),
+                                if reasons.is_empty() {
+                                    summary.to_string()
+                                } else {
+                                    format!("{} — {summary}", reasons.join(", "))
+                                },
+                            ))))
+                        }
                         Ok((202, _)) => Event::Verdict(Ok(None)),
                         Ok((s, v)) => {
                             tokio::time::sleep(Duration::from_secs(1)).await;
