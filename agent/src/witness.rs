@@ -385,21 +385,7 @@ impl Witness {
                 None => break,
             };
         }
-        let targets = self
-            .cfg
-            .targets
-            .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    TargetTimeline {
-                        kind: t.probe.as_str().into(),
-                        budget: t.max_gap.unwrap_or(max_gap).as_secs_f64(),
-                        ..Default::default()
-                    },
-                )
-            })
-            .collect();
+        let targets = crate::step::timelines(&self.cfg.targets, max_gap);
         steps.insert(
             r.id.clone(),
             WStep {
@@ -449,16 +435,7 @@ impl Witness {
         let probes = s
             .targets
             .iter()
-            .map(|(k, t)| {
-                (
-                    k.clone(),
-                    ProbeCount {
-                        sent: t.probes,
-                        failed: t.failures,
-                        not_run: t.not_run,
-                    },
-                )
-            })
+            .map(|(k, t)| (k.clone(), t.count()))
             .collect();
         let steady = lock(&self.steady);
         let mut latency_ms = BTreeMap::new();

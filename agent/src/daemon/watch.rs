@@ -5,7 +5,7 @@ use crate::checks::devices::{self, XDP_KEY};
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
 use crate::probe::unix_now;
-use crate::step::{Baseline, Step, StepParams, TargetTimeline, Verdict};
+use crate::step::{Baseline, Step, StepParams, Verdict};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -256,21 +256,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .map(|(s, _)| s.to_string())
         .collect(),
     };
-    let targets = d
-        .cfg
-        .targets
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                TargetTimeline {
-                    kind: t.probe.as_str().into(),
-                    budget: t.max_gap.unwrap_or(params.max_gap).as_secs_f64(),
-                    ..Default::default()
-                },
-            )
-        })
-        .collect();
+    let targets = crate::step::timelines(&d.cfg.targets, params.max_gap);
     let witnesses = begin_witnesses(d, &id, &params).await?;
     let mut s = Step::new(id, now, params, baseline, targets);
     s.witnesses = witnesses;

@@ -430,6 +430,38 @@ impl TargetTimeline {
     }
 }
 
+/// A fresh timeline per target, each with its budget: the target's own `max_gap`, else the
+/// step's (the agent's steps and a witness's alike).
+pub fn timelines(
+    targets: &[crate::config::Target],
+    max_gap: Duration,
+) -> BTreeMap<String, TargetTimeline> {
+    targets
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                TargetTimeline {
+                    kind: t.probe.as_str().into(),
+                    budget: t.max_gap.unwrap_or(max_gap).as_secs_f64(),
+                    ..Default::default()
+                },
+            )
+        })
+        .collect()
+}
+
+impl TargetTimeline {
+    /// Probes sent, failed, and not run.
+    pub fn count(&self) -> view::ProbeCount {
+        view::ProbeCount {
+            sent: self.probes,
+            failed: self.failures,
+            not_run: self.not_run,
+        }
+    }
+}
+
 /// Probe samples: (send time, ok).
 type Samples = Vec<(f64, bool)>;
 

@@ -86,16 +86,7 @@ impl StepView {
             probes: s
                 .targets
                 .iter()
-                .map(|(k, t)| {
-                    (
-                        k.clone(),
-                        ProbeCount {
-                            sent: t.probes,
-                            failed: t.failures,
-                            not_run: t.not_run,
-                        },
-                    )
-                })
+                .map(|(k, t)| (k.clone(), t.count()))
                 .collect(),
         }
     }
