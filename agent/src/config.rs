@@ -23,6 +23,32 @@ pub struct Config {
     pub maps: MapsConfig,
     pub targets: Vec<Target>,
     pub dns: DnsConfig,
+    /// Restarts nobody stepped: verified as implicit steps.
+    pub implicit_steps: ImplicitConfig,
+    /// Witnesses (`http://HOST:PORT`) every implicit step names (a posted step names its own).
+    pub witnesses: Vec<String>,
+}
+
+/// `implicit_steps`: the agent verifies a cilium-agent restart nobody stepped (its API socket
+/// stops answering, or its programs are replaced) like a posted step.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImplicitConfig {
+    pub enabled: bool,
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub settle: Duration,
+    #[serde(deserialize_with = "duration::deserialize")]
+    pub timeout: Duration,
+}
+
+impl Default for ImplicitConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            settle: Duration::from_secs(10),
+            timeout: Duration::from_secs(300),
+        }
+    }
 }
 
 impl Default for Config {
@@ -36,6 +62,8 @@ impl Default for Config {
             maps: MapsConfig::default(),
             targets: vec![],
             dns: DnsConfig::default(),
+            implicit_steps: ImplicitConfig::default(),
+            witnesses: vec![],
         }
     }
 }
@@ -285,6 +313,23 @@ impl Config {
                     self.cilium
                 ),
             );
+        }
+        if self.implicit_steps.settle >= self.implicit_steps.timeout {
+            return field(
+                "implicit_steps.settle",
+                "must be shorter than implicit_steps.timeout".into(),
+            );
+        }
+        if self.witnesses.len() > crate::step::MAX_WITNESSES {
+            return field(
+                "witnesses",
+                format!("at most {}", crate::step::MAX_WITNESSES),
+            );
+        }
+        for (i, w) in self.witnesses.iter().enumerate() {
+            if let Err(e) = crate::client::Agent::new(w, None) {
+                return field(&format!("witnesses[{i}]"), format!("{e:#}"));
+            }
         }
         let mut names = std::collections::BTreeSet::new();
         for (i, t) in self.targets.iter().enumerate() {

@@ -26,7 +26,7 @@ labels!(GapLabels {
     target,
     vantage
 });
-labels!(VerdictLabels { verdict });
+labels!(VerdictLabels { verdict, origin });
 labels!(DeviceLabels { device });
 labels!(MapLabels { map });
 labels!(KindLabels { kind });

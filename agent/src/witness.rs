@@ -40,6 +40,11 @@ use std::time::Duration;
 
 /// Steps remembered (the newest; ended ones are dropped first).
 pub const MAX_STEPS: usize = 16;
+/// Lease moves remembered.
+pub const MAX_MOVES: usize = 32;
+/// Continuous samples kept per target (for moves and for steps that begin late).
+const RING_S: f64 = 600.0;
+const RING_MAX: usize = 20_000;
 /// Latency samples kept per target (steady window and per step).
 const MAX_LATENCIES: usize = 4096;
 /// Steady latencies older than this are dropped ("before" uses the last minute).
@@ -61,6 +66,24 @@ pub struct WitnessStepRequest {
     /// Budget for every target without its own `max_gap` (default 5s, as on the agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_gap: Option<String>,
+    /// Begin the evidence at this unix time (at most 10 minutes back) with the continuous
+    /// probes: an implicit step on a node begins after the restart it verifies did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<f64>,
+}
+
+/// A lease move the witness saw without any step: a VIP's MAC changed.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Move {
+    pub target: String,
+    pub at: f64,
+    pub from: Option<String>,
+    pub to: Option<String>,
+    /// The outage around the move, from the continuous probes (None: no outage).
+    pub gap_s: Option<f64>,
+    pub error_bound_s: Option<f64>,
+    pub outage_start: Option<f64>,
+    pub outage_end: Option<f64>,
 }
 
 /// A MAC address the witness's kernel used for a target's address, from `at` on (None: no
@@ -201,6 +224,9 @@ pub struct Witness {
     neigh: Option<Arc<NeighLog>>,
     /// MAC last seen per target address, for the change counter.
     last_mac: Mutex<BTreeMap<String, Option<String>>>,
+    /// Continuous samples (send time, ok) per target.
+    ring: Mutex<BTreeMap<String, VecDeque<(f64, bool)>>>,
+    moves: Mutex<VecDeque<Move>>,
     metrics: Mutex<WitnessMetrics>,
     changed: tokio::sync::watch::Sender<u64>,
 }
@@ -242,6 +268,8 @@ impl Witness {
             latest: Mutex::new(BTreeMap::new()),
             neigh,
             last_mac: Mutex::new(BTreeMap::new()),
+            ring: Mutex::new(BTreeMap::new()),
+            moves: Mutex::new(VecDeque::new()),
             metrics: Mutex::new(WitnessMetrics::new()),
             changed: tokio::sync::watch::Sender::new(0),
         })
@@ -296,6 +324,14 @@ impl Witness {
                 }
             }
             return;
+        }
+        {
+            let mut ring = lock(&self.ring);
+            let q = ring.entry(target.name.clone()).or_default();
+            while q.len() >= RING_MAX || q.front().is_some_and(|x| x.0 < o.sent_at - RING_S) {
+                q.pop_front();
+            }
+            q.push_back((o.sent_at, o.ok));
         }
         let lat = (o.sent_at, (o.latency.as_secs_f64() * 1e3) as f32);
         if o.ok {
@@ -385,11 +421,27 @@ impl Witness {
                 None => break,
             };
         }
-        let targets = crate::step::timelines(&self.cfg.targets, max_gap);
+        let mut targets = crate::step::timelines(&self.cfg.targets, max_gap);
+        let created_at = match r.since {
+            Some(t) if t.is_finite() && t < now && t >= now - RING_S => {
+                let ring = lock(&self.ring);
+                for (name, tl) in targets.iter_mut() {
+                    let seeded: Vec<(f64, bool)> = ring
+                        .get(name)
+                        .map(|q| q.iter().filter(|x| x.0 >= t).copied().collect())
+                        .unwrap_or_default();
+                    tl.probes = seeded.len() as u64;
+                    tl.failures = seeded.iter().filter(|x| !x.1).count() as u64;
+                    tl.samples = seeded;
+                }
+                t
+            }
+            _ => now,
+        };
         steps.insert(
             r.id.clone(),
             WStep {
-                created_at: now,
+                created_at,
                 until: now + timeout.as_secs_f64(),
                 ended_at: None,
                 burst,
@@ -402,8 +454,40 @@ impl Witness {
         Ok(WitnessBegun {
             id: r.id.clone(),
             instance: self.instance.clone(),
-            created_at: now,
+            created_at,
         })
+    }
+
+    /// The lease moves seen lately, each with the outage around it (continuous probes).
+    pub fn moves(&self) -> Vec<Move> {
+        let cadence = self.opts.probe_interval.as_secs_f64();
+        let now = unix_now();
+        let ring = lock(&self.ring);
+        lock(&self.moves)
+            .iter()
+            .map(|m| {
+                let samples: Vec<(f64, bool)> = ring
+                    .get(&m.target)
+                    .map(|q| {
+                        q.iter()
+                            .filter(|x| x.0 >= m.at - 60.0 && x.0 <= m.at + 60.0)
+                            .copied()
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let outage = crate::step::gaps::outages(&samples)
+                    .into_iter()
+                    .filter(|o| o.start <= m.at + 1.0 && o.end.unwrap_or(now) >= m.at - 1.0)
+                    .max_by(|a, b| a.duration(now).total_cmp(&b.duration(now)));
+                Move {
+                    gap_s: outage.as_ref().map(|o| o.duration(now)),
+                    error_bound_s: outage.as_ref().map(|o| o.error_bound(cadence)),
+                    outage_start: outage.as_ref().map(|o| o.start),
+                    outage_end: outage.as_ref().and_then(|o| o.end),
+                    ..m.clone()
+                }
+            })
+            .collect()
     }
 
     /// Ends the step (its evidence stays readable). False when unknown.
@@ -520,12 +604,34 @@ impl Witness {
             for t in &self.cfg.targets {
                 let mac = n.since(t.address, now).last().and_then(|c| c.1.clone());
                 let prev = last.insert(t.name.clone(), mac.clone());
-                if prev.is_some_and(|p| p != mac) {
+                if let Some(p) = prev.filter(|p| *p != mac) {
                     m.mac_changes
                         .get_or_create(&TargetLabels {
                             target: t.name.clone(),
                         })
                         .inc();
+                    // When it changed: the neighbour log knows to the notification.
+                    let at = n
+                        .since(t.address, now - 1.0)
+                        .into_iter()
+                        .rev()
+                        .find(|c| c.1 == mac)
+                        .map(|c| c.0)
+                        .unwrap_or(now);
+                    let mut moves = lock(&self.moves);
+                    if moves.len() >= MAX_MOVES {
+                        moves.pop_front();
+                    }
+                    moves.push_back(Move {
+                        target: t.name.clone(),
+                        at,
+                        from: p,
+                        to: mac,
+                        gap_s: None,
+                        error_bound_s: None,
+                        outage_start: None,
+                        outage_end: None,
+                    });
                 }
             }
         }
@@ -597,6 +703,7 @@ pub fn router(w: Arc<Witness>) -> Router {
         .route("/readyz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
+        .route("/v1/moves", get(moves))
         .route("/v1/steps", axum::routing::post(post_step))
         .route("/v1/steps/{id}", get(get_step).delete(delete_step))
         .fallback(|| async {
@@ -618,6 +725,10 @@ async fn metrics(State(w): State<Arc<Witness>>) -> Response {
         w.encode_metrics(),
     )
         .into_response()
+}
+
+async fn moves(State(w): State<Arc<Witness>>) -> Response {
+    axum::Json(json!({"moves": w.moves()})).into_response()
 }
 
 async fn status(State(w): State<Arc<Witness>>) -> Response {

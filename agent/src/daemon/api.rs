@@ -205,7 +205,7 @@ async fn on_demand_checks(d: &Daemon) -> Vec<CheckResult> {
 }
 
 async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
-    let steps: Vec<Value> = d.store.list().iter().take(20).map(|s| json!({"id": s.id, "created_at": s.created_at, "phase": s.phase, "verdict": s.verdict.as_ref().map(|v| v.status)})).collect();
+    let steps: Vec<Value> = d.store.list().iter().take(20).map(|s| json!({"id": s.id, "origin": s.origin, "created_at": s.created_at, "phase": s.phase, "verdict": s.verdict.as_ref().map(|v| v.status)})).collect();
     axum::Json(json!({"steps": steps})).into_response()
 }
 

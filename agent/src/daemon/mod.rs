@@ -1,6 +1,7 @@
 //! `stepguard agent`: probes at a steady cadence (bursts during a step), node checks on a
 //! slower one, the step protocol, and the state behind the HTTP API.
 pub mod api;
+pub mod implicit;
 pub mod runner;
 pub mod serve;
 mod watch;
@@ -87,7 +88,14 @@ pub struct Daemon {
     pub shutting_down: tokio::sync::watch::Sender<bool>,
     /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
     pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
+    /// Steady probe samples (send time, ok) of the last minute per target: the evidence an
+    /// implicit step has from before it was detected.
+    pub recent: Mutex<BTreeMap<String, VecDeque<(f64, bool)>>>,
 }
+
+/// Steady samples kept per target for implicit steps.
+const RECENT_S: f64 = 60.0;
+const RECENT_MAX: usize = 6000;
 
 /// How long DNS samples are kept (the baseline uses the last minute).
 const DNS_WINDOW_S: f64 = 120.0;
@@ -146,6 +154,7 @@ impl Daemon {
             answer_refs: Mutex::new(BTreeMap::new()),
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
+            recent: Mutex::new(BTreeMap::new()),
         });
         Ok(d)
     }
@@ -233,6 +242,14 @@ impl Daemon {
         // Into the active step's timeline (the runner owns it). A probe that could not run
         // is no sample: the gap it leaves is judged as a stall. A full buffer drops samples
         // the same way (never silently into a pass).
+        if o.ran && !self.step_active.load(Ordering::SeqCst) {
+            let mut r = lock(&self.recent);
+            let q = r.entry(target.name.clone()).or_default();
+            while q.len() >= RECENT_MAX || q.front().is_some_and(|s| s.0 < o.sent_at - RECENT_S) {
+                q.pop_front();
+            }
+            q.push_back((o.sent_at, o.ok));
+        }
         if self.step_active.load(Ordering::SeqCst) {
             let _ = self.ports.samples.try_send(runner::Sample {
                 target: target.name.clone(),
@@ -629,6 +646,7 @@ pub fn spawn_loops(d: &Arc<Daemon>) {
     }
     tokio::spawn(slow_loop(d.clone()));
     tokio::spawn(runner::run(d.clone()));
+    tokio::spawn(implicit::run(d.clone()));
 }
 
 #[cfg(test)]

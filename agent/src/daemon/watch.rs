@@ -100,10 +100,12 @@ pub const WITNESS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 
 /// Begins the step on every witness it names (idempotent there); their instances and start
 /// times, by URL.
+/// `since`: an implicit step's start (the witness seeds it with its continuous probes).
 pub async fn begin_witnesses(
     d: &Daemon,
     id: &str,
     params: &StepParams,
+    since: Option<f64>,
 ) -> Result<BTreeMap<String, crate::step::WitnessTrack>, BeginError> {
     let mut out = BTreeMap::new();
     for url in &params.witnesses {
@@ -120,6 +122,7 @@ pub async fn begin_witnesses(
             // The witness ends by itself a minute after the step's timeout.
             timeout: ms(params.timeout + std::time::Duration::from_secs(60)),
             max_gap: ms(params.max_gap),
+            since,
         };
         let (status, v) = w
             .call(
@@ -207,6 +210,25 @@ pub fn end_witnesses(d: &Daemon, s: &Step) {
 pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, BeginError> {
     let now = unix_now();
     let obs = links::observe(&d.cfg.bpffs).await?;
+    let observed = crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, true)
+        .await
+        .ok();
+    let baseline = baseline_from(d, &obs, observed.as_ref(), now)?;
+    let targets = crate::step::timelines(&d.cfg.targets, params.max_gap);
+    let witnesses = begin_witnesses(d, &id, &params, None).await?;
+    let mut s = Step::new(id, now, params, baseline, targets);
+    s.witnesses = witnesses;
+    Ok(s)
+}
+
+/// A baseline from an observation of the devices and of the maps (taken now, or kept from
+/// the steady cadence for an implicit step).
+pub fn baseline_from(
+    d: &Daemon,
+    obs: &links::Observation,
+    observed: Option<&crate::kernel::bpffs::MapsObservation>,
+    now: f64,
+) -> Result<Baseline, BeginError> {
     if obs.prog_details_unreadable {
         return Err(BeginError::ProgramsUnreadable(
             obs.problems.first().cloned().unwrap_or_default(),
@@ -221,23 +243,20 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
     if selected.is_empty() {
         return Err(BeginError::NoDatapath);
     }
-    let tracked = reload_keys(&obs, &selected);
-    let programs: BTreeMap<String, u32> = current_programs(&obs, &tracked)
+    let tracked = reload_keys(obs, &selected);
+    let programs: BTreeMap<String, u32> = current_programs(obs, &tracked)
         .into_iter()
         .filter_map(|(k, v)| v.map(|v| (k, v)))
         .collect();
-    let observed = crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, true)
-        .await
-        .ok();
-    let maps = observed.as_ref().map(map_counts).unwrap_or_default();
-    let map_ids = observed.as_ref().map(map_ids).unwrap_or_default();
+    let maps = observed.map(map_counts).unwrap_or_default();
+    let map_ids = observed.map(map_ids).unwrap_or_default();
     let node_checks = d
         .node_results()
         .into_iter()
         .map(|r| (r.check.to_string(), r.status.as_str().to_string()))
         .collect();
     let (kernel_drops, cilium_drops) = (d.kernel_drops_now(), d.cilium_drops_now());
-    let baseline = Baseline {
+    Ok(Baseline {
         cilium: crate::profile::version_label(&maps.keys().cloned().collect()),
         programs,
         selected,
@@ -255,12 +274,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
         .filter(|(_, unknown)| *unknown)
         .map(|(s, _)| s.to_string())
         .collect(),
-    };
-    let targets = crate::step::timelines(&d.cfg.targets, params.max_gap);
-    let witnesses = begin_witnesses(d, &id, &params).await?;
-    let mut s = Step::new(id, now, params, baseline, targets);
-    s.witnesses = witnesses;
-    Ok(s)
+    })
 }
 
 /// The step as persisted: this run's samples folded into outages.
@@ -308,6 +322,7 @@ pub fn finished(d: &Daemon, s: &Step) {
     m.steps
         .get_or_create(&crate::metrics::VerdictLabels {
             verdict: v.status.as_str().to_string(),
+            origin: s.origin.as_str().to_string(),
         })
         .inc();
     m.last_step_passed

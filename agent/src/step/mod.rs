@@ -666,6 +666,31 @@ pub struct Step {
     /// The boot the step began on (`/proc/sys/kernel/random/boot_id`).
     #[serde(default)]
     pub boot_id: Option<String>,
+    /// Who began it: a stepper (`posted`) or the agent itself on a restart it saw (`implicit`).
+    #[serde(default)]
+    pub origin: Origin,
+    /// For an implicit step: what the agent saw, and that the evidence before it is the
+    /// steady cadence's.
+    #[serde(default)]
+    pub trigger: Option<String>,
+}
+
+/// Who began a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    #[default]
+    Posted,
+    Implicit,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Posted => "posted",
+            Origin::Implicit => "implicit",
+        }
+    }
 }
 
 impl Step {
@@ -694,6 +719,8 @@ impl Step {
             dns_p50_after_ms: None,
             cilium_after: None,
             witnesses: BTreeMap::new(),
+            origin: Origin::Posted,
+            trigger: None,
             maps: BTreeMap::new(),
             verdict: None,
             updated_at: now,

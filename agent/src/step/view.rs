@@ -27,6 +27,11 @@ pub struct ProbeCount {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StepView {
     pub id: String,
+    /// `posted` (a stepper began it) or `implicit` (the agent saw a restart nobody stepped).
+    #[serde(default)]
+    pub origin: super::Origin,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<String>,
     pub phase: Phase,
     pub created_at: f64,
     pub verdict: Option<Verdict>,
@@ -64,6 +69,8 @@ impl StepView {
     pub fn of(s: &Step) -> StepView {
         StepView {
             id: s.id.clone(),
+            origin: s.origin,
+            trigger: s.trigger.clone(),
             phase: s.phase,
             created_at: s.created_at,
             verdict: s.verdict.clone(),
@@ -116,6 +123,9 @@ impl StepView {
                 out.push_str(&format!("\n  {}\n", v.summary));
             }
             None => out.push('\n'),
+        }
+        if let Some(t) = &self.trigger {
+            out.push_str(&format!("  implicit step: {t}\n"));
         }
         if let Some(before) = &self.baseline.cilium {
             let after = self.cilium_after.as_deref().unwrap_or("not yet seen");

@@ -432,6 +432,7 @@ impl LanLab {
              cilium_config: {cfg}\n\
              cilium_api: {api}\n\
              cilium: auto\n\
+             implicit_steps: {{settle: 1s, timeout: 20s}}\n\
              {targets}\
              dns:\n  resolvers: [\"203.0.113.53:53\"]\n  names: [\"gateway.{ZONE}\"]\n",
             prefix = self.state.spec.prefix,

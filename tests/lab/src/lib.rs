@@ -824,6 +824,7 @@ impl Lab {
              cilium_config: {cfg}\n\
              cilium_api: {api}\n\
              cilium: auto\n\
+             implicit_steps: {{settle: 1s, timeout: 20s}}\n\
              targets:\n\
              \x20 - name: gateway\n    address: {gw}\n    port: {gwp}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\
              \x20 - name: dns\n    address: {dns}\n    port: {dnsp}\n    probe: dns\n    query: gateway.{zone}\n    timeout: 500ms\n\
@@ -922,8 +923,10 @@ impl Lab {
             })?)
         };
 
-        // The agent is down: Cilium's pinned links and maps stay and the old programs keep
+        // The agent is down: its API socket stops answering (Cilium serves it last at start and
+        // closes it at stop); Cilium's pinned links and maps stay and the old programs keep
         // forwarding; only the blackhole fault drops traffic meanwhile.
+        self.stop_agent_api();
         let start = now_ns();
         if o.blackhole {
             datapath::set_blackhole(&bpffs, true)?;
@@ -963,6 +966,8 @@ impl Lab {
         if let Some(m) = &o.resize_map {
             self.resize_map(m)?;
         }
+        // The agent serves its API again once its datapath is initialised.
+        self.start_agent_api()?;
         if !o.no_reload {
             if !o.keep_config {
                 // The agent restarted: it loaded the cilium-config as it is now.
@@ -993,6 +998,34 @@ impl Lab {
             old_programs: old,
             new_programs: new,
         })
+    }
+
+    fn stop_agent_api(&mut self) {
+        let (api, rest): (Vec<Proc>, Vec<Proc>) = std::mem::take(&mut self.state.procs)
+            .into_iter()
+            .partition(|p| p.what == "agent-api");
+        self.state.procs = rest;
+        for p in api {
+            services::stop(&p);
+        }
+        // A graceful stop closes the listener, which removes the socket file (Go's net
+        // package); the restarted agent binds it anew.
+        let _ = std::fs::remove_file(self.agent_socket());
+    }
+
+    fn start_agent_api(&mut self) -> Result<()> {
+        if self.state.procs.iter().any(|p| p.what == "agent-api") {
+            return Ok(());
+        }
+        let dir = self.state.run_dir.join("services");
+        let p = services::start_agent_api(
+            &lab_binary()?,
+            &self.agent_socket(),
+            &self.agent_settings(),
+            &dir.join("agent-api.log"),
+        )?;
+        self.state.procs.push(p);
+        self.save()
     }
 
     /// `lab config override KEY=VALUE...`: a CiliumNodeConfig for this node. Like Cilium's,

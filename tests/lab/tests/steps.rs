@@ -84,7 +84,7 @@ fn a_clean_restart_passes_and_reports_the_drops_of_the_window() {
             .starts_with("stepguard_cilium_drops_total{reason=\"202_host_datapath_not_ready\"}")),
         "{m}"
     );
-    assert!(m.contains("stepguard_steps_total{verdict=\"passed\"} 1"));
+    assert!(m.contains("stepguard_steps_total{verdict=\"passed\",origin=\"posted\"} 1"));
     assert!(m.contains("stepguard_last_step_passed 1"));
     assert_eq!(
         agent.get("/v1/verdict").0,

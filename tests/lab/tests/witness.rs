@@ -34,6 +34,10 @@ struct Witness {
 
 impl Witness {
     fn start(lan: &LanLab) -> Witness {
+        Self::start_with(lan, &[])
+    }
+
+    fn start_with(lan: &LanLab, extra: &[&str]) -> Witness {
         let addr = format!(
             "{}:{}",
             stepguard_lab::lan::CLIENT_ADDR,
@@ -46,6 +50,7 @@ impl Witness {
             .args(["witness", "--config"])
             .arg(lan.witness_config())
             .args(["--listen", &addr])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -311,4 +316,72 @@ fn a_lan_gap_over_budget_fails_naming_the_witness_and_the_target() {
         )),
         "{m}"
     );
+}
+
+/// Always on: a witness probing at 100 ms, named in the node agent's config, and a restart of
+/// the lease holder that nobody stepped (its datapath down meanwhile). The agent begins an
+/// implicit step when the cilium-agent's API socket stops answering; the witness seeds the
+/// step with its continuous probes and keeps the lease move in `/v1/moves`. Both gaps match
+/// the lab's window within ± (witness cadence + 10 ms).
+#[test]
+fn an_always_on_witness_measures_an_unstepped_lease_move() {
+    let mut lab = lan(short_lease(2000));
+    let w = Witness::start_with(&lab, &["--probe-interval", "100ms"]);
+    let cfg = lab.state.run_dir.join("node0-with-witness.yaml");
+    let mut text = std::fs::read_to_string(lab.node_config(0)).unwrap();
+    text.push_str(&format!("witnesses: [\"{}\"]\n", w.url));
+    std::fs::write(&cfg, text).unwrap();
+    let node = lab.node(0).unwrap();
+    let a0 = Daemon::start_with(
+        node.node_ns(),
+        cfg,
+        lab.state.run_dir.join("agent-state-n0"),
+        free_port(),
+        &[],
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = restart(&mut lab, 0, 1000, true, false);
+    // The implicit step, decided.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let id = loop {
+        let (_, list) = a0.get_json("/v1/steps");
+        if let Some(s) = list["steps"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["origin"] == "implicit"))
+        {
+            break s["id"].as_str().unwrap().to_string();
+        }
+        assert!(Instant::now() < deadline, "no implicit step: {list}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let v = a0.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+    let gaps = witness_gaps(&v, &w);
+    for vip in ["gateway", "dns-a"] {
+        assert_lan_gap(gap_of(gaps, vip), &r, vip, 0.100);
+    }
+    assert_eq!(gap_of(gaps, "dns-b")["count"], 0);
+    // Reported by the witness itself, without any step.
+    let moves: Value = serde_json::from_str(&{
+        let ns = lab.client_ns();
+        let url = format!("{}/v1/moves", w.url);
+        stepguard_lab::netns::in_netns(&ns, move || {
+            let out = std::process::Command::new("curl")
+                .args(["-s", "-m", "2", &url])
+                .output()?;
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        })
+        .unwrap()
+    })
+    .unwrap();
+    for vip in ["gateway", "dns-a"] {
+        let m = moves["moves"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["target"] == vip)
+            .unwrap_or_else(|| panic!("no move of {vip}: {moves}"));
+        let g = serde_json::json!({"longest_s": m["gap_s"], "longest_start": m["outage_start"]});
+        assert_lan_gap(&g, &r, vip, 0.100);
+    }
 }

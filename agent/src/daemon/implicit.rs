@@ -1,0 +1,257 @@
+//! Implicit steps: a cilium-agent restart nobody stepped (a RollingUpdate, a crash, an OOM
+//! kill, a reboot) is verified like a posted step. The agent keeps a steady snapshot (the
+//! baseline a step would take) and watches for the earliest signal Cilium gives on the host:
+//! its API socket stops answering (`api/v1/server/server.go` serves it last at start and
+//! closes it at stop; "not connectable" is "down or still initialising", see
+//! docs/cilium-fidelity.md), then the programs replaced (new ids on the tracked devices). On
+//! either it begins a step from the snapshot, seeded with the steady probes since the
+//! snapshot, so the gap's error bound widens to the steady cadence before detection.
+//!
+//! An agent that was itself down while the cilium-agent restarted finds, at its own start,
+//! program ids other than its persisted snapshot's: that step is `evidence_incomplete`.
+use super::{lock, watch, Daemon};
+use crate::kernel::links;
+use crate::probe::unix_now;
+use crate::step::{Baseline, Origin, Step, StepParams, StepRequest};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The baseline a step would take now, kept while no step runs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Steady {
+    pub at: f64,
+    pub boot_id: Option<String>,
+    pub baseline: Baseline,
+}
+
+fn steady_file(d: &Daemon) -> std::path::PathBuf {
+    d.opts.state_dir.join("steady.json")
+}
+
+fn load_steady(d: &Daemon) -> Option<Steady> {
+    let b = std::fs::read(steady_file(d)).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
+fn save_steady(d: &Daemon, s: &Steady) {
+    let path = steady_file(d);
+    let tmp = path.with_extension("json.tmp");
+    let ok = serde_json::to_vec(s)
+        .ok()
+        .and_then(|b| std::fs::write(&tmp, b).ok())
+        .and_then(|_| std::fs::rename(&tmp, &path).ok());
+    if ok.is_none() {
+        tracing::warn!(path = %path.display(), "cannot persist the steady snapshot");
+    }
+}
+
+/// Whether the cilium-agent's API socket accepts a connection (None: not configured).
+fn api_up(d: &Daemon) -> Option<bool> {
+    let p = d.cfg.cilium_api.as_ref()?;
+    Some(std::os::unix::net::UnixStream::connect(p).is_ok())
+}
+
+fn programs_changed(base: &Baseline, now: &BTreeMap<String, Option<u32>>) -> Vec<String> {
+    base.programs
+        .iter()
+        .filter(|(k, v)| now.get(*k).copied().flatten() != Some(**v))
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// A step is active (the runner's snapshot; a step left unfinished by an agent restart is
+/// resumed by the runner before this loop's first look).
+fn busy(d: &Daemon) -> bool {
+    d.current_step().is_some_and(|s| !s.is_final())
+}
+
+/// Begins an implicit step from `steady`, because of `trigger`.
+async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Option<String>) {
+    let budgets: Vec<Duration> = d.cfg.targets.iter().filter_map(|t| t.max_gap).collect();
+    let ms = |x: Duration| Some(format!("{}ms", x.as_millis()));
+    let req = StepRequest {
+        settle: ms(d.cfg.implicit_steps.settle),
+        timeout: ms(d.cfg.implicit_steps.timeout),
+        witnesses: Some(d.cfg.witnesses.clone()),
+        ..Default::default()
+    };
+    let params: StepParams = match StepParams::from_request(&req, d.opts.burst_interval, &budgets) {
+        Ok((_, p)) => p,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot begin an implicit step");
+            return;
+        }
+    };
+    let id = format!("implicit-{}", crate::step::new_id(unix_now()));
+    let mut targets = crate::step::timelines(&d.cfg.targets, params.max_gap);
+    // The evidence before detection: the steady cadence's probes since the snapshot.
+    let mut running = Vec::new();
+    {
+        let recent = lock(&d.recent);
+        for (name, t) in targets.iter_mut() {
+            let samples: Vec<(f64, bool)> = recent
+                .get(name)
+                .map(|q| q.iter().filter(|s| s.0 >= steady.at).copied().collect())
+                .unwrap_or_default();
+            if samples.last().is_some_and(|s| !s.1) {
+                running.push(name.clone());
+            }
+            t.probes = samples.len() as u64;
+            t.failures = samples.iter().filter(|s| !s.1).count() as u64;
+            t.samples = samples;
+        }
+    }
+    let mut why = format!(
+        "{trigger}; before it (from {:.1}s earlier) the evidence is the steady probes' (their cadence widens the gap bounds)",
+        unix_now() - steady.at
+    );
+    if !running.is_empty() {
+        why.push_str(&format!(
+            "; an outage was already running at detection on {}",
+            running.join(", ")
+        ));
+    }
+    let mut s = Step::new(
+        id,
+        steady.at,
+        params.clone(),
+        steady.baseline.clone(),
+        targets,
+    );
+    s.origin = Origin::Implicit;
+    s.trigger = Some(why);
+    s.evidence_incomplete = incomplete;
+    s.boot_id = steady.boot_id.clone();
+    // Witnesses burst from here; one that cannot be reached is a hole in the LAN's view.
+    for url in &params.witnesses {
+        let one = StepParams {
+            witnesses: vec![url.clone()],
+            ..params.clone()
+        };
+        match watch::begin_witnesses(d, &s.id, &one, Some(steady.at)).await {
+            Ok(w) => s.witnesses.extend(w),
+            Err(e) => {
+                s.witnesses.insert(
+                    url.clone(),
+                    crate::step::WitnessTrack {
+                        lost: Some(format!("could not begin: {e}")),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let id = s.id.clone();
+    if d.ports
+        .commands
+        .send(super::runner::Command::Begin {
+            step: Box::new(s),
+            reply: tx,
+        })
+        .await
+        .is_ok()
+    {
+        if let Ok(super::runner::Begun::Created(_)) = rx.await {
+            tracing::warn!(step = %id, trigger = %trigger, "a cilium-agent restart nobody stepped: verifying it as an implicit step");
+        }
+    }
+}
+
+/// Watches for restarts nobody stepped; runs forever.
+pub async fn run(d: Arc<Daemon>) {
+    if !d.cfg.implicit_steps.enabled {
+        return;
+    }
+    // Give the slow loop its first round (maps for the snapshot).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Was the cilium-agent restarted while this agent was down?
+    if let Some(old) = load_steady(&d) {
+        if !busy(&d) && !d.store.list().iter().any(|s| !s.is_final()) {
+            if let Ok(obs) = links::observe(&d.cfg.bpffs).await {
+                let keys: Vec<String> = old.baseline.programs.keys().cloned().collect();
+                let now_ids = watch::current_programs(&obs, &keys);
+                let changed = programs_changed(&old.baseline, &now_ids);
+                let rebooted = old.boot_id.is_some() && old.boot_id != crate::clock::boot_id();
+                if rebooted || !changed.is_empty() {
+                    let what = if rebooted {
+                        "the node rebooted".to_string()
+                    } else {
+                        format!("new program ids on {}", changed.join(", "))
+                    };
+                    let incomplete = format!(
+                        "this agent was down while the cilium-agent restarted ({what} since its snapshot {:.0}s ago): the outage and the reload were not observed",
+                        unix_now() - old.at
+                    );
+                    begin(
+                        &d,
+                        &old,
+                        format!("found at the agent's start: {what}"),
+                        Some(incomplete),
+                    )
+                    .await;
+                }
+            }
+        }
+    }
+    let mut last: Option<Steady> = None;
+    let mut last_api: Option<bool> = None;
+    let mut saved_at = 0.0;
+    let mut n: u64 = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        n += 1;
+        if busy(&d) {
+            // After a step, a fresh snapshot: the programs changed by design.
+            last = None;
+            last_api = None;
+            continue;
+        }
+        let api = api_up(&d);
+        let api_went_down = last_api == Some(true) && api == Some(false);
+        last_api = api;
+        if !(api_went_down || n.is_multiple_of(4) || last.is_none()) {
+            continue;
+        }
+        let Ok(obs) = links::observe(&d.cfg.bpffs).await else {
+            continue;
+        };
+        if let Some(prev) = &last {
+            let keys: Vec<String> = prev.baseline.programs.keys().cloned().collect();
+            let changed = programs_changed(&prev.baseline, &watch::current_programs(&obs, &keys));
+            let trigger = if api_went_down {
+                Some(
+                    "the cilium-agent API socket stopped answering (stopped, or starting)"
+                        .to_string(),
+                )
+            } else if !changed.is_empty() {
+                Some(format!("new program ids on {}", changed.join(", ")))
+            } else {
+                None
+            };
+            if let Some(t) = trigger {
+                let prev = prev.clone();
+                begin(&d, &prev, t, None).await;
+                last = None;
+                continue;
+            }
+        }
+        // No restart: the snapshot moves on.
+        let maps = lock(&d.node).maps.clone();
+        let now = unix_now();
+        if let Ok(baseline) = watch::baseline_from(&d, &obs, maps.as_ref(), now) {
+            let s = Steady {
+                at: now,
+                boot_id: crate::clock::boot_id(),
+                baseline,
+            };
+            if now - saved_at >= 10.0 {
+                save_steady(&d, &s);
+                saved_at = now;
+            }
+            last = Some(s);
+        }
+    }
+}
