@@ -205,7 +205,8 @@ mod tests {
     /// file, writing outside the state directory; names are now a hash of the content.
     #[test]
     fn a_crafted_version_cannot_write_outside_the_state_dir() {
-        let root = std::env::temp_dir().join(format!("sg-snap-{}", std::process::id()));
+        // Its own directory: tests run in parallel in one process.
+        let root = std::env::temp_dir().join(format!("sg-snap-crafted-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let state = root.join("state");
         let store = SnapshotStore::new(&state);
@@ -241,7 +242,7 @@ mod tests {
 
     #[test]
     fn snapshots_are_found_by_time() {
-        let dir = std::env::temp_dir().join(format!("sg-snap-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("sg-snap-bytime-{}", std::process::id()));
         let store = SnapshotStore::new(&dir);
         let mk = |t: f64, v: &str| Snapshot {
             changed_at: t,

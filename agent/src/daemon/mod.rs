@@ -646,7 +646,23 @@ pub fn spawn_loops(d: &Arc<Daemon>) {
     }
     tokio::spawn(slow_loop(d.clone()));
     tokio::spawn(runner::run(d.clone()));
-    tokio::spawn(implicit::run(d.clone()));
+    // The implicit-step watcher observes the kernel (netlink dumps, bpf syscalls) every
+    // second: on a thread of its own, so that work never delays the probes' send times.
+    let d2 = d.clone();
+    let spawned = std::thread::Builder::new()
+        .name("implicit-steps".into())
+        .spawn(move || {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(implicit::run(d2)),
+                Err(e) => tracing::error!(error = %e, "implicit steps are off: no runtime for their watcher"),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "implicit steps are off: cannot start their watcher");
+    }
 }
 
 #[cfg(test)]
