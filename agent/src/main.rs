@@ -248,6 +248,7 @@ fn check(args: CheckArgs) -> Result<i32> {
     let only: BTreeSet<String> = args.only.iter().cloned().collect();
     let opts = NodeOptions {
         state_dir: args.state_dir.clone(),
+        count_all: true,
     };
     let (results, _) = rt.block_on(stepguard::node::run(&cfg, &opts, &only));
     match args.format {

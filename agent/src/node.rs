@@ -13,6 +13,8 @@ use std::time::Instant;
 pub struct NodeOptions {
     /// Where the agent keeps state (cilium-config snapshots); None = remember nothing.
     pub state_dir: Option<PathBuf>,
+    /// Count every map's entries (a person's one-off check), not only those a verdict judges.
+    pub count_all: bool,
 }
 
 /// What the last run observed, for callers that need more than verdicts (metrics, steps).
@@ -61,7 +63,12 @@ pub async fn run(
     let links_took = t.elapsed();
     let t = Instant::now();
     let maps = if needs.maps {
-        Some(bpffs::observe_blocking(&cfg.bpffs, true).await)
+        let count = if opts.count_all {
+            bpffs::Count::All
+        } else {
+            bpffs::Count::Verdict
+        };
+        Some(bpffs::observe_blocking(&cfg.bpffs, count).await)
     } else {
         None
     };

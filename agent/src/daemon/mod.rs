@@ -409,6 +409,7 @@ impl Daemon {
             .map(|c| c.name.to_string())
             .collect();
         let opts = NodeOptions {
+            count_all: false,
             state_dir: Some(self.opts.state_dir.clone()),
         };
         let (results, obs) = node::run(&self.cfg, &opts, &only).await;

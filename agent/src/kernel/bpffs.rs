@@ -46,15 +46,43 @@ pub enum BpffsError {
 
 /// [`observe`] on a blocking thread: entry counts of big maps take many bpf(2) calls, and
 /// must not hold up the async workers whose probe send times define the gaps.
-pub async fn observe_blocking(bpffs: &Path, count: bool) -> Result<MapsObservation, BpffsError> {
+pub async fn observe_blocking(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError> {
     let path = bpffs.to_path_buf();
     tokio::task::spawn_blocking(move || observe(&path, count))
         .await
         .unwrap_or_else(|e| Err(BpffsError::Task(e.to_string())))
 }
 
-/// Reads every pin under `<bpffs>/tc/globals/`. With `count`, counts entries of global maps.
-pub fn observe(bpffs: &Path, count: bool) -> Result<MapsObservation, BpffsError> {
+/// Which global maps get their entries counted (the dominant cost on a big node: 500,000
+/// conntrack entries take most of the maps check).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    /// None.
+    No,
+    /// Only what a verdict judges by count: kept state and maps recreated by design
+    /// (`profile::MapClass::Kept`/`Recreated`); churn (CT, NAT, events, ...) is never a failure
+    /// by itself, so the agent's steady loop and steps do not count it.
+    Verdict,
+    /// Every global map (a person's one-off `stepguard check`, `GET /v1/checks`).
+    All,
+}
+
+impl Count {
+    fn wants(self, name: &str) -> bool {
+        use crate::profile::MapClass;
+        match self {
+            Count::No => false,
+            Count::All => true,
+            Count::Verdict => matches!(
+                profile::map_class(name),
+                MapClass::Kept | MapClass::Recreated
+            ),
+        }
+    }
+}
+
+/// Reads every pin under `<bpffs>/tc/globals/`, counting entries as `count` says.
+pub fn observe(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError> {
     if !bpffs.exists() {
         return Err(BpffsError::Missing(bpffs.display().to_string()));
     }
@@ -98,7 +126,7 @@ pub fn observe(bpffs: &Path, count: bool) -> Result<MapsObservation, BpffsError>
                 continue;
             }
         };
-        let entries = if count {
+        let entries = if count.wants(&name) {
             match bpf::count_entries(&fd, &info) {
                 Ok(n) => n,
                 Err(err) => {
