@@ -37,6 +37,10 @@ type GaugeF = Gauge<f64, AtomicU64>;
 pub const PROBE_BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
+/// Send delay buckets: from 50 µs (what an idle runtime gives) to 100 ms.
+pub const SEND_DELAY_BUCKETS: [f64; 11] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+];
 pub const GAP_BUCKETS: [f64; 12] = [
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0,
 ];
@@ -47,6 +51,8 @@ pub struct Metrics {
     pub check_unknown: Family<CheckLabels, Gauge>,
     pub check_duration: Family<CheckLabels, GaugeF>,
     pub probe_duration: Family<ProbeLabels, Histogram>,
+    /// How late probes are sent against their schedule (the gap's resolution depends on it).
+    pub probe_send_delay: Histogram,
     pub probe_failures: Family<ProbeLabels, Counter>,
     pub gap_budget: Family<ProbeLabels, GaugeF>,
     /// By vantage point: `node` (the agent's own probes) or `witness:<host:port>`.
@@ -103,6 +109,13 @@ impl Metrics {
             "Probe round-trip time, successful or not",
             Unit::Seconds,
             probe_duration.clone(),
+        );
+        let probe_send_delay = Histogram::new(SEND_DELAY_BUCKETS);
+        r.register_with_unit(
+            "probe_send_delay",
+            "How late a VIP probe was sent against its schedule",
+            Unit::Seconds,
+            probe_send_delay.clone(),
         );
         let probe_failures = Family::<ProbeLabels, Counter>::default();
         r.register(
@@ -214,6 +227,7 @@ impl Metrics {
             probe_duration,
             probe_failures,
             gap_budget,
+            probe_send_delay,
             last_step_gap,
             step_gap,
             step_active,

@@ -91,6 +91,31 @@ pub struct Daemon {
     /// Steady probe samples (send time, ok) of the last minute per target: the evidence an
     /// implicit step has from before it was detected.
     pub recent: Mutex<BTreeMap<String, VecDeque<(f64, bool)>>>,
+    /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
+    /// map counts), so they never hold up the probes' send times on the main workers.
+    pub kernel: tokio::runtime::Handle,
+}
+
+/// Starts the kernel-observation runtime (a current-thread runtime on its own OS thread).
+fn kernel_runtime() -> anyhow::Result<tokio::runtime::Handle> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("kernel-observe".into())
+        .spawn(move || {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => {
+                    let _ = tx.send(Ok(rt.handle().clone()));
+                    rt.block_on(std::future::pending::<()>());
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        })?;
+    Ok(rx.recv()??)
 }
 
 /// Steady samples kept per target for implicit steps.
@@ -155,6 +180,7 @@ impl Daemon {
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
             recent: Mutex::new(BTreeMap::new()),
+            kernel: kernel_runtime()?,
         });
         Ok(d)
     }
@@ -527,7 +553,12 @@ async fn probe_loop(d: Arc<Daemon>, idx: usize) {
         if in_flight.load(Ordering::SeqCst) < max_in_flight {
             in_flight.fetch_add(1, Ordering::SeqCst);
             let (d2, t2, f2) = (d.clone(), target.clone(), in_flight.clone());
+            let scheduled = next;
             tokio::spawn(async move {
+                let late = tokio::time::Instant::now().saturating_duration_since(scheduled);
+                lock(&d2.metrics)
+                    .probe_send_delay
+                    .observe(late.as_secs_f64());
                 let o = probe::probe(&t2).await;
                 d2.record_probe(&t2, &o);
                 f2.fetch_sub(1, Ordering::SeqCst);
@@ -629,7 +660,8 @@ async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
 
 async fn slow_loop(d: Arc<Daemon>) {
     loop {
-        d.refresh_node().await;
+        let d2 = d.clone();
+        let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
         tokio::select! {
             _ = tokio::time::sleep(d.opts.slow_interval) => {}
             _ = d.wake_slow.notified() => {}
@@ -647,23 +679,8 @@ pub fn spawn_loops(d: &Arc<Daemon>) {
     }
     tokio::spawn(slow_loop(d.clone()));
     tokio::spawn(runner::run(d.clone()));
-    // The implicit-step watcher observes the kernel (netlink dumps, bpf syscalls) every
-    // second: on a thread of its own, so that work never delays the probes' send times.
-    let d2 = d.clone();
-    let spawned = std::thread::Builder::new()
-        .name("implicit-steps".into())
-        .spawn(move || {
-            match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt.block_on(implicit::run(d2)),
-                Err(e) => tracing::error!(error = %e, "implicit steps are off: no runtime for their watcher"),
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::error!(error = %e, "implicit steps are off: cannot start their watcher");
-    }
+    // The implicit-step watcher observes the kernel every second: on the kernel runtime.
+    d.kernel.spawn(implicit::run(d.clone()));
 }
 
 #[cfg(test)]

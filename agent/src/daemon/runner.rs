@@ -319,14 +319,19 @@ impl Runner {
             self.poll_witnesses();
         }
         if n.is_multiple_of(2) || self.last_programs.is_none() {
-            self.last_programs = links::observe(&d.cfg.bpffs)
+            let path = d.cfg.bpffs.clone();
+            self.last_programs = d
+                .kernel
+                .spawn(async move { links::observe(&path).await })
                 .await
                 .ok()
+                .and_then(|r| r.ok())
                 .filter(|o| !o.prog_details_unreadable)
                 .map(|o| current_programs(&o, &tracked));
         }
         if n.is_multiple_of(10) || self.last_maps.is_none() {
-            d.refresh_node().await;
+            let d2 = d.clone();
+            let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
             let node = lock(&d.node);
             self.last_maps = node.maps.as_ref().map(map_counts);
             self.last_map_ids = node.maps.as_ref().map(watch::map_ids);
