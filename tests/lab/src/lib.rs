@@ -773,14 +773,7 @@ impl Lab {
         // the ConfigMap into what the agent reads); its API tells what it loaded.
         self.load_agent_config()?;
         std::fs::create_dir_all(self.agent_run_dir())?;
-        let p = services::start_agent_api(
-            &lab_binary()?,
-            &self.agent_socket(),
-            &self.agent_settings(),
-            &dir.join("agent-api.log"),
-        )?;
-        self.state.procs.push(p);
-        self.save()?;
+        self.start_agent_api()?;
         // Ready means reachable from the node namespace, through eth0 and the fake datapath.
         let node = self.node_ns();
         services::wait_until("gateway VIP (nginx)", Duration::from_secs(10), || {
