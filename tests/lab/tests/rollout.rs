@@ -124,6 +124,17 @@ fn env() -> Env {
     }
 }
 
+/// The API server's hook holds the lab too, so the guard alone would never drop: take the
+/// lab down when the test ends (also on a panic).
+impl Drop for Env {
+    fn drop(&mut self) {
+        let mut lan = self._lan.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = lan.0.down() {
+            eprintln!("LAN lab down: {e:#}");
+        }
+    }
+}
+
 fn rollout_cmd(e: &Env, extra: &[&str]) -> Command {
     let mut c = Command::new("nsenter");
     c.arg(format!("--net=/run/netns/{}", e.client_ns))
