@@ -357,8 +357,13 @@ fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
     let chunk = chunk.clamp(64, 8192);
     let mut keys = vec![0u8; chunk * info.key_size as usize];
     let mut values = vec![0u8; chunk * value_size];
-    let mut in_token = [0u8; 8];
-    let mut out_token = [0u8; 8];
+    // The batch token is opaque and its size depends on the map: hash maps use a 4-byte
+    // bucket index, but maps served by the kernel's generic batch code (LPM tries such as
+    // `cilium_ipcache`) copy a whole key (`key_size` bytes) into it. An 8-byte token let the
+    // kernel write past it (stack corruption: release builds crashed counting ipcache).
+    let token_len = (info.key_size as usize).max(8);
+    let mut in_token = vec![0u8; token_len];
+    let mut out_token = vec![0u8; token_len];
     let mut total = 0u64;
     let mut first = true;
     loop {
@@ -386,7 +391,7 @@ fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
             }
             Err(e) => return Err(e),
         }
-        in_token = out_token;
+        in_token.copy_from_slice(&out_token);
         first = false;
     }
 }
@@ -466,4 +471,76 @@ pub fn is_bpffs(path: &Path) -> bool {
     // SAFETY: statfs writes into st; c is NUL-terminated.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[repr(C)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+
+    /// An LPM trie shaped like `cilium_ipcache` (20-byte keys) with `n` entries (root).
+    fn lpm_trie(n: u32) -> (OwnedFd, MapInfo) {
+        let mut attr = CreateAttr {
+            map_type: MAP_TYPE_LPM_TRIE,
+            key_size: 20,
+            value_size: 8,
+            max_entries: 4096,
+            map_flags: 1, // BPF_F_NO_PREALLOC, required for LPM tries
+        };
+        let fd = owned(bpf(0, &mut attr).expect("BPF_MAP_CREATE (needs root)"));
+        for i in 0..n {
+            let mut key = [0u8; 20];
+            key[..4].copy_from_slice(&128u32.to_ne_bytes());
+            key[16..20].copy_from_slice(&i.to_be_bytes());
+            let value = [0u8; 8];
+            let mut e = ElemAttr {
+                map_fd: fd.as_raw_fd() as u32,
+                _pad: 0,
+                key: key.as_ptr() as u64,
+                value_or_next: value.as_ptr() as u64,
+                flags: 0,
+            };
+            bpf(2, &mut e).expect("BPF_MAP_UPDATE_ELEM");
+        }
+        let info = map_info(&fd).expect("map info");
+        (fd, info)
+    }
+
+    /// The kernel's generic batch code (LPM tries) writes a whole key into the batch token:
+    /// the token must be `key_size` bytes. With the 8-byte token this function used to pass,
+    /// counting `cilium_ipcache` corrupted the stack and crashed release builds.
+    #[test]
+    fn an_lpm_trie_batch_token_is_a_whole_key_and_counting_it_is_exact() {
+        let (fd, info) = lpm_trie(300);
+        let mut keys = vec![0u8; 64 * 20];
+        let mut values = vec![0u8; 64 * 8];
+        let mut token = vec![0xaau8; 64];
+        let mut attr = BatchAttr {
+            in_batch: 0,
+            out_batch: token.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: 64,
+            map_fd: fd.as_raw_fd() as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        bpf(BPF_MAP_LOOKUP_BATCH, &mut attr).expect("batch lookup of an LPM trie");
+        assert!(
+            token[8..20].iter().any(|b| *b != 0xaa),
+            "the kernel wrote past 8 bytes of the token: {token:?}"
+        );
+        assert!(token[20..].iter().all(|b| *b == 0xaa), "but not past key_size");
+        for _ in 0..3 {
+            assert_eq!(count_entries(&fd, &info).unwrap(), Some(300));
+        }
+    }
 }
