@@ -138,6 +138,11 @@ pub struct Target {
     /// Source address for the probe (e.g. to leave the node like an outside client would).
     #[serde(default)]
     pub source: Option<IpAddr>,
+    /// A finer cadence for this target during a step than the step's `burst_interval` (a
+    /// critical target: down to 1ms, for at most 4 targets below 10ms; the gap is then known
+    /// to within this cadence).
+    #[serde(default, deserialize_with = "duration::deserialize_opt")]
+    pub burst_interval: Option<Duration>,
     /// dns: the answer expected (every address returned must be in the set), or `baseline`:
     /// during a step, the answer must stay what it was when the step began.
     #[serde(default)]
@@ -254,6 +259,10 @@ pub fn parse_resolver(r: &str) -> Result<SocketAddr, ConfigError> {
         })
 }
 
+/// Targets with a `burst_interval` below this are critical targets; at most [`MAX_CRITICAL`].
+pub const CRITICAL_BELOW: Duration = Duration::from_millis(10);
+pub const MAX_CRITICAL: usize = 4;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("read config {path}: {source}")]
@@ -332,8 +341,43 @@ impl Config {
             }
         }
         let mut names = std::collections::BTreeSet::new();
+        let critical = self
+            .targets
+            .iter()
+            .filter(|t| t.burst_interval.is_some_and(|b| b < CRITICAL_BELOW))
+            .count();
+        if critical > MAX_CRITICAL {
+            return field(
+                "targets",
+                format!(
+                    "{critical} targets have a burst_interval below {}: at most {MAX_CRITICAL} may",
+                    crate::duration::human(CRITICAL_BELOW)
+                ),
+            );
+        }
         for (i, t) in self.targets.iter().enumerate() {
             let f = format!("targets[{i}]");
+            if let Some(b) = t.burst_interval {
+                if b < Duration::from_millis(1) {
+                    return field(
+                        &format!("{f}.burst_interval"),
+                        format!("{}: the finest cadence is 1ms", crate::duration::human(b)),
+                    );
+                }
+                // Probes in flight are bounded per target: a cadence needing more would be
+                // throttled during an outage (a hole in the evidence, not a finer gap).
+                if b * crate::kernel::engine::MAX_IN_FLIGHT as u32 <= t.timeout {
+                    return field(
+                        &format!("{f}.burst_interval"),
+                        format!(
+                            "{} with a {} timeout needs more than {} probes in flight; shorten the timeout",
+                            crate::duration::human(b),
+                            crate::duration::human(t.timeout),
+                            crate::kernel::engine::MAX_IN_FLIGHT
+                        ),
+                    );
+                }
+            }
             if t.name.is_empty()
                 || !t
                     .name

@@ -249,6 +249,7 @@ fn check(args: CheckArgs) -> Result<i32> {
     let opts = NodeOptions {
         state_dir: args.state_dir.clone(),
         count_all: true,
+        topology: None,
     };
     let (results, _) = rt.block_on(stepguard::node::run(&cfg, &opts, &only));
     match args.format {
@@ -395,6 +396,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
         }
         let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
         spawn_loops(&d);
+        stepguard::kernel::release_freed_memory();
         tracing::info!(listen = %args.listen, state_dir = %args.state_dir.display(), targets = d.cfg.targets.len(), "stepguard agent serving");
         d.ready.store(true, Ordering::SeqCst);
         let d2 = d.clone();

@@ -15,6 +15,8 @@ pub struct NodeOptions {
     pub state_dir: Option<PathBuf>,
     /// Count every map's entries (a person's one-off check), not only those a verdict judges.
     pub count_all: bool,
+    /// The agent's topology cache (dumps only when rtnetlink reports a host-device change).
+    pub topology: Option<links::SharedTopology>,
 }
 
 /// What the last run observed, for callers that need more than verdicts (metrics, steps).
@@ -56,7 +58,7 @@ pub async fn run(
     // Observation time counts towards the first check that needs it.
     let t = Instant::now();
     let links = if needs.links {
-        Some(links::observe(&cfg.bpffs).await)
+        Some(links::observe_via(opts.topology.as_ref(), &cfg.bpffs).await)
     } else {
         None
     };

@@ -15,7 +15,7 @@
 //! `GET /v1/status`, `/metrics`, `/livez`, `/readyz`.
 use crate::config::Config;
 use crate::kernel::neigh::NeighLog;
-use crate::probe::{self, unix_now, ProbeOutcome};
+use crate::probe::{unix_now, ProbeOutcome};
 use crate::step::verdict::gap_row;
 use crate::step::view::ProbeCount;
 use crate::step::{TargetGap, TargetTimeline};
@@ -34,7 +34,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -229,6 +228,7 @@ pub struct Witness {
     moves: Mutex<VecDeque<Move>>,
     metrics: Mutex<WitnessMetrics>,
     changed: tokio::sync::watch::Sender<u64>,
+    engine: std::sync::OnceLock<crate::kernel::engine::Engine>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -272,6 +272,7 @@ impl Witness {
             moves: Mutex::new(VecDeque::new()),
             metrics: Mutex::new(WitnessMetrics::new()),
             changed: tokio::sync::watch::Sender::new(0),
+            engine: std::sync::OnceLock::new(),
         })
     }
 
@@ -451,6 +452,9 @@ impl Witness {
         );
         drop(steps);
         self.changed.send_modify(|v| *v += 1);
+        if let Some(e) = self.engine.get() {
+            e.wake();
+        }
         Ok(WitnessBegun {
             id: r.id.clone(),
             instance: self.instance.clone(),
@@ -644,44 +648,42 @@ impl Witness {
     }
 }
 
-/// Probes one target forever at the witness's cadence (overlapping, bounded like the agent's).
-async fn probe_loop(w: Arc<Witness>, idx: usize) {
-    let target = Arc::new(w.cfg.targets[idx].clone());
-    let in_flight = Arc::new(AtomicUsize::new(0));
-    let mut next = tokio::time::Instant::now();
-    let mut changed = w.changed.subscribe();
-    loop {
-        let interval = w.interval();
-        if in_flight.load(Ordering::SeqCst) < crate::daemon::MAX_IN_FLIGHT {
-            in_flight.fetch_add(1, Ordering::SeqCst);
-            let (w2, t2, f2) = (w.clone(), target.clone(), in_flight.clone());
-            tokio::spawn(async move {
-                let o = probe::probe(&t2).await;
-                w2.record(&t2, &o);
-                f2.fetch_sub(1, Ordering::SeqCst);
-            });
+/// What the probe engine reports to: the witness's rings, steps and metrics.
+struct ProbeSink(std::sync::Weak<Witness>);
+
+impl crate::kernel::engine::Sink for ProbeSink {
+    fn interval(&self, i: usize) -> Duration {
+        let Some(w) = self.0.upgrade() else {
+            return Duration::from_secs(3600);
+        };
+        let base = w.interval();
+        match w.cfg.targets.get(i).and_then(|t| t.burst_interval) {
+            // A critical target's finer cadence applies while a step is active.
+            Some(own) if base < w.opts.probe_interval => own.min(base),
+            _ => base,
         }
-        next += interval;
-        let now = tokio::time::Instant::now();
-        if next + interval < now {
-            next = now;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep_until(next) => {}
-            // A step beginning switches to its burst cadence at once.
-            Ok(()) = changed.changed() => {
-                if w.interval() < interval {
-                    next = tokio::time::Instant::now();
-                }
-            }
+    }
+    fn outcome(&self, i: usize, o: ProbeOutcome) {
+        if let Some(w) = self.0.upgrade() {
+            w.record(&w.cfg.targets[i], &o);
         }
     }
 }
 
 /// Starts the witness's probe loops and maintenance.
 pub fn spawn_loops(w: &Arc<Witness>) {
-    for i in 0..w.cfg.targets.len() {
-        tokio::spawn(probe_loop(w.clone(), i));
+    if !w.cfg.targets.is_empty() {
+        match crate::kernel::engine::Engine::start(
+            &w.cfg.targets,
+            Arc::new(ProbeSink(Arc::downgrade(w))),
+        ) {
+            Ok(e) => {
+                let _ = w.engine.set(e);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the probe engine; probes will not run")
+            }
+        }
     }
     let w2 = w.clone();
     tokio::spawn(async move {

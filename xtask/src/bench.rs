@@ -280,7 +280,7 @@ fn daemon(quick: bool) -> Result<Value> {
             .arg(run_dir.join("bench-state"))
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::fs::File::create("/tmp/stepguard-bench-agent.log")?)
             .spawn()?,
     );
     let pid = agent.0.id();

@@ -199,6 +199,8 @@ async fn on_demand_checks(d: &Daemon) -> Vec<CheckResult> {
     let opts = NodeOptions {
         state_dir: Some(d.opts.state_dir.clone()),
         count_all: true,
+        // A person asking gets fresh dumps.
+        topology: None,
     };
     let (results, _): (Vec<CheckResult>, _) = node::run(&d.cfg, &opts, &BTreeSet::new()).await;
     *cached = Some((std::time::Instant::now(), results.clone()));

@@ -12,11 +12,11 @@ use crate::kernel::drops::KernelDrops;
 use crate::kernel::{bpffs, ciliumdrops, links};
 use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
 use crate::node::{self, NodeOptions};
-use crate::probe::{self, dns as dns_probe, unix_now, ProbeOutcome};
+use crate::probe::{dns as dns_probe, unix_now, ProbeOutcome};
 use crate::step::{Step, StepStore};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -94,6 +94,10 @@ pub struct Daemon {
     /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
     /// map counts), so they never hold up the probes' send times on the main workers.
     pub kernel: tokio::runtime::Handle,
+    /// Host devices, addresses and routes, dumped again only when rtnetlink reports a change.
+    pub topology: links::SharedTopology,
+    /// The probe engine (its own thread) once the loops are spawned.
+    pub engine: std::sync::OnceLock<crate::kernel::engine::Engine>,
 }
 
 /// Starts the kernel-observation runtime (a current-thread runtime on its own OS thread).
@@ -181,12 +185,30 @@ impl Daemon {
             on_demand: tokio::sync::Mutex::new(None),
             recent: Mutex::new(BTreeMap::new()),
             kernel: kernel_runtime()?,
+            engine: std::sync::OnceLock::new(),
+            topology: Arc::new(tokio::sync::Mutex::new(links::TopologyCache::new())),
         });
         Ok(d)
     }
 
     pub fn bump(&self) {
         self.changed.send_modify(|v| *v += 1);
+        if let Some(e) = self.engine.get() {
+            e.wake();
+        }
+    }
+
+    /// The cadence target `i` is probed at now: the step's burst cadence during a step (or
+    /// the target's own `burst_interval`, a critical target's finer one), else the steady one.
+    pub fn target_interval(&self, i: usize) -> Duration {
+        let base = self.probe_interval();
+        if !self.burst.load(Ordering::SeqCst) {
+            return base;
+        }
+        match self.cfg.targets.get(i).and_then(|t| t.burst_interval) {
+            Some(own) => own.min(base),
+            None => base,
+        }
     }
 
     pub fn probe_interval(&self) -> Duration {
@@ -437,6 +459,7 @@ impl Daemon {
         let opts = NodeOptions {
             count_all: false,
             state_dir: Some(self.opts.state_dir.clone()),
+            topology: Some(self.topology.clone()),
         };
         let (results, obs) = node::run(&self.cfg, &opts, &only).await;
         let vips = self.vips_result();
@@ -539,52 +562,28 @@ impl ResultExt for CheckResult {
 }
 
 /// Probes of one target in flight at once (a step's cadence must not need more: see the API).
-pub const MAX_IN_FLIGHT: usize = 256;
+pub const MAX_IN_FLIGHT: usize = crate::kernel::engine::MAX_IN_FLIGHT;
 
-/// Probes one target forever at the current cadence; probes overlap when a target is slow
-/// (bounded), so a timeout never stretches the cadence.
-async fn probe_loop(d: Arc<Daemon>, idx: usize) {
-    let target = Arc::new(d.cfg.targets[idx].clone());
-    let in_flight = Arc::new(AtomicUsize::new(0));
-    let max_in_flight = MAX_IN_FLIGHT;
-    let mut next = tokio::time::Instant::now();
-    loop {
-        let interval = d.probe_interval();
-        if in_flight.load(Ordering::SeqCst) < max_in_flight {
-            in_flight.fetch_add(1, Ordering::SeqCst);
-            let (d2, t2, f2) = (d.clone(), target.clone(), in_flight.clone());
-            let scheduled = next;
-            tokio::spawn(async move {
-                let late = tokio::time::Instant::now().saturating_duration_since(scheduled);
-                lock(&d2.metrics)
-                    .probe_send_delay
-                    .observe(late.as_secs_f64());
-                let o = probe::probe(&t2).await;
-                d2.record_probe(&t2, &o);
-                f2.fetch_sub(1, Ordering::SeqCst);
-            });
-        }
-        next += interval;
-        let now = tokio::time::Instant::now();
-        if next + interval < now {
-            next = now; // fell behind (suspend, overload): do not fire a backlog
-        }
-        // A step beginning switches to burst cadence at once.
-        tokio::select! {
-            _ = tokio::time::sleep_until(next) => {}
-            _ = wait_for_burst(&d, interval) => { next = tokio::time::Instant::now(); }
+/// What the probe engine reports to: the daemon's timeline, metrics and latest outcomes.
+struct ProbeSink(std::sync::Weak<Daemon>);
+
+impl crate::kernel::engine::Sink for ProbeSink {
+    fn interval(&self, i: usize) -> Duration {
+        match self.0.upgrade() {
+            Some(d) => d.target_interval(i),
+            None => Duration::from_secs(3600),
         }
     }
-}
-
-async fn wait_for_burst(d: &Daemon, current: Duration) {
-    let mut rx = d.changed.subscribe();
-    loop {
-        if d.probe_interval() < current {
-            return;
+    fn outcome(&self, i: usize, o: ProbeOutcome) {
+        if let Some(d) = self.0.upgrade() {
+            d.record_probe(&d.cfg.targets[i], &o);
         }
-        if rx.changed().await.is_err() {
-            std::future::pending::<()>().await;
+    }
+    fn late(&self, late: Duration) {
+        if let Some(d) = self.0.upgrade() {
+            lock(&d.metrics)
+                .probe_send_delay
+                .observe(late.as_secs_f64());
         }
     }
 }
@@ -661,7 +660,13 @@ async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
 async fn slow_loop(d: Arc<Daemon>) {
     loop {
         let d2 = d.clone();
-        let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
+        let _ = d
+            .kernel
+            .spawn(async move {
+                d2.refresh_node().await;
+                crate::kernel::release_freed_memory();
+            })
+            .await;
         tokio::select! {
             _ = tokio::time::sleep(d.opts.slow_interval) => {}
             _ = d.wake_slow.notified() => {}
@@ -671,8 +676,19 @@ async fn slow_loop(d: Arc<Daemon>) {
 
 /// Starts every loop; returns when they are running.
 pub fn spawn_loops(d: &Arc<Daemon>) {
-    for i in 0..d.cfg.targets.len() {
-        tokio::spawn(probe_loop(d.clone(), i));
+    if !d.cfg.targets.is_empty() {
+        match crate::kernel::engine::Engine::start(
+            &d.cfg.targets,
+            Arc::new(ProbeSink(Arc::downgrade(d))),
+        ) {
+            Ok(e) => {
+                let _ = d.engine.set(e);
+            }
+            // Without probes every VIP check stays `unknown` ("not probed yet"): fail closed.
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the probe engine; VIP probes will not run")
+            }
+        }
     }
     for r in d.cfg.dns.resolver_addrs().unwrap_or_default() {
         tokio::spawn(dns_loop(d.clone(), r));

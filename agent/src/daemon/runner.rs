@@ -130,13 +130,9 @@ pub async fn run(d: Arc<Daemon>) {
         tokio::select! {
             Some(c) = commands.recv() => r.command(c),
             Some(w) = witness.recv() => r.witness_poll(w),
-            Some(s) = samples.recv() => {
-                r.sample(s);
-                // Drain what is queued before the next observation.
-                while let Ok(s) = samples.try_recv() {
-                    r.sample(s);
-                }
-            }
+            // Samples are drained at each tick (every 100 ms; decisions are only taken
+            // there): waking this task for each of a thousand samples a second cost more
+            // CPU than the probes' own bookkeeping. The buffer holds seconds of them.
             _ = tick.tick() => r.tick(&mut samples).await,
         }
     }
@@ -300,6 +296,9 @@ impl Runner {
     /// Device programs every 200 ms, maps and node checks every second, decides every
     /// 100 ms, persists every 500 ms.
     async fn tick(&mut self, samples: &mut mpsc::Receiver<Sample>) {
+        while let Ok(s) = samples.try_recv() {
+            self.sample(s);
+        }
         self.n += 1;
         let n = self.n;
         // The baseline's devices and any the step declared it expects after the restart.
@@ -320,9 +319,10 @@ impl Runner {
         }
         if n.is_multiple_of(2) || self.last_programs.is_none() {
             let path = d.cfg.bpffs.clone();
+            let topo = d.topology.clone();
             self.last_programs = d
                 .kernel
-                .spawn(async move { links::observe(&path).await })
+                .spawn(async move { links::observe_via(Some(&topo), &path).await })
                 .await
                 .ok()
                 .and_then(|r| r.ok())

@@ -209,7 +209,7 @@ pub fn end_witnesses(d: &Daemon, s: &Step) {
 /// Takes the baseline and creates the step.
 pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, BeginError> {
     let now = unix_now();
-    let obs = links::observe(&d.cfg.bpffs).await?;
+    let obs = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await?;
     let observed =
         crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, crate::kernel::bpffs::Count::Verdict)
             .await

@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_PROG_QUERY: libc::c_long = 16;
@@ -201,6 +202,38 @@ pub fn prog_info(fd: &impl AsRawFd) -> io::Result<ProgInfo> {
         load_time_boot_ns: u64_at(&b, 40),
         name: name_at(&b, 64),
     })
+}
+
+#[repr(C)]
+struct NextIdAttr {
+    start_id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+/// The highest program id above `start` (None: no program was loaded since `start` was the
+/// highest). The kernel allocates program ids cyclically upwards (`idr_alloc_cyclic` in
+/// `bpf_prog_alloc_id`), so a program loaded after `start` was seen has a higher id: one
+/// syscall tells whether anything was loaded, without dumping any device. Needs
+/// CAP_SYS_ADMIN (EPERM otherwise).
+pub fn highest_prog_id_above(start: u32) -> io::Result<Option<u32>> {
+    let mut highest = None;
+    let mut at = start;
+    loop {
+        let mut attr = NextIdAttr {
+            start_id: at,
+            next_id: 0,
+            open_flags: 0,
+        };
+        match bpf(BPF_PROG_GET_NEXT_ID, &mut attr) {
+            Ok(_) => {
+                highest = Some(attr.next_id);
+                at = attr.next_id;
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(highest),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Program info by id (needs CAP_SYS_ADMIN on current kernels).
@@ -538,7 +571,10 @@ mod tests {
             token[8..20].iter().any(|b| *b != 0xaa),
             "the kernel wrote past 8 bytes of the token: {token:?}"
         );
-        assert!(token[20..].iter().all(|b| *b == 0xaa), "but not past key_size");
+        assert!(
+            token[20..].iter().all(|b| *b == 0xaa),
+            "but not past key_size"
+        );
         for _ in 0..3 {
             assert_eq!(count_entries(&fd, &info).unwrap(), Some(300));
         }

@@ -1,48 +1,7 @@
-//! ICMP echo: an unprivileged ping socket when the kernel allows it, else a raw socket
-//! (CAP_NET_RAW). IPv4 only.
-use crate::probe::ProbeError;
-use std::net::{IpAddr, Ipv4Addr};
-use std::time::{Duration, Instant};
-
-static SEQ: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
-
-/// Sends one echo request; returns the wall-clock send time (taken right before sendto, not
-/// when the blocking task was queued) and the outcome.
-pub async fn echo(
-    addr: IpAddr,
-    source: Option<IpAddr>,
-    timeout: Duration,
-) -> (Option<f64>, Result<String, ProbeError>) {
-    let IpAddr::V4(v4) = addr else {
-        return (
-            None,
-            Err(ProbeError::unsupported(
-                "icmp",
-                "icmp probes support IPv4 only",
-            )),
-        );
-    };
-    let source = match source {
-        None => None,
-        Some(IpAddr::V4(s)) => Some(s),
-        Some(IpAddr::V6(s)) => {
-            return (
-                None,
-                Err(ProbeError::unsupported(
-                    format!("bind source {s}"),
-                    "an IPv6 source for an IPv4 echo",
-                )),
-            )
-        }
-    };
-    match tokio::task::spawn_blocking(move || echo_blocking(v4, source, timeout)).await {
-        Ok(r) => r,
-        Err(e) => (
-            None,
-            Err(ProbeError::unsupported("icmp task", e.to_string())),
-        ),
-    }
-}
+//! ICMP echo messages: building the request, judging what comes back. The probe itself (an
+//! unprivileged ping socket when the kernel allows it, else a raw socket with CAP_NET_RAW;
+//! IPv4 only) runs in [`super::engine`].
+use std::net::Ipv4Addr;
 
 fn checksum(b: &[u8]) -> u16 {
     let mut sum = 0u32;
@@ -55,14 +14,16 @@ fn checksum(b: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-fn echo_blocking(
-    dst: Ipv4Addr,
-    source: Option<Ipv4Addr>,
-    timeout: Duration,
-) -> (Option<f64>, Result<String, ProbeError>) {
-    let mut sent_at = None;
-    let r = echo_inner(dst, source, timeout, &mut sent_at);
-    (sent_at, r)
+/// An echo request (type 8) with this ident and sequence number, checksummed.
+pub fn echo_request(ident: u16, seq: u16) -> [u8; 16] {
+    let mut pkt = [0u8; 16];
+    pkt[0] = 8;
+    pkt[4..6].copy_from_slice(&ident.to_be_bytes());
+    pkt[6..8].copy_from_slice(&seq.to_be_bytes());
+    pkt[8..16].copy_from_slice(b"stepgrd!");
+    let c = checksum(&pkt);
+    pkt[2..4].copy_from_slice(&c.to_be_bytes());
+    pkt
 }
 
 /// What a received ICMP message means for the probe that sent (`ident`, `seq`) to `dst`.
@@ -121,185 +82,6 @@ pub fn classify(
     }
 }
 
-fn set_rcvtimeo(fd: i32, d: Duration) {
-    let tv = libc::timeval {
-        tv_sec: d.as_secs() as i64,
-        // At least 1 µs: a zero timeval means "block forever".
-        tv_usec: (d.subsec_micros() as i64).max(if d.as_secs() == 0 { 1 } else { 0 }),
-    };
-    // SAFETY: setsockopt on an fd the caller owns, with a timeval that outlives the call.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const _ as *const libc::c_void,
-            std::mem::size_of::<libc::timeval>() as u32,
-        );
-    }
-}
-
-fn echo_inner(
-    dst: Ipv4Addr,
-    source: Option<Ipv4Addr>,
-    timeout: Duration,
-    sent_at: &mut Option<f64>,
-) -> Result<String, ProbeError> {
-    // SAFETY: plain socket calls on an fd owned by this function; buffers outlive the calls.
-    unsafe {
-        let mut raw = false;
-        let mut fd = libc::socket(
-            libc::AF_INET,
-            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            libc::IPPROTO_ICMP,
-        );
-        if fd < 0 {
-            fd = libc::socket(
-                libc::AF_INET,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::IPPROTO_ICMP,
-            );
-            raw = true;
-        }
-        if fd < 0 {
-            return Err(ProbeError::cannot_run(
-                "icmp socket (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
-                &std::io::Error::last_os_error(),
-            ));
-        }
-        let _guard = scopeguard(fd);
-        if let Some(src) = source {
-            let sa = libc::sockaddr_in {
-                sin_family: libc::AF_INET as u16,
-                sin_port: 0,
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(src).to_be(),
-                },
-                sin_zero: [0; 8],
-            };
-            if libc::bind(
-                fd,
-                &sa as *const _ as *const libc::sockaddr,
-                std::mem::size_of::<libc::sockaddr_in>() as u32,
-            ) < 0
-            {
-                return Err(ProbeError::cannot_run(
-                    format!("bind source {src}"),
-                    &std::io::Error::last_os_error(),
-                ));
-            }
-        }
-        // Raw sockets see every echo reply: each probe gets its own sequence number.
-        let ident = (std::process::id() & 0xffff) as u16;
-        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut pkt = [0u8; 16];
-        pkt[0] = 8; // echo request
-        pkt[4..6].copy_from_slice(&ident.to_be_bytes());
-        pkt[6..8].copy_from_slice(&seq.to_be_bytes());
-        pkt[8..16].copy_from_slice(b"stepgrd!");
-        let c = checksum(&pkt);
-        pkt[2..4].copy_from_slice(&c.to_be_bytes());
-        let sa = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: 0,
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(dst).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let start = Instant::now();
-        *sent_at = Some(crate::clock::now());
-        if libc::sendto(
-            fd,
-            pkt.as_ptr() as *const libc::c_void,
-            pkt.len(),
-            0,
-            &sa as *const _ as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_in>() as u32,
-        ) < 0
-        {
-            return Err(ProbeError::exchange(
-                format!("send echo to {dst}"),
-                &std::io::Error::last_os_error(),
-            ));
-        }
-        let mut buf = [0u8; 1500];
-        let recv = |left: Duration| -> std::io::Result<(Vec<u8>, Ipv4Addr)> {
-            set_rcvtimeo(fd, left);
-            let mut from: libc::sockaddr_in = std::mem::zeroed();
-            let mut from_len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            let n = libc::recvfrom(
-                fd,
-                buf.as_mut_ptr() as *mut libc::c_void,
-                buf.len(),
-                0,
-                &mut from as *mut _ as *mut libc::sockaddr,
-                &mut from_len,
-            );
-            if n < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let n = n as usize;
-            // Raw sockets deliver the IP header; ping sockets only the ICMP message.
-            let icmp = if raw {
-                let ihl = ((buf[0] & 0x0f) as usize) * 4;
-                buf.get(ihl..n).unwrap_or(&[]).to_vec()
-            } else {
-                buf[..n].to_vec()
-            };
-            Ok((icmp, Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr))))
-        };
-        await_reply(dst, start, timeout, recv, |icmp, from| {
-            classify(icmp, from, dst, ident, seq, raw)
-        })
-    }
-}
-
-/// Receives until this probe's answer, or until `timeout` after `start`: each receive waits
-/// at most for what is left, so a probe never takes longer than its timeout however many
-/// unrelated messages arrive (a raw socket sees every ICMP message of the host).
-fn await_reply(
-    dst: Ipv4Addr,
-    start: Instant,
-    timeout: Duration,
-    mut recv: impl FnMut(Duration) -> std::io::Result<(Vec<u8>, Ipv4Addr)>,
-    classify: impl Fn(&[u8], Ipv4Addr) -> Reply,
-) -> Result<String, ProbeError> {
-    loop {
-        let left = timeout.saturating_sub(start.elapsed());
-        if left.is_zero() {
-            return Err(ProbeError::timeout(timeout));
-        }
-        let (icmp, from) = match recv(left) {
-            Ok(x) => x,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN)) => {
-                return Err(ProbeError::timeout(timeout))
-            }
-            Err(e) => return Err(ProbeError::exchange("receive echo reply", &e)),
-        };
-        match classify(&icmp, from) {
-            Reply::Echo => return Ok("echo reply".into()),
-            Reply::Unreachable(code) => {
-                return Err(ProbeError::Answer(format!(
-                    "{dst} unreachable (ICMP code {code}, from {from})"
-                )))
-            }
-            Reply::NotMine => continue,
-        }
-    }
-}
-
-struct FdGuard(i32);
-impl Drop for FdGuard {
-    fn drop(&mut self) {
-        // SAFETY: closing the fd this guard owns.
-        unsafe { libc::close(self.0) };
-    }
-}
-fn scopeguard(fd: i32) -> FdGuard {
-    FdGuard(fd)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,40 +136,6 @@ mod tests {
             ),
             Reply::Unreachable(1)
         );
-    }
-
-    /// Unrelated ICMP messages keep arriving every 30 ms: the probe still gives up at its
-    /// 200 ms timeout, because each receive waits only for what is left (before the fix each
-    /// receive waited the whole timeout, so a probe could take up to twice its timeout).
-    #[test]
-    fn the_receive_timeout_shrinks_to_what_is_left() {
-        let timeout = Duration::from_millis(200);
-        let start = Instant::now();
-        let mut waits = Vec::new();
-        let r = await_reply(
-            DST,
-            start,
-            timeout,
-            |left| {
-                waits.push(left);
-                // Another probe's reply arrives after 30 ms, or the receive times out.
-                let d = left.min(Duration::from_millis(30));
-                std::thread::sleep(d);
-                if d < Duration::from_millis(30) {
-                    Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
-                } else {
-                    Ok((echo_reply(9, 9), DST))
-                }
-            },
-            |icmp, from| classify(icmp, from, DST, 7, 42, true),
-        );
-        assert_eq!(r, Err(ProbeError::timeout(timeout)));
-        assert!(waits.len() >= 3, "{waits:?}");
-        assert!(
-            waits.windows(2).all(|w| w[1] < w[0]),
-            "shrinking: {waits:?}"
-        );
-        assert!(waits.iter().all(|w| *w <= timeout));
     }
 
     #[test]

@@ -6,9 +6,11 @@ pub mod bpffs;
 pub mod btf;
 pub mod ciliumdrops;
 pub mod drops;
+pub mod engine;
 pub mod icmp;
 pub mod links;
 pub mod neigh;
+pub mod rtevents;
 
 /// CLOCK_BOOTTIME now, in seconds.
 pub fn boottime() -> f64 {
@@ -19,4 +21,15 @@ pub fn boottime() -> f64 {
     // SAFETY: clock_gettime writes into ts, which outlives the call.
     unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// Hands memory the allocator keeps after large transient work (parsing the kernel's BTF at
+/// start, a link dump of a thousand devices) back to the kernel, so RSS follows what is in
+/// use rather than the peak. glibc keeps freed heap pages; musl returns them by itself.
+pub fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }

@@ -5,7 +5,6 @@ use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
-use tokio::net::UdpSocket;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordKind {
@@ -21,7 +20,7 @@ impl RecordKind {
             _ => None,
         }
     }
-    fn rtype(self) -> RecordType {
+    pub(crate) fn rtype(self) -> RecordType {
         match self {
             Self::A => RecordType::A,
             Self::Aaaa => RecordType::AAAA,
@@ -45,14 +44,50 @@ impl Answer {
     }
 }
 
-fn query_id() -> u16 {
+pub(crate) fn query_id() -> u16 {
     // A random id: a stray or spoofed datagram must not match by guess.
     getrandom::u32().map(|r| r as u16).unwrap_or_else(|_| {
         (std::process::id() as u16) ^ (super::unix_now().fract() * 65535.0) as u16
     })
 }
 
-/// Sends one query and waits for its answer, up to `timeout`.
+/// A recursive query for `name`/`kind` with this id, on the wire.
+pub fn encode_query(name: &str, kind: RecordKind, id: u16) -> Result<Vec<u8>, ProbeError> {
+    let qname = Name::from_ascii(name)
+        .map_err(|e| ProbeError::unsupported(format!("bad name {name:?}"), e.to_string()))?;
+    let mut msg = Message::new(id, MessageType::Query, OpCode::Query);
+    msg.metadata.recursion_desired = true;
+    msg.add_query(Query::query(qname, kind.rtype()));
+    msg.to_vec()
+        .map_err(|e| ProbeError::unsupported("encode query", e.to_string()))
+}
+
+/// Judges one datagram received for the query with `id`: None when it carries another id
+/// (a stray or late datagram: keep waiting), else the probe's result.
+pub fn judge_reply(
+    datagram: &[u8],
+    id: u16,
+    resolver: SocketAddr,
+    name: &str,
+    kind: RecordKind,
+    expect: Option<&[IpAddr]>,
+) -> Option<Result<Answer, ProbeError>> {
+    let reply = match Message::from_vec(datagram) {
+        Ok(m) => m,
+        Err(e) => {
+            return Some(Err(ProbeError::Answer(format!(
+                "malformed reply from {resolver}: {e}"
+            ))))
+        }
+    };
+    if reply.metadata.id != id {
+        return None;
+    }
+    Some(check_reply(&reply, name, kind, expect))
+}
+
+/// Sends one query and waits for its answer, up to `timeout` (on the blocking pool: the
+/// probe is the engine's, see [`crate::kernel::engine`]).
 pub async fn query(
     resolver: SocketAddr,
     name: &str,
@@ -61,61 +96,20 @@ pub async fn query(
     expect: Option<&[IpAddr]>,
     source: Option<IpAddr>,
 ) -> Result<Answer, ProbeError> {
-    let qname = Name::from_ascii(name)
-        .map_err(|e| ProbeError::unsupported(format!("bad name {name:?}"), e.to_string()))?;
-    let id = query_id();
-    let mut msg = Message::new(id, MessageType::Query, OpCode::Query);
-    msg.metadata.recursion_desired = true;
-    msg.add_query(Query::query(qname, kind.rtype()));
-    let wire = msg
-        .to_vec()
-        .map_err(|e| ProbeError::unsupported("encode query", e.to_string()))?;
-    let bind: SocketAddr = match source {
-        Some(src) if src.is_ipv4() != resolver.is_ipv4() => {
-            return Err(ProbeError::unsupported(
-                format!("bind source {src}"),
-                format!("not the address family of {resolver}"),
-            ))
-        }
-        Some(src) => SocketAddr::new(src, 0),
-        None if resolver.is_ipv4() => "0.0.0.0:0".parse().unwrap(),
-        None => "[::]:0".parse().unwrap(),
-    };
-    let sock = UdpSocket::bind(bind).await.map_err(|e| match source {
-        Some(src) => ProbeError::cannot_run(format!("bind source {src}"), &e),
-        None => ProbeError::cannot_run("udp socket", &e),
-    })?;
-    sock.connect(resolver)
-        .await
-        .map_err(|e| ProbeError::cannot_run(format!("connect {resolver}"), &e))?;
-    let exchange = async {
-        sock.send(&wire)
-            .await
-            .map_err(|e| ProbeError::exchange(format!("send to {resolver}"), &e))?;
-        let mut buf = vec![0u8; 4096];
-        loop {
-            let n = sock
-                .recv(&mut buf)
-                .await
-                .map_err(|e| ProbeError::exchange(format!("receive from {resolver}"), &e))?;
-            let reply = match Message::from_vec(&buf[..n]) {
-                Ok(m) => m,
-                Err(e) => {
-                    return Err(ProbeError::Answer(format!(
-                        "malformed reply from {resolver}: {e}"
-                    )))
-                }
-            };
-            // A stray datagram with another id is not our answer: keep waiting.
-            if reply.metadata.id != id {
-                continue;
-            }
-            return check_reply(&reply, name, kind, expect);
-        }
-    };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(r) => r,
-        Err(_) => Err(ProbeError::timeout(timeout)),
+    let spec = crate::kernel::engine::Spec::dns(
+        resolver,
+        name,
+        kind,
+        timeout,
+        expect.map(|e| e.to_vec()),
+        source,
+    );
+    match tokio::task::spawn_blocking(move || crate::kernel::engine::run_once_raw(&spec)).await {
+        Ok((_, latency, _)) if latency > timeout => Err(ProbeError::timeout(timeout)),
+        Ok((_, _, r)) => r.map(|(_, addrs)| Answer {
+            addresses: addrs.unwrap_or_default(),
+        }),
+        Err(e) => Err(ProbeError::unsupported("dns task", e.to_string())),
     }
 }
 

@@ -6,12 +6,10 @@ mod error;
 
 pub use error::ProbeError;
 
-use crate::config::{ProbeKind, Target};
+use crate::config::Target;
 use serde::Serialize;
-use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpSocket;
+use std::net::IpAddr;
+use std::time::Duration;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ProbeOutcome {
@@ -39,158 +37,20 @@ pub fn unix_now() -> f64 {
     crate::clock::now()
 }
 
-/// Runs one probe against a target.
+/// Runs one probe against a target (on the blocking pool; the probe itself is the engine's
+/// state machine, see [`crate::kernel::engine`], the same one the agent's loops run).
 pub async fn probe(t: &Target) -> ProbeOutcome {
-    let mut sent_at = unix_now();
-    let start = Instant::now();
-    let mut answers = None;
-    let addr = SocketAddr::new(t.address, t.port());
-    let result: Result<String, ProbeError> = match t.probe {
-        ProbeKind::Tcp => within(t.timeout, tcp_connect(addr, t.source))
-            .await
-            .map(|_| "connected".into()),
-        ProbeKind::Http => {
-            within(
-                t.timeout,
-                http_get(
-                    addr,
-                    t.source,
-                    t.path.as_deref().unwrap_or("/"),
-                    t.expect.unwrap_or(200),
-                ),
-            )
-            .await
-        }
-        ProbeKind::Icmp => {
-            let (at, r) = crate::kernel::icmp::echo(t.address, t.source, t.timeout).await;
-            sent_at = at.unwrap_or(sent_at);
-            r
-        }
-        ProbeKind::Dns => {
-            let name = t
-                .query
-                .clone()
-                .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
-            let expect = t.answers.as_ref().and_then(|a| a.set());
-            dns::query(addr, &name, dns::RecordKind::A, t.timeout, expect, t.source)
-                .await
-                .map(|mut a| {
-                    a.addresses.sort();
-                    answers = Some(a.addresses.clone());
-                    a.summary()
-                })
-        }
-    };
-    let latency = start.elapsed();
-    match result {
-        Ok(detail) if latency <= t.timeout => ProbeOutcome {
-            ok: true,
-            sent_at,
-            latency,
-            detail,
-            ran: true,
-            answers: answers.clone(),
-        },
-        Ok(detail) => ProbeOutcome {
-            ok: false,
-            sent_at,
-            latency,
-            detail: format!(
-                "answered after the {}ms timeout ({detail})",
-                t.timeout.as_millis()
-            ),
-            ran: true,
-            answers: None,
-        },
+    let spec = crate::kernel::engine::Spec::new(t);
+    match tokio::task::spawn_blocking(move || crate::kernel::engine::run_once(&spec)).await {
+        Ok(o) => o,
         Err(e) => ProbeOutcome {
             ok: false,
-            sent_at,
-            latency,
-            ran: e.ran(),
-            detail: e.to_string(),
+            sent_at: unix_now(),
+            latency: Duration::ZERO,
+            detail: format!("probe task: {e}"),
+            ran: false,
             answers: None,
         },
-    }
-}
-
-async fn within<T>(
-    timeout: Duration,
-    f: impl std::future::Future<Output = Result<T, ProbeError>>,
-) -> Result<T, ProbeError> {
-    match tokio::time::timeout(timeout, f).await {
-        Ok(r) => r,
-        Err(_) => Err(ProbeError::timeout(timeout)),
-    }
-}
-
-async fn tcp_connect(
-    addr: SocketAddr,
-    source: Option<IpAddr>,
-) -> Result<tokio::net::TcpStream, ProbeError> {
-    let sock = if addr.is_ipv4() {
-        TcpSocket::new_v4()
-    } else {
-        TcpSocket::new_v6()
-    }
-    .map_err(|e| ProbeError::cannot_run("socket", &e))?;
-    // Close with RST, not FIN: a probe leaves no TIME_WAIT socket behind. At a 10 ms cadence
-    // thousands of them would pile up per minute and exhaust the ephemeral ports towards one
-    // VIP, turning into false outages; it also saves packets (CPU) per probe.
-    sock.set_zero_linger()
-        .map_err(|e| ProbeError::cannot_run("socket: SO_LINGER", &e))?;
-    if let Some(src) = source {
-        sock.bind(SocketAddr::new(src, 0))
-            .map_err(|e| ProbeError::cannot_run(format!("bind source {src}"), &e))?;
-    }
-    sock.connect(addr)
-        .await
-        .map_err(|e| ProbeError::exchange(format!("connect {addr}"), &e))
-}
-
-async fn http_get(
-    addr: SocketAddr,
-    source: Option<IpAddr>,
-    path: &str,
-    expect: u16,
-) -> Result<String, ProbeError> {
-    let mut s = tcp_connect(addr, source).await?;
-    let host = match addr.ip() {
-        IpAddr::V6(v6) => format!("[{v6}]"),
-        IpAddr::V4(v4) => v4.to_string(),
-    };
-    let req = format!(
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: stepguard\r\nConnection: close\r\n\r\n"
-    );
-    s.write_all(req.as_bytes())
-        .await
-        .map_err(|e| ProbeError::exchange("send request", &e))?;
-    // The status line is all we need; read until it is complete.
-    let mut buf = Vec::with_capacity(256);
-    let mut chunk = [0u8; 256];
-    while !buf.windows(2).any(|w| w == b"\r\n") {
-        let n = s
-            .read(&mut chunk)
-            .await
-            .map_err(|e| ProbeError::exchange("read response", &e))?;
-        if n == 0 {
-            return Err(ProbeError::Answer(
-                "connection closed before a status line".into(),
-            ));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > 8192 {
-            return Err(ProbeError::Answer(
-                "no status line in the first 8 KiB".into(),
-            ));
-        }
-    }
-    let status = parse_status_line(&buf)?;
-    if status == expect {
-        Ok(format!("HTTP {status}"))
-    } else {
-        Err(ProbeError::Answer(format!(
-            "HTTP {status}, expected {expect}"
-        )))
     }
 }
 

@@ -401,12 +401,20 @@ pub struct TargetTimeline {
     pub not_run: u64,
     #[serde(default)]
     pub not_run_detail: Option<String>,
+    /// The target's own finer cadence during a step (`targets[].burst_interval`), seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cadence_s: Option<f64>,
     /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
     #[serde(skip)]
     pub samples: Vec<(f64, bool)>,
 }
 
 impl TargetTimeline {
+    /// The cadence this target is probed at during a step whose cadence is `step`.
+    pub fn cadence(&self, step: f64) -> f64 {
+        self.cadence_s.map_or(step, |c| c.min(step))
+    }
+
     pub fn outages(&self) -> Vec<Outage> {
         let mut o = self.prior.clone();
         let mut s = self.samples.clone();
@@ -444,6 +452,7 @@ pub fn timelines(
                 TargetTimeline {
                     kind: t.probe.as_str().into(),
                     budget: t.max_gap.unwrap_or(max_gap).as_secs_f64(),
+                    cadence_s: t.burst_interval.map(|b| b.as_secs_f64()),
                     ..Default::default()
                 },
             )

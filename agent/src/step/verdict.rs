@@ -50,10 +50,11 @@ pub fn stall_limit(cadence: f64) -> f64 {
 /// stall: (target, from, to). Intervals that start inside a recorded agent hole are judged
 /// by the hole rules instead.
 pub fn stalls(step: &mut Step, complete_until: f64) -> Option<(String, f64, f64)> {
-    let limit = stall_limit(step.params.burst_interval.as_secs_f64());
+    let cadence = step.params.burst_interval.as_secs_f64();
     let created = step.created_at;
     let mut found = None;
     for (name, t) in step.targets.iter_mut() {
+        let limit = stall_limit(t.cadence(cadence));
         let mut prev = t.scanned_through.unwrap_or(created);
         if complete_until <= prev {
             continue;
@@ -166,6 +167,7 @@ fn gap_rows(step: &Step, now: f64) -> Vec<TargetGap> {
 
 /// One target's gap row from its timeline (the agent's, or a witness's).
 pub fn gap_row(name: &str, t: &super::TargetTimeline, cadence: f64, now: f64) -> TargetGap {
+    let cadence = t.cadence(cadence);
     let outages = t.outages();
     let g = summarize(&outages, cadence, now);
     let longest = outages

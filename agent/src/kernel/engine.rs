@@ -1,0 +1,1232 @@
+//! The probe engine: one thread, one epoll set, non-blocking sockets, sends timed by an
+//! absolute timerfd.
+//!
+//! Why not tasks on the async runtime: a probe there cost a task, a timer-wheel entry
+//! (1 ms granularity), a reactor registration and two wake-ups on top of the syscalls the
+//! probe itself needs; and its send time depended on whatever else the runtime's workers were
+//! doing. Here a probe is exactly its syscalls (socket, connect or sendto, one epoll_ctl, the
+//! read, close), and a send leaves when the timer fires (hrtimer precision, 1 ns timer slack).
+//!
+//! The vantage point is unchanged: every probe is a fresh socket going through the socket
+//! layer (socket-LB translates it like any process's connection), TCP closes with RST (no
+//! TIME_WAIT), nothing is installed on the host. The same state machines serve the one-shot
+//! probes of `stepguard check` ([`run_once`]), so there is one implementation per probe kind.
+use crate::config::{ProbeKind, Target};
+use crate::probe::dns::RecordKind;
+use crate::probe::{ProbeError, ProbeOutcome};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// CLOCK_MONOTONIC in nanoseconds (the clock the engine's timerfd runs on).
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into ts, which outlives the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn last_err() -> io::Error {
+    io::Error::last_os_error()
+}
+
+/// What a target's probes send, prepared once.
+#[derive(Debug)]
+pub struct Spec {
+    kind: ProbeKind,
+    addr: SocketAddr,
+    source: Option<IpAddr>,
+    timeout: Duration,
+    /// http: the request; dns: the query (its id is patched per probe).
+    wire: Vec<u8>,
+    expect_status: u16,
+    dns_name: String,
+    dns_kind: RecordKind,
+    dns_expect: Option<Vec<IpAddr>>,
+    /// Why this target cannot be probed at all (an unencodable name, IPv6 echo).
+    invalid: Option<ProbeError>,
+}
+
+impl Spec {
+    pub fn new(t: &Target) -> Spec {
+        let addr = SocketAddr::new(t.address, t.port());
+        let mut s = Spec {
+            kind: t.probe,
+            addr,
+            source: t.source,
+            timeout: t.timeout,
+            wire: Vec::new(),
+            expect_status: t.expect.unwrap_or(200),
+            dns_name: String::new(),
+            dns_kind: RecordKind::A,
+            dns_expect: t.answers.as_ref().and_then(|a| a.set()).map(|s| s.to_vec()),
+            invalid: None,
+        };
+        s.check_source();
+        match t.probe {
+            ProbeKind::Http => {
+                let host = match t.address {
+                    IpAddr::V6(v6) => format!("[{v6}]"),
+                    IpAddr::V4(v4) => v4.to_string(),
+                };
+                s.wire = format!(
+                    "GET {} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: stepguard\r\nConnection: close\r\n\r\n",
+                    t.path.as_deref().unwrap_or("/")
+                )
+                .into_bytes();
+            }
+            ProbeKind::Dns => {
+                s.dns_name = t
+                    .query
+                    .clone()
+                    .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
+                s.encode_dns();
+            }
+            ProbeKind::Icmp if !t.address.is_ipv4() => {
+                s.invalid = Some(ProbeError::unsupported(
+                    "icmp",
+                    "icmp probes support IPv4 only",
+                ));
+            }
+            ProbeKind::Icmp | ProbeKind::Tcp => {}
+        }
+        s
+    }
+
+    /// A DNS query of `name`/`kind` to `resolver` (the `dns` check's queries).
+    pub fn dns(
+        resolver: SocketAddr,
+        name: &str,
+        kind: RecordKind,
+        timeout: Duration,
+        expect: Option<Vec<IpAddr>>,
+        source: Option<IpAddr>,
+    ) -> Spec {
+        let mut s = Spec {
+            kind: ProbeKind::Dns,
+            addr: resolver,
+            source,
+            timeout,
+            wire: Vec::new(),
+            expect_status: 0,
+            dns_name: name.to_string(),
+            dns_kind: kind,
+            dns_expect: expect,
+            invalid: None,
+        };
+        s.check_source();
+        s.encode_dns();
+        s
+    }
+
+    fn check_source(&mut self) {
+        if let Some(src) = self.source {
+            if src.is_ipv4() != self.addr.is_ipv4() {
+                self.invalid = Some(ProbeError::unsupported(
+                    format!("bind source {src}"),
+                    format!("not the address family of {}", self.addr.ip()),
+                ));
+            }
+        }
+    }
+
+    fn encode_dns(&mut self) {
+        match crate::probe::dns::encode_query(&self.dns_name, self.dns_kind, 0) {
+            Ok(w) => self.wire = w,
+            Err(e) => self.invalid = self.invalid.take().or(Some(e)),
+        }
+    }
+}
+
+fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: an all-zero sockaddr_storage is valid; the casts write within its size.
+    unsafe {
+        let mut ss: libc::sockaddr_storage = std::mem::zeroed();
+        let len = match a {
+            SocketAddr::V4(v4) => {
+                let sin = &mut ss as *mut _ as *mut libc::sockaddr_in;
+                (*sin).sin_family = libc::AF_INET as u16;
+                (*sin).sin_port = v4.port().to_be();
+                (*sin).sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+                std::mem::size_of::<libc::sockaddr_in>()
+            }
+            SocketAddr::V6(v6) => {
+                let sin6 = &mut ss as *mut _ as *mut libc::sockaddr_in6;
+                (*sin6).sin6_family = libc::AF_INET6 as u16;
+                (*sin6).sin6_port = v6.port().to_be();
+                (*sin6).sin6_addr.s6_addr = v6.ip().octets();
+                (*sin6).sin6_scope_id = v6.scope_id();
+                std::mem::size_of::<libc::sockaddr_in6>()
+            }
+        };
+        (ss, len as libc::socklen_t)
+    }
+}
+
+fn new_socket(domain: i32, ty: i32, proto: i32) -> io::Result<OwnedFd> {
+    // SAFETY: socket(2) returns a new fd or -1; a new fd is owned by the OwnedFd.
+    let fd = unsafe { libc::socket(domain, ty | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, proto) };
+    if fd < 0 {
+        return Err(last_err());
+    }
+    // SAFETY: fd is a fresh, valid descriptor nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn bind(fd: RawFd, a: SocketAddr) -> io::Result<()> {
+    let (ss, len) = sockaddr(a);
+    // SAFETY: ss is a valid sockaddr of length len for the call's duration.
+    if unsafe { libc::bind(fd, &ss as *const _ as *const libc::sockaddr, len) } < 0 {
+        return Err(last_err());
+    }
+    Ok(())
+}
+
+/// connect(2): Ok(true) connected, Ok(false) in progress.
+fn connect(fd: RawFd, a: SocketAddr) -> io::Result<bool> {
+    let (ss, len) = sockaddr(a);
+    // SAFETY: ss is a valid sockaddr of length len for the call's duration.
+    if unsafe { libc::connect(fd, &ss as *const _ as *const libc::sockaddr, len) } == 0 {
+        return Ok(true);
+    }
+    let e = last_err();
+    match e.raw_os_error() {
+        Some(libc::EINPROGRESS) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+fn send(fd: RawFd, b: &[u8]) -> io::Result<usize> {
+    // SAFETY: b is valid for reads of b.len() bytes.
+    let n = unsafe {
+        libc::send(
+            fd,
+            b.as_ptr() as *const libc::c_void,
+            b.len(),
+            libc::MSG_NOSIGNAL,
+        )
+    };
+    if n < 0 {
+        return Err(last_err());
+    }
+    Ok(n as usize)
+}
+
+/// recvfrom(2) into `buf`: (length, IPv4 source if any).
+fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Ipv4Addr>)> {
+    // SAFETY: buf is valid for writes of buf.len() bytes; from is a zeroed sockaddr_in large
+    // enough for an IPv4 source (longer sources are truncated by the kernel, reported by len).
+    unsafe {
+        let mut from: libc::sockaddr_storage = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        let n = libc::recvfrom(
+            fd,
+            buf.as_mut_ptr() as *mut libc::c_void,
+            buf.len(),
+            0,
+            &mut from as *mut _ as *mut libc::sockaddr,
+            &mut len,
+        );
+        if n < 0 {
+            return Err(last_err());
+        }
+        let src = (from.ss_family as i32 == libc::AF_INET).then(|| {
+            let sin = &from as *const _ as *const libc::sockaddr_in;
+            Ipv4Addr::from(u32::from_be((*sin).sin_addr.s_addr))
+        });
+        Ok((n as usize, src))
+    }
+}
+
+fn so_error(fd: RawFd) -> io::Result<()> {
+    let mut err: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes an int into err, which outlives the call.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            &mut err as *mut _ as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err(last_err());
+    }
+    if err != 0 {
+        return Err(io::Error::from_raw_os_error(err));
+    }
+    Ok(())
+}
+
+fn set_zero_linger(fd: RawFd) -> io::Result<()> {
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt reads a linger struct that outlives the call.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &l as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as u32,
+        )
+    };
+    if r < 0 {
+        return Err(last_err());
+    }
+    Ok(())
+}
+
+/// Which ICMP socket this process can open: 0 unknown, 1 ping socket, 2 raw socket.
+static ICMP_KIND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static ICMP_SEQ: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+
+fn icmp_socket() -> io::Result<(OwnedFd, bool)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let ping = || new_socket(libc::AF_INET, libc::SOCK_DGRAM, libc::IPPROTO_ICMP);
+    let raw = || new_socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_ICMP);
+    match ICMP_KIND.load(Relaxed) {
+        1 => ping().map(|f| (f, false)),
+        2 => raw().map(|f| (f, true)),
+        _ => match ping() {
+            Ok(f) => {
+                ICMP_KIND.store(1, Relaxed);
+                Ok((f, false))
+            }
+            Err(_) => {
+                let f = raw()?;
+                ICMP_KIND.store(2, Relaxed);
+                Ok((f, true))
+            }
+        },
+    }
+}
+
+/// Where a probe is.
+#[derive(Debug)]
+enum Phase {
+    /// tcp/http: the handshake is under way (waiting for writable).
+    Connecting,
+    /// http: request sent, reading the status line; dns/icmp: waiting for the answer.
+    Reading,
+}
+
+/// One probe in flight.
+pub struct Op {
+    fd: OwnedFd,
+    phase: Phase,
+    /// Unix seconds (the agent's clock) right before the first packet's syscall.
+    pub sent_at: f64,
+    /// CLOCK_MONOTONIC ns at the send and at the timeout.
+    pub sent_ns: u64,
+    pub deadline_ns: u64,
+    buf: Vec<u8>,
+    id: u16,
+    raw: bool,
+}
+
+/// A finished probe's detail (and dns answers), or what went wrong.
+pub type Finished = Result<(String, Option<Vec<IpAddr>>), ProbeError>;
+
+/// What happened after an event.
+pub enum Progress {
+    /// Wait for these epoll events.
+    Wait(u32),
+    /// Finished: the detail (and dns answers) or what went wrong.
+    Done(Finished),
+}
+
+fn cannot(ctx: &str) -> impl Fn(io::Error) -> ProbeError + '_ {
+    move |e| ProbeError::cannot_run(ctx, &e)
+}
+
+/// Opens the socket and sends the first packet. `Err` is a probe that is already over
+/// (it could not run, or failed at once — e.g. connection refused on loopback).
+pub fn start(spec: &Spec) -> Result<(Op, Progress), (f64, ProbeError)> {
+    let early = |e| (crate::clock::now(), e);
+    if let Some(e) = &spec.invalid {
+        return Err(early(e.clone()));
+    }
+    let v4 = spec.addr.is_ipv4();
+    let domain = if v4 { libc::AF_INET } else { libc::AF_INET6 };
+    let bind_source = |fd: RawFd| -> Result<(), ProbeError> {
+        if let Some(src) = spec.source {
+            bind(fd, SocketAddr::new(src, 0))
+                .map_err(|e| ProbeError::cannot_run(format!("bind source {src}"), &e))?;
+        }
+        Ok(())
+    };
+    let op = |fd: OwnedFd, raw: bool, id: u16| Op {
+        fd,
+        phase: Phase::Reading,
+        sent_at: 0.0,
+        sent_ns: 0,
+        deadline_ns: 0,
+        buf: Vec::new(),
+        id,
+        raw,
+    };
+    let stamp = |op: &mut Op| {
+        op.sent_ns = mono_ns();
+        op.sent_at = crate::clock::now();
+        op.deadline_ns = op.sent_ns + spec.timeout.as_nanos() as u64;
+    };
+    match spec.kind {
+        ProbeKind::Tcp | ProbeKind::Http => {
+            let fd = new_socket(domain, libc::SOCK_STREAM, 0)
+                .map_err(cannot("socket"))
+                .map_err(early)?;
+            // Close with RST, not FIN: a probe leaves no TIME_WAIT socket behind (at a 10 ms
+            // cadence thousands would pile up per minute and exhaust the ephemeral ports
+            // towards one VIP, turning into false outages); it also saves packets.
+            set_zero_linger(fd.as_raw_fd())
+                .map_err(cannot("socket: SO_LINGER"))
+                .map_err(early)?;
+            bind_source(fd.as_raw_fd()).map_err(early)?;
+            let mut o = op(fd, false, 0);
+            stamp(&mut o);
+            match connect(o.fd.as_raw_fd(), spec.addr) {
+                Ok(false) => {
+                    o.phase = Phase::Connecting;
+                    Ok((o, Progress::Wait(libc::EPOLLOUT as u32)))
+                }
+                Ok(true) => {
+                    let p = connected(spec, &mut o);
+                    Ok((o, p))
+                }
+                Err(e) => Err((
+                    o.sent_at,
+                    ProbeError::exchange(format!("connect {}", spec.addr), &e),
+                )),
+            }
+        }
+        ProbeKind::Dns => {
+            let fd = new_socket(domain, libc::SOCK_DGRAM, 0)
+                .map_err(cannot("udp socket"))
+                .map_err(early)?;
+            bind_source(fd.as_raw_fd()).map_err(early)?;
+            connect(fd.as_raw_fd(), spec.addr)
+                .map_err(|e| ProbeError::cannot_run(format!("connect {}", spec.addr), &e))
+                .map_err(early)?;
+            let id = crate::probe::dns::query_id();
+            let mut o = op(fd, false, id);
+            let mut wire = spec.wire.clone();
+            wire[..2].copy_from_slice(&id.to_be_bytes());
+            stamp(&mut o);
+            send(o.fd.as_raw_fd(), &wire).map_err(|e| {
+                (
+                    o.sent_at,
+                    ProbeError::exchange(format!("send to {}", spec.addr), &e),
+                )
+            })?;
+            Ok((o, Progress::Wait(libc::EPOLLIN as u32)))
+        }
+        ProbeKind::Icmp => {
+            let (fd, raw) = icmp_socket()
+                .map_err(cannot(
+                    "icmp socket (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
+                ))
+                .map_err(early)?;
+            bind_source(fd.as_raw_fd()).map_err(early)?;
+            let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let ident = (std::process::id() & 0xffff) as u16;
+            let pkt = super::icmp::echo_request(ident, seq);
+            let mut o = op(fd, raw, seq);
+            let (ss, len) = sockaddr(spec.addr);
+            stamp(&mut o);
+            // SAFETY: pkt and ss are valid for the call's duration.
+            let n = unsafe {
+                libc::sendto(
+                    o.fd.as_raw_fd(),
+                    pkt.as_ptr() as *const libc::c_void,
+                    pkt.len(),
+                    0,
+                    &ss as *const _ as *const libc::sockaddr,
+                    len,
+                )
+            };
+            if n < 0 {
+                return Err((
+                    o.sent_at,
+                    ProbeError::exchange(format!("send echo to {}", spec.addr.ip()), &last_err()),
+                ));
+            }
+            Ok((o, Progress::Wait(libc::EPOLLIN as u32)))
+        }
+    }
+}
+
+/// The handshake completed: tcp is done; http sends its request.
+fn connected(spec: &Spec, op: &mut Op) -> Progress {
+    if spec.kind == ProbeKind::Tcp {
+        return Progress::Done(Ok(("connected".into(), None)));
+    }
+    // A request of ~100 bytes fits any fresh socket's send buffer: one send.
+    match send(op.fd.as_raw_fd(), &spec.wire) {
+        Ok(n) if n == spec.wire.len() => {
+            op.phase = Phase::Reading;
+            Progress::Wait(libc::EPOLLIN as u32)
+        }
+        Ok(_) => Progress::Done(Err(ProbeError::Answer("request only partly sent".into()))),
+        Err(e) => Progress::Done(Err(ProbeError::exchange("send request", &e))),
+    }
+}
+
+fn would_block(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR))
+}
+
+/// Advances a probe after its socket became ready.
+pub fn advance(spec: &Spec, op: &mut Op) -> Progress {
+    let fd = op.fd.as_raw_fd();
+    match (&op.phase, spec.kind) {
+        (Phase::Connecting, _) => match so_error(fd) {
+            Ok(()) => connected(spec, op),
+            Err(e) => Progress::Done(Err(ProbeError::exchange(
+                format!("connect {}", spec.addr),
+                &e,
+            ))),
+        },
+        (Phase::Reading, ProbeKind::Http) => {
+            let mut chunk = [0u8; 512];
+            loop {
+                match recv(fd, &mut chunk) {
+                    Ok((0, _)) => {
+                        return Progress::Done(Err(ProbeError::Answer(
+                            "connection closed before a status line".into(),
+                        )))
+                    }
+                    Ok((n, _)) => {
+                        op.buf.extend_from_slice(&chunk[..n]);
+                        if op.buf.windows(2).any(|w| w == b"\r\n") {
+                            return Progress::Done(
+                                crate::probe::parse_status_line(&op.buf).and_then(|status| {
+                                    if status == spec.expect_status {
+                                        Ok((format!("HTTP {status}"), None))
+                                    } else {
+                                        Err(ProbeError::Answer(format!(
+                                            "HTTP {status}, expected {}",
+                                            spec.expect_status
+                                        )))
+                                    }
+                                }),
+                            );
+                        }
+                        if op.buf.len() > 8192 {
+                            return Progress::Done(Err(ProbeError::Answer(
+                                "no status line in the first 8 KiB".into(),
+                            )));
+                        }
+                    }
+                    Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
+                    Err(e) => {
+                        return Progress::Done(Err(ProbeError::exchange("read response", &e)))
+                    }
+                }
+            }
+        }
+        (Phase::Reading, ProbeKind::Dns) => {
+            let mut buf = [0u8; 4096];
+            loop {
+                match recv(fd, &mut buf) {
+                    Ok((n, _)) => {
+                        match crate::probe::dns::judge_reply(
+                            &buf[..n],
+                            op.id,
+                            spec.addr,
+                            &spec.dns_name,
+                            spec.dns_kind,
+                            spec.dns_expect.as_deref(),
+                        ) {
+                            None => continue, // another id: not our answer
+                            Some(r) => {
+                                return Progress::Done(r.map(|mut a| {
+                                    a.addresses.sort();
+                                    (a.summary(), Some(a.addresses))
+                                }))
+                            }
+                        }
+                    }
+                    Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
+                    Err(e) => {
+                        return Progress::Done(Err(ProbeError::exchange(
+                            format!("receive from {}", spec.addr),
+                            &e,
+                        )))
+                    }
+                }
+            }
+        }
+        (Phase::Reading, ProbeKind::Icmp) => {
+            let IpAddr::V4(dst) = spec.addr.ip() else {
+                return Progress::Done(Err(ProbeError::unsupported("icmp", "IPv4 only")));
+            };
+            let mut buf = [0u8; 1500];
+            let ident = (std::process::id() & 0xffff) as u16;
+            loop {
+                match recv(fd, &mut buf) {
+                    Ok((n, from)) => {
+                        // Raw sockets deliver the IP header; ping sockets only the ICMP message.
+                        let icmp = if op.raw {
+                            let ihl = ((buf[0] & 0x0f) as usize) * 4;
+                            buf.get(ihl..n).unwrap_or(&[])
+                        } else {
+                            &buf[..n]
+                        };
+                        let from = from.unwrap_or(Ipv4Addr::UNSPECIFIED);
+                        match super::icmp::classify(icmp, from, dst, ident, op.id, op.raw) {
+                            super::icmp::Reply::Echo => {
+                                return Progress::Done(Ok(("echo reply".into(), None)))
+                            }
+                            super::icmp::Reply::Unreachable(code) => {
+                                return Progress::Done(Err(ProbeError::Answer(format!(
+                                    "{dst} unreachable (ICMP code {code}, from {from})"
+                                ))))
+                            }
+                            super::icmp::Reply::NotMine => continue,
+                        }
+                    }
+                    Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
+                    Err(e) => {
+                        return Progress::Done(Err(ProbeError::exchange("receive echo reply", &e)))
+                    }
+                }
+            }
+        }
+        (Phase::Reading, ProbeKind::Tcp) => Progress::Done(Ok(("connected".into(), None))),
+    }
+}
+
+/// The outcome of a finished probe. An answer later than the timeout is a failure.
+pub fn outcome(spec: &Spec, sent_at: f64, latency: Duration, r: Finished) -> ProbeOutcome {
+    match r {
+        Ok((detail, answers)) if latency <= spec.timeout => ProbeOutcome {
+            ok: true,
+            sent_at,
+            latency,
+            detail,
+            ran: true,
+            answers,
+        },
+        Ok((detail, _)) => ProbeOutcome {
+            ok: false,
+            sent_at,
+            latency,
+            detail: format!(
+                "answered after the {}ms timeout ({detail})",
+                spec.timeout.as_millis()
+            ),
+            ran: true,
+            answers: None,
+        },
+        Err(e) => ProbeOutcome {
+            ok: false,
+            sent_at,
+            latency,
+            ran: e.ran(),
+            detail: e.to_string(),
+            answers: None,
+        },
+    }
+}
+
+fn poll_one(fd: RawFd, events: u32, timeout_ms: i32) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd,
+        events: events as i16,
+        revents: 0,
+    };
+    // SAFETY: p is one valid pollfd for the call's duration.
+    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    if n < 0 {
+        let e = last_err();
+        if e.raw_os_error() == Some(libc::EINTR) {
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    Ok(n > 0)
+}
+
+/// One probe, blocking the calling thread until it is over (`stepguard check`, tests).
+pub fn run_once(spec: &Spec) -> ProbeOutcome {
+    let (at, latency, r) = run_once_raw(spec);
+    outcome(spec, at, latency, r)
+}
+
+/// [`run_once`] before judging the timeout: (sent at, latency, result).
+pub fn run_once_raw(spec: &Spec) -> (f64, Duration, Finished) {
+    let (mut op, mut progress) = match start(spec) {
+        Ok(x) => x,
+        Err((at, e)) => return (at, Duration::ZERO, Err(e)),
+    };
+    loop {
+        match progress {
+            Progress::Done(r) => {
+                let latency = Duration::from_nanos(mono_ns().saturating_sub(op.sent_ns));
+                return (op.sent_at, latency, r);
+            }
+            Progress::Wait(ev) => {
+                let now = mono_ns();
+                if now >= op.deadline_ns {
+                    return (
+                        op.sent_at,
+                        spec.timeout,
+                        Err(ProbeError::timeout(spec.timeout)),
+                    );
+                }
+                let left_ms = (op.deadline_ns - now).div_ceil(1_000_000) as i32;
+                progress = match poll_one(op.fd.as_raw_fd(), ev, left_ms) {
+                    Ok(true) => advance(spec, &mut op),
+                    Ok(false) => Progress::Wait(ev),
+                    Err(e) => Progress::Done(Err(ProbeError::exchange("poll", &e))),
+                };
+            }
+        }
+    }
+}
+
+/// What the engine asks of its owner.
+pub trait Sink: Send + Sync + 'static {
+    /// The cadence target `i` is probed at now.
+    fn interval(&self, i: usize) -> Duration;
+    /// A probe of target `i` is over.
+    fn outcome(&self, i: usize, o: ProbeOutcome);
+    /// A probe left `late` after its scheduled time.
+    fn late(&self, late: Duration) {
+        let _ = late;
+    }
+}
+
+/// Probes of one target in flight at once (a step's cadence must not need more).
+pub const MAX_IN_FLIGHT: usize = 256;
+
+/// A running engine. Dropping it stops the thread.
+pub struct Engine {
+    wake: Arc<OwnedFd>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts the engine thread for `targets` (indices are the sink's target indices).
+    pub fn start(targets: &[Target], sink: Arc<dyn Sink>) -> io::Result<Engine> {
+        // SAFETY: eventfd returns a new fd or -1.
+        let wfd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wfd < 0 {
+            return Err(last_err());
+        }
+        // SAFETY: wfd is fresh and owned here.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wfd) });
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let specs: Vec<Spec> = targets.iter().map(Spec::new).collect();
+        let mut lp = Loop::new(specs, sink, wake.clone())?;
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("stepguard-probes".into())
+            .spawn(move || lp.run(&stop2))?;
+        Ok(Engine {
+            wake,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The cadence may have changed (a step began or ended): look again now.
+    pub fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from `one` to our eventfd.
+        unsafe {
+            libc::write(
+                self.wake.as_raw_fd(),
+                &one as *const u64 as *const libc::c_void,
+                8,
+            )
+        };
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.wake();
+        if let Some(t) = self.thread.take() {
+            // The last owner may be the engine thread itself (its sink upgrading a weak
+            // reference): then it ends on its own after this iteration.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+const TOKEN_TIMER: u64 = u64::MAX;
+const TOKEN_WAKE: u64 = u64::MAX - 1;
+
+struct Slot {
+    op: Op,
+    target: usize,
+    gen: u32,
+}
+
+struct Loop {
+    specs: Vec<Spec>,
+    sink: Arc<dyn Sink>,
+    wake: Arc<OwnedFd>,
+    epfd: OwnedFd,
+    timer: OwnedFd,
+    due: Vec<u64>,
+    cadence: Vec<u64>,
+    in_flight: Vec<usize>,
+    slots: Vec<Option<Slot>>,
+    free: Vec<usize>,
+    gen: u32,
+    deadlines: BinaryHeap<Reverse<(u64, usize, u32)>>,
+}
+
+fn epoll_ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: token };
+    // SAFETY: ev is valid for the call's duration.
+    if unsafe { libc::epoll_ctl(ep, op, fd, &mut ev) } < 0 {
+        return Err(last_err());
+    }
+    Ok(())
+}
+
+impl Loop {
+    fn new(specs: Vec<Spec>, sink: Arc<dyn Sink>, wake: Arc<OwnedFd>) -> io::Result<Loop> {
+        // SAFETY: epoll_create1/timerfd_create return new fds or -1; each is owned at once.
+        let (epfd, timer) = unsafe {
+            let e = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            if e < 0 {
+                return Err(last_err());
+            }
+            let e = OwnedFd::from_raw_fd(e);
+            let t = libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            );
+            if t < 0 {
+                return Err(last_err());
+            }
+            (e, OwnedFd::from_raw_fd(t))
+        };
+        epoll_ctl(
+            epfd.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            timer.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            TOKEN_TIMER,
+        )?;
+        epoll_ctl(
+            epfd.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            wake.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            TOKEN_WAKE,
+        )?;
+        let n = specs.len();
+        let now = mono_ns();
+        Ok(Loop {
+            specs,
+            sink,
+            wake,
+            epfd,
+            timer,
+            // The first probes leave at once, spread by a few µs each.
+            due: (0..n).map(|i| now + i as u64 * 50_000).collect(),
+            cadence: vec![u64::MAX; n],
+            in_flight: vec![0; n],
+            slots: Vec::new(),
+            free: Vec::new(),
+            gen: 0,
+            deadlines: BinaryHeap::new(),
+        })
+    }
+
+    fn run(&mut self, stop: &std::sync::atomic::AtomicBool) {
+        // Sends are timed by an absolute timer: ask for no slack on this thread's timers.
+        // SAFETY: prctl with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let now = mono_ns();
+            self.send_due(now);
+            self.expire(mono_ns());
+            self.arm();
+            // SAFETY: events is valid for writes of events.len() entries.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epfd.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    1000,
+                )
+            };
+            if n < 0 {
+                let e = last_err();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    tracing::error!(error = %e, "probe engine: epoll_wait failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                continue;
+            }
+            for ev in &events[..n as usize] {
+                let (token, flags) = (ev.u64, ev.events);
+                match token {
+                    TOKEN_TIMER | TOKEN_WAKE => {
+                        let fd = if token == TOKEN_TIMER {
+                            self.timer.as_raw_fd()
+                        } else {
+                            self.wake.as_raw_fd()
+                        };
+                        let mut v = 0u64;
+                        // SAFETY: reads 8 bytes into v.
+                        unsafe { libc::read(fd, &mut v as *mut u64 as *mut libc::c_void, 8) };
+                    }
+                    t => self.ready(t, flags),
+                }
+            }
+        }
+    }
+
+    fn send_due(&mut self, now: u64) {
+        for i in 0..self.specs.len() {
+            let cadence = self.sink.interval(i).as_nanos().max(100_000) as u64;
+            // A step beginning switches to its burst cadence at once.
+            if cadence < self.cadence[i] && self.cadence[i] != u64::MAX {
+                self.due[i] = self.due[i].min(now);
+            }
+            self.cadence[i] = cadence;
+            if self.due[i] > now {
+                continue;
+            }
+            self.sink.late(Duration::from_nanos(now - self.due[i]));
+            if self.in_flight[i] < MAX_IN_FLIGHT {
+                self.launch(i);
+            }
+            self.due[i] += cadence;
+            let now = mono_ns();
+            if self.due[i] + cadence < now {
+                self.due[i] = now; // fell behind (suspend, overload): no backlog
+            }
+        }
+    }
+
+    fn launch(&mut self, i: usize) {
+        match start(&self.specs[i]) {
+            Err((at, e)) => {
+                let o = outcome(&self.specs[i], at, Duration::ZERO, Err(e));
+                self.sink.outcome(i, o);
+            }
+            Ok((op, Progress::Done(r))) => self.finish(i, op, r),
+            Ok((op, Progress::Wait(ev))) => {
+                let slot = self.free.pop().unwrap_or_else(|| {
+                    self.slots.push(None);
+                    self.slots.len() - 1
+                });
+                self.gen = self.gen.wrapping_add(1);
+                let token = ((self.gen as u64) << 32) | slot as u64;
+                if let Err(e) = epoll_ctl(
+                    self.epfd.as_raw_fd(),
+                    libc::EPOLL_CTL_ADD,
+                    op.fd.as_raw_fd(),
+                    ev,
+                    token,
+                ) {
+                    self.free.push(slot);
+                    let o = outcome(
+                        &self.specs[i],
+                        op.sent_at,
+                        Duration::ZERO,
+                        Err(ProbeError::cannot_run("epoll_ctl", &e)),
+                    );
+                    self.sink.outcome(i, o);
+                    return;
+                }
+                self.deadlines
+                    .push(Reverse((op.deadline_ns, slot, self.gen)));
+                self.in_flight[i] += 1;
+                self.slots[slot] = Some(Slot {
+                    op,
+                    target: i,
+                    gen: self.gen,
+                });
+            }
+        }
+    }
+
+    fn finish(&mut self, i: usize, op: Op, r: Finished) {
+        let latency = Duration::from_nanos(mono_ns().saturating_sub(op.sent_ns));
+        let o = outcome(&self.specs[i], op.sent_at, latency, r);
+        drop(op); // closes the socket (RST for TCP) before the result is recorded
+        self.sink.outcome(i, o);
+    }
+
+    fn take(&mut self, slot: usize, gen: u32) -> Option<Slot> {
+        match self.slots.get(slot) {
+            Some(Some(s)) if s.gen == gen => {
+                let s = self.slots[slot].take();
+                self.free.push(slot);
+                if let Some(s) = &s {
+                    self.in_flight[s.target] -= 1;
+                }
+                s
+            }
+            _ => None,
+        }
+    }
+
+    fn ready(&mut self, token: u64, _flags: u32) {
+        let (slot, gen) = ((token & 0xffff_ffff) as usize, (token >> 32) as u32);
+        let Some(Some(s)) = self.slots.get_mut(slot) else {
+            return;
+        };
+        if s.gen != gen {
+            return;
+        }
+        let i = s.target;
+        match advance(&self.specs[i], &mut s.op) {
+            Progress::Wait(ev) => {
+                let fd = s.op.fd.as_raw_fd();
+                let _ = epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, ev, token);
+            }
+            Progress::Done(r) => {
+                if let Some(s) = self.take(slot, gen) {
+                    self.finish(i, s.op, r);
+                }
+            }
+        }
+    }
+
+    fn expire(&mut self, now: u64) {
+        while let Some(Reverse((deadline, slot, gen))) = self.deadlines.peek().copied() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop();
+            if let Some(s) = self.take(slot, gen) {
+                let spec = &self.specs[s.target];
+                let o = outcome(
+                    spec,
+                    s.op.sent_at,
+                    spec.timeout,
+                    Err(ProbeError::timeout(spec.timeout)),
+                );
+                drop(s.op);
+                self.sink.outcome(s.target, o);
+            }
+        }
+    }
+
+    /// Arms the timer for the next send or timeout.
+    fn arm(&self) {
+        let next_send = self.due.iter().copied().min().unwrap_or(u64::MAX);
+        let next_deadline = self
+            .deadlines
+            .peek()
+            .map(|Reverse((d, _, _))| *d)
+            .unwrap_or(u64::MAX);
+        let at = next_send.min(next_deadline).min(mono_ns() + 1_000_000_000);
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: (at / 1_000_000_000) as i64,
+                tv_nsec: (at % 1_000_000_000).max(1) as i64,
+            },
+        };
+        // SAFETY: spec is valid for the call; the old value is not asked for.
+        unsafe {
+            libc::timerfd_settime(
+                self.timer.as_raw_fd(),
+                libc::TFD_TIMER_ABSTIME,
+                &spec,
+                std::ptr::null_mut(),
+            )
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::sync::Mutex;
+
+    fn targets(yaml: &str) -> Vec<Target> {
+        Config::parse(&format!("targets:\n{yaml}")).unwrap().targets
+    }
+
+    #[derive(Default)]
+    struct Rec {
+        interval: Mutex<Duration>,
+        outcomes: Mutex<Vec<(usize, ProbeOutcome)>>,
+        late: Mutex<Vec<Duration>>,
+    }
+    impl Sink for Rec {
+        fn interval(&self, _: usize) -> Duration {
+            *self.interval.lock().unwrap()
+        }
+        fn outcome(&self, i: usize, o: ProbeOutcome) {
+            self.outcomes.lock().unwrap().push((i, o));
+        }
+        fn late(&self, late: Duration) {
+            self.late.lock().unwrap().push(late);
+        }
+    }
+
+    fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(
+                std::time::Instant::now() < end,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A tiny HTTP server on loopback answering every request with `status`.
+    fn http_server(status: u16) -> std::net::SocketAddr {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming().take(2000) {
+                let Ok(mut s) = s else { continue };
+                let mut buf = [0u8; 512];
+                let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+                if s.read(&mut buf).is_ok() {
+                    let _ = write!(s, "HTTP/1.1 {status} X\r\nContent-Length: 0\r\n\r\n");
+                }
+            }
+        });
+        addr
+    }
+
+    /// The engine probes at the cadence it is given, switches to a finer one at once when
+    /// woken (a step beginning), and every probe is a real exchange: tcp connects, http
+    /// status lines judged, a refused port fails with the kernel's reason.
+    #[test]
+    fn the_engine_probes_at_its_cadence_and_switches_at_once() {
+        let ok = http_server(200);
+        let bad = http_server(503);
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed_port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let ts = targets(&format!(
+            "  - {{name: a, address: 127.0.0.1, port: {}, probe: tcp, timeout: 200ms}}\n  - {{name: b, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: c, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: d, address: 127.0.0.1, port: {closed_port}, probe: tcp, timeout: 200ms}}\n",
+            ok.port(), ok.port(), bad.port()
+        ));
+        let rec = Arc::new(Rec::default());
+        *rec.interval.lock().unwrap() = Duration::from_secs(3600);
+        let e = Engine::start(&ts, rec.clone()).unwrap();
+        // The first probe of each target leaves at once, then nothing for an hour.
+        wait_for("first probes", || rec.outcomes.lock().unwrap().len() >= 4);
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(rec.outcomes.lock().unwrap().len(), 4);
+        *rec.interval.lock().unwrap() = Duration::from_millis(10);
+        e.wake();
+        wait_for("a burst", || {
+            rec.outcomes.lock().unwrap().len() >= 4 + 4 * 20
+        });
+        drop(e);
+        let outcomes = rec.outcomes.lock().unwrap();
+        for (i, o) in outcomes.iter() {
+            match i {
+                0 => assert!(o.ok && o.detail == "connected", "{o:?}"),
+                1 => assert!(o.ok && o.detail == "HTTP 200", "{o:?}"),
+                2 => assert!(
+                    !o.ok && o.ran && o.detail == "HTTP 503, expected 200",
+                    "{o:?}"
+                ),
+                _ => assert!(!o.ok && o.ran && o.detail.contains("refused"), "{o:?}"),
+            }
+        }
+        // Sends of one target are ~10 ms apart (no backlog, no bunching).
+        let sent: Vec<f64> = outcomes
+            .iter()
+            .filter(|(i, _)| *i == 0)
+            .map(|(_, o)| o.sent_at)
+            .skip(1)
+            .collect();
+        let mut sorted = sent.clone();
+        sorted.sort_by(f64::total_cmp);
+        let gaps: Vec<f64> = sorted.windows(2).map(|w| w[1] - w[0]).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!(
+            (0.008..0.02).contains(&mean),
+            "mean spacing {mean}: {gaps:?}"
+        );
+        assert!(!rec.late.lock().unwrap().is_empty());
+    }
+
+    /// A resolver that never answers our id, but sends stray datagrams with other ids every
+    /// 30 ms: the probe still ends at its timeout (stray datagrams neither satisfy nor extend
+    /// it), in the engine and in a one-shot probe.
+    #[test]
+    fn stray_datagrams_neither_answer_nor_extend_a_probe() {
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        server
+            .set_read_timeout(Some(Duration::from_millis(20)))
+            .unwrap();
+        let port = server.local_addr().unwrap().port();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let t = std::thread::spawn(move || {
+            let mut peers = Vec::new();
+            let end = std::time::Instant::now() + Duration::from_secs(20);
+            while !stop2.load(std::sync::atomic::Ordering::SeqCst)
+                && std::time::Instant::now() < end
+            {
+                let mut buf = [0u8; 512];
+                if let Ok((n, from)) = server.recv_from(&mut buf) {
+                    let mut reply = buf[..n].to_vec();
+                    reply[0] ^= 0xff; // another id
+                    reply[2] |= 0x80;
+                    peers.push((from, reply));
+                }
+                for (p, r) in &peers {
+                    let _ = server.send_to(r, p);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let ts = targets(&format!(
+            "  - {{name: d, address: 127.0.0.1, port: {port}, probe: dns, query: a.test, timeout: 200ms}}\n"
+        ));
+        let o = run_once(&Spec::new(&ts[0]));
+        assert!(!o.ok && o.ran, "{o:?}");
+        assert_eq!(o.detail, "timeout after 200ms");
+        assert_eq!(o.latency, Duration::from_millis(200));
+        let rec = Arc::new(Rec::default());
+        *rec.interval.lock().unwrap() = Duration::from_secs(3600);
+        let started = std::time::Instant::now();
+        let e = Engine::start(&ts, rec.clone()).unwrap();
+        wait_for("the timeout", || !rec.outcomes.lock().unwrap().is_empty());
+        let took = started.elapsed();
+        drop(e);
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = t.join();
+        let o = &rec.outcomes.lock().unwrap()[0].1;
+        assert_eq!(o.detail, "timeout after 200ms");
+        assert!(
+            took >= Duration::from_millis(195) && took < Duration::from_millis(400),
+            "{took:?}"
+        );
+    }
+}
