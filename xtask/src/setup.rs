@@ -40,6 +40,10 @@ const PACKAGES: &[(&str, &str)] = &[
         "promtool and a real Prometheus for scrape tests",
     ),
     ("wrk", "HTTP load for /metrics benchmarks"),
+    (
+        "fping",
+        "the reference prober the burst benchmark compares with",
+    ),
     ("buildah", "builds the OCI image without a daemon"),
     ("file", "tells a static binary in the image test"),
 ];

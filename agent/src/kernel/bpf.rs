@@ -204,13 +204,6 @@ pub fn prog_info(fd: &impl AsRawFd) -> io::Result<ProgInfo> {
     })
 }
 
-#[repr(C)]
-struct NextIdAttr {
-    start_id: u32,
-    next_id: u32,
-    open_flags: u32,
-}
-
 /// The highest program id above `start` (None: no program was loaded since `start` was the
 /// highest). The kernel allocates program ids cyclically upwards (`idr_alloc_cyclic` in
 /// `bpf_prog_alloc_id`), so a program loaded after `start` was seen has a higher id: one
@@ -220,8 +213,8 @@ pub fn highest_prog_id_above(start: u32) -> io::Result<Option<u32>> {
     let mut highest = None;
     let mut at = start;
     loop {
-        let mut attr = NextIdAttr {
-            start_id: at,
+        let mut attr = IdAttr {
+            id: at,
             next_id: 0,
             open_flags: 0,
         };

@@ -324,7 +324,8 @@ enum Phase {
 
 /// One probe in flight.
 pub struct Op {
-    fd: OwnedFd,
+    /// The probe's own socket; None for an echo sent on the engine's shared ICMP socket.
+    fd: Option<OwnedFd>,
     phase: Phase,
     /// Unix seconds (the agent's clock) right before the first packet's syscall.
     pub sent_at: f64,
@@ -354,6 +355,15 @@ fn cannot(ctx: &str) -> impl Fn(io::Error) -> ProbeError + '_ {
 /// Opens the socket and sends the first packet. `Err` is a probe that is already over
 /// (it could not run, or failed at once — e.g. connection refused on loopback).
 pub fn start(spec: &Spec) -> Result<(Op, Progress), (f64, ProbeError)> {
+    start_with(spec, None)
+}
+
+/// [`start`], sending an echo without a `source` on `shared_icmp` (socket, raw) instead of a
+/// socket of its own.
+fn start_with(
+    spec: &Spec,
+    shared_icmp: Option<(RawFd, bool)>,
+) -> Result<(Op, Progress), (f64, ProbeError)> {
     let early = |e| (crate::clock::now(), e);
     if let Some(e) = &spec.invalid {
         return Err(early(e.clone()));
@@ -367,7 +377,7 @@ pub fn start(spec: &Spec) -> Result<(Op, Progress), (f64, ProbeError)> {
         }
         Ok(())
     };
-    let op = |fd: OwnedFd, raw: bool, id: u16| Op {
+    let op = |fd: Option<OwnedFd>, raw: bool, id: u16| Op {
         fd,
         phase: Phase::Reading,
         sent_at: 0.0,
@@ -394,9 +404,10 @@ pub fn start(spec: &Spec) -> Result<(Op, Progress), (f64, ProbeError)> {
                 .map_err(cannot("socket: SO_LINGER"))
                 .map_err(early)?;
             bind_source(fd.as_raw_fd()).map_err(early)?;
-            let mut o = op(fd, false, 0);
+            let raw_fd = fd.as_raw_fd();
+            let mut o = op(Some(fd), false, 0);
             stamp(&mut o);
-            match connect(o.fd.as_raw_fd(), spec.addr) {
+            match connect(raw_fd, spec.addr) {
                 Ok(false) => {
                     o.phase = Phase::Connecting;
                     Ok((o, Progress::Wait(libc::EPOLLOUT as u32)))
@@ -420,11 +431,12 @@ pub fn start(spec: &Spec) -> Result<(Op, Progress), (f64, ProbeError)> {
                 .map_err(|e| ProbeError::cannot_run(format!("connect {}", spec.addr), &e))
                 .map_err(early)?;
             let id = crate::probe::dns::query_id();
-            let mut o = op(fd, false, id);
+            let raw_fd = fd.as_raw_fd();
+            let mut o = op(Some(fd), false, id);
             let mut wire = spec.wire.clone();
             wire[..2].copy_from_slice(&id.to_be_bytes());
             stamp(&mut o);
-            send(o.fd.as_raw_fd(), &wire).map_err(|e| {
+            send(raw_fd, &wire).map_err(|e| {
                 (
                     o.sent_at,
                     ProbeError::exchange(format!("send to {}", spec.addr), &e),
@@ -433,22 +445,29 @@ pub fn start(spec: &Spec) -> Result<(Op, Progress), (f64, ProbeError)> {
             Ok((o, Progress::Wait(libc::EPOLLIN as u32)))
         }
         ProbeKind::Icmp => {
-            let (fd, raw) = icmp_socket()
-                .map_err(cannot(
-                    "icmp socket (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
-                ))
-                .map_err(early)?;
-            bind_source(fd.as_raw_fd()).map_err(early)?;
+            let (own, raw_fd, raw) = match shared_icmp {
+                Some((fd, raw)) if spec.source.is_none() => (None, fd, raw),
+                _ => {
+                    let (fd, raw) = icmp_socket()
+                        .map_err(cannot(
+                            "icmp socket (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
+                        ))
+                        .map_err(early)?;
+                    bind_source(fd.as_raw_fd()).map_err(early)?;
+                    let raw_fd = fd.as_raw_fd();
+                    (Some(fd), raw_fd, raw)
+                }
+            };
             let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let ident = (std::process::id() & 0xffff) as u16;
             let pkt = super::icmp::echo_request(ident, seq);
-            let mut o = op(fd, raw, seq);
+            let mut o = op(own, raw, seq);
             let (ss, len) = sockaddr(spec.addr);
             stamp(&mut o);
             // SAFETY: pkt and ss are valid for the call's duration.
             let n = unsafe {
                 libc::sendto(
-                    o.fd.as_raw_fd(),
+                    raw_fd,
                     pkt.as_ptr() as *const libc::c_void,
                     pkt.len(),
                     0,
@@ -472,8 +491,11 @@ fn connected(spec: &Spec, op: &mut Op) -> Progress {
     if spec.kind == ProbeKind::Tcp {
         return Progress::Done(Ok(("connected".into(), None)));
     }
+    let Some(fd) = op.fd.as_ref().map(|f| f.as_raw_fd()) else {
+        return Progress::Done(Err(ProbeError::unsupported("http", "no socket")));
+    };
     // A request of ~100 bytes fits any fresh socket's send buffer: one send.
-    match send(op.fd.as_raw_fd(), &spec.wire) {
+    match send(fd, &spec.wire) {
         Ok(n) if n == spec.wire.len() => {
             op.phase = Phase::Reading;
             Progress::Wait(libc::EPOLLIN as u32)
@@ -489,7 +511,9 @@ fn would_block(e: &io::Error) -> bool {
 
 /// Advances a probe after its socket became ready.
 pub fn advance(spec: &Spec, op: &mut Op) -> Progress {
-    let fd = op.fd.as_raw_fd();
+    let Some(fd) = op.fd.as_ref().map(|f| f.as_raw_fd()) else {
+        return Progress::Wait(libc::EPOLLIN as u32);
+    };
     match (&op.phase, spec.kind) {
         (Phase::Connecting, _) => match so_error(fd) {
             Ok(()) => connected(spec, op),
@@ -573,28 +597,11 @@ pub fn advance(spec: &Spec, op: &mut Op) -> Progress {
                 return Progress::Done(Err(ProbeError::unsupported("icmp", "IPv4 only")));
             };
             let mut buf = [0u8; 1500];
-            let ident = (std::process::id() & 0xffff) as u16;
             loop {
                 match recv(fd, &mut buf) {
                     Ok((n, from)) => {
-                        // Raw sockets deliver the IP header; ping sockets only the ICMP message.
-                        let icmp = if op.raw {
-                            let ihl = ((buf[0] & 0x0f) as usize) * 4;
-                            buf.get(ihl..n).unwrap_or(&[])
-                        } else {
-                            &buf[..n]
-                        };
-                        let from = from.unwrap_or(Ipv4Addr::UNSPECIFIED);
-                        match super::icmp::classify(icmp, from, dst, ident, op.id, op.raw) {
-                            super::icmp::Reply::Echo => {
-                                return Progress::Done(Ok(("echo reply".into(), None)))
-                            }
-                            super::icmp::Reply::Unreachable(code) => {
-                                return Progress::Done(Err(ProbeError::Answer(format!(
-                                    "{dst} unreachable (ICMP code {code}, from {from})"
-                                ))))
-                            }
-                            super::icmp::Reply::NotMine => continue,
+                        if let Some(done) = icmp_judge(&buf[..n], from, dst, op) {
+                            return Progress::Done(done);
                         }
                     }
                     Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
@@ -605,6 +612,26 @@ pub fn advance(spec: &Spec, op: &mut Op) -> Progress {
             }
         }
         (Phase::Reading, ProbeKind::Tcp) => Progress::Done(Ok(("connected".into(), None))),
+    }
+}
+
+/// What one received ICMP datagram means for echo probe `op` to `dst` (None: not its).
+fn icmp_judge(datagram: &[u8], from: Option<Ipv4Addr>, dst: Ipv4Addr, op: &Op) -> Option<Finished> {
+    // Raw sockets deliver the IP header; ping sockets only the ICMP message.
+    let icmp = if op.raw {
+        let ihl = ((datagram.first()? & 0x0f) as usize) * 4;
+        datagram.get(ihl..).unwrap_or(&[])
+    } else {
+        datagram
+    };
+    let from = from.unwrap_or(Ipv4Addr::UNSPECIFIED);
+    let ident = (std::process::id() & 0xffff) as u16;
+    match super::icmp::classify(icmp, from, dst, ident, op.id, op.raw) {
+        super::icmp::Reply::Echo => Some(Ok(("echo reply".into(), None))),
+        super::icmp::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
+            "{dst} unreachable (ICMP code {code}, from {from})"
+        )))),
+        super::icmp::Reply::NotMine => None,
     }
 }
 
@@ -687,7 +714,14 @@ pub fn run_once_raw(spec: &Spec) -> (f64, Duration, Finished) {
                     );
                 }
                 let left_ms = (op.deadline_ns - now).div_ceil(1_000_000) as i32;
-                progress = match poll_one(op.fd.as_raw_fd(), ev, left_ms) {
+                let Some(fd) = op.fd.as_ref().map(|f| f.as_raw_fd()) else {
+                    return (
+                        op.sent_at,
+                        Duration::ZERO,
+                        Err(ProbeError::unsupported("probe", "no socket")),
+                    );
+                };
+                progress = match poll_one(fd, ev, left_ms) {
                     Ok(true) => advance(spec, &mut op),
                     Ok(false) => Progress::Wait(ev),
                     Err(e) => Progress::Done(Err(ProbeError::exchange("poll", &e))),
@@ -773,6 +807,7 @@ impl Drop for Engine {
 
 const TOKEN_TIMER: u64 = u64::MAX;
 const TOKEN_WAKE: u64 = u64::MAX - 1;
+const TOKEN_ICMP: u64 = u64::MAX - 2;
 
 struct Slot {
     op: Op,
@@ -793,6 +828,12 @@ struct Loop {
     free: Vec<usize>,
     gen: u32,
     deadlines: BinaryHeap<Reverse<(u64, usize, u32)>>,
+    /// One ICMP socket for every echo without a `source` (socket, raw): an echo has no
+    /// connection or flow for a fresh socket to stand for, so it saves two syscalls and a
+    /// socket per probe (and a raw socket per probe would see every other probe's replies).
+    icmp: Option<(OwnedFd, bool)>,
+    /// Echoes in flight on the shared socket: sequence number → (slot, generation).
+    icmp_ops: std::collections::BTreeMap<u16, (usize, u32)>,
 }
 
 fn epoll_ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -838,6 +879,27 @@ impl Loop {
         )?;
         let n = specs.len();
         let now = mono_ns();
+        let icmp = if specs
+            .iter()
+            .any(|s| s.kind == ProbeKind::Icmp && s.source.is_none() && s.invalid.is_none())
+        {
+            // Without one, each echo opens its own socket (and says why it cannot).
+            match icmp_socket() {
+                Ok((fd, raw)) => {
+                    epoll_ctl(
+                        epfd.as_raw_fd(),
+                        libc::EPOLL_CTL_ADD,
+                        fd.as_raw_fd(),
+                        libc::EPOLLIN as u32,
+                        TOKEN_ICMP,
+                    )?;
+                    Some((fd, raw))
+                }
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
         Ok(Loop {
             specs,
             sink,
@@ -852,6 +914,8 @@ impl Loop {
             free: Vec::new(),
             gen: 0,
             deadlines: BinaryHeap::new(),
+            icmp,
+            icmp_ops: Default::default(),
         })
     }
 
@@ -895,6 +959,7 @@ impl Loop {
                         // SAFETY: reads 8 bytes into v.
                         unsafe { libc::read(fd, &mut v as *mut u64 as *mut libc::c_void, 8) };
                     }
+                    TOKEN_ICMP => self.icmp_ready(),
                     t => self.ready(t, flags),
                 }
             }
@@ -925,7 +990,8 @@ impl Loop {
     }
 
     fn launch(&mut self, i: usize) {
-        match start(&self.specs[i]) {
+        let shared = self.icmp.as_ref().map(|(fd, raw)| (fd.as_raw_fd(), *raw));
+        match start_with(&self.specs[i], shared) {
             Err((at, e)) => {
                 let o = outcome(&self.specs[i], at, Duration::ZERO, Err(e));
                 self.sink.outcome(i, o);
@@ -938,13 +1004,20 @@ impl Loop {
                 });
                 self.gen = self.gen.wrapping_add(1);
                 let token = ((self.gen as u64) << 32) | slot as u64;
-                if let Err(e) = epoll_ctl(
-                    self.epfd.as_raw_fd(),
-                    libc::EPOLL_CTL_ADD,
-                    op.fd.as_raw_fd(),
-                    ev,
-                    token,
-                ) {
+                let registered = match &op.fd {
+                    Some(fd) => epoll_ctl(
+                        self.epfd.as_raw_fd(),
+                        libc::EPOLL_CTL_ADD,
+                        fd.as_raw_fd(),
+                        ev,
+                        token,
+                    ),
+                    None => {
+                        self.icmp_ops.insert(op.id, (slot, self.gen));
+                        Ok(())
+                    }
+                };
+                if let Err(e) = registered {
                     self.free.push(slot);
                     let o = outcome(
                         &self.specs[i],
@@ -981,6 +1054,9 @@ impl Loop {
                 self.free.push(slot);
                 if let Some(s) = &s {
                     self.in_flight[s.target] -= 1;
+                    if s.op.fd.is_none() {
+                        self.icmp_ops.remove(&s.op.id);
+                    }
                 }
                 s
             }
@@ -999,12 +1075,46 @@ impl Loop {
         let i = s.target;
         match advance(&self.specs[i], &mut s.op) {
             Progress::Wait(ev) => {
-                let fd = s.op.fd.as_raw_fd();
-                let _ = epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, ev, token);
+                if let Some(fd) = &s.op.fd {
+                    let fd = fd.as_raw_fd();
+                    let _ = epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, ev, token);
+                }
             }
             Progress::Done(r) => {
                 if let Some(s) = self.take(slot, gen) {
                     self.finish(i, s.op, r);
+                }
+            }
+        }
+    }
+
+    /// Replies on the shared ICMP socket, each to the echo in flight it answers.
+    fn icmp_ready(&mut self) {
+        let Some(fd) = self.icmp.as_ref().map(|(f, _)| f.as_raw_fd()) else {
+            return;
+        };
+        let mut buf = [0u8; 1500];
+        for _ in 0..4096 {
+            let (n, from) = match recv(fd, &mut buf) {
+                Ok(x) => x,
+                Err(_) => return, // EAGAIN (or an error the next echo's timeout will show)
+            };
+            let mut hit = None;
+            for (&seq, &(slot, gen)) in &self.icmp_ops {
+                let Some(Some(s)) = self.slots.get(slot) else {
+                    continue;
+                };
+                let IpAddr::V4(dst) = self.specs[s.target].addr.ip() else {
+                    continue;
+                };
+                if let Some(done) = icmp_judge(&buf[..n], from, dst, &s.op) {
+                    hit = Some((seq, slot, gen, done));
+                    break;
+                }
+            }
+            if let Some((_, slot, gen, done)) = hit {
+                if let Some(s) = self.take(slot, gen) {
+                    self.finish(s.target, s.op, done);
                 }
             }
         }
@@ -1129,20 +1239,20 @@ mod tests {
         let closed_port = closed.local_addr().unwrap().port();
         drop(closed);
         let ts = targets(&format!(
-            "  - {{name: a, address: 127.0.0.1, port: {}, probe: tcp, timeout: 200ms}}\n  - {{name: b, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: c, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: d, address: 127.0.0.1, port: {closed_port}, probe: tcp, timeout: 200ms}}\n",
+            "  - {{name: a, address: 127.0.0.1, port: {}, probe: tcp, timeout: 200ms}}\n  - {{name: b, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: c, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: d, address: 127.0.0.1, port: {closed_port}, probe: tcp, timeout: 200ms}}\n  - {{name: e, address: 127.0.0.1, probe: icmp, timeout: 200ms}}\n",
             ok.port(), ok.port(), bad.port()
         ));
         let rec = Arc::new(Rec::default());
         *rec.interval.lock().unwrap() = Duration::from_secs(3600);
         let e = Engine::start(&ts, rec.clone()).unwrap();
         // The first probe of each target leaves at once, then nothing for an hour.
-        wait_for("first probes", || rec.outcomes.lock().unwrap().len() >= 4);
+        wait_for("first probes", || rec.outcomes.lock().unwrap().len() >= 5);
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(rec.outcomes.lock().unwrap().len(), 4);
+        assert_eq!(rec.outcomes.lock().unwrap().len(), 5);
         *rec.interval.lock().unwrap() = Duration::from_millis(10);
         e.wake();
         wait_for("a burst", || {
-            rec.outcomes.lock().unwrap().len() >= 4 + 4 * 20
+            rec.outcomes.lock().unwrap().len() >= 5 + 5 * 20
         });
         drop(e);
         let outcomes = rec.outcomes.lock().unwrap();
@@ -1154,7 +1264,8 @@ mod tests {
                     !o.ok && o.ran && o.detail == "HTTP 503, expected 200",
                     "{o:?}"
                 ),
-                _ => assert!(!o.ok && o.ran && o.detail.contains("refused"), "{o:?}"),
+                3 => assert!(!o.ok && o.ran && o.detail.contains("refused"), "{o:?}"),
+                _ => assert!(o.ok && o.detail == "echo reply", "{o:?}"),
             }
         }
         // Sends of one target are ~10 ms apart (no backlog, no bunching).

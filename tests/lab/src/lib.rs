@@ -272,8 +272,8 @@ impl Lab {
         if spec.features.l2_announcements && !spec.features.kube_proxy_replacement {
             bail!("L2 announcements need kube-proxy replacement (Cilium's documented prerequisite): turn L2 announcements off too (--no-l2)");
         }
-        if spec.pods > 2000 {
-            bail!("--pods {} is more than the lab supports (2000)", spec.pods);
+        if spec.pods > 5000 {
+            bail!("--pods {} is more than the lab supports (5000)", spec.pods);
         }
         let run_dir = Path::new(RUN_ROOT).join(&spec.prefix);
         std::fs::create_dir_all(&run_dir)

@@ -150,7 +150,8 @@ fn probe(t: &Target, buf: &mut [u8]) -> bool {
                 ok
             }
             Target::Icmp(ip) => {
-                let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | nb, libc::IPPROTO_ICMP);
+                // One socket for every echo, as the agent's engine does.
+                let fd = icmp_fd();
                 if fd < 0 {
                     return false;
                 }
@@ -174,13 +175,28 @@ fn probe(t: &Target, buf: &mut [u8]) -> bool {
                     &s as *const _ as *const libc::sockaddr,
                     SALEN,
                 );
-                let ok = wait(fd, libc::POLLIN)
-                    && libc::recv(fd, buf.as_mut_ptr() as *mut _, buf.len(), 0) >= 8;
-                libc::close(fd);
-                ok
+                wait(fd, libc::POLLIN)
+                    && libc::recv(fd, buf.as_mut_ptr() as *mut _, buf.len(), 0) >= 8
             }
         }
     }
+}
+
+/// The process's one ICMP socket (ping socket, else raw).
+fn icmp_fd() -> i32 {
+    static FD: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *FD.get_or_init(|| {
+        let nb = libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+        // SAFETY: socket(2) with constant arguments.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | nb, libc::IPPROTO_ICMP);
+            if fd >= 0 {
+                fd
+            } else {
+                libc::socket(libc::AF_INET, libc::SOCK_RAW | nb, libc::IPPROTO_ICMP)
+            }
+        }
+    })
 }
 
 fn cpu_us() -> (u64, u64) {
@@ -203,8 +219,30 @@ fn duration(s: &str) -> Duration {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("observe") {
+        // benchref observe BPFFS RUNS: the median wall time of RUNS observations.
+        let bpffs = args.get(1).expect("observe BPFFS RUNS");
+        let runs: usize = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(5);
+        let mut times = Vec::new();
+        let mut last = (0, 0, 0, 0);
+        for _ in 0..runs {
+            let t = mono_ns();
+            last = observe::run(bpffs);
+            times.push(mono_ns() - t);
+        }
+        times.sort();
+        println!(
+            "{{\"median_ms\":{:.2},\"host_devices\":{},\"programs\":{},\"maps\":{},\"entries\":{}}}",
+            times[times.len() / 2] as f64 / 1e6,
+            last.0,
+            last.1,
+            last.2,
+            last.3
+        );
+        return;
+    }
     if args.first().map(String::as_str) != Some("probes") {
-        eprintln!("usage: benchref probes --interval 10ms --seconds 15 KIND:TARGET...");
+        eprintln!("usage: benchref probes --interval 10ms --seconds 15 KIND:TARGET... | benchref observe BPFFS RUNS");
         std::process::exit(2);
     }
     let mut interval = Duration::from_millis(10);
@@ -218,6 +256,8 @@ fn main() {
             t => targets.push(parse(t)),
         }
     }
+    // SAFETY: prctl with integer arguments: no slack on this thread's sleeps.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
     let mut buf = [0u8; 1500];
     let (u0, s0) = cpu_us();
     let start = mono_ns();
@@ -252,4 +292,282 @@ fn main() {
         q(0.99),
         q(1.0)
     );
+}
+
+/// The devices+maps observation as bare syscalls: rtnetlink dumps of links, addresses and
+/// routes (v4, v6), per host device (not lxc*) a tcx query and a tc filter dump per direction
+/// and, per program found, an fd by id and its info; then per global map (not per-endpoint)
+/// BPF_OBJ_GET, its info and, for hash-like maps, batched lookups to count entries. Nothing
+/// is decoded beyond what the next syscall needs.
+mod observe {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    fn nl() -> OwnedFd {
+        // SAFETY: a fresh netlink socket, owned at once.
+        unsafe {
+            OwnedFd::from_raw_fd(libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::NETLINK_ROUTE,
+            ))
+        }
+    }
+
+    /// One dump request; calls `each(type, body)` for every message until NLMSG_DONE.
+    fn dump(
+        fd: &OwnedFd,
+        ty: u16,
+        payload: &[u8],
+        buf: &mut [u8],
+        mut each: impl FnMut(u16, &[u8]),
+    ) {
+        let mut req = Vec::with_capacity(16 + payload.len());
+        req.extend_from_slice(&((16 + payload.len()) as u32).to_ne_bytes());
+        req.extend_from_slice(&ty.to_ne_bytes());
+        req.extend_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
+        req.extend_from_slice(&1u32.to_ne_bytes());
+        req.extend_from_slice(&0u32.to_ne_bytes());
+        req.extend_from_slice(payload);
+        // SAFETY: req and buf are valid for the calls.
+        unsafe { libc::send(fd.as_raw_fd(), req.as_ptr() as *const _, req.len(), 0) };
+        loop {
+            let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr() as *mut _, buf.len(), 0) };
+            if n <= 0 {
+                return;
+            }
+            let mut off = 0usize;
+            while off + 16 <= n as usize {
+                let len = u32::from_ne_bytes(buf[off..off + 4].try_into().unwrap()) as usize;
+                let t = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().unwrap());
+                if len < 16 || t == libc::NLMSG_DONE as u16 || t == libc::NLMSG_ERROR as u16 {
+                    return;
+                }
+                each(t, &buf[off + 16..off + len]);
+                off += (len + 3) & !3;
+            }
+        }
+    }
+
+    /// rtattrs from `b`: (type, value).
+    fn attrs(mut b: &[u8]) -> Vec<(u16, &[u8])> {
+        let mut v = Vec::new();
+        while b.len() >= 4 {
+            let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+            let t = u16::from_ne_bytes([b[2], b[3]]) & 0x3fff;
+            if len < 4 || len > b.len() {
+                break;
+            }
+            v.push((t, &b[4..len]));
+            b = &b[((len + 3) & !3).min(b.len())..];
+        }
+        v
+    }
+
+    fn bpf<T>(cmd: i64, attr: &mut T) -> i64 {
+        // SAFETY: attr is a repr(C) prefix of bpf_attr for cmd.
+        unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                attr as *mut T as *mut libc::c_void,
+                std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    fn info_of(fd: i32, buf: &mut [u8]) {
+        #[repr(C)]
+        struct A {
+            fd: u32,
+            len: u32,
+            info: u64,
+        }
+        let mut a = A {
+            fd: fd as u32,
+            len: buf.len() as u32,
+            info: buf.as_mut_ptr() as u64,
+        };
+        bpf(15, &mut a);
+    }
+
+    fn prog(id: u32) {
+        #[repr(C)]
+        struct A {
+            id: u32,
+            next: u32,
+            flags: u32,
+        }
+        let mut a = A {
+            id,
+            next: 0,
+            flags: 0,
+        };
+        let fd = bpf(13, &mut a);
+        if fd >= 0 {
+            let mut b = [0u8; 256];
+            info_of(fd as i32, &mut b);
+            // SAFETY: closing the fd just returned.
+            unsafe { libc::close(fd as i32) };
+        }
+    }
+
+    /// Returns (host devices, programs, maps opened, entries counted).
+    pub fn run(bpffs: &str) -> (usize, usize, usize, u64) {
+        let fd = nl();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut host = Vec::new();
+        dump(&fd, libc::RTM_GETLINK, &[0u8; 16], &mut buf, |_, b| {
+            if b.len() < 16 {
+                return;
+            }
+            let index = i32::from_ne_bytes(b[4..8].try_into().unwrap());
+            for (t, v) in attrs(&b[16..]) {
+                if t == libc::IFLA_IFNAME {
+                    if !v.starts_with(b"lxc") {
+                        host.push(index);
+                    }
+                    break;
+                }
+            }
+        });
+        dump(&fd, libc::RTM_GETADDR, &[0u8; 8], &mut buf, |_, _| {});
+        for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+            let mut rt = [0u8; 12];
+            rt[0] = family;
+            dump(&fd, libc::RTM_GETROUTE, &rt, &mut buf, |_, _| {});
+        }
+        let mut progs = 0;
+        for &ifindex in &host {
+            for attach in [46u32, 47] {
+                #[repr(C)]
+                #[derive(Default)]
+                struct Q {
+                    ifindex: u32,
+                    attach: u32,
+                    qflags: u32,
+                    aflags: u32,
+                    ids: u64,
+                    count: u32,
+                    pad: u32,
+                    f: [u64; 4],
+                }
+                let mut ids = [0u32; 64];
+                let mut q = Q {
+                    ifindex: ifindex as u32,
+                    attach,
+                    ids: ids.as_mut_ptr() as u64,
+                    count: 64,
+                    ..Default::default()
+                };
+                if bpf(16, &mut q) == 0 {
+                    for id in &ids[..q.count as usize] {
+                        prog(*id);
+                        progs += 1;
+                    }
+                }
+            }
+            for parent in [0xFFFF_FFF2u32, 0xFFFF_FFF3] {
+                let mut tc = [0u8; 20];
+                tc[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+                tc[12..16].copy_from_slice(&parent.to_ne_bytes());
+                let mut ids = Vec::new();
+                dump(&fd, libc::RTM_GETTFILTER, &tc, &mut buf, |_, b| {
+                    if b.len() < 20 {
+                        return;
+                    }
+                    for (t, v) in attrs(&b[20..]) {
+                        if t == 2 {
+                            // TCA_OPTIONS → TCA_BPF_ID
+                            for (t2, v2) in attrs(v) {
+                                if t2 == 11 && v2.len() >= 4 {
+                                    ids.push(u32::from_ne_bytes(v2[..4].try_into().unwrap()));
+                                }
+                            }
+                        }
+                    }
+                });
+                for id in ids {
+                    prog(id);
+                    progs += 1;
+                }
+            }
+        }
+        let (mut maps, mut entries) = (0, 0u64);
+        let dir = format!("{bpffs}/tc/globals");
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            let per_endpoint = ["cilium_policy_", "cilium_calls_"].iter().any(|p| {
+                name.strip_prefix(p)
+                    .is_some_and(|t| t.bytes().last().is_some_and(|b| b.is_ascii_digit()))
+            });
+            if per_endpoint {
+                continue;
+            }
+            let path = std::ffi::CString::new(format!("{dir}/{name}")).unwrap();
+            #[repr(C)]
+            struct G {
+                path: u64,
+                fd: u32,
+                flags: u32,
+            }
+            let mut g = G {
+                path: path.as_ptr() as u64,
+                fd: 0,
+                flags: 1 << 3,
+            };
+            let fd = bpf(7, &mut g);
+            if fd < 0 {
+                continue;
+            }
+            maps += 1;
+            let mut info = [0u8; 128];
+            info_of(fd as i32, &mut info);
+            let ty = u32::from_ne_bytes(info[0..4].try_into().unwrap());
+            let ks = u32::from_ne_bytes(info[8..12].try_into().unwrap()) as usize;
+            let vs = u32::from_ne_bytes(info[12..16].try_into().unwrap()) as usize;
+            // hash, lru hash, lpm trie (percpu variants excluded for brevity: same syscalls)
+            if matches!(ty, 1 | 9 | 11) {
+                let chunk = ((1usize << 20) / (ks + vs).max(1)).clamp(64, 8192);
+                let mut keys = vec![0u8; chunk * ks];
+                let mut vals = vec![0u8; chunk * vs];
+                let mut tin = vec![0u8; ks.max(8)];
+                let mut tout = vec![0u8; ks.max(8)];
+                let mut first = true;
+                loop {
+                    #[repr(C)]
+                    struct B {
+                        inb: u64,
+                        outb: u64,
+                        keys: u64,
+                        vals: u64,
+                        count: u32,
+                        fd: u32,
+                        ef: u64,
+                        f: u64,
+                    }
+                    let mut b = B {
+                        inb: if first { 0 } else { tin.as_mut_ptr() as u64 },
+                        outb: tout.as_mut_ptr() as u64,
+                        keys: keys.as_mut_ptr() as u64,
+                        vals: vals.as_mut_ptr() as u64,
+                        count: chunk as u32,
+                        fd: fd as u32,
+                        ef: 0,
+                        f: 0,
+                    };
+                    let r = bpf(24, &mut b);
+                    entries += b.count as u64;
+                    if r < 0 {
+                        break;
+                    }
+                    tin.copy_from_slice(&tout);
+                    first = false;
+                }
+            }
+            // SAFETY: closing the fd just opened.
+            unsafe { libc::close(fd as i32) };
+        }
+        (host.len(), progs, maps, entries)
+    }
 }
