@@ -1,11 +1,11 @@
-//! The probe engine: one thread, one epoll set, non-blocking sockets, sends timed by an
-//! absolute timerfd.
+//! The probe engine: one thread, one epoll set, non-blocking sockets, sends timed by
+//! `epoll_pwait2`'s nanosecond timeout (an absolute timerfd on kernels before 5.11).
 //!
 //! Why not tasks on the async runtime: a probe there cost a task, a timer-wheel entry
 //! (1 ms granularity), a reactor registration and two wake-ups on top of the syscalls the
 //! probe itself needs; and its send time depended on whatever else the runtime's workers were
 //! doing. Here a probe is exactly its syscalls (socket, connect or sendto, one epoll_ctl, the
-//! read, close), and a send leaves when the timer fires (hrtimer precision, 1 ns timer slack).
+//! read, close), and a send leaves when its hrtimer fires (1 ns timer slack on this thread).
 //!
 //! The vantage point is unchanged: every probe is a fresh socket going through the socket
 //! layer (socket-LB translates it like any process's connection), TCP closes with RST (no
@@ -808,6 +808,8 @@ impl Drop for Engine {
 const TOKEN_TIMER: u64 = u64::MAX;
 const TOKEN_WAKE: u64 = u64::MAX - 1;
 const TOKEN_ICMP: u64 = u64::MAX - 2;
+/// `epoll_pwait2(2)` (Linux 5.11), the same number on every architecture.
+const SYS_EPOLL_PWAIT2: libc::c_long = 441;
 
 struct Slot {
     op: Op,
@@ -834,6 +836,10 @@ struct Loop {
     icmp: Option<(OwnedFd, bool)>,
     /// Echoes in flight on the shared socket: sequence number → (slot, generation).
     icmp_ops: std::collections::BTreeMap<u16, (usize, u32)>,
+    /// The kernel has no epoll_pwait2: the timerfd times the sends.
+    no_pwait2: bool,
+    /// What the timerfd is armed for (0: nothing).
+    armed: u64,
 }
 
 fn epoll_ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -916,6 +922,8 @@ impl Loop {
             deadlines: BinaryHeap::new(),
             icmp,
             icmp_ops: Default::default(),
+            no_pwait2: false,
+            armed: 0,
         })
     }
 
@@ -928,16 +936,7 @@ impl Loop {
             let now = mono_ns();
             self.send_due(now);
             self.expire(mono_ns());
-            self.arm();
-            // SAFETY: events is valid for writes of events.len() entries.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.epfd.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    events.len() as i32,
-                    1000,
-                )
-            };
+            let n = self.wait(&mut events);
             if n < 0 {
                 let e = last_err();
                 if e.raw_os_error() != Some(libc::EINTR) {
@@ -1140,34 +1139,77 @@ impl Loop {
         }
     }
 
-    /// Arms the timer for the next send or timeout.
-    fn arm(&self) {
+    /// The next send or timeout, CLOCK_MONOTONIC ns (at most a second away).
+    fn next_wake(&self) -> u64 {
         let next_send = self.due.iter().copied().min().unwrap_or(u64::MAX);
         let next_deadline = self
             .deadlines
             .peek()
             .map(|Reverse((d, _, _))| *d)
             .unwrap_or(u64::MAX);
-        let at = next_send.min(next_deadline).min(mono_ns() + 1_000_000_000);
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: (at / 1_000_000_000) as i64,
-                tv_nsec: (at % 1_000_000_000).max(1) as i64,
-            },
-        };
-        // SAFETY: spec is valid for the call; the old value is not asked for.
+        next_send.min(next_deadline).min(mono_ns() + 1_000_000_000)
+    }
+
+    /// Waits for socket events until the next send or timeout. `epoll_pwait2` takes a
+    /// nanosecond timeout (an hrtimer with this thread's 1 ns slack): one syscall per wake-up.
+    /// Kernels before 5.11 lack it: then the absolute timerfd is armed and `epoll_wait` used.
+    fn wait(&mut self, events: &mut [libc::epoll_event]) -> i32 {
+        let at = self.next_wake();
+        let left = at.saturating_sub(mono_ns());
+        if !self.no_pwait2 {
+            let ts = libc::timespec {
+                tv_sec: (left / 1_000_000_000) as i64,
+                tv_nsec: (left % 1_000_000_000) as i64,
+            };
+            // SAFETY: events is valid for writes of events.len() entries; ts outlives the
+            // call; no signal mask.
+            let n = unsafe {
+                libc::syscall(
+                    SYS_EPOLL_PWAIT2,
+                    self.epfd.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    &ts as *const libc::timespec,
+                    std::ptr::null::<libc::sigset_t>(),
+                    0usize,
+                )
+            } as i32;
+            if n >= 0 || last_err().raw_os_error() != Some(libc::ENOSYS) {
+                return n;
+            }
+            self.no_pwait2 = true;
+        }
+        if self.armed != at {
+            let spec = libc::itimerspec {
+                it_interval: libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                },
+                it_value: libc::timespec {
+                    tv_sec: (at / 1_000_000_000) as i64,
+                    tv_nsec: (at % 1_000_000_000).max(1) as i64,
+                },
+            };
+            // SAFETY: spec is valid for the call; the old value is not asked for.
+            unsafe {
+                libc::timerfd_settime(
+                    self.timer.as_raw_fd(),
+                    libc::TFD_TIMER_ABSTIME,
+                    &spec,
+                    std::ptr::null_mut(),
+                )
+            };
+            self.armed = at;
+        }
+        // SAFETY: events is valid for writes of events.len() entries.
         unsafe {
-            libc::timerfd_settime(
-                self.timer.as_raw_fd(),
-                libc::TFD_TIMER_ABSTIME,
-                &spec,
-                std::ptr::null_mut(),
+            libc::epoll_wait(
+                self.epfd.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as i32,
+                1000,
             )
-        };
+        }
     }
 }
 
