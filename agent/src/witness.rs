@@ -607,8 +607,14 @@ impl Witness {
             let mut last = lock(&self.last_mac);
             for t in &self.cfg.targets {
                 let mac = n.since(t.address, now).last().and_then(|c| c.1.clone());
+                // A move is one MAC replacing another. The first resolution, and an entry
+                // that failed or is being resolved again, are not moves (the MAC last known
+                // is kept, so A → unresolved → B is still one move from A to B).
+                if mac.is_none() {
+                    continue;
+                }
                 let prev = last.insert(t.name.clone(), mac.clone());
-                if let Some(p) = prev.filter(|p| *p != mac) {
+                if let Some(p) = prev.filter(|p| p.is_some() && *p != mac) {
                     m.mac_changes
                         .get_or_create(&TargetLabels {
                             target: t.name.clone(),
@@ -672,19 +678,11 @@ impl crate::kernel::engine::Sink for ProbeSink {
 
 /// Starts the witness's probe loops and maintenance.
 pub fn spawn_loops(w: &Arc<Witness>) {
-    if !w.cfg.targets.is_empty() {
-        match crate::kernel::engine::Engine::start(
-            &w.cfg.targets,
-            Arc::new(ProbeSink(Arc::downgrade(w))),
-        ) {
-            Ok(e) => {
-                let _ = w.engine.set(e);
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the probe engine; probes will not run")
-            }
-        }
-    }
+    crate::kernel::engine::start_into(
+        &w.engine,
+        &w.cfg.targets,
+        Arc::new(ProbeSink(Arc::downgrade(w))),
+    );
     let w2 = w.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(500));

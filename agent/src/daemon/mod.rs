@@ -676,20 +676,11 @@ async fn slow_loop(d: Arc<Daemon>) {
 
 /// Starts every loop; returns when they are running.
 pub fn spawn_loops(d: &Arc<Daemon>) {
-    if !d.cfg.targets.is_empty() {
-        match crate::kernel::engine::Engine::start(
-            &d.cfg.targets,
-            Arc::new(ProbeSink(Arc::downgrade(d))),
-        ) {
-            Ok(e) => {
-                let _ = d.engine.set(e);
-            }
-            // Without probes every VIP check stays `unknown` ("not probed yet"): fail closed.
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the probe engine; VIP probes will not run")
-            }
-        }
-    }
+    crate::kernel::engine::start_into(
+        &d.engine,
+        &d.cfg.targets,
+        Arc::new(ProbeSink(Arc::downgrade(d))),
+    );
     for r in d.cfg.dns.resolver_addrs().unwrap_or_default() {
         tokio::spawn(dns_loop(d.clone(), r));
     }

@@ -753,6 +753,20 @@ pub struct Engine {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// Starts an engine for `targets` into `slot` (none without targets). Without an engine no
+/// probe runs and every VIP check stays `unknown` ("not probed yet"): fail closed, logged.
+pub fn start_into(slot: &std::sync::OnceLock<Engine>, targets: &[Target], sink: Arc<dyn Sink>) {
+    if targets.is_empty() {
+        return;
+    }
+    match Engine::start(targets, sink) {
+        Ok(e) => {
+            let _ = slot.set(e);
+        }
+        Err(e) => tracing::error!(error = %e, "cannot start the probe engine; probes will not run"),
+    }
+}
+
 impl Engine {
     /// Starts the engine thread for `targets` (indices are the sink's target indices).
     pub fn start(targets: &[Target], sink: Arc<dyn Sink>) -> io::Result<Engine> {
