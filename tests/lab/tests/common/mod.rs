@@ -95,6 +95,8 @@ pub fn bin(env: &str, name: &str) -> PathBuf {
 pub struct Agent {
     pub child: Child,
     pub addr: SocketAddr,
+    /// Its own state directory (never the host's /var/lib/stepguard), removed on drop.
+    state_dir: std::path::PathBuf,
 }
 
 impl Agent {
@@ -112,13 +114,23 @@ impl Agent {
             }
             None => Command::new(&stepguard),
         };
-        cmd.args(["agent", "--listen", &addr.to_string()])
+        let state_dir = std::env::temp_dir().join(format!(
+            "stepguard-test-agent-{}-{port}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&state_dir);
+        cmd.args(["agent", "--listen", &addr.to_string(), "--state-dir"])
+            .arg(&state_dir)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", stepguard.display()));
-        let agent = Agent { child, addr };
+        let agent = Agent {
+            child,
+            addr,
+            state_dir,
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if agent
@@ -171,6 +183,7 @@ impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.state_dir);
     }
 }
 
