@@ -369,25 +369,43 @@ pub fn count_entries(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<Option<u64
 
 const ENOTSUPP_KERNEL: i32 = 524;
 
-fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
+/// The size of one value slot as the kernel copies it out: per-CPU maps give each possible
+/// CPU a slot rounded up to 8 bytes.
+fn value_slot(info: &MapInfo) -> io::Result<usize> {
     let percpu = matches!(
         info.map_type,
-        MAP_TYPE_PERCPU_HASH | MAP_TYPE_LRU_PERCPU_HASH
+        MAP_TYPE_PERCPU_HASH | MAP_TYPE_LRU_PERCPU_HASH | MAP_TYPE_PERCPU_ARRAY
     );
-    let value_size = if percpu {
+    Ok(if percpu {
         (info.value_size as usize).div_ceil(8) * 8 * possible_cpus()?
     } else {
         info.value_size as usize
-    };
-    let chunk = (1 << 20) / (info.key_size as usize + value_size).max(1);
+    })
+}
+
+fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
+    for_each_batched(fd, info, |_, _| {})
+}
+
+/// Visits every entry (key, value) of a map with batched lookups: one syscall per chunk of
+/// up to 8,192 entries (the key walk costs two per entry). Per-CPU values are the kernel's
+/// layout: one 8-byte-aligned slot per possible CPU. Returns the number of entries.
+fn for_each_batched(
+    fd: &impl AsRawFd,
+    info: &MapInfo,
+    mut f: impl FnMut(&[u8], &[u8]),
+) -> io::Result<u64> {
+    let key_size = info.key_size as usize;
+    let value_size = value_slot(info)?;
+    let chunk = (1 << 20) / (key_size + value_size).max(1);
     let chunk = chunk.clamp(64, 8192);
-    let mut keys = vec![0u8; chunk * info.key_size as usize];
+    let mut keys = vec![0u8; chunk * key_size];
     let mut values = vec![0u8; chunk * value_size];
     // The batch token is opaque and its size depends on the map: hash maps use a 4-byte
     // bucket index, but maps served by the kernel's generic batch code (LPM tries such as
     // `cilium_ipcache`) copy a whole key (`key_size` bytes) into it. An 8-byte token let the
     // kernel write past it (stack corruption: release builds crashed counting ipcache).
-    let token_len = (info.key_size as usize).max(8);
+    let token_len = key_size.max(8);
     let mut in_token = vec![0u8; token_len];
     let mut out_token = vec![0u8; token_len];
     let mut total = 0u64;
@@ -408,7 +426,14 @@ fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
             flags: 0,
         };
         let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        total += attr.count as u64;
+        let got = (attr.count as usize).min(chunk);
+        for i in 0..got {
+            f(
+                &keys[i * key_size..(i + 1) * key_size],
+                &values[i * value_size..(i + 1) * value_size],
+            );
+        }
+        total += got as u64;
         match r {
             Ok(_) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(total),
@@ -420,6 +445,54 @@ fn count_batched(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
         in_token.copy_from_slice(&out_token);
         first = false;
     }
+}
+
+/// Visits every entry (key, value) of a hash-like map, as [`for_each_batched`] does, falling
+/// back to walking the keys and looking each up where the kernel has no batched lookup for
+/// the map (before 5.6, or a map type without it). Nothing is written to the map. A walk
+/// stops after `limit` entries.
+pub fn for_each_entry(
+    fd: &impl AsRawFd,
+    info: &MapInfo,
+    limit: usize,
+    mut f: impl FnMut(&[u8], &[u8]),
+) -> io::Result<u64> {
+    let mut seen = 0usize;
+    match for_each_batched(fd, info, |k, v| {
+        if seen < limit {
+            seen += 1;
+            f(k, v)
+        }
+    }) {
+        Ok(n) => return Ok(n.min(limit as u64)),
+        // Nothing was handed out before these errors (a refused first call).
+        Err(e)
+            if seen == 0
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSPC)
+                ) => {}
+        Err(e) => return Err(e),
+    }
+    for_each_walked(fd, info, limit, f)
+}
+
+/// Visits entries by walking the keys and looking each up (two syscalls per entry).
+fn for_each_walked(
+    fd: &impl AsRawFd,
+    info: &MapInfo,
+    limit: usize,
+    mut f: impl FnMut(&[u8], &[u8]),
+) -> io::Result<u64> {
+    let mut value = vec![0u8; value_slot(info)?];
+    let mut n = 0u64;
+    for k in keys(fd, info.key_size, limit)? {
+        if lookup(fd, &k, &mut value)? {
+            f(&k, &value);
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 fn count_by_keys(fd: &impl AsRawFd, info: &MapInfo) -> io::Result<u64> {
@@ -571,5 +644,69 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(count_entries(&fd, &info).unwrap(), Some(300));
         }
+    }
+
+    /// A per-CPU hash shaped like the agent's DROPS map (8-byte keys, a u64 per CPU), bigger
+    /// than one batch: the batched visit hands out every entry once with every CPU's value,
+    /// exactly as the key walk does.
+    #[test]
+    fn batched_visit_of_a_percpu_hash_equals_the_key_walk() {
+        let ncpu = possible_cpus().unwrap();
+        let n = 10_000u32;
+        let mut attr = CreateAttr {
+            map_type: MAP_TYPE_PERCPU_HASH,
+            key_size: 8,
+            value_size: 8,
+            max_entries: 16_384,
+            map_flags: 0,
+        };
+        let fd = owned(bpf(0, &mut attr).expect("BPF_MAP_CREATE (needs root)"));
+        for i in 0..n {
+            let key = [i.to_ne_bytes(), 7u32.to_ne_bytes()].concat();
+            let value: Vec<u8> = (0..ncpu)
+                .flat_map(|c| (i as u64 * 10 + c as u64).to_ne_bytes())
+                .collect();
+            let mut e = ElemAttr {
+                map_fd: fd.as_raw_fd() as u32,
+                _pad: 0,
+                key: key.as_ptr() as u64,
+                value_or_next: value.as_ptr() as u64,
+                flags: 0,
+            };
+            bpf(2, &mut e).expect("BPF_MAP_UPDATE_ELEM");
+        }
+        let info = map_info(&fd).unwrap();
+        let collect = |batched: bool| {
+            let mut seen = std::collections::BTreeMap::new();
+            let f = |k: &[u8], v: &[u8]| {
+                assert_eq!((k.len(), v.len()), (8, 8 * ncpu));
+                let key = u32::from_ne_bytes(k[..4].try_into().unwrap());
+                let sum: u64 = v
+                    .chunks(8)
+                    .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+                    .sum();
+                assert!(
+                    seen.insert(key, sum).is_none(),
+                    "entry {key} handed out twice"
+                );
+            };
+            let count = if batched {
+                for_each_batched(&fd, &info, f).unwrap()
+            } else {
+                for_each_walked(&fd, &info, usize::MAX, f).unwrap()
+            };
+            assert_eq!(count, n as u64);
+            seen
+        };
+        let (batched, walked) = (collect(true), collect(false));
+        assert_eq!(batched.len(), n as usize);
+        assert_eq!(batched, walked);
+        let c = ncpu as u64;
+        assert_eq!(batched[&1234], 1234 * 10 * c + c * (c - 1) / 2);
+        // The public entry point, and a limit on it.
+        let mut m = 0;
+        assert_eq!(for_each_entry(&fd, &info, 100, |_, _| m += 1).unwrap(), 100);
+        assert_eq!(m, 100);
+        assert_eq!(count_entries(&fd, &info).unwrap(), Some(n as u64));
     }
 }

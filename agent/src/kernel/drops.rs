@@ -5,10 +5,10 @@
 use super::btf::Btf;
 use agent_common::{globals, programs, DropKey, DROPS_MAP, OFFSET_UNKNOWN};
 use anyhow::{anyhow, Context, Result};
-use aya::maps::PerCpuHashMap;
 use aya::programs::{BtfTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 static AGENT_EBPF: &[u8] = aya::include_bytes_aligned!(env!("AGENT_EBPF_OBJ"));
 
@@ -16,6 +16,14 @@ const TRACEFS_FORMATS: [&str; 2] = [
     "/sys/kernel/tracing/events/skb/kfree_skb/format",
     "/sys/kernel/debug/tracing/events/skb/kfree_skb/format",
 ];
+
+/// A map fd owned by the loaded object, borrowed for one read.
+struct BorrowedRaw(RawFd);
+impl AsRawFd for BorrowedRaw {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
 
 /// Kernel drop counters as the agent sees them.
 pub enum KernelDrops {
@@ -221,15 +229,37 @@ impl KernelDrops {
                 return Err(anyhow!("kernel drop accounting unavailable: {reason}"))
             }
         };
-        let map = ebpf
+        let fd = match ebpf
             .map(DROPS_MAP)
-            .context("DROPS map missing from the agent's object")?;
-        let map: PerCpuHashMap<_, DropKey, u64> = PerCpuHashMap::try_from(map)?;
-        let mut out = BTreeMap::new();
-        for item in map.iter() {
-            let (k, values) = item.context("read DROPS map")?;
-            *out.entry(k).or_insert(0) += values.iter().sum::<u64>();
+            .context("DROPS map missing from the agent's object")?
+        {
+            aya::maps::Map::PerCpuHashMap(m) => m.fd().as_fd().as_raw_fd(),
+            _ => return Err(anyhow!("DROPS is not a per-CPU hash map")),
+        };
+        let fd = BorrowedRaw(fd);
+        // Read in batches: one key per (reason, device) grows with the node's endpoints
+        // (1,000 on a big node), and a step reads this every 100 ms.
+        let info = super::bpf::map_info(&fd).context("DROPS map info")?;
+        if info.key_size != 8 || info.value_size != 8 {
+            return Err(anyhow!(
+                "DROPS map layout {}x{} (want 8x8)",
+                info.key_size,
+                info.value_size
+            ));
         }
+        let mut out = BTreeMap::new();
+        super::bpf::for_each_entry(&fd, &info, info.max_entries as usize, |k, v| {
+            let key = DropKey {
+                reason: u32::from_ne_bytes(k[0..4].try_into().unwrap_or([0; 4])),
+                ifindex: u32::from_ne_bytes(k[4..8].try_into().unwrap_or([0; 4])),
+            };
+            let n: u64 = v
+                .chunks(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().unwrap_or([0; 8])))
+                .sum();
+            *out.entry(key).or_insert(0) += n;
+        })
+        .context("read DROPS map")?;
         Ok(out)
     }
 
