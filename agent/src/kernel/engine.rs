@@ -459,7 +459,7 @@ fn start_with(
                 }
             };
             let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let ident = (std::process::id() & 0xffff) as u16;
+            let ident = icmp_ident();
             let pkt = super::icmp::echo_request(ident, seq);
             let mut o = op(own, raw, seq);
             let (ss, len) = sockaddr(spec.addr);
@@ -625,7 +625,7 @@ fn icmp_judge(datagram: &[u8], from: Option<Ipv4Addr>, dst: Ipv4Addr, op: &Op) -
         datagram
     };
     let from = from.unwrap_or(Ipv4Addr::UNSPECIFIED);
-    let ident = (std::process::id() & 0xffff) as u16;
+    let ident = icmp_ident();
     match super::icmp::classify(icmp, from, dst, ident, op.id, op.raw) {
         super::icmp::Reply::Echo => Some(Ok(("echo reply".into(), None))),
         super::icmp::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
@@ -854,6 +854,13 @@ struct Loop {
     no_pwait2: bool,
     /// What the timerfd is armed for (0: nothing).
     armed: u64,
+}
+
+/// The echo identifier: the process id's low 16 bits, read once (`std::process::id()` is a
+/// getpid syscall, and replies are judged against every echo in flight).
+fn icmp_ident() -> u16 {
+    static IDENT: std::sync::OnceLock<u16> = std::sync::OnceLock::new();
+    *IDENT.get_or_init(|| (std::process::id() & 0xffff) as u16)
 }
 
 fn epoll_ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -1103,7 +1110,7 @@ impl Loop {
 
     /// Replies on the shared ICMP socket, each to the echo in flight it answers.
     fn icmp_ready(&mut self) {
-        let Some(fd) = self.icmp.as_ref().map(|(f, _)| f.as_raw_fd()) else {
+        let Some((fd, raw)) = self.icmp.as_ref().map(|(f, r)| (f.as_raw_fd(), *r)) else {
             return;
         };
         let mut buf = [0u8; 1500];
@@ -1112,20 +1119,28 @@ impl Loop {
                 Ok(x) => x,
                 Err(_) => return, // EAGAIN (or an error the next echo's timeout will show)
             };
-            let mut hit = None;
-            for (&seq, &(slot, gen)) in &self.icmp_ops {
-                let Some(Some(s)) = self.slots.get(slot) else {
-                    continue;
-                };
-                let IpAddr::V4(dst) = self.specs[s.target].addr.ip() else {
-                    continue;
-                };
-                if let Some(done) = icmp_judge(&buf[..n], from, dst, &s.op) {
-                    hit = Some((seq, slot, gen, done));
-                    break;
-                }
-            }
-            if let Some((_, slot, gen, done)) = hit {
+            // The echo it may answer, by sequence number (a raw socket also sees every other
+            // ICMP message of the namespace: no scan of the echoes in flight for each).
+            let datagram = &buf[..n];
+            let icmp = if raw {
+                let ihl = ((datagram.first().copied().unwrap_or(0) & 0x0f) as usize) * 4;
+                datagram.get(ihl..).unwrap_or(&[])
+            } else {
+                datagram
+            };
+            let Some(&(slot, gen)) =
+                super::icmp::answered_seq(icmp).and_then(|seq| self.icmp_ops.get(&seq))
+            else {
+                continue;
+            };
+            let done = match self.slots.get(slot) {
+                Some(Some(s)) if s.gen == gen => match self.specs[s.target].addr.ip() {
+                    IpAddr::V4(dst) => icmp_judge(datagram, from, dst, &s.op),
+                    IpAddr::V6(_) => None,
+                },
+                _ => None,
+            };
+            if let Some(done) = done {
                 if let Some(s) = self.take(slot, gen) {
                     self.finish(s.target, s.op, done);
                 }

@@ -40,6 +40,22 @@ pub enum Reply {
 /// Classifies an ICMP message (from its first byte) received from `from`. A raw socket sees
 /// every ICMP message of the host, so the ident is checked there; a ping socket's ident is
 /// the kernel's and only the sequence number is ours.
+/// The sequence number of the echo an ICMP message may answer: an echo reply's own, or the
+/// quoted request's in a destination unreachable. Only a key to find the echo in flight:
+/// [`classify`] still judges the message against it.
+pub fn answered_seq(icmp: &[u8]) -> Option<u16> {
+    match *icmp.first()? {
+        0 => Some(u16::from_be_bytes([*icmp.get(6)?, *icmp.get(7)?])),
+        3 => {
+            let quoted = icmp.get(8..)?;
+            let ihl = ((quoted.first()? & 0x0f) as usize) * 4;
+            let inner = quoted.get(ihl..ihl + 8)?;
+            (ihl >= 20 && inner[0] == 8).then(|| u16::from_be_bytes([inner[6], inner[7]]))
+        }
+        _ => None,
+    }
+}
+
 pub fn classify(
     icmp: &[u8],
     from: Ipv4Addr,
@@ -136,6 +152,20 @@ mod tests {
             ),
             Reply::Unreachable(1)
         );
+    }
+
+    /// The key to the echo in flight: a reply's own sequence number, an unreachable's quoted
+    /// one; nothing for other messages or truncated ones.
+    #[test]
+    fn the_answered_sequence_number_is_read_from_replies_and_quoted_requests() {
+        assert_eq!(answered_seq(&echo_reply(7, 42)), Some(42));
+        assert_eq!(answered_seq(&unreachable(DST, 1, 7, 4242)), Some(4242));
+        assert_eq!(answered_seq(&echo_reply(7, 42)[..7]), None);
+        assert_eq!(answered_seq(&unreachable(DST, 1, 7, 42)[..30]), None);
+        let mut request = echo_reply(7, 42);
+        request[0] = 8; // our own echo request, seen by a raw socket
+        assert_eq!(answered_seq(&request), None);
+        assert_eq!(answered_seq(&[]), None);
     }
 
     #[test]
