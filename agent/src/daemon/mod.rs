@@ -191,11 +191,17 @@ impl Daemon {
         Ok(d)
     }
 
+    /// Wakes long-polls and the probe engine (a cadence may have changed).
     pub fn bump(&self) {
-        self.changed.send_modify(|v| *v += 1);
+        self.bump_readers();
         if let Some(e) = self.engine.get() {
             e.wake();
         }
+    }
+
+    /// Wakes long-polls only.
+    pub fn bump_readers(&self) {
+        self.changed.send_modify(|v| *v += 1);
     }
 
     /// The cadence target `i` is probed at now: the step's burst cadence during a step (or

@@ -147,6 +147,10 @@ impl Runner {
     fn publish(&self) {
         let d = &self.d;
         let active = self.active().is_some();
+        let cadence_before = (
+            d.burst.load(Ordering::SeqCst),
+            d.burst_interval_ns.load(Ordering::SeqCst),
+        );
         d.step_active.store(active, Ordering::SeqCst);
         if let Some(s) = self.active() {
             d.burst_interval_ns
@@ -154,7 +158,17 @@ impl Runner {
         }
         d.burst.store(active, Ordering::SeqCst);
         d.snapshot.send_replace(self.step.clone().map(Arc::new));
-        d.bump();
+        let cadence_now = (
+            d.burst.load(Ordering::SeqCst),
+            d.burst_interval_ns.load(Ordering::SeqCst),
+        );
+        // Readers every time; the probe engine only when its cadence changed (it was woken
+        // ten times a second for nothing during every step).
+        if cadence_now == cadence_before {
+            d.bump_readers();
+        } else {
+            d.bump();
+        }
     }
 
     /// Picks up an unfinished step from disk: the time the agent was away is a hole.
