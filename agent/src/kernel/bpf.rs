@@ -585,6 +585,18 @@ mod tests {
         map_flags: u32,
     }
 
+    /// Writes one entry of a map the test created (BPF_MAP_UPDATE_ELEM).
+    fn update(fd: &OwnedFd, key: &[u8], value: &[u8]) {
+        let mut e = ElemAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            _pad: 0,
+            key: key.as_ptr() as u64,
+            value_or_next: value.as_ptr() as u64,
+            flags: 0,
+        };
+        bpf(2, &mut e).expect("BPF_MAP_UPDATE_ELEM");
+    }
+
     /// An LPM trie shaped like `cilium_ipcache` (20-byte keys) with `n` entries (root).
     fn lpm_trie(n: u32) -> (OwnedFd, MapInfo) {
         let mut attr = CreateAttr {
@@ -600,14 +612,7 @@ mod tests {
             key[..4].copy_from_slice(&128u32.to_ne_bytes());
             key[16..20].copy_from_slice(&i.to_be_bytes());
             let value = [0u8; 8];
-            let mut e = ElemAttr {
-                map_fd: fd.as_raw_fd() as u32,
-                _pad: 0,
-                key: key.as_ptr() as u64,
-                value_or_next: value.as_ptr() as u64,
-                flags: 0,
-            };
-            bpf(2, &mut e).expect("BPF_MAP_UPDATE_ELEM");
+            update(&fd, &key, &value);
         }
         let info = map_info(&fd).expect("map info");
         (fd, info)
@@ -666,14 +671,7 @@ mod tests {
             let value: Vec<u8> = (0..ncpu)
                 .flat_map(|c| (i as u64 * 10 + c as u64).to_ne_bytes())
                 .collect();
-            let mut e = ElemAttr {
-                map_fd: fd.as_raw_fd() as u32,
-                _pad: 0,
-                key: key.as_ptr() as u64,
-                value_or_next: value.as_ptr() as u64,
-                flags: 0,
-            };
-            bpf(2, &mut e).expect("BPF_MAP_UPDATE_ELEM");
+            update(&fd, &key, &value);
         }
         let info = map_info(&fd).unwrap();
         let collect = |batched: bool| {
