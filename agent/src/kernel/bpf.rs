@@ -398,7 +398,10 @@ fn for_each_batched(
     let key_size = info.key_size as usize;
     let value_size = value_slot(info)?;
     let chunk = (1 << 20) / (key_size + value_size).max(1);
-    let chunk = chunk.clamp(64, 8192);
+    // No bigger than the map can hold (a small map read every 100 ms needs no 200 KB buffer).
+    let chunk = chunk
+        .clamp(64, 8192)
+        .min((info.max_entries as usize).max(64));
     let mut keys = vec![0u8; chunk * key_size];
     let mut values = vec![0u8; chunk * value_size];
     // The batch token is opaque and its size depends on the map: hash maps use a 4-byte

@@ -8,7 +8,7 @@ use anyhow::{anyhow, Context, Result};
 use aya::programs::{BtfTracePoint, TracePoint};
 use aya::{Ebpf, EbpfLoader};
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::AsFd;
 
 static AGENT_EBPF: &[u8] = aya::include_bytes_aligned!(env!("AGENT_EBPF_OBJ"));
 
@@ -16,14 +16,6 @@ const TRACEFS_FORMATS: [&str; 2] = [
     "/sys/kernel/tracing/events/skb/kfree_skb/format",
     "/sys/kernel/debug/tracing/events/skb/kfree_skb/format",
 ];
-
-/// A map fd owned by the loaded object, borrowed for one read.
-struct BorrowedRaw(RawFd);
-impl AsRawFd for BorrowedRaw {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0
-    }
-}
 
 /// Kernel drop counters as the agent sees them.
 pub enum KernelDrops {
@@ -233,10 +225,9 @@ impl KernelDrops {
             .map(DROPS_MAP)
             .context("DROPS map missing from the agent's object")?
         {
-            aya::maps::Map::PerCpuHashMap(m) => m.fd().as_fd().as_raw_fd(),
+            aya::maps::Map::PerCpuHashMap(m) => m.fd().as_fd(),
             _ => return Err(anyhow!("DROPS is not a per-CPU hash map")),
         };
-        let fd = BorrowedRaw(fd);
         // Read in batches: one key per (reason, device) grows with the node's endpoints
         // (1,000 on a big node), and a step reads this every 100 ms.
         let info = super::bpf::map_info(&fd).context("DROPS map info")?;
