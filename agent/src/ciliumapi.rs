@@ -26,8 +26,18 @@ pub enum ApiError {
     Answer { path: String, message: String },
 }
 
-/// The settings the running agent loaded at its start, by name.
-pub async fn loaded_settings(socket: &Path) -> Result<BTreeMap<String, String>, ApiError> {
+/// What the running agent reports about itself.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AgentInfo {
+    /// The settings it loaded at its start, by name.
+    pub settings: BTreeMap<String, String>,
+    /// Its version as it reports it (`cilium-version`: `1.18.4 6a4b1e4f 2025-… go version …`),
+    /// when it does.
+    pub version: Option<String>,
+}
+
+/// The settings the running agent loaded at its start, by name, and its version.
+pub async fn loaded_settings(socket: &Path) -> Result<AgentInfo, ApiError> {
     let path = socket.display().to_string();
     let timeout = Duration::from_secs(2);
     let work = async {
@@ -79,32 +89,44 @@ pub async fn loaded_settings(socket: &Path) -> Result<BTreeMap<String, String>, 
 }
 
 /// `environment-variables` of a debuginfo answer into a map (`key:value`, split at the first
-/// colon).
-pub fn parse_debuginfo(body: &[u8]) -> Result<BTreeMap<String, String>, String> {
+/// colon), and `cilium-version`.
+pub fn parse_debuginfo(body: &[u8]) -> Result<AgentInfo, String> {
     let v: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| format!("not JSON ({e})"))?;
     let env = v["environment-variables"]
         .as_array()
         .ok_or("no `environment-variables`")?;
-    Ok(env
+    let settings = env
         .iter()
         .filter_map(|e| e.as_str())
         .filter_map(|e| e.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect())
+        .collect();
+    let version = v["cilium-version"]
+        .as_str()
+        .map(|s| s.trim().chars().take(200).collect::<String>())
+        .filter(|s| !s.is_empty());
+    Ok(AgentInfo { settings, version })
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn debuginfo_settings_are_read_by_name() {
-        let m = super::parse_debuginfo(
-            br#"{"environment-variables": ["devices:eth0 eth1", "config-sources:config-map:kube-system/cilium-config", "odd"]}"#,
+        let info = super::parse_debuginfo(
+            br#"{"cilium-version": "1.18.4 6a4b1e4f 2025-11-02T10:01:02+00:00 go version go1.24.9 linux/amd64", "environment-variables": ["devices:eth0 eth1", "config-sources:config-map:kube-system/cilium-config", "odd"]}"#,
         )
         .unwrap();
+        assert_eq!(
+            info.version.as_deref().map(crate::profile::release_of),
+            Some(Some("1.18".into()))
+        );
+        let m = info.settings;
         assert_eq!(m["devices"], "eth0 eth1");
         assert_eq!(m["config-sources"], "config-map:kube-system/cilium-config");
         assert_eq!(m.len(), 2);
         assert!(super::parse_debuginfo(b"{}").is_err());
+        let no_version = super::parse_debuginfo(br#"{"environment-variables": []}"#).unwrap();
+        assert_eq!(no_version.version, None);
     }
 }

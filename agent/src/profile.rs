@@ -54,20 +54,22 @@ pub struct Features {
     /// kube-proxy replacement or BPF masquerade (which needs NodePort): the SNAT maps.
     pub snat: bool,
     pub l2_announcements: bool,
-    /// Tunnel routing mode (VXLAN/Geneve): the tunnel map up to 1.17.
-    pub tunnel: bool,
+    /// Tunnel routing mode (VXLAN/Geneve): the tunnel map up to 1.17. None: the routing mode
+    /// is not known (no cilium-config mounted), so the tunnel map is not required.
+    pub tunnel: Option<bool>,
 }
 
 impl Default for Features {
-    /// Cilium's Helm defaults: IPv4 only, kube-proxy replacement and BPF masquerade off,
-    /// tunnel routing, no L2 announcements.
+    /// Cilium's Helm defaults: IPv4 only, kube-proxy replacement and BPF masquerade off, no
+    /// L2 announcements. The routing mode is left unknown: Helm's default is tunnel, but a
+    /// native-routing node without a mounted cilium-config must not be held to the tunnel map.
     fn default() -> Self {
         Self {
             ipv4: true,
             ipv6: false,
             snat: false,
             l2_announcements: false,
-            tunnel: true,
+            tunnel: None,
         }
     }
 }
@@ -83,9 +85,11 @@ impl Features {
         let masq = flag("enable-bpf-masquerade");
         let nodeport = flag("enable-node-port");
         let tunnel = match (cfg.get("routing-mode"), cfg.get("tunnel")) {
-            (Some(m), _) => Some(m.trim() != "native"),
-            (None, Some(t)) => Some(t.trim() != "disabled"),
-            (None, None) => None,
+            (Some(m), _) => m.trim() != "native",
+            (None, Some(t)) => t.trim() != "disabled",
+            // No routing-mode key in a mounted cilium-config: the agent's own default
+            // (`defaults.RoutingMode = "tunnel"`); Helm always writes the key.
+            (None, None) => true,
         };
         Features {
             ipv4: flag("enable-ipv4").unwrap_or(base.ipv4),
@@ -95,7 +99,7 @@ impl Features {
                 (k, m, n) => k.unwrap_or(false) || m.unwrap_or(false) || n.unwrap_or(false),
             },
             l2_announcements: flag("enable-l2-announcements").unwrap_or(base.l2_announcements),
-            tunnel: tunnel.unwrap_or(base.tunnel),
+            tunnel: Some(tunnel),
         }
     }
 }
@@ -133,7 +137,7 @@ pub fn required_maps(v: CiliumVersion, f: Features) -> BTreeSet<String> {
     });
     if before_1_18 {
         m.push("cilium_node_map");
-        if f.tunnel {
+        if f.tunnel == Some(true) {
             m.push("cilium_tunnel_map");
         }
     } else {
@@ -230,13 +234,113 @@ pub fn map_class(name: &str) -> MapClass {
     }
 }
 
+/// Kept-state maps up to this many entries have their entries named in a step's baseline
+/// (the loss of a few is then said in Cilium's terms); bigger ones are only counted.
+pub const NAMED_ENTRIES_MAX: u64 = 64;
+
+/// Kept-state maps whose entries can be named (their key layouts are cited in
+/// docs/cilium-fidelity.md).
+pub fn names_entries(map: &str) -> bool {
+    matches!(
+        map,
+        "cilium_lxc"
+            | "cilium_lb4_services_v2"
+            | "cilium_lb6_services_v2"
+            | "cilium_lb4_backends_v3"
+            | "cilium_lb6_backends_v3"
+    )
+}
+
+fn ip4(b: &[u8]) -> Option<std::net::Ipv4Addr> {
+    Some(std::net::Ipv4Addr::from(
+        <[u8; 4]>::try_from(b.get(..4)?).ok()?,
+    ))
+}
+
+fn ip6(b: &[u8]) -> Option<std::net::Ipv6Addr> {
+    Some(std::net::Ipv6Addr::from(
+        <[u8; 16]>::try_from(b.get(..16)?).ok()?,
+    ))
+}
+
+fn be16(b: &[u8]) -> Option<u16> {
+    Some(u16::from_be_bytes(b.get(..2)?.try_into().ok()?))
+}
+
+fn proto_name(p: u8) -> String {
+    match p {
+        0 => "any".into(),
+        6 => "TCP".into(),
+        17 => "UDP".into(),
+        132 => "SCTP".into(),
+        n => format!("proto {n}"),
+    }
+}
+
+/// An entry of a kept-state map in Cilium's terms, read from its key (and value): a service
+/// frontend `198.51.100.10:80/TCP` (`struct lb4_key`: address, dport in network order,
+/// backend_slot, proto, scope; slot 0 is the service itself, others its backend slots), a
+/// backend `backend 7 = 10.0.1.5:80` (`struct lb4_backend`: address, port in network order),
+/// an endpoint `10.0.1.5` (`struct endpoint_key`: address, family). None for another map or a
+/// key of another size.
+pub fn describe_entry(map: &str, key: &[u8], value: &[u8]) -> Option<String> {
+    match (map, key.len()) {
+        ("cilium_lb4_services_v2", 12) => {
+            let (addr, port, slot) = (
+                ip4(key)?,
+                be16(&key[4..])?,
+                u16::from_ne_bytes([key[6], key[7]]),
+            );
+            let scope = if key[9] == 1 { " (internal)" } else { "" };
+            let frontend = format!("{addr}:{port}/{}{scope}", proto_name(key[8]));
+            Some(if slot == 0 {
+                frontend
+            } else {
+                format!("{frontend} backend slot {slot}")
+            })
+        }
+        ("cilium_lb6_services_v2", 24) => {
+            let (addr, port, slot) = (
+                ip6(key)?,
+                be16(&key[16..])?,
+                u16::from_ne_bytes([key[18], key[19]]),
+            );
+            let scope = if key[21] == 1 { " (internal)" } else { "" };
+            let frontend = format!("[{addr}]:{port}/{}{scope}", proto_name(key[20]));
+            Some(if slot == 0 {
+                frontend
+            } else {
+                format!("{frontend} backend slot {slot}")
+            })
+        }
+        ("cilium_lb4_backends_v3", 4) => Some(format!(
+            "backend {} = {}:{}",
+            u32::from_ne_bytes(key.try_into().ok()?),
+            ip4(value)?,
+            be16(value.get(4..)?)?
+        )),
+        ("cilium_lb6_backends_v3", 4) => Some(format!(
+            "backend {} = [{}]:{}",
+            u32::from_ne_bytes(key.try_into().ok()?),
+            ip6(value)?,
+            be16(value.get(16..)?)?
+        )),
+        ("cilium_lxc", 20) => match key[16] {
+            1 => Some(format!("endpoint {}", ip4(key)?)),
+            2 => Some(format!("endpoint {}", ip6(key)?)),
+            f => Some(format!("endpoint key family {f}")),
+        },
+        _ => None,
+    }
+}
+
 /// Every global map a version may have, whatever its features.
 pub fn possible_maps(v: CiliumVersion) -> BTreeSet<String> {
     let mut all = BTreeSet::new();
     for ipv6 in [false, true] {
         for snat in [false, true] {
             for l2 in [false, true] {
-                for tunnel in [false, true] {
+                for tunnel in [Some(false), Some(true)] {
                     all.extend(required_maps(
                         v,
                         Features {
@@ -255,16 +359,11 @@ pub fn possible_maps(v: CiliumVersion) -> BTreeSet<String> {
     all
 }
 
-/// Whether a map gone after a restart was removed by design: the version that came back
-/// (inferred from `after`) has no such map whatever its features (e.g. `cilium_tunnel_map`
-/// and the v1 `cilium_node_map` on 1.18).
-pub fn removed_by_design(
-    name: &str,
-    after: &BTreeSet<String>,
-    declared: Option<CiliumVersion>,
-) -> Option<CiliumVersion> {
-    let v = declared.or_else(|| infer_version(after).map(|(v, _)| v))?;
-    (!possible_maps(v).contains(name)).then_some(v)
+/// Whether a map gone after a restart was removed by design: the version `v` that came back
+/// has no such map whatever its features (e.g. `cilium_tunnel_map` and the v1
+/// `cilium_node_map` on 1.18).
+pub fn removed_by_design(name: &str, v: CiliumVersion) -> bool {
+    !possible_maps(v).contains(name)
 }
 
 /// The maps every node of version `v` has whatever its features: what an upgrade step that
@@ -277,18 +376,18 @@ pub fn core_maps(v: CiliumVersion) -> BTreeSet<String> {
             ipv6: false,
             snat: false,
             l2_announcements: false,
-            tunnel: false,
+            tunnel: Some(false),
         },
     )
 }
 
-/// Per-endpoint policy map prefix of a version: `cilium_policy_` (≤ 1.17),
-/// `cilium_policy_v2_` (1.18, 1.19), `cilium_policy_v3_` (1.20).
+/// Per-endpoint policy map prefix of a version (`pkg/maps/policymap` `MapName`):
+/// `cilium_policy_` (1.16), `cilium_policy_v2_` (1.17–1.19), `cilium_policy_v3_` (1.20).
 pub fn policy_prefix(v: CiliumVersion) -> &'static str {
     match v {
         CiliumVersion::V1_20 => "cilium_policy_v3_",
-        CiliumVersion::V1_18 | CiliumVersion::V1_19 => "cilium_policy_v2_",
-        CiliumVersion::V1_16 | CiliumVersion::V1_17 => "cilium_policy_",
+        CiliumVersion::V1_17 | CiliumVersion::V1_18 | CiliumVersion::V1_19 => "cilium_policy_v2_",
+        CiliumVersion::V1_16 => "cilium_policy_",
     }
 }
 
@@ -317,44 +416,143 @@ pub fn is_per_endpoint(name: &str) -> Option<&'static str> {
     }
 }
 
-/// The version whose names fit `present` best, with the evidence that decided it.
+/// Names of one map that Cilium renamed between versions, oldest first, each with the first
+/// version that uses it (docs/cilium-fidelity.md): a step judges the name the returning
+/// version uses against the baseline of whichever name the node had before.
+const RENAMED: &[&[(&str, CiliumVersion)]] = &[&[
+    ("cilium_ipcache", CiliumVersion::V1_16),
+    ("cilium_ipcache_v2", CiliumVersion::V1_18),
+]];
+
+/// The names of the renamed map `name` belongs to, if Cilium renamed it.
+pub fn rename_group(name: &str) -> Option<&'static [(&'static str, CiliumVersion)]> {
+    RENAMED
+        .iter()
+        .copied()
+        .find(|g| g.iter().any(|(n, _)| *n == name))
+}
+
+/// The name version `v` gives the map of `group`.
+pub fn name_in(group: &'static [(&'static str, CiliumVersion)], v: CiliumVersion) -> &'static str {
+    group
+        .iter()
+        .rev()
+        .find(|(_, since)| *since <= v)
+        .or(group.first())
+        .map(|(n, _)| *n)
+        .unwrap_or_default()
+}
+
+/// The kind (`kernel::bpffs` counts per-endpoint maps by it) of version `v`'s per-endpoint
+/// policy maps, after [`policy_prefix`]: `policy`, `policy_v2` or `policy_v3`.
+pub fn policy_kind(v: CiliumVersion) -> &'static str {
+    match v {
+        CiliumVersion::V1_20 => "policy_v3",
+        CiliumVersion::V1_17 | CiliumVersion::V1_18 | CiliumVersion::V1_19 => "policy_v2",
+        CiliumVersion::V1_16 => "policy",
+    }
+}
+
+/// The names version inference reads: the global maps, plus one pseudo-name per kind of
+/// per-endpoint policy map present (those are counted by kind, not kept by name). The
+/// `maps` check and a step's versions use this one set, so they name the same version.
+pub fn names_for_inference<'a>(
+    globals: impl IntoIterator<Item = &'a String>,
+    endpoint_maps: &BTreeMap<String, u64>,
+) -> BTreeSet<String> {
+    let mut all: BTreeSet<String> = globals.into_iter().cloned().collect();
+    for (kind, prefix) in [
+        ("policy", "cilium_policy_"),
+        ("policy_v2", "cilium_policy_v2_"),
+        ("policy_v3", "cilium_policy_v3_"),
+    ] {
+        if endpoint_maps.get(kind).is_some_and(|n| *n > 0) {
+            all.insert(format!("{prefix}00000"));
+        }
+    }
+    all
+}
+
+/// The version whose names fit `present` best (see [`names_for_inference`]), with the
+/// evidence that decided it. Names of an older version win over a newer one's: Cilium
+/// removes at start only the pins it knows (the old names it migrated from), so a node
+/// downgraded from 1.18 to 1.17 may keep `cilium_ipcache_v2` and `cilium_policystats`, and a
+/// node downgraded from 1.20 its `cilium_policy_v3_*` maps, while an upgraded node has had the
+/// old names removed (docs/cilium-fidelity.md).
 pub fn infer_version(present: &BTreeSet<String>) -> Option<(CiliumVersion, String)> {
     let has = |n: &str| present.contains(n);
     let any_prefix = |p: &str| present.iter().any(|n| n.starts_with(p));
-    if any_prefix("cilium_policy_v3_") {
-        return Some((
-            CiliumVersion::V1_20,
-            "per-endpoint policy maps are cilium_policy_v3_* (1.20+)".into(),
-        ));
-    }
-    // 1.18 and 1.19 have the same global maps, as do 1.16 and 1.17: the older of each pair
-    // stands for both (their profiles are the same).
-    if has("cilium_ipcache_v2") {
-        return Some((
-            CiliumVersion::V1_18,
-            "cilium_ipcache_v2 present and policy maps are not v3 (1.18/1.19)".into(),
-        ));
-    }
     if has("cilium_ipcache") && has("cilium_node_map_v2") {
+        // 1.18 removes the v1 ipcache pin at start (it migrates from `OldName`).
         return Some((
             CiliumVersion::V1_16,
             "cilium_ipcache (before 1.18) with cilium_node_map_v2 (1.16+): 1.16/1.17".into(),
         ));
     }
+    if has("cilium_ipcache_v2") {
+        if any_prefix("cilium_policy_v2_") && any_prefix("cilium_policy_v3_") {
+            return Some((
+                CiliumVersion::V1_18,
+                "cilium_ipcache_v2 with per-endpoint policy maps of both cilium_policy_v2_* and cilium_policy_v3_* (1.18–1.20: ambiguous)".into(),
+            ));
+        }
+        if any_prefix("cilium_policy_v3_") {
+            return Some((
+                CiliumVersion::V1_20,
+                "cilium_ipcache_v2 with per-endpoint policy maps cilium_policy_v3_* (1.20+)".into(),
+            ));
+        }
+        // 1.18 and 1.19 have the same maps: the older stands for both.
+        return Some((
+            CiliumVersion::V1_18,
+            "cilium_ipcache_v2, per-endpoint policy maps not cilium_policy_v3_* (1.18/1.19)".into(),
+        ));
+    }
     None
 }
 
-/// The Cilium version(s) a set of pinned map names points to, for people and the step JSON:
-/// `1.16/1.17`, `1.18/1.19` (the pairs share their global maps) or `1.20`.
+/// Whether the names leave the version open between pairs (a node that was downgraded, or
+/// upgraded, may keep another version's per-endpoint policy maps pinned: whether 1.20 removes
+/// 1.19's `cilium_policy_v2_*` maps is *open* in docs/cilium-fidelity.md). A declared version
+/// is then not judged by names.
+pub fn names_ambiguous(present: &BTreeSet<String>) -> bool {
+    let any_prefix = |p: &str| present.iter().any(|n| n.starts_with(p));
+    present.contains("cilium_ipcache_v2")
+        && !present.contains("cilium_ipcache")
+        && any_prefix("cilium_policy_v2_")
+        && any_prefix("cilium_policy_v3_")
+}
+
+/// The label of an inferred version for people and the step JSON: `1.16/1.17`, `1.18/1.19`
+/// (the pairs share their maps, so names cannot tell them apart) or `1.20`.
+pub fn pair_label(v: CiliumVersion) -> &'static str {
+    match v {
+        CiliumVersion::V1_16 | CiliumVersion::V1_17 => "1.16/1.17",
+        CiliumVersion::V1_18 | CiliumVersion::V1_19 => "1.18/1.19",
+        CiliumVersion::V1_20 => "1.20",
+    }
+}
+
+/// Whether pinned map names can tell `v` from every other version (1.16 from 1.17 and 1.18
+/// from 1.19 they cannot).
+pub fn names_distinguish(v: CiliumVersion) -> bool {
+    v == CiliumVersion::V1_20
+}
+
+/// The Cilium version(s) a set of names points to (see [`names_for_inference`]).
 pub fn version_label(present: &BTreeSet<String>) -> Option<String> {
-    infer_version(present).map(|(v, _)| {
-        match v {
-            CiliumVersion::V1_16 | CiliumVersion::V1_17 => "1.16/1.17",
-            CiliumVersion::V1_18 | CiliumVersion::V1_19 => "1.18/1.19",
-            CiliumVersion::V1_20 => "1.20",
-        }
-        .to_string()
-    })
+    infer_version(present).map(|(v, _)| pair_label(v).to_string())
+}
+
+/// The minor release (`1.18`) of a cilium-agent version string as its API reports it
+/// (`cilium-version` in `GET /v1/debuginfo`: `1.18.4 6a4b1e4f 2025-…`, or `v1.18.4`).
+pub fn release_of(version: &str) -> Option<String> {
+    let first = version.split_whitespace().next()?;
+    let first = first.strip_prefix('v').unwrap_or(first);
+    let mut it = first.split(['.', '-', '+']);
+    let (major, minor) = (it.next()?, it.next()?);
+    (major.parse::<u32>().is_ok() && minor.parse::<u32>().is_ok())
+        .then(|| format!("{major}.{minor}"))
 }
 
 /// Names that belong to another version's profile but not to `v`'s: evidence of a wrong profile.
@@ -388,7 +586,7 @@ mod tests {
         let f = Features::default();
         let v16 = required_maps(CiliumVersion::V1_16, f);
         let v18 = required_maps(CiliumVersion::V1_18, f);
-        assert!(v16.contains("cilium_ipcache") && v16.contains("cilium_tunnel_map"));
+        assert!(v16.contains("cilium_ipcache"));
         assert!(
             v18.contains("cilium_ipcache_v2")
                 && !v18.contains("cilium_tunnel_map")
@@ -402,8 +600,18 @@ mod tests {
         // Corrections read from Cilium's source (docs/cilium-fidelity.md): policy stats only
         // from 1.18; the tunnel map only in tunnel mode up to 1.17; the v1 node map until 1.18.
         assert!(!v16.contains("cilium_policystats") && v18.contains("cilium_policystats"));
-        let native = Features { tunnel: false, ..f };
+        let native = Features {
+            tunnel: Some(false),
+            ..f
+        };
         assert!(!required_maps(CiliumVersion::V1_17, native).contains("cilium_tunnel_map"));
+        // No cilium-config: the routing mode is unknown, the tunnel map is not required.
+        assert!(!required_maps(CiliumVersion::V1_17, f).contains("cilium_tunnel_map"));
+        let tunnel = Features {
+            tunnel: Some(true),
+            ..f
+        };
+        assert!(required_maps(CiliumVersion::V1_16, tunnel).contains("cilium_tunnel_map"));
         assert!(v16.contains("cilium_node_map") && !v18.contains("cilium_node_map"));
         assert_eq!(
             required_maps(CiliumVersion::V1_17, f),
@@ -423,17 +631,10 @@ mod tests {
         assert_eq!(map_class("cilium_ct4_global"), MapClass::Churn);
         assert_eq!(map_class("cilium_runtime_config"), MapClass::Other);
         // Gone after an upgrade to 1.18 by design; a service map gone is not.
-        let after = set(&[
-            "cilium_ipcache_v2",
-            "cilium_node_map_v2",
-            "cilium_policystats",
-        ]);
-        assert_eq!(
-            removed_by_design("cilium_tunnel_map", &after, None),
-            Some(CiliumVersion::V1_18)
-        );
-        assert!(removed_by_design("cilium_node_map", &after, None).is_some());
-        assert!(removed_by_design("cilium_lb4_services_v2", &after, None).is_none());
+        let v18 = CiliumVersion::V1_18;
+        assert!(removed_by_design("cilium_tunnel_map", v18));
+        assert!(removed_by_design("cilium_node_map", v18));
+        assert!(!removed_by_design("cilium_lb4_services_v2", v18));
         assert!(
             CiliumVersion::newer_than_newest("1.21") && !CiliumVersion::newer_than_newest("1.20")
         );
@@ -480,6 +681,79 @@ mod tests {
             CiliumVersion::V1_16
         );
         assert!(infer_version(&set(&["something_else"])).is_none());
+    }
+
+    /// After a downgrade Cilium removes only the pins it knows: the newer version's names
+    /// that stay behind do not make the node look newer.
+    #[test]
+    fn a_downgraded_nodes_leftover_pins_do_not_make_it_look_newer() {
+        let v17 = set(&[
+            "cilium_ipcache",
+            "cilium_node_map_v2",
+            "cilium_ipcache_v2",
+            "cilium_policystats",
+            "cilium_policy_v2_00012",
+        ]);
+        assert_eq!(infer_version(&v17).unwrap().0, CiliumVersion::V1_16);
+        let v19 = set(&[
+            "cilium_ipcache_v2",
+            "cilium_policy_v2_00012",
+            "cilium_policy_v3_00012",
+        ]);
+        assert_eq!(infer_version(&v19).unwrap().0, CiliumVersion::V1_18);
+        assert!(names_ambiguous(&v19) && !names_ambiguous(&v17));
+        let eps: BTreeMap<String, u64> = [("policy_v3".to_string(), 4), ("calls".into(), 9)]
+            .into_iter()
+            .collect();
+        let names = names_for_inference(&set(&["cilium_ipcache_v2"]), &eps);
+        assert_eq!(infer_version(&names).unwrap().0, CiliumVersion::V1_20);
+        assert_eq!(version_label(&names).as_deref(), Some("1.20"));
+    }
+
+    #[test]
+    fn kept_entries_are_named_in_ciliums_terms() {
+        let mut k = vec![198, 51, 100, 10, 0, 80, 0, 0, 6, 0, 0, 0];
+        assert_eq!(
+            describe_entry("cilium_lb4_services_v2", &k, &[]).as_deref(),
+            Some("198.51.100.10:80/TCP")
+        );
+        k[6] = 2;
+        assert_eq!(
+            describe_entry("cilium_lb4_services_v2", &k, &[]).as_deref(),
+            Some("198.51.100.10:80/TCP backend slot 2")
+        );
+        let v = [10, 0, 1, 5, 0x1f, 0x90, 6, 0, 0, 0, 0, 0];
+        assert_eq!(
+            describe_entry("cilium_lb4_backends_v3", &7u32.to_ne_bytes(), &v).as_deref(),
+            Some("backend 7 = 10.0.1.5:8080")
+        );
+        let mut e = vec![0u8; 20];
+        e[..4].copy_from_slice(&[10, 0, 1, 9]);
+        e[16] = 1;
+        assert_eq!(
+            describe_entry("cilium_lxc", &e, &[]).as_deref(),
+            Some("endpoint 10.0.1.9")
+        );
+        assert_eq!(describe_entry("cilium_lxc", &[0; 4], &[]), None);
+        assert_eq!(describe_entry("cilium_ct4_global", &[0; 14], &[]), None);
+    }
+
+    #[test]
+    fn renamed_maps_and_releases() {
+        let g = rename_group("cilium_ipcache_v2").unwrap();
+        assert_eq!(rename_group("cilium_ipcache"), Some(g));
+        assert_eq!(name_in(g, CiliumVersion::V1_17), "cilium_ipcache");
+        assert_eq!(name_in(g, CiliumVersion::V1_18), "cilium_ipcache_v2");
+        assert_eq!(name_in(g, CiliumVersion::V1_20), "cilium_ipcache_v2");
+        assert!(rename_group("cilium_lxc").is_none());
+        assert_eq!(
+            release_of("1.18.4 6a4b1e4f 2025-11-02T10:01:02+00:00 go version go1.24.9 linux/amd64")
+                .as_deref(),
+            Some("1.18")
+        );
+        assert_eq!(release_of("v1.20.0-rc.1").as_deref(), Some("1.20"));
+        assert_eq!(release_of("").as_deref(), None);
+        assert_eq!(release_of("garbage").as_deref(), None);
     }
 
     #[test]

@@ -13,6 +13,9 @@ use std::collections::BTreeMap;
 
 pub const CHECK: &str = "config";
 
+/// The evidence key with the version the running agent reports (`cilium-version`).
+pub const AGENT_VERSION: &str = "agent_version";
+
 /// The synthetic key `cilium-dbg build-config` adds (where the settings came from).
 const CONFIG_SOURCES: &str = "config-sources";
 
@@ -168,7 +171,19 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             Some(sock) => Some(crate::ciliumapi::loaded_settings(sock).await),
             None => None,
         };
-        evaluate(i.cilium, loaded.as_ref().map(|r| r.as_ref()), i.store)
+        let mut r = evaluate(
+            i.cilium,
+            loaded
+                .as_ref()
+                .map(|r| r.as_ref().map(|info| &info.settings)),
+            i.store,
+        );
+        // The running agent's version, whatever the config verdict: a step reads it (the
+        // release a declared upgrade is held to).
+        if let (Some(Ok(info)), Some(obj)) = (&loaded, r.evidence.as_object_mut()) {
+            obj.insert(AGENT_VERSION.into(), json!(info.version));
+        }
+        r
     })
 }
 

@@ -34,8 +34,7 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
         .cloned()
         .collect();
     // Per-endpoint names are not kept one by one; their prefix is what inference needs.
-    let mut all_names = present.clone();
-    all_names.extend(policy_prefix_hint(obs));
+    let all_names = profile::names_for_inference(&present, &obs.endpoint_maps);
     let (version, how) = match exp.version {
         Some(v) => (v, "configured".to_string()),
         None => match profile::infer_version(&all_names) {
@@ -121,15 +120,6 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
         ),
         evidence,
     )
-}
-
-/// The per-endpoint policy prefix seen, as a pseudo-name for version inference.
-fn policy_prefix_hint(obs: &MapsObservation) -> Vec<String> {
-    ["v2", "v3"]
-        .iter()
-        .filter(|v| obs.endpoint_maps.contains_key(&format!("policy_{v}")))
-        .map(|v| format!("cilium_policy_{v}_00000"))
-        .collect()
 }
 
 /// The `maps` node check: needs the pinned maps.

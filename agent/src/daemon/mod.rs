@@ -445,6 +445,18 @@ impl Daemon {
         out
     }
 
+    /// The version the running cilium-agent reported at the last config check (None: not
+    /// configured, not answering, or not reported).
+    pub fn agent_version(&self) -> Option<String> {
+        let view = lock(&self.node);
+        view.results
+            .get(checks::config::CHECK)?
+            .evidence
+            .get(checks::config::AGENT_VERSION)?
+            .as_str()
+            .map(String::from)
+    }
+
     /// Kernel drops by reason now (None: the signal is unknown).
     pub fn kernel_drops_now(&self) -> Option<BTreeMap<String, u64>> {
         lock(&self.kernel_drops).by_reason().ok()

@@ -105,6 +105,11 @@ struct Runner {
     n: u64,
     last_maps: Option<BTreeMap<String, Option<u64>>>,
     last_map_ids: Option<BTreeMap<String, u32>>,
+    last_endpoint_maps: Option<BTreeMap<String, u64>>,
+    /// The agent API's version at the last node refresh, and when.
+    last_agent_version: Option<(String, f64)>,
+    /// Named entries of kept maps that lost some since the baseline.
+    last_map_entries: BTreeMap<String, Vec<String>>,
     last_programs: Option<BTreeMap<String, Option<u32>>>,
 }
 
@@ -120,6 +125,9 @@ pub async fn run(d: Arc<Daemon>) {
         n: 0,
         last_maps: None,
         last_map_ids: None,
+        last_endpoint_maps: None,
+        last_agent_version: None,
+        last_map_entries: BTreeMap::new(),
         last_programs: None,
         d,
     };
@@ -346,9 +354,44 @@ impl Runner {
         if n.is_multiple_of(10) || self.last_maps.is_none() {
             let d2 = d.clone();
             let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
-            let node = lock(&d.node);
-            self.last_maps = node.maps.as_ref().map(map_counts);
-            self.last_map_ids = node.maps.as_ref().map(watch::map_ids);
+            {
+                let node = lock(&d.node);
+                self.last_maps = node.maps.as_ref().map(map_counts);
+                self.last_map_ids = node.maps.as_ref().map(watch::map_ids);
+                self.last_endpoint_maps = node.maps.as_ref().map(|m| m.endpoint_maps.clone());
+            }
+            self.last_agent_version = d.agent_version().map(|v| (v, unix_now()));
+            // Kept maps that lost entries since the baseline: name what is gone (read only
+            // then; small maps only, see `Baseline::map_entries`).
+            let shrunk: Vec<String> = self
+                .active()
+                .map(|s| {
+                    s.baseline
+                        .map_entries
+                        .keys()
+                        .filter(|m| {
+                            let before = s.baseline.maps.get(*m).copied().flatten();
+                            let now = self
+                                .last_maps
+                                .as_ref()
+                                .and_then(|l| l.get(*m).copied().flatten());
+                            matches!((before, now), (Some(b), Some(a)) if a < b)
+                        })
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            self.last_map_entries = if shrunk.is_empty() {
+                BTreeMap::new()
+            } else {
+                let bpffs = d.cfg.bpffs.clone();
+                d.kernel
+                    .spawn(async move {
+                        watch::named_entries(&bpffs, shrunk.iter().map(|s| s.as_str()))
+                    })
+                    .await
+                    .unwrap_or_default()
+            };
         }
         let baseline_checks = self
             .active()
@@ -442,6 +485,9 @@ impl Runner {
             // Every probe sent before this has answered or timed out, and been recorded (a
             // little slack for the recording itself on a busy node).
             complete_until: now - max_timeout - COMPLETION_SLACK_S,
+            endpoint_maps: self.last_endpoint_maps.clone(),
+            agent_version: self.last_agent_version.clone(),
+            map_entries: self.last_map_entries.clone(),
         };
         verdict::decide(s, &o);
         let done = s.is_final();

@@ -5,6 +5,7 @@ use crate::checks::devices::{self, XDP_KEY};
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
 use crate::probe::unix_now;
+use crate::profile;
 use crate::step::{Baseline, Step, StepParams, Verdict};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -68,6 +69,28 @@ pub fn reload_keys(obs: &links::Observation, selected: &[String]) -> Vec<String>
         }
     }
     keys
+}
+
+/// The entries of `names` in Cilium's terms (`profile::describe_entry`), read-only; a map
+/// that cannot be read is left out (its loss is then only counted).
+pub fn named_entries<'a>(
+    bpffs: &std::path::Path,
+    names: impl IntoIterator<Item = &'a str>,
+) -> BTreeMap<String, Vec<String>> {
+    let limit = profile::NAMED_ENTRIES_MAX as usize * 4;
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let mut out = std::collections::BTreeSet::new();
+            crate::kernel::bpffs::read_entries(bpffs, name, limit, |k, v| {
+                if let Some(e) = profile::describe_entry(name, k, v) {
+                    out.insert(e);
+                }
+            })
+            .ok()?;
+            Some((name.to_string(), out.into_iter().collect()))
+        })
+        .collect()
 }
 
 /// Map ids of the global maps.
@@ -251,6 +274,27 @@ pub fn baseline_from(
         .collect();
     let maps = observed.map(map_counts).unwrap_or_default();
     let map_ids = observed.map(map_ids).unwrap_or_default();
+    let endpoint_maps = observed
+        .map(|m| m.endpoint_maps.clone())
+        .unwrap_or_default();
+    let small_kept = maps.iter().filter(|(name, n)| {
+        profile::names_entries(name) && n.is_some_and(|n| n <= profile::NAMED_ENTRIES_MAX)
+    });
+    let map_entries = named_entries(&d.cfg.bpffs, small_kept.map(|(n, _)| n.as_str()));
+    let (cilium, cilium_from) = match d.agent_version() {
+        Some(full) => (
+            profile::release_of(&full),
+            Some(format!("agent API ({full})")),
+        ),
+        None => (None, None),
+    };
+    let (cilium, cilium_from) = match cilium {
+        Some(c) => (Some(c), cilium_from),
+        None => (
+            profile::version_label(&profile::names_for_inference(maps.keys(), &endpoint_maps)),
+            Some("pinned map names".to_string()),
+        ),
+    };
     let node_checks = d
         .node_results()
         .into_iter()
@@ -258,7 +302,10 @@ pub fn baseline_from(
         .collect();
     let (kernel_drops, cilium_drops) = (d.kernel_drops_now(), d.cilium_drops_now());
     Ok(Baseline {
-        cilium: crate::profile::version_label(&maps.keys().cloned().collect()),
+        cilium,
+        cilium_from,
+        endpoint_maps,
+        map_entries,
         programs,
         selected,
         maps,

@@ -81,6 +81,18 @@ impl Count {
     }
 }
 
+/// Visits up to `limit` entries (key, value) of the global map `name`, opened read-only.
+pub fn read_entries(
+    bpffs: &Path,
+    name: &str,
+    limit: usize,
+    f: impl FnMut(&[u8], &[u8]),
+) -> std::io::Result<u64> {
+    let fd = bpf::obj_get_rdonly(&bpffs.join("tc/globals").join(name))?;
+    let info = bpf::map_info(&fd)?;
+    bpf::for_each_entry(&fd, &info, limit, f)
+}
+
 /// Reads every pin under `<bpffs>/tc/globals/`, counting entries as `count` says.
 pub fn observe(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError> {
     if !bpffs.exists() {

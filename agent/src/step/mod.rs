@@ -334,10 +334,22 @@ pub struct Baseline {
     /// Drop counters (`kernel`, `cilium`) that could not be read at the start.
     #[serde(default)]
     pub drops_unknown_at_start: Vec<String>,
-    /// The Cilium version the pinned maps pointed to at the start (`1.16/1.17`, `1.18/1.19`,
-    /// `1.20`; see `profile::version_label`).
+    /// The Cilium version at the start: the release the agent's API reported (`1.18`), or
+    /// what the pinned maps point to (`1.16/1.17`, `1.18/1.19`, `1.20`; see
+    /// `profile::version_label`) when the API did not answer.
     #[serde(default)]
     pub cilium: Option<String>,
+    /// What decided `cilium`: `agent API (<its cilium-version>)` or `pinned map names`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium_from: Option<String>,
+    /// Per-endpoint maps by kind (`policy`, `policy_v2`, `policy_v3`, `calls`, `other`).
+    #[serde(default)]
+    pub endpoint_maps: BTreeMap<String, u64>,
+    /// The entries of small kept-state maps in Cilium's terms (service frontends, endpoint
+    /// IPs, backends), so a loss can be named; maps above `profile::NAMED_ENTRIES_MAX`
+    /// entries are not listed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub map_entries: BTreeMap<String, Vec<String>>,
 }
 
 /// How a global map fared across the step, by what Cilium does with it (see
@@ -597,6 +609,7 @@ pub enum Reason {
     DeviceSetChanged,
     MapMissing,
     MapEmptied,
+    CiliumVersionMismatch,
     DnsSlower,
     DropsOverBudget,
     EvidenceIncomplete,
@@ -612,6 +625,7 @@ impl Reason {
             Reason::DeviceSetChanged => "device_set_changed",
             Reason::MapMissing => "map_missing",
             Reason::MapEmptied => "map_emptied",
+            Reason::CiliumVersionMismatch => "cilium_version_mismatch",
             Reason::DnsSlower => "dns_slower",
             Reason::DropsOverBudget => "drops_over_budget",
             Reason::EvidenceIncomplete => "evidence_incomplete",
@@ -664,6 +678,9 @@ pub struct Step {
     /// is the one before).
     #[serde(default)]
     pub cilium_after: Option<String>,
+    /// What decided `cilium_after` (see `Baseline::cilium_from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium_after_from: Option<String>,
     /// Witnesses named by the step, by URL.
     #[serde(default)]
     pub witnesses: BTreeMap<String, WitnessTrack>,
@@ -727,6 +744,7 @@ impl Step {
             drops: BTreeMap::new(),
             dns_p50_after_ms: None,
             cilium_after: None,
+            cilium_after_from: None,
             witnesses: BTreeMap::new(),
             origin: Origin::Posted,
             trigger: None,

@@ -47,9 +47,13 @@ pub struct StepView {
     #[serde(default)]
     pub drops: BTreeMap<String, u64>,
     pub dns_p50_after_ms: Option<f64>,
-    /// The Cilium version the maps point to after the reload (before: `baseline.cilium`).
+    /// The Cilium version after the reload (before: `baseline.cilium`), from the agent's API
+    /// or the pinned map names.
     #[serde(default)]
     pub cilium_after: Option<String>,
+    /// What decided `cilium_after`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cilium_after_from: Option<String>,
     #[serde(default)]
     pub holes: Vec<(f64, f64)>,
     pub evidence_incomplete: Option<String>,
@@ -86,6 +90,7 @@ impl StepView {
             drops: s.drops.clone(),
             dns_p50_after_ms: s.dns_p50_after_ms,
             cilium_after: s.cilium_after.clone(),
+            cilium_after_from: s.cilium_after_from.clone(),
             holes: s.holes.clone(),
             evidence_incomplete: s.evidence_incomplete.clone(),
             maps: s.maps.clone(),
@@ -135,8 +140,14 @@ impl StepView {
                 .as_deref()
                 .map(|v| format!(", declared {v}"))
                 .unwrap_or_default();
+            let from = |f: &Option<String>| match f.as_deref() {
+                Some(f) if f.starts_with("agent API") => "agent API",
+                _ => "pinned maps",
+            };
             out.push_str(&format!(
-                "  cilium (from the pinned maps): {before} -> {after}{declared}\n"
+                "  cilium: {before} ({}) -> {after} ({}){declared}\n",
+                from(&self.baseline.cilium_from),
+                from(&self.cilium_after_from)
             ));
         }
         if !self.gaps.is_empty() {

@@ -546,17 +546,23 @@ impl Lab {
             .context("write the lab agent's loaded settings")
     }
 
-    /// The maps of an agent coming back as `to`: global maps the new version does not have are
-    /// unpinned (as 1.18 unpins the tunnel map and the v1 node map, and RemoveDisabledMaps
-    /// the rest), new ones are created and filled; per-endpoint policy maps follow the new
-    /// name prefix.
+    /// The maps of an agent coming back as `to`. An upgrade unpins the global maps the new
+    /// version no longer has (1.18 unpins the tunnel map, the v1 node map and the v1 ipcache
+    /// it migrates from); a downgrade leaves the newer version's pins alone (Cilium removes
+    /// only pins it knows: a 1.17 agent after 1.18 keeps `cilium_ipcache_v2` and
+    /// `cilium_policystats` pinned, unused). New maps are created and filled; per-endpoint
+    /// policy maps follow the new name prefix (renamed on an upgrade, created beside the
+    /// newer ones on a downgrade).
     fn upgrade_maps(&mut self, to: Profile) -> Result<()> {
         let s = &self.state.spec;
         let old: Vec<maps::MapSpec> = maps::global_maps(s.profile, s.features, s.capacity);
         let new: Vec<maps::MapSpec> = maps::global_maps(to, s.features, s.capacity);
         let globals = maps::globals_dir(&self.state.bpffs);
-        for m in old.iter().filter(|m| !new.iter().any(|n| n.name == m.name)) {
-            let _ = std::fs::remove_file(globals.join(&m.name));
+        let downgrade = (to as u8) < (s.profile as u8);
+        if !downgrade {
+            for m in old.iter().filter(|m| !new.iter().any(|n| n.name == m.name)) {
+                let _ = std::fs::remove_file(globals.join(&m.name));
+            }
         }
         let from = s.profile;
         self.state.spec.profile = to;
@@ -577,7 +583,11 @@ impl Lab {
                 maps::policy_map_name(to, ep),
             );
             if a != b && globals.join(&a).exists() {
-                let _ = std::fs::rename(globals.join(&a), globals.join(&b));
+                if downgrade {
+                    self.create_policy_map(ep)?;
+                } else {
+                    let _ = std::fs::rename(globals.join(&a), globals.join(&b));
+                }
             }
         }
         self.save()
@@ -634,10 +644,36 @@ impl Lab {
         maps::populate(&fd, &spec, &facts, self.state.spec.ct_fill).map(|_| ())
     }
 
+    /// The endpoint's policy map under the lab version's name, with one entry.
+    fn create_policy_map(&self, ep: u16) -> Result<()> {
+        let s = &self.state.spec;
+        let policy = maps::MapSpec {
+            name: maps::policy_map_name(s.profile, ep),
+            map_type: if s.profile == Profile::V1_20 {
+                maps::LPM_TRIE
+            } else {
+                maps::HASH
+            },
+            key_size: 12,
+            value_size: 8,
+            max_entries: 16384,
+            flags: if s.profile == Profile::V1_20 {
+                sys::BPF_F_NO_PREALLOC
+            } else {
+                0
+            },
+        };
+        let fd = maps::create_pinned(&self.state.bpffs, &policy)?;
+        let mut k = vec![0u8; 12];
+        if s.profile == Profile::V1_20 {
+            k[..4].copy_from_slice(&64u32.to_ne_bytes());
+        }
+        sys::map_update(&fd, &k, &[0u8; 8]).with_context(|| format!("write {}", policy.name))
+    }
+
     fn create_maps(&self) -> Result<()> {
         self.facts_and_create(None)?;
         // Per-endpoint maps: policy + tail calls for every pod and the host endpoint.
-        let s = &self.state.spec;
         let eps = self
             .state
             .lxc
@@ -645,29 +681,7 @@ impl Lab {
             .map(|l| l.1)
             .chain([self.state.host_endpoint]);
         for ep in eps {
-            let policy = maps::MapSpec {
-                name: maps::policy_map_name(s.profile, ep),
-                map_type: if s.profile == Profile::V1_20 {
-                    maps::LPM_TRIE
-                } else {
-                    maps::HASH
-                },
-                key_size: 12,
-                value_size: 8,
-                max_entries: 16384,
-                flags: if s.profile == Profile::V1_20 {
-                    sys::BPF_F_NO_PREALLOC
-                } else {
-                    0
-                },
-            };
-            let fd = maps::create_pinned(&self.state.bpffs, &policy)?;
-            let mut k = vec![0u8; 12];
-            if s.profile == Profile::V1_20 {
-                k[..4].copy_from_slice(&64u32.to_ne_bytes());
-            }
-            sys::map_update(&fd, &k, &[0u8; 8])
-                .with_context(|| format!("write {}", policy.name))?;
+            self.create_policy_map(ep)?;
             let calls = maps::MapSpec {
                 name: format!("cilium_calls_{ep:05}"),
                 map_type: maps::PROG_ARRAY,
@@ -899,7 +913,14 @@ impl Lab {
             }
         }
         let globals = maps::globals_dir(&self.state.bpffs);
-        for m in [&o.lose_map, &o.flush_map].into_iter().flatten() {
+        for m in [
+            &o.lose_map,
+            &o.flush_map,
+            &o.lose_entries.as_ref().map(|l| l.0.clone()),
+        ]
+        .into_iter()
+        .flatten()
+        {
             if !globals.join(m).exists() {
                 bail!("no pinned map {m} in {}", globals.display());
             }
@@ -935,6 +956,13 @@ impl Lab {
             if let Some(m) = &o.flush_map {
                 let fd = sys::obj_get(&globals.join(m))?;
                 maps::flush(&fd, sys::map_key_size(&fd)?)?;
+            }
+            if let Some((m, n)) = &o.lose_entries {
+                let fd = sys::obj_get(&globals.join(m))?;
+                let deleted = maps::delete_some(&fd, sys::map_key_size(&fd)?, *n)?;
+                if deleted < *n {
+                    bail!("--lose-entries {m}:{n}: the map had only {deleted} entries");
+                }
             }
             match prepared {
                 Some(p) => datapath::replace(&node, &old, p, o.drop_device.as_deref()),
@@ -1011,6 +1039,17 @@ impl Lab {
             return Ok(());
         }
         let dir = self.state.run_dir.join("services");
+        // What the agent reports as `cilium-version` (pkg/version: `<release> <git hash>
+        // <date> go version <go> <os>/<arch>`): the lab agent's release.
+        std::fs::create_dir_all(self.agent_run_dir())?;
+        std::fs::write(
+            services::agent_version_file(&self.agent_settings()),
+            format!(
+                "{}.0 0000000 2026-01-01T00:00:00+00:00 go version go1.24.0 linux/amd64",
+                self.state.spec.profile
+            ),
+        )
+        .context("write the lab agent's version")?;
         let p = services::start_agent_api(
             &lab_binary()?,
             &self.agent_socket(),
@@ -1112,6 +1151,8 @@ pub struct RestartOpts {
     pub drop_device: Option<String>,
     pub lose_map: Option<String>,
     pub flush_map: Option<String>,
+    /// Fault: this many entries of the map are deleted while the agent is down.
+    pub lose_entries: Option<(String, u32)>,
     /// Fault: ipcache is recreated (as on every Cilium start) but not refilled.
     pub no_refill: bool,
     /// How long after the new programs are in the recreated ipcache is refilled.

@@ -203,6 +203,9 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
 /// Per-endpoint policy map name for a profile (`cilium_policy_v2_00123`, `_v3_` from 1.20).
 pub fn policy_map_name(profile: Profile, epid: u16) -> String {
     match profile {
+        // pkg/maps/policymap `MapName`: `cilium_policy_` at 1.16, `cilium_policy_v2_` from 1.17
+        // (docs/cilium-fidelity.md), `cilium_policy_v3_` at 1.20.
+        Profile::V1_16 => format!("cilium_policy_{epid:05}"),
         Profile::V1_20 => format!("cilium_policy_v3_{epid:05}"),
         _ => format!("cilium_policy_v2_{epid:05}"),
     }
@@ -348,6 +351,17 @@ pub fn populate(fd: &OwnedFd, m: &MapSpec, facts: &NodeFacts, ct_fill: u32) -> R
         _ => {}
     }
     Ok(n)
+}
+
+/// Deletes up to `n` entries of a map (the `--lose-entries` fault); returns how many.
+pub fn delete_some(fd: &OwnedFd, key_size: u32, n: u32) -> Result<u32> {
+    let mut key = vec![0u8; key_size as usize];
+    let mut deleted = 0;
+    while deleted < n && sys::map_next_key(fd, None, &mut key)? {
+        sys::map_delete(fd, &key)?;
+        deleted += 1;
+    }
+    Ok(deleted)
 }
 
 /// Deletes every entry of a map (the `--flush-map` fault).

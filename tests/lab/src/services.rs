@@ -201,6 +201,11 @@ pub fn start_agent_api(lab_bin: &Path, socket: &Path, settings: &Path, log: &Pat
     Ok(proc)
 }
 
+/// Beside the settings: the version the lab agent reports (`cilium-version`).
+pub fn agent_version_file(settings: &Path) -> std::path::PathBuf {
+    settings.with_file_name("cilium-version")
+}
+
 /// Serves `GET /v1/debuginfo` on a unix socket until killed (the body of `agent-api`).
 pub fn serve_agent_api(socket: &Path, settings: &Path) -> Result<()> {
     use std::io::{Read, Write};
@@ -228,9 +233,10 @@ pub fn serve_agent_api(socket: &Path, settings: &Path) -> Result<()> {
                 .iter()
                 .map(|(k, v)| format!("{k}:{}", v.as_str().unwrap_or_default()))
                 .collect();
+            let version = std::fs::read_to_string(agent_version_file(settings)).ok();
             (
                 "200 OK",
-                serde_json::json!({"environment-variables": env}).to_string(),
+                serde_json::json!({"cilium-version": version.map(|v| v.trim().to_string()), "environment-variables": env}).to_string(),
             )
         } else {
             ("404 Not Found", "{}".to_string())

@@ -30,7 +30,11 @@ fn expected_maps(profile: Profile) -> Vec<&'static str> {
             "cilium_ipcache",
             "cilium_tunnel_map",
             "cilium_node_map",
-            "cilium_policy_v2_01000",
+            if profile == Profile::V1_16 {
+                "cilium_policy_01000"
+            } else {
+                "cilium_policy_v2_01000"
+            },
         ]),
         Profile::V1_18 | Profile::V1_19 => v.extend([
             "cilium_ipcache_v2",

@@ -266,7 +266,16 @@ fn run_cell(c: Cell, faults: &[Fault]) -> Vec<String> {
             ));
         }
         if c.version == Profile::V1_17 {
-            let mut gone = vec!["cilium_ipcache", "cilium_node_map"];
+            // ipcache is renamed: judged under its new name against the old one's baseline.
+            if !m_judged(&v, "cilium_ipcache").starts_with("renamed by design")
+                || !m_judged(&v, "cilium_ipcache_v2").starts_with("renamed from cilium_ipcache")
+            {
+                errors.push(format!(
+                    "{c}: ipcache after the upgrade: {} / {}",
+                    v["maps"]["cilium_ipcache"], v["maps"]["cilium_ipcache_v2"]
+                ));
+            }
+            let mut gone = vec!["cilium_node_map"];
             if c.tunnel {
                 gone.push("cilium_tunnel_map");
             }

@@ -124,6 +124,11 @@ enum Cmd {
         /// Fault: this map comes back empty.
         #[arg(long, value_name = "NAME")]
         flush_map: Option<String>,
+        /// Fault: N entries of this map are deleted while the agent is down (as
+        /// `bpftool map delete` would; a pod deleted during the restart is one `cilium_lxc`
+        /// entry).
+        #[arg(long, value_name = "MAP:N", value_parser = parse_lose_entries)]
+        lose_entries: Option<(String, u32)>,
         /// Fault: ipcache is recreated (as on every Cilium start) but never refilled.
         #[arg(long)]
         no_refill: bool,
@@ -323,6 +328,7 @@ fn real_main() -> Result<()> {
             drop_device,
             lose_map,
             flush_map,
+            lose_entries,
             no_refill,
             to,
             resize_map,
@@ -339,6 +345,7 @@ fn real_main() -> Result<()> {
                 drop_device,
                 lose_map,
                 flush_map,
+                lose_entries,
                 no_refill,
                 to,
                 resize_map,
@@ -432,4 +439,18 @@ fn real_main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `MAP:N` of `--lose-entries`.
+fn parse_lose_entries(s: &str) -> Result<(String, u32), String> {
+    let (m, n) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s:?}: expected MAP:N (e.g. cilium_lb4_services_v2:3)"))?;
+    let n: u32 = n
+        .parse()
+        .map_err(|_| format!("{s:?}: N must be a count of entries"))?;
+    if m.is_empty() || n == 0 {
+        return Err(format!("{s:?}: expected MAP:N with N ≥ 1"));
+    }
+    Ok((m.to_string(), n))
 }
