@@ -135,6 +135,14 @@ pub struct Target {
     /// Longest acceptable outage during a step (default: the step's `max_gap`).
     #[serde(default, deserialize_with = "duration::deserialize_opt")]
     pub max_gap: Option<Duration>,
+    /// Share of probes this target may lose outside its longest outage during a step
+    /// (default: the step's `max_loss`, 0.05).
+    #[serde(default)]
+    pub max_loss: Option<f64>,
+    /// All of this target's outages during a step added up (default: the step's
+    /// `max_total_gap`, twice `max_gap`).
+    #[serde(default, deserialize_with = "duration::deserialize_opt")]
+    pub max_total_gap: Option<Duration>,
     /// Source address for the probe (e.g. to leave the node like an outside client would).
     #[serde(default)]
     pub source: Option<IpAddr>,
@@ -357,6 +365,14 @@ impl Config {
         }
         for (i, t) in self.targets.iter().enumerate() {
             let f = format!("targets[{i}]");
+            if let Some(l) = t.max_loss {
+                if !(l.is_finite() && (0.0..=1.0).contains(&l)) {
+                    return field(
+                        &format!("{f}.max_loss"),
+                        format!("{l} is not a share of probes between 0 and 1 (e.g. 0.02 for 2 %)"),
+                    );
+                }
+            }
             if let Some(b) = t.burst_interval {
                 if b < Duration::from_millis(1) {
                     return field(

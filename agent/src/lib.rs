@@ -20,6 +20,7 @@ pub mod probe;
 pub mod profile;
 pub mod report;
 pub mod rollout;
+pub mod serving;
 pub mod stats;
 pub mod step;
 pub mod witness;

@@ -89,7 +89,8 @@ struct AgentArgs {
         env = "STEPGUARD_STATE_DIR"
     )]
     state_dir: PathBuf,
-    /// File holding a bearer token that POST/DELETE requests must carry.
+    /// File holding a bearer token that POST/DELETE requests must carry (read again when
+    /// the file changes: a rotated Kubernetes Secret takes effect without a restart).
     #[arg(long, env = "STEPGUARD_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// VIP and DNS probe cadence outside steps.
@@ -109,6 +110,10 @@ struct AgentArgs {
     /// Time a client has to send its request headers.
     #[arg(long, default_value = "5s", value_parser = parse_dur)]
     header_timeout: Duration,
+    /// A response the client does not read for this long closes its connection (a slow
+    /// reader holds no slot); one connection serves at most 64 requests, then closes.
+    #[arg(long, default_value = "5s", value_parser = parse_dur)]
+    write_timeout: Duration,
     /// Long-polls (`GET /v1/steps/{id}?wait=`) held at once; more are answered at once.
     #[arg(long, default_value = "64")]
     max_long_polls: usize,
@@ -126,10 +131,14 @@ struct WitnessArgs {
     /// Address to serve on.
     #[arg(long, default_value = "0.0.0.0:9970", env = "STEPGUARD_LISTEN")]
     listen: SocketAddr,
-    /// File holding a bearer token that POST/DELETE requests must carry (the agents send
-    /// their own token).
+    /// File holding the bearer token every step request (begin, read, end) must carry (the
+    /// node agents send their own `--token-file`'s token); read again when it changes.
+    /// Required unless `--allow-unauthenticated`.
     #[arg(long, env = "STEPGUARD_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// Serve steps without a token: anyone on the LAN may then begin, read and end them.
+    #[arg(long)]
+    allow_unauthenticated: bool,
     /// Probe cadence outside steps.
     #[arg(long, default_value = "1s", value_parser = parse_dur)]
     probe_interval: Duration,
@@ -374,7 +383,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
         None => Config::default(),
     };
     cfg.check_paths()?;
-    let token = stepguard::client::read_token(args.token_file.as_deref())?;
+    let token = stepguard::serving::Token::from_file(args.token_file.as_deref())?;
     let opts = DaemonOptions {
         state_dir: args.state_dir.clone(),
         probe_interval: args.probe_interval,
@@ -400,13 +409,14 @@ fn agent(args: AgentArgs) -> Result<i32> {
         tracing::info!(listen = %args.listen, state_dir = %args.state_dir.display(), targets = d.cfg.targets.len(), "stepguard agent serving");
         d.ready.store(true, Ordering::SeqCst);
         let d2 = d.clone();
-        let limits = stepguard::daemon::serve::Limits {
+        let limits = stepguard::serving::Limits {
             max_connections: args.max_connections,
             header_timeout: args.header_timeout,
             shutdown_grace: args.shutdown_grace,
+            write_timeout: args.write_timeout,
             ..Default::default()
         };
-        stepguard::daemon::serve::serve(listener, router(d), limits, async move {
+        stepguard::serving::serve(listener, router(d), limits, async move {
             shutdown_signal().await;
             // Readiness goes false first, so nothing new is sent our way before we close;
             // long-polls answer at once with the step as it is.
@@ -438,7 +448,15 @@ fn witness(args: WitnessArgs) -> Result<i32> {
             args.config.display()
         );
     }
-    let token = stepguard::client::read_token(args.token_file.as_deref())?;
+    match (&args.token_file, args.allow_unauthenticated) {
+        (None, false) => anyhow::bail!(
+            "a witness needs --token-file (the token the node agents send); to serve steps to anyone on the LAN, say --allow-unauthenticated"
+        ),
+        (Some(_), true) => anyhow::bail!("--token-file and --allow-unauthenticated: choose one"),
+        (None, true) => tracing::warn!("serving steps without a token (--allow-unauthenticated): anyone on the LAN may begin, read and end them"),
+        (Some(_), false) => {}
+    }
+    let token = stepguard::serving::Token::from_file(args.token_file.as_deref())?;
     let opts = stepguard::witness::WitnessOptions {
         probe_interval: args.probe_interval,
         burst_interval: args.burst_interval,
@@ -458,10 +476,10 @@ fn witness(args: WitnessArgs) -> Result<i32> {
             .with_context(|| format!("listen on {}", args.listen))?;
         stepguard::witness::spawn_loops(&w);
         tracing::info!(listen = %args.listen, targets = w.cfg.targets.len(), instance = %w.instance, "stepguard witness serving");
-        stepguard::daemon::serve::serve(
+        stepguard::serving::serve(
             listener,
             stepguard::witness::router(w),
-            stepguard::daemon::serve::Limits::default(),
+            stepguard::serving::Limits::default(),
             shutdown_signal(),
         )
         .await;

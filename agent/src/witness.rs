@@ -52,7 +52,7 @@ const STEADY_WINDOW_S: f64 = 120.0;
 const MAX_STEP: Duration = Duration::from_secs(6 * 3600);
 
 /// `POST /v1/steps` on a witness.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct WitnessStepRequest {
     pub id: String,
@@ -134,10 +134,23 @@ pub struct WitnessBegun {
 pub struct WitnessOptions {
     pub probe_interval: Duration,
     pub burst_interval: Duration,
-    pub token: Option<String>,
+    /// The bearer token steps (begin, end, read) need; none only when the witness was started
+    /// with `--allow-unauthenticated`.
+    pub token: crate::serving::Token,
+}
+
+/// Why a witness step was not begun.
+#[derive(Debug, PartialEq)]
+pub enum BeginRefused {
+    /// 400: the request is invalid (the field named).
+    Invalid(String),
+    /// 409: the id exists with other parameters (someone else began it first, or a typo).
+    Conflict(String),
 }
 
 struct WStep {
+    /// What it was begun with: a re-POST must ask for the same step.
+    request: WitnessStepRequest,
     created_at: f64,
     until: f64,
     ended_at: Option<f64>,
@@ -360,7 +373,33 @@ impl Witness {
     }
 
     /// Begins (or finds) the step `id`.
-    pub fn begin(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, String> {
+    pub fn begin(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, BeginRefused> {
+        self.begin_checked(r).map_err(BeginRefused::Invalid)?;
+        let now = unix_now();
+        if let Some(s) = lock(&self.steps).get(&r.id) {
+            return if s.request == *r {
+                Ok(WitnessBegun {
+                    id: r.id.clone(),
+                    instance: self.instance.clone(),
+                    created_at: s.created_at,
+                })
+            } else {
+                Err(BeginRefused::Conflict(format!(
+                    "step {:?} exists on this witness with other parameters: begin it with the same ones, or use another id",
+                    r.id
+                )))
+            };
+        }
+        let _ = now;
+        self.begin_new(r).map_err(BeginRefused::Invalid)
+    }
+
+    /// Validates a request (the field named on one line).
+    fn begin_checked(&self, r: &WitnessStepRequest) -> Result<(), String> {
+        self.params(r).map(|_| ())
+    }
+
+    fn params(&self, r: &WitnessStepRequest) -> Result<(Duration, Duration, Duration), String> {
         if r.id.is_empty()
             || r.id.len() > 64
             || !r
@@ -396,9 +435,15 @@ impl Witness {
         )?;
         let timeout = d("timeout", &r.timeout, ms(900_000), ms(1_000), MAX_STEP)?;
         let max_gap = d("max_gap", &r.max_gap, ms(5_000), ms(1), ms(3_600_000))?;
+        Ok((burst, timeout, max_gap))
+    }
+
+    fn begin_new(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, String> {
+        let (burst, timeout, max_gap) = self.params(r)?;
         let now = unix_now();
         let mut steps = lock(&self.steps);
         if let Some(s) = steps.get(&r.id) {
+            // Begun by a concurrent request meanwhile.
             return Ok(WitnessBegun {
                 id: r.id.clone(),
                 instance: self.instance.clone(),
@@ -422,7 +467,14 @@ impl Witness {
                 None => break,
             };
         }
-        let mut targets = crate::step::timelines(&self.cfg.targets, max_gap);
+        let mut targets = crate::step::timelines(
+            &self.cfg.targets,
+            crate::step::Budgets {
+                max_gap,
+                max_loss: None,
+                max_total_gap: None,
+            },
+        );
         let created_at = match r.since {
             Some(t) if t.is_finite() && t < now && t >= now - RING_S => {
                 let ring = lock(&self.ring);
@@ -442,6 +494,7 @@ impl Witness {
         steps.insert(
             r.id.clone(),
             WStep {
+                request: r.clone(),
                 created_at,
                 until: now + timeout.as_secs_f64(),
                 ended_at: None,
@@ -712,7 +765,7 @@ pub fn router(w: Arc<Witness>) -> Router {
                 "no such route; see /v1/status, /v1/steps, /metrics",
             )
         })
-        .layer(DefaultBodyLimit::max(crate::daemon::api::BODY_LIMIT))
+        .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
         .with_state(w)
 }
 
@@ -731,7 +784,7 @@ async fn moves(State(w): State<Arc<Witness>>) -> Response {
     axum::Json(json!({"moves": w.moves()})).into_response()
 }
 
-async fn status(State(w): State<Arc<Witness>>) -> Response {
+async fn status(State(w): State<Arc<Witness>>, headers: HeaderMap) -> Response {
     let now = unix_now();
     let macs: BTreeMap<String, Option<String>> = match &w.neigh {
         Some(n) => w
@@ -755,22 +808,39 @@ async fn status(State(w): State<Arc<Witness>>) -> Response {
         "latest": *lock(&w.latest),
         "macs": macs,
         "neighbour_table": if w.neigh.is_some() { "followed" } else { "unavailable: reports carry no MAC addresses" },
-        "steps": lock(&w.steps).keys().cloned().collect::<Vec<_>>(),
+        // Step ids only to those who may read steps.
+        "steps": if w.opts.token.ok(&headers) {
+            json!(lock(&w.steps).keys().cloned().collect::<Vec<_>>())
+        } else {
+            json!("needs the token")
+        },
     }))
     .into_response()
+}
+
+/// 401 unless the request carries the witness's token (checked from the headers, before any
+/// body is read).
+fn unauthorized(w: &Witness, headers: &HeaderMap) -> Option<Response> {
+    (!w.opts.token.ok(headers)).then(|| {
+        err(
+            StatusCode::UNAUTHORIZED,
+            "this witness needs `Authorization: Bearer <token>`",
+        )
+    })
 }
 
 async fn post_step(
     State(w): State<Arc<Witness>>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Response {
-    if !crate::daemon::api::bearer_ok(w.opts.token.as_deref(), &headers) {
-        return err(
-            StatusCode::UNAUTHORIZED,
-            "this witness needs `Authorization: Bearer <token>`",
-        );
+    if let Some(r) = unauthorized(&w, &headers) {
+        return r;
     }
+    let body = match crate::serving::read_body(body).await {
+        Ok(b) => b,
+        Err((status, why)) => return err(status, why),
+    };
     let r: WitnessStepRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -785,15 +855,20 @@ async fn post_step(
     };
     match w.begin(&r) {
         Ok(b) => (StatusCode::CREATED, axum::Json(b)).into_response(),
-        Err(e) => err(StatusCode::BAD_REQUEST, e),
+        Err(BeginRefused::Invalid(e)) => err(StatusCode::BAD_REQUEST, e),
+        Err(BeginRefused::Conflict(e)) => err(StatusCode::CONFLICT, e),
     }
 }
 
 async fn get_step(
     State(w): State<Arc<Witness>>,
+    headers: HeaderMap,
     Path(id): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
+    if let Some(r) = unauthorized(&w, &headers) {
+        return r;
+    }
     let after = match q.get("after").map(|a| a.parse::<f64>()) {
         None => None,
         Some(Ok(a)) if a.is_finite() => Some(a),
@@ -813,11 +888,8 @@ async fn delete_step(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    if !crate::daemon::api::bearer_ok(w.opts.token.as_deref(), &headers) {
-        return err(
-            StatusCode::UNAUTHORIZED,
-            "this witness needs `Authorization: Bearer <token>`",
-        );
+    if let Some(r) = unauthorized(&w, &headers) {
+        return r;
     }
     if w.end(&id) {
         axum::Json(json!({"id": id, "ended": true})).into_response()
@@ -843,7 +915,7 @@ mod tests {
             WitnessOptions {
                 probe_interval: Duration::from_secs(1),
                 burst_interval: Duration::from_millis(10),
-                token: token.map(String::from),
+                token: crate::serving::Token::fixed(token.map(String::from)),
             },
             None,
         )
@@ -889,12 +961,31 @@ mod tests {
         .await;
         assert_eq!(s, 201, "{b}");
         assert_eq!(b["instance"], w.instance.as_str());
-        let (s2, b2) = call(&w, "POST", "/v1/steps", r#"{"id":"a"}"#, Some("s3cret")).await;
+        let (s2, b2) = call(
+            &w,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"a","burst_interval":"5ms"}"#,
+            Some("s3cret"),
+        )
+        .await;
         assert_eq!(
             (s2, &b2["created_at"]),
             (201, &b["created_at"]),
             "idempotent"
         );
+        // The same id with other parameters (a step planted with a 1 h budget): 409.
+        let (s3, b3) = call(
+            &w,
+            "POST",
+            "/v1/steps",
+            r#"{"id":"a","max_gap":"3600000ms","timeout":"1h"}"#,
+            Some("s3cret"),
+        )
+        .await;
+        assert_eq!(s3, 409, "{b3}");
+        // Step data needs the token too.
+        assert_eq!(call(&w, "GET", "/v1/steps/a", "", None).await.0, 401);
         assert_eq!(w.interval(), Duration::from_millis(5), "bursting");
         // Samples: ok, two failures, ok: one outage.
         let t0 = b["created_at"].as_f64().unwrap();
@@ -914,9 +1005,14 @@ mod tests {
         }
         let r = w.report("a", Some(t0)).unwrap();
         assert_eq!(r.probes["gw"].sent, 4);
-        let (s, v) = call(&w, "GET", "/v1/steps/a?after=x", "", None).await;
+        let (s, v) = call(&w, "GET", "/v1/steps/a?after=x", "", Some("s3cret")).await;
         assert_eq!(s, 400, "{v}");
-        assert_eq!(call(&w, "GET", "/v1/steps/nope", "", None).await.0, 404);
+        assert_eq!(
+            call(&w, "GET", "/v1/steps/nope", "", Some("s3cret"))
+                .await
+                .0,
+            404
+        );
         assert_eq!(
             call(&w, "DELETE", "/v1/steps/a", "", Some("s3cret"))
                 .await

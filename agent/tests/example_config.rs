@@ -21,3 +21,26 @@ fn the_example_witness_config_parses() {
     assert_eq!(cfg.targets.len(), 4);
     assert!(cfg.dns.resolvers.is_empty());
 }
+
+/// The shipped witness unit sets a token up (and never runs unauthenticated).
+#[test]
+fn the_witness_unit_file_runs_with_a_token() {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/witness/stepguard-witness.service"
+    ))
+    .unwrap();
+    let exec: Vec<&str> = unit
+        .lines()
+        .filter(|l| l.starts_with("ExecStart="))
+        .collect();
+    assert_eq!(exec.len(), 1, "{exec:?}");
+    assert!(exec[0].contains("--token-file"), "{exec:?}");
+    assert!(
+        !unit.contains("--allow-unauthenticated\n") && !exec[0].contains("--allow-unauthenticated")
+    );
+    assert!(
+        unit.contains("LoadCredential=token:"),
+        "the token reaches the dynamic user"
+    );
+}

@@ -168,3 +168,29 @@ fn a_closed_stdout_does_not_change_the_exit_code() {
     let code = child.wait().unwrap().code();
     assert_eq!(code, Some(2), "unknown maps: exit 2, not a panic");
 }
+
+/// A witness without a token refuses to start unless told, by a flag that says so, that it
+/// serves steps to anyone on the LAN (issue 22: a planted step set its budget).
+#[test]
+fn a_witness_without_a_token_does_not_start_unless_told_it_is_unauthenticated() {
+    let d = dir();
+    let cfg = d.join("witness.yaml");
+    std::fs::write(
+        &cfg,
+        "targets:\n  - {name: t, address: 198.51.100.10, probe: tcp, port: 80}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_stepguard"))
+        .args(["witness", "--listen", "127.0.0.1:9", "--config"])
+        .arg(&cfg)
+        .env_remove("STEPGUARD_TOKEN_FILE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--token-file") && err.contains("--allow-unauthenticated"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

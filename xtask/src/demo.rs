@@ -164,6 +164,9 @@ fn lan_demo(prefix: &str) -> Result<i32> {
         .arg(root().join("target/debug/stepguard"))
         .args([
             "witness",
+            // The demo's agents run without a token; a real witness has one
+            // (deploy/witness/stepguard-witness.service).
+            "--allow-unauthenticated",
             "--config",
             status["witness_config"]
                 .as_str()

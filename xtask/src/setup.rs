@@ -45,6 +45,10 @@ const PACKAGES: &[(&str, &str)] = &[
         "the reference prober the burst benchmark compares with",
     ),
     ("buildah", "builds the OCI image without a daemon"),
+    (
+        "iptables",
+        "the lab's lossy-datapath fault (random drops with -m statistic)",
+    ),
     ("file", "tells a static binary in the image test"),
 ];
 

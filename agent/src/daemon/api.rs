@@ -22,7 +22,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub const BODY_LIMIT: usize = 16 * 1024;
 const MAX_WAIT: Duration = Duration::from_secs(900);
 
 pub fn router(d: Arc<Daemon>) -> Router {
@@ -40,7 +39,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
                 "no such route; see /v1/verdict, /v1/checks, /v1/steps, /metrics",
             )
         })
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
         .with_state(d)
 }
 
@@ -58,27 +57,8 @@ fn wants_text(headers: &HeaderMap, q: &HashMap<String, String>) -> bool {
         .is_some_and(|a| a.contains("text/plain") && !a.contains("json"))
 }
 
-/// Whether `headers` carry `Authorization: Bearer <token>` (always true without a token).
-/// Constant-time comparison: the token is a secret.
-pub fn bearer_ok(token: Option<&str>, headers: &HeaderMap) -> bool {
-    let Some(token) = token else {
-        return true;
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    given.is_some_and(|g| {
-        g.len() == token.len()
-            && g.bytes()
-                .zip(token.bytes())
-                .fold(0u8, |a, (x, y)| a | (x ^ y))
-                == 0
-    })
-}
-
 fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Box<Response>> {
-    let ok = bearer_ok(d.opts.token.as_deref(), headers);
+    let ok = d.opts.token.ok(headers);
     if ok {
         Ok(())
     } else {
@@ -212,9 +192,6 @@ async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
     axum::Json(json!({"steps": steps})).into_response()
 }
 
-/// How long a client has to send a request body.
-const BODY_TIMEOUT: Duration = Duration::from_secs(5);
-
 async fn post_step(
     State(d): State<Arc<Daemon>>,
     headers: HeaderMap,
@@ -225,22 +202,10 @@ async fn post_step(
     if let Err(r) = authorized(&d, &headers) {
         return *r;
     }
-    let body: Bytes =
-        match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, BODY_LIMIT)).await {
-            Ok(Ok(b)) => b,
-            Ok(Err(_)) => {
-                return err(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!("request body over {} KiB", BODY_LIMIT / 1024),
-                )
-            }
-            Err(_) => {
-                return err(
-                    StatusCode::REQUEST_TIMEOUT,
-                    format!("request body not sent within {}s", BODY_TIMEOUT.as_secs()),
-                )
-            }
-        };
+    let body: Bytes = match crate::serving::read_body(body).await {
+        Ok(b) => b,
+        Err((status, why)) => return err(status, why),
+    };
     let req: StepRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
         StepRequest::default()
     } else {
@@ -513,7 +478,7 @@ mod tests {
                 probe_interval: Duration::from_secs(1),
                 slow_interval: Duration::from_secs(10),
                 burst_interval: Duration::from_millis(10),
-                token: token.map(str::to_string),
+                token: crate::serving::Token::fixed(token.map(str::to_string)),
                 drop_accounting: false,
                 max_long_polls: 4,
             },

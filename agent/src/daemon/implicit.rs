@@ -85,7 +85,7 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
         }
     };
     let id = format!("implicit-{}", crate::step::new_id(unix_now()));
-    let mut targets = crate::step::timelines(&d.cfg.targets, params.max_gap);
+    let mut targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     // The evidence before detection: the steady cadence's probes since the snapshot.
     let mut running = Vec::new();
     {

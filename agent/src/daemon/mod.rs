@@ -3,7 +3,6 @@
 pub mod api;
 pub mod implicit;
 pub mod runner;
-pub mod serve;
 mod watch;
 
 use crate::checks::{self, dns as dns_check, vips as vips_check, CheckResult, Status};
@@ -26,7 +25,8 @@ pub struct DaemonOptions {
     pub probe_interval: Duration,
     pub slow_interval: Duration,
     pub burst_interval: Duration,
-    pub token: Option<String>,
+    /// The bearer token mutating requests must carry (read again when its file changes).
+    pub token: crate::serving::Token,
     /// Load the agent's eBPF drop counter (off only in in-process tests).
     pub drop_accounting: bool,
     /// Long-polls held at once; more are answered at once.
@@ -732,7 +732,7 @@ mod tests {
                 probe_interval: Duration::from_secs(3600),
                 slow_interval: Duration::from_secs(3600),
                 burst_interval: Duration::from_millis(10),
-                token: None,
+                token: crate::serving::Token::fixed(None),
                 drop_accounting: false,
                 max_long_polls: 4,
             },

@@ -279,7 +279,7 @@ impl Runner {
         let Some(s) = self.active() else { return };
         let after = s.reload.complete_at;
         for url in s.witnesses.keys() {
-            let (url, id, token) = (url.clone(), s.id.clone(), self.d.opts.token.clone());
+            let (url, id, token) = (url.clone(), s.id.clone(), self.d.opts.token.current());
             let tx = self.d.ports.witness.clone();
             tokio::spawn(async move {
                 let result = watch::poll_witness(url.clone(), token, id.clone(), after).await;

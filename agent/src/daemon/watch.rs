@@ -136,7 +136,7 @@ pub async fn begin_witnesses(
             url: url.clone(),
             problem,
         };
-        let w = crate::client::Agent::new(url, d.opts.token.clone())
+        let w = crate::client::Agent::new(url, d.opts.token.current())
             .map_err(|e| fail(format!("{e:#}")))?;
         let ms = |d: std::time::Duration| Some(format!("{}ms", d.as_millis().max(1)));
         let body = crate::witness::WitnessStepRequest {
@@ -218,7 +218,7 @@ pub enum WitnessPollError {
 /// Ends the step on its witnesses (best effort, in the background).
 pub fn end_witnesses(d: &Daemon, s: &Step) {
     for url in s.witnesses.keys() {
-        let (url, token, id) = (url.clone(), d.opts.token.clone(), s.id.clone());
+        let (url, token, id) = (url.clone(), d.opts.token.current(), s.id.clone());
         tokio::spawn(async move {
             if let Ok(w) = crate::client::Agent::new(&url, token) {
                 let _ = w
@@ -238,7 +238,7 @@ pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<St
             .await
             .ok();
     let baseline = baseline_from(d, &obs, observed.as_ref(), now)?;
-    let targets = crate::step::timelines(&d.cfg.targets, params.max_gap);
+    let targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     let witnesses = begin_witnesses(d, &id, &params, None).await?;
     let mut s = Step::new(id, now, params, baseline, targets);
     s.witnesses = witnesses;

@@ -20,6 +20,9 @@ pub struct Outage {
     /// Send time of the last failed probe of the outage.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failed: Option<f64>,
+    /// Failed probes in it (0 in records from before it was counted).
+    #[serde(default)]
+    pub failed: u64,
 }
 
 impl Outage {
@@ -30,6 +33,7 @@ impl Outage {
             end: None,
             after_ok,
             last_failed: Some(start),
+            failed: 1,
         }
     }
 
@@ -84,7 +88,10 @@ pub fn outages_after(samples: &[(f64, bool)], mut last_ok: Option<f64>) -> Vec<O
     for (t, ok) in s {
         match (ok, open.as_mut()) {
             (false, None) => open = Some(Outage::begin(t, last_ok)),
-            (false, Some(o)) => o.last_failed = Some(t),
+            (false, Some(o)) => {
+                o.last_failed = Some(t);
+                o.failed += 1;
+            }
             (true, _) => {
                 if let Some(mut o) = open.take() {
                     o.end = Some(t);
@@ -165,7 +172,8 @@ mod tests {
                 start: 1.0,
                 end: None,
                 after_ok: Some(0.0),
-                last_failed: Some(1.5)
+                last_failed: Some(1.5),
+                failed: 2,
             }]
         );
         let g = summarize(&o, 0.01, 3.0);

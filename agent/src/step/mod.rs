@@ -20,6 +20,10 @@ pub struct StepRequest {
     pub timeout: Option<String>,
     pub settle: Option<String>,
     pub max_gap: Option<String>,
+    /// Budget for a target's loss outside its longest outage (failed / sent), 0 to 1.
+    pub max_loss: Option<f64>,
+    /// Budget for a target's outages added up (default: twice `max_gap`).
+    pub max_total_gap: Option<String>,
     pub burst_interval: Option<String>,
     pub dns_slower_ratio: Option<f64>,
     /// Budget per drop reason for the step window, e.g. {"TC_INGRESS": 1000, "202_host_datapath_not_ready": 500}.
@@ -49,6 +53,12 @@ pub struct StepParams {
     pub settle: Duration,
     #[serde(with = "secs")]
     pub max_gap: Duration,
+    /// Loss budget (failed / sent outside the longest outage), see [`DEFAULT_MAX_LOSS`].
+    #[serde(default = "default_max_loss")]
+    pub max_loss: f64,
+    /// Total outage budget, seconds (None in steps persisted before it existed: not judged).
+    #[serde(default)]
+    pub max_total_gap: Option<f64>,
     #[serde(with = "secs")]
     pub burst_interval: Duration,
     pub dns_slower_ratio: f64,
@@ -62,6 +72,30 @@ pub struct StepParams {
     /// Witness URLs (see [`StepRequest::witnesses`]).
     #[serde(default)]
     pub witnesses: Vec<String>,
+}
+
+/// A target may lose this share of its probes outside its longest outage (which `max_gap`
+/// judges): 5 % — a node that drops probes at random (a lossy datapath) fails, a clean outage
+/// does not count twice, and an outage split in two by one answer at its edge stays within.
+pub const DEFAULT_MAX_LOSS: f64 = 0.05;
+/// Lost probes outside the longest outage below this count never fail a step (one stray
+/// timeout on a busy node is not a lossy datapath).
+pub const LOSS_MIN_FAILURES: u64 = 3;
+
+fn default_max_loss() -> f64 {
+    DEFAULT_MAX_LOSS
+}
+
+/// Validates a loss budget (a share of probes).
+pub fn check_loss(field: &'static str, v: f64) -> Result<f64, RequestError> {
+    if v.is_finite() && (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(RequestError::new(
+            field,
+            format!("{v} is not a share of probes between 0 and 1 (e.g. 0.02 for 2 %)"),
+        ))
+    }
 }
 
 pub mod secs {
@@ -101,6 +135,8 @@ impl StepParams {
             ("timeout", self.timeout != other.timeout),
             ("settle", self.settle != other.settle),
             ("max_gap", self.max_gap != other.max_gap),
+            ("max_loss", self.max_loss != other.max_loss),
+            ("max_total_gap", self.max_total_gap != other.max_total_gap),
             (
                 "burst_interval",
                 self.burst_interval != other.burst_interval,
@@ -184,6 +220,14 @@ impl StepParams {
             Duration::from_secs(5),
             Duration::from_millis(1),
             Duration::from_secs(3600),
+        )?;
+        let max_loss = check_loss("max_loss", r.max_loss.unwrap_or(DEFAULT_MAX_LOSS))?;
+        let max_total_gap = dur(
+            "max_total_gap",
+            &r.max_total_gap,
+            max_gap * 2,
+            Duration::from_millis(1),
+            Duration::from_secs(6 * 3600),
         )?;
         let burst_interval = dur(
             "burst_interval",
@@ -283,6 +327,8 @@ impl StepParams {
                 timeout,
                 settle,
                 max_gap,
+                max_loss,
+                max_total_gap: Some(max_total_gap.as_secs_f64()),
                 burst_interval,
                 dns_slower_ratio,
                 drops_budget: r.drops_budget.clone().unwrap_or_default(),
@@ -386,6 +432,12 @@ pub struct TargetTimeline {
     pub kind: String,
     /// Budget for the longest outage, seconds.
     pub budget: f64,
+    /// Budget for the loss outside the longest outage (failed / sent); None: not judged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_budget: Option<f64>,
+    /// Budget for all outages added up, seconds; None: not judged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_budget: Option<f64>,
     /// Outages from before an agent restart (persisted).
     pub prior: Vec<Outage>,
     /// Send time of the last sample persisted, and whether it succeeded.
@@ -440,6 +492,7 @@ impl TargetTimeline {
                 Some((t, false)) if cur.first().is_some_and(|c| c.start == *t) => {
                     last.end = cur[0].end;
                     last.last_failed = cur[0].last_failed;
+                    last.failed += cur[0].failed;
                     cur.remove(0);
                 }
                 _ => {}
@@ -450,11 +503,31 @@ impl TargetTimeline {
     }
 }
 
-/// A fresh timeline per target, each with its budget: the target's own `max_gap`, else the
-/// step's (the agent's steps and a witness's alike).
+/// The step's budgets a target falls back to.
+#[derive(Clone, Copy, Debug)]
+pub struct Budgets {
+    pub max_gap: Duration,
+    pub max_loss: Option<f64>,
+    pub max_total_gap: Option<Duration>,
+}
+
+impl Budgets {
+    pub fn of(p: &StepParams) -> Budgets {
+        Budgets {
+            max_gap: p.max_gap,
+            max_loss: Some(p.max_loss),
+            max_total_gap: p
+                .max_total_gap
+                .and_then(|s| Duration::try_from_secs_f64(s).ok()),
+        }
+    }
+}
+
+/// A fresh timeline per target, each with its budgets: the target's own (`max_gap`,
+/// `max_loss`, `max_total_gap`), else the step's (the agent's steps and a witness's alike).
 pub fn timelines(
     targets: &[crate::config::Target],
-    max_gap: Duration,
+    b: Budgets,
 ) -> BTreeMap<String, TargetTimeline> {
     targets
         .iter()
@@ -463,7 +536,9 @@ pub fn timelines(
                 t.name.clone(),
                 TargetTimeline {
                     kind: t.probe.as_str().into(),
-                    budget: t.max_gap.unwrap_or(max_gap).as_secs_f64(),
+                    budget: t.max_gap.unwrap_or(b.max_gap).as_secs_f64(),
+                    loss_budget: t.max_loss.or(b.max_loss),
+                    total_budget: t.max_total_gap.or(b.max_total_gap).map(|d| d.as_secs_f64()),
                     cadence_s: t.burst_interval.map(|b| b.as_secs_f64()),
                     ..Default::default()
                 },
@@ -544,7 +619,7 @@ impl TargetTimeline {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct TargetGap {
     pub target: String,
     pub kind: String,
@@ -554,6 +629,16 @@ pub struct TargetGap {
     pub count: usize,
     pub budget_s: f64,
     pub open: bool,
+    /// Share of probes lost outside the longest outage (failed / sent).
+    #[serde(default)]
+    pub loss: f64,
+    /// Probes lost outside the longest outage.
+    #[serde(default)]
+    pub lost_outside_longest: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_budget: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_budget_s: Option<f64>,
     /// The longest outage's edges (send times, unix seconds), for comparison with other clocks.
     #[serde(default)]
     pub longest_start: Option<f64>,
@@ -610,6 +695,7 @@ pub enum Reason {
     MapMissing,
     MapEmptied,
     CiliumVersionMismatch,
+    LossOverBudget,
     DnsSlower,
     DropsOverBudget,
     EvidenceIncomplete,
@@ -626,6 +712,7 @@ impl Reason {
             Reason::MapMissing => "map_missing",
             Reason::MapEmptied => "map_emptied",
             Reason::CiliumVersionMismatch => "cilium_version_mismatch",
+            Reason::LossOverBudget => "loss_over_budget",
             Reason::DnsSlower => "dns_slower",
             Reason::DropsOverBudget => "drops_over_budget",
             Reason::EvidenceIncomplete => "evidence_incomplete",
@@ -1132,6 +1219,7 @@ mod tests {
                 end: Some(2.0),
                 after_ok: None,
                 last_failed: Some(1.5),
+                failed: 2,
             }],
             ..Default::default()
         };

@@ -1004,6 +1004,9 @@ impl Lab {
                 self.fill_map_named_like("cilium_ipcache")?;
             }
         }
+        if let Some(p) = o.loss {
+            self.random_loss(p, o.loss_for)?;
+        }
         Ok(RestartReport {
             prefix: self.state.spec.prefix.clone(),
             gap_requested_ns: o.down.as_nanos(),
@@ -1019,6 +1022,46 @@ impl Lab {
             old_programs: old,
             new_programs: new,
         })
+    }
+
+    /// Drops packets from the node to the VIPs at random with probability `p` for `d`
+    /// (iptables in the node namespace), then removes exactly the rules it added.
+    fn random_loss(&self, p: f64, d: Duration) -> Result<()> {
+        if !(0.0..=1.0).contains(&p) {
+            bail!("--loss {p}: a probability between 0 and 1");
+        }
+        let ns = netns::netns_path(&self.node_ns());
+        let rule = |op: &str, vip: Ipv4Addr| -> Result<()> {
+            let prob = format!("{p}");
+            let out = std::process::Command::new("nsenter")
+                .arg(format!("--net={}", ns.display()))
+                .args(["--", "iptables", "-w", op, "OUTPUT", "-d"])
+                .arg(vip.to_string())
+                .args(["-m", "statistic", "--mode", "random", "--probability"])
+                .arg(&prob)
+                .args(["-j", "DROP"])
+                .output()
+                .context("run iptables (apt-get install iptables)")?;
+            if !out.status.success() {
+                bail!(
+                    "iptables {op} OUTPUT -d {vip}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            Ok(())
+        };
+        let vips = [GATEWAY_VIP, DNS_VIP];
+        for v in vips {
+            rule("-A", v)?;
+        }
+        std::thread::sleep(d);
+        let mut first_err = None;
+        for v in vips {
+            if let Err(e) = rule("-D", v) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     fn stop_agent_api(&mut self) {
@@ -1153,6 +1196,11 @@ pub struct RestartOpts {
     pub flush_map: Option<String>,
     /// Fault: this many entries of the map are deleted while the agent is down.
     pub lose_entries: Option<(String, u32)>,
+    /// Fault: after the reload, packets from the node to the VIPs are dropped at random
+    /// with this probability (iptables `-m statistic --mode random` in the node namespace),
+    /// for `loss_for`: a lossy datapath whose failures are timeouts, not refusals.
+    pub loss: Option<f64>,
+    pub loss_for: Duration,
     /// Fault: ipcache is recreated (as on every Cilium start) but not refilled.
     pub no_refill: bool,
     /// How long after the new programs are in the recreated ipcache is refilled.

@@ -70,7 +70,7 @@ fn daemon_without_api(lab: &Lab) -> Daemon {
     )
 }
 
-/// 1. On every upgrade pair, a returning version whose ipcache (under its own name, renamed or
+/// Item 1: On every upgrade pair, a returning version whose ipcache (under its own name, renamed or
 /// not) is never refilled fails `map_emptied` naming that map; the healthy upgrade passes and
 /// judges the renamed map against its predecessor.
 #[test]
@@ -154,13 +154,21 @@ fn an_upgrade_judges_the_maps_of_the_returning_version_under_their_own_names() {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
-/// 2. A declared version is enforced, from the agent's API: up, down, a restart that did not
+/// (lab version, restart to, declared, expected status, expected reason)
+type Case = (
+    Profile,
+    Option<Profile>,
+    &'static str,
+    &'static str,
+    Option<&'static str>,
+);
+
+/// Item 2: A declared version is enforced, from the agent's API: up, down, a restart that did not
 /// upgrade, and a pair the names cannot tell apart (with and without the API socket).
 #[test]
 fn a_declared_version_is_enforced() {
     let mut errors = vec![];
-    // (lab version, restart to, declared, expected status, expected reason)
-    let cases: [(Profile, Option<Profile>, &str, &str, Option<&str>); 5] = [
+    let cases: [Case; 5] = [
         // A 1.18 node that restarted without upgrading, declared 1.20.
         (
             Profile::V1_18,
@@ -273,7 +281,7 @@ fn a_declared_version_is_enforced() {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
-/// 3. One inference for checks and steps, on every version: with the API the step names the
+/// Item 3: One inference for checks and steps, on every version: with the API the step names the
 /// release; without it the step and `stepguard check` name the same version from the names.
 /// After a downgrade 1.18 → 1.17 the newer pins left behind do not make the node look newer.
 #[test]
@@ -360,7 +368,7 @@ fn steps_and_checks_name_the_same_version_on_every_release() {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
-/// 4. Losing most of a small kept-state map fails and names what was lost; a pod deleted
+/// Item 4: Losing most of a small kept-state map fails and names what was lost; a pod deleted
 /// during the restart (one of three endpoints) still passes.
 #[test]
 fn small_kept_state_losses_are_seen_and_named() {
@@ -405,7 +413,7 @@ fn small_kept_state_losses_are_seen_and_named() {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
-/// 5. A native-routing 1.17 node without a mounted cilium-config: the routing mode is
+/// Item 5: A native-routing 1.17 node without a mounted cilium-config: the routing mode is
 /// unknown, so the tunnel map is not required (it was a false alarm).
 #[test]
 fn a_native_node_without_cilium_config_is_not_held_to_the_tunnel_map() {

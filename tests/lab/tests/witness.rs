@@ -50,6 +50,11 @@ impl Witness {
             .args(["witness", "--config"])
             .arg(lan.witness_config())
             .args(["--listen", &addr])
+            .args(if extra.contains(&"--token-file") {
+                &[][..]
+            } else {
+                &["--allow-unauthenticated"][..]
+            })
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

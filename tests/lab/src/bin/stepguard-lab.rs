@@ -129,6 +129,13 @@ enum Cmd {
         /// entry).
         #[arg(long, value_name = "MAP:N", value_parser = parse_lose_entries)]
         lose_entries: Option<(String, u32)>,
+        /// Fault: after the reload, packets to the VIPs are dropped at random with this
+        /// probability (0 to 1) for `--loss-for`: a lossy datapath.
+        #[arg(long, value_name = "P")]
+        loss: Option<f64>,
+        /// How long `--loss` lasts.
+        #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse_duration)]
+        loss_for: std::time::Duration,
         /// Fault: ipcache is recreated (as on every Cilium start) but never refilled.
         #[arg(long)]
         no_refill: bool,
@@ -329,6 +336,8 @@ fn real_main() -> Result<()> {
             lose_map,
             flush_map,
             lose_entries,
+            loss,
+            loss_for,
             no_refill,
             to,
             resize_map,
@@ -346,6 +355,8 @@ fn real_main() -> Result<()> {
                 lose_map,
                 flush_map,
                 lose_entries,
+                loss,
+                loss_for,
                 no_refill,
                 to,
                 resize_map,

@@ -1,0 +1,420 @@
+//! The HTTP serving layer the agent and the witness share, so that no client can take either
+//! down or hold it up: bounded connections, authentication from the headers (before any body
+//! is read) with a token file that is read again when it changes, bodies read under a size
+//! limit and a deadline, response writes under a deadline, and pipelined requests bounded.
+//!
+//! Connections:
+//! A new connection first waits, without a slot, until its request starts to arrive (at most
+//! the header timeout); only then does it take one of `max_connections` slots. Connections
+//! waiting so are bounded too, and when they are all taken the oldest waiter is closed: idle
+//! connections (a flood, half-open sockets) can never hold the slots that serve requests, and
+//! a client that sends its request at once (`/readyz`, `/metrics`) is served under a flood.
+//! Request headers have a read timeout; a response the client does not read within
+//! `write_timeout` closes the connection (a slow reader with a tiny receive buffer holds no
+//! slot); one connection serves at most `max_requests` requests (pipelined or not), then
+//! closes; shutdown finishes within the pod's grace period.
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, Semaphore};
+
+/// The API's limits (flags of `stepguard agent`).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Connections served at once (their request has started to arrive).
+    pub max_connections: usize,
+    /// Connections waiting for their first bytes; beyond it the oldest waiter is closed.
+    pub waiting: usize,
+    /// Time a client has to send its request headers (also between keep-alive requests).
+    pub header_timeout: Duration,
+    /// After SIGTERM, how long open connections get before the agent exits anyway.
+    pub shutdown_grace: Duration,
+    /// A response write that makes no progress for this long closes the connection.
+    pub write_timeout: Duration,
+    /// Requests one connection may send (pipelined or one after another) before it is closed.
+    pub max_requests: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 256,
+            waiting: 128,
+            header_timeout: Duration::from_secs(5),
+            shutdown_grace: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(5),
+            max_requests: 64,
+        }
+    }
+}
+
+/// Connections waiting for their first bytes, oldest first, each with its eviction signal.
+type Waiters = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, oneshot::Sender<()>)>>>;
+
+/// Serves `router` on `listener` until `shutdown` completes, then closes within the grace.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let waiters: Waiters = Default::default();
+    let graceful = GracefulShutdown::new();
+    let mut next_id: u64 = 0;
+    tokio::pin!(shutdown);
+    loop {
+        let (sock, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning; nothing is lost.
+                    tracing::warn!(error = %e, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        next_id += 1;
+        let id = next_id;
+        let (cancel_tx, cancel_rx) = oneshot::channel();
+        {
+            let mut w = waiters.lock().unwrap_or_else(|e| e.into_inner());
+            if w.len() >= limits.waiting.max(1) {
+                // The oldest waiter has sent nothing for the longest: it goes.
+                if let Some((_, oldest)) = w.pop_front() {
+                    let _ = oldest.send(());
+                }
+            }
+            w.push_back((id, cancel_tx));
+        }
+        let (slots, waiters, watcher, router) = (
+            slots.clone(),
+            waiters.clone(),
+            graceful.watcher(),
+            router.clone(),
+        );
+        let header_timeout = limits.header_timeout;
+        let (write_timeout, max_requests) = (limits.write_timeout, limits.max_requests.max(1));
+        tokio::spawn(async move {
+            let mut first = [0u8; 1];
+            let arrived = tokio::select! {
+                // Peek: a request byte has really arrived (0 = the client closed).
+                r = tokio::time::timeout(header_timeout, sock.peek(&mut first)) => matches!(r, Ok(Ok(n)) if n > 0),
+                _ = cancel_rx => false,
+            };
+            waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(w, _)| *w != id);
+            if !arrived {
+                return; // idle, evicted or broken: closed, having held no slot
+            }
+            let Ok(permit) = slots.try_acquire_owned() else {
+                return; // every slot serves a request: closed at once
+            };
+            let _ = sock.set_nodelay(true);
+            // The last request a connection may send is answered with `Connection: close`.
+            let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let svc = TowerToHyperService::new(tower::ServiceExt::<
+                hyper::Request<hyper::body::Incoming>,
+            >::map_response(
+                router,
+                move |mut r: axum::response::Response| {
+                    let n = served.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                    if n >= max_requests {
+                        r.headers_mut()
+                            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    }
+                    r
+                },
+            ));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(16 * 1024)
+                .serve_connection(TokioIo::new(WriteDeadline::new(sock, write_timeout)), svc);
+            let _ = watcher.watch(conn).await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    // Waiting connections are closed; served ones finish their request within the grace.
+    for (_, w) in waiters.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        let _ = w.send(());
+    }
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(limits.shutdown_grace) => {
+            tracing::warn!(grace = ?limits.shutdown_grace, "connections still open at the end of the shutdown grace: closing them");
+        }
+    }
+}
+
+/// A stream whose writes fail once one has made no progress for `limit`: a client that does
+/// not read its responses (a full receive buffer) cannot hold its connection.
+struct WriteDeadline<T> {
+    io: T,
+    limit: Duration,
+    stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> WriteDeadline<T> {
+    fn new(io: T, limit: Duration) -> Self {
+        WriteDeadline {
+            io,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// Pending: start (or keep) the stall clock, and fail once it runs out.
+    fn stall<R>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        r: std::task::Poll<std::io::Result<R>>,
+    ) -> std::task::Poll<std::io::Result<R>> {
+        use std::task::Poll;
+        match r {
+            Poll::Ready(x) => {
+                self.stalled = None;
+                Poll::Ready(x)
+            }
+            Poll::Pending => {
+                let limit = self.limit;
+                let s = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                match s.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the client did not read its response in time",
+                    ))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for WriteDeadline<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteDeadline<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
+        self.stall(cx, r)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_flush(cx);
+        self.stall(cx, r)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_shutdown(cx);
+        self.stall(cx, r)
+    }
+}
+
+/// Largest request body either server reads.
+pub const BODY_LIMIT: usize = 16 * 1024;
+/// How long a client has to send a request body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads a request body under [`BODY_LIMIT`] and [`BODY_TIMEOUT`]; call it only once the
+/// request is authenticated (a client without the token cannot hold a slot by trickling).
+pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, (StatusCode, String)> {
+    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, BODY_LIMIT)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(_)) => Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body over {} KiB", BODY_LIMIT / 1024),
+        )),
+        Err(_) => Err((
+            StatusCode::REQUEST_TIMEOUT,
+            format!("request body not sent within {}s", BODY_TIMEOUT.as_secs()),
+        )),
+    }
+}
+
+/// Whether `headers` carry `Authorization: Bearer <token>` (always true without a token).
+/// Constant-time comparison: the token is a secret.
+pub fn bearer_ok(token: Option<&str>, headers: &HeaderMap) -> bool {
+    let Some(token) = token else {
+        return true;
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    given.is_some_and(|g| {
+        g.len() == token.len()
+            && g.bytes()
+                .zip(token.bytes())
+                .fold(0u8, |a, (x, y)| a | (x ^ y))
+                == 0
+    })
+}
+
+/// A bearer token, from a file that is read again when it changes (Kubernetes updates a
+/// mounted Secret in place): a rotated token takes effect without a restart. A file that
+/// cannot be read, or reads as no valid token, keeps the last good token (logged once).
+#[derive(Clone, Default)]
+pub struct Token {
+    inner: Arc<std::sync::Mutex<TokenState>>,
+}
+
+#[derive(Default)]
+struct TokenState {
+    path: Option<std::path::PathBuf>,
+    token: Option<String>,
+    /// (modified, length, inode) of the file the token was read from.
+    seen: Option<(std::time::SystemTime, u64, u64)>,
+    checked_at: Option<std::time::Instant>,
+    last_error: Option<String>,
+}
+
+/// How often a token file is looked at again (a stat).
+const TOKEN_RECHECK: Duration = Duration::from_secs(1);
+
+impl Token {
+    /// A fixed token (tests), or none.
+    pub fn fixed(token: Option<String>) -> Token {
+        Token {
+            inner: Arc::new(std::sync::Mutex::new(TokenState {
+                token,
+                ..Default::default()
+            })),
+        }
+    }
+
+    /// The token in `path`, read now (an error if it is not a valid token), and again when
+    /// the file changes.
+    pub fn from_file(path: Option<&std::path::Path>) -> anyhow::Result<Token> {
+        let token = crate::client::read_token(path)?;
+        let seen = path.and_then(file_stamp);
+        Ok(Token {
+            inner: Arc::new(std::sync::Mutex::new(TokenState {
+                path: path.map(|p| p.to_path_buf()),
+                token,
+                seen,
+                checked_at: Some(std::time::Instant::now()),
+                last_error: None,
+            })),
+        })
+    }
+
+    /// Whether a token is required.
+    pub fn required(&self) -> bool {
+        self.current().is_some()
+    }
+
+    /// The token now (the file is looked at again at most once a second).
+    pub fn current(&self) -> Option<String> {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let due = s.checked_at.is_none_or(|t| t.elapsed() >= TOKEN_RECHECK);
+        if let (true, Some(path)) = (due, s.path.clone()) {
+            s.checked_at = Some(std::time::Instant::now());
+            let stamp = file_stamp(&path);
+            if stamp.is_some() && stamp != s.seen {
+                match crate::client::read_token(Some(&path)) {
+                    Ok(t) => {
+                        tracing::info!(file = %path.display(), "token file changed: the new token is in effect");
+                        s.token = t;
+                        s.seen = stamp;
+                        s.last_error = None;
+                    }
+                    Err(e) => {
+                        let e = format!("{e:#}");
+                        if s.last_error.as_deref() != Some(e.as_str()) {
+                            tracing::warn!(error = %e, "token file changed but holds no valid token: the previous token stays in effect");
+                            s.last_error = Some(e);
+                        }
+                    }
+                }
+            }
+        }
+        s.token.clone()
+    }
+
+    /// [`bearer_ok`] against the current token.
+    pub fn ok(&self, headers: &HeaderMap) -> bool {
+        bearer_ok(self.current().as_deref(), headers)
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.required() {
+            "Token(set)"
+        } else {
+            "Token(none)"
+        })
+    }
+}
+
+fn file_stamp(p: &std::path::Path) -> Option<(std::time::SystemTime, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(p).ok()?;
+    Some((m.modified().ok()?, m.len(), m.ino()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rotated_token_file_takes_effect() {
+        let dir = std::env::temp_dir().join(format!("sg-token-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("token");
+        std::fs::write(&f, "first-token-0123456789\n").unwrap();
+        let t = Token::from_file(Some(&f)).unwrap();
+        let with = |tok: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                header::AUTHORIZATION,
+                HeaderValue::from_str(&format!("Bearer {tok}")).unwrap(),
+            );
+            h
+        };
+        assert!(t.ok(&with("first-token-0123456789")));
+        // Kubernetes swaps the file: a new inode with the new token.
+        let tmp = dir.join("token.new");
+        std::fs::write(&tmp, "second-token-0123456789").unwrap();
+        std::fs::rename(&tmp, &f).unwrap();
+        t.inner.lock().unwrap().checked_at = None;
+        assert!(t.ok(&with("second-token-0123456789")));
+        assert!(!t.ok(&with("first-token-0123456789")));
+        // A broken rotation keeps the last good token.
+        std::fs::write(&tmp, "short").unwrap();
+        std::fs::rename(&tmp, &f).unwrap();
+        t.inner.lock().unwrap().checked_at = None;
+        assert!(t.ok(&with("second-token-0123456789")));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

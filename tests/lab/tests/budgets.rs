@@ -1,0 +1,91 @@
+//! Issue 22, item 1: a lossy datapath (failures that are timeouts, not refusals) fails on its
+//! loss budget, on tcp, http and dns targets alike, and the verdict says which budget.
+mod common;
+use common::*;
+use std::time::Duration;
+use stepguard_lab::{RestartOpts, GATEWAY_PORT, GATEWAY_VIP};
+
+/// The lab's config with a plain tcp target beside its http and dns ones.
+fn with_tcp_target(lab: &stepguard_lab::Lab) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(lab.stepguard_config()).unwrap();
+    let tcp = format!(
+        "targets:\n  - name: gateway-tcp\n    address: {GATEWAY_VIP}\n    port: {GATEWAY_PORT}\n    probe: tcp\n    timeout: 200ms\n"
+    );
+    assert!(text.contains("targets:\n"), "{text}");
+    let p = lab.state.run_dir.join("stepguard-tcp.yaml");
+    std::fs::write(&p, text.replacen("targets:\n", &tcp, 1)).unwrap();
+    p
+}
+
+#[test]
+fn random_loss_after_the_reload_fails_the_loss_budget_on_every_kind() {
+    let mut lab = lab(|_| {});
+    let cfg = with_tcp_target(&lab);
+    let agent = Daemon::start_with(
+        lab.node_ns(),
+        cfg,
+        lab.state.run_dir.join("agent-state-loss"),
+        free_port(),
+        &[],
+    );
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"30s"}"#);
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(150),
+        loss: Some(0.5),
+        loss_for: Duration::from_secs(3),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = agent.verdict(&id);
+    let summary = v["verdict"]["summary"].as_str().unwrap_or("").to_string();
+    assert_eq!(v["verdict"]["status"], "failed", "{summary}");
+    assert_eq!(v["verdict"]["reasons"][0], "loss_over_budget", "{summary}");
+    assert!(
+        summary.contains("max_loss"),
+        "the verdict names the budget: {summary}"
+    );
+    // Every kind lost probes at random, none had a long outage: the longest outages are
+    // within max_gap, the loss is not.
+    for kind in ["tcp", "http", "dns"] {
+        let g = v["gaps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} gap in {}", v["gaps"]));
+        assert!(
+            g["loss"].as_f64().unwrap() > 0.1 && g["lost_outside_longest"].as_u64().unwrap() >= 3,
+            "{kind} shows its loss: {g}"
+        );
+        assert!(g["longest_s"].as_f64().unwrap() < 5.0, "{g}");
+    }
+}
+
+/// The same restart without the fault passes: the loss budget raises no false alarm.
+#[test]
+fn a_healthy_restart_is_within_every_budget() {
+    let mut lab = lab(|_| {});
+    let cfg = with_tcp_target(&lab);
+    let agent = Daemon::start_with(
+        lab.node_ns(),
+        cfg,
+        lab.state.run_dir.join("agent-state-loss"),
+        free_port(),
+        &[],
+    );
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"30s"}"#);
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(150),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = agent.verdict(&id);
+    assert_eq!(
+        v["verdict"]["status"], "passed",
+        "{}",
+        v["verdict"]["summary"]
+    );
+    for g in v["gaps"].as_array().unwrap() {
+        assert_eq!(g["lost_outside_longest"], 0, "{g}");
+    }
+}
