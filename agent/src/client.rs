@@ -35,6 +35,9 @@ impl Agent {
             .host()
             .filter(|h| !h.is_empty())
             .with_context(|| format!("agent URL {url:?} has no host"))?;
+        if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+            bail!("agent URL {url:?} carries user info: give http://HOST:PORT (a token goes in --token-file)");
+        }
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             bail!("agent URL {url:?} must not carry a path or query: give http://NODE:PORT");
         }
@@ -56,6 +59,11 @@ impl Agent {
         })
     }
 
+    /// The URL in one spelling: `http://host:port` (lower-case host, the port always given).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.authority.to_ascii_lowercase())
+    }
+
     /// One request; returns (status, JSON body or {"text": ...}).
     pub async fn call(
         &self,
@@ -64,6 +72,19 @@ impl Agent {
         body: Option<Value>,
         timeout: Duration,
     ) -> Result<(u16, Value)> {
+        self.call_paced(method, path, body, timeout)
+            .await
+            .map(|(s, v, _)| (s, v))
+    }
+
+    /// [`Agent::call`], with the answer's `Retry-After` (seconds) when it has one.
+    pub async fn call_paced(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        timeout: Duration,
+    ) -> Result<(u16, Value, Option<Duration>)> {
         let fut = async {
             let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
                 .await
@@ -89,6 +110,12 @@ impl Agent {
                 .await
                 .context("send request")?;
             let status = resp.status().as_u16();
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(|s| Duration::from_secs(s.min(60)));
             let bytes = resp
                 .into_body()
                 .collect()
@@ -97,7 +124,7 @@ impl Agent {
                 .to_bytes();
             let v = serde_json::from_slice(&bytes)
                 .unwrap_or_else(|_| serde_json::json!({"text": String::from_utf8_lossy(&bytes)}));
-            Ok::<_, anyhow::Error>((status, v))
+            Ok::<_, anyhow::Error>((status, v, retry_after))
         };
         tokio::time::timeout(timeout, fut).await.map_err(|_| {
             anyhow::anyhow!(
@@ -178,5 +205,26 @@ mod tests {
             assert!(e.contains(why), "{url}: {e}");
             assert_eq!(e.lines().count(), 1);
         }
+    }
+}
+
+/// Paces a waiter's polls: at most [`Pace::PER_SECOND`] requests a second, and not before
+/// the agent's `Retry-After` (an agent whose long-poll slots are all held answers at once).
+#[derive(Debug, Default)]
+pub struct Pace {
+    last: Option<std::time::Instant>,
+}
+
+impl Pace {
+    pub const PER_SECOND: u32 = 2;
+
+    /// Waits until the next request may be sent (`retry_after`: what the last answer asked).
+    pub async fn wait(&mut self, retry_after: Option<Duration>) {
+        let gap = Duration::from_secs(1) / Self::PER_SECOND;
+        if let Some(last) = self.last {
+            let due = last + gap.max(retry_after.unwrap_or_default());
+            tokio::time::sleep_until(due.into()).await;
+        }
+        self.last = Some(std::time::Instant::now());
     }
 }

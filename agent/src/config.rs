@@ -267,6 +267,10 @@ pub fn parse_resolver(r: &str) -> Result<SocketAddr, ConfigError> {
         })
 }
 
+/// Probes a second a step may send (the probe budget checked at startup): 5,000 — the
+/// four critical targets at 1 ms and 100 more at 10 ms.
+pub const MAX_STEP_PROBES_PER_S: f64 = 5_000.0;
+
 /// Targets with a `burst_interval` below this are critical targets; at most [`MAX_CRITICAL`].
 pub const CRITICAL_BELOW: Duration = Duration::from_millis(10);
 pub const MAX_CRITICAL: usize = 4;
@@ -310,6 +314,34 @@ impl Config {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Probes a second during a step at `burst` (each target's own `burst_interval` where
+    /// set) must fit [`MAX_STEP_PROBES_PER_S`]: 500 targets at 10 ms cost more than a core.
+    pub fn check_probe_budget(&self, burst: Duration) -> Result<(), ConfigError> {
+        let per_s: f64 = self
+            .targets
+            .iter()
+            .map(|t| {
+                1.0 / t
+                    .burst_interval
+                    .unwrap_or(burst)
+                    .min(burst)
+                    .as_secs_f64()
+                    .max(1e-3)
+            })
+            .sum();
+        if per_s > MAX_STEP_PROBES_PER_S {
+            return Err(ConfigError::Field {
+                field: "targets".into(),
+                problem: format!(
+                    "{} targets make {per_s:.0} probes a second during a step at a {} cadence (at most {MAX_STEP_PROBES_PER_S:.0}): probe fewer targets, or set a coarser --burst-interval",
+                    self.targets.len(),
+                    crate::duration::human(burst)
+                ),
+            });
+        }
+        Ok(())
     }
 
     fn validate(&self) -> Result<(), ConfigError> {

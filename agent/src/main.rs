@@ -383,6 +383,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
         None => Config::default(),
     };
     cfg.check_paths()?;
+    cfg.check_probe_budget(args.burst_interval)?;
     let token = stepguard::serving::Token::from_file(args.token_file.as_deref())?;
     let opts = DaemonOptions {
         state_dir: args.state_dir.clone(),
@@ -558,7 +559,11 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
     let rt = runtime()?;
     let mut last_line = String::new();
     let mut last_err = String::new();
+    let mut pace = stepguard::client::Pace::default();
+    let mut retry_after = None;
     loop {
+        // At most two requests a second, and not before a Retry-After.
+        rt.block_on(pace.wait(retry_after.take()));
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
             eprintln!(
@@ -575,7 +580,13 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
         }
         let wait = left.min(Duration::from_secs(20));
         let path = format!("/v1/steps/{}?wait={}ms", args.step, wait.as_millis().max(1));
-        match rt.block_on(agent.call("GET", &path, None, wait + Duration::from_secs(10))) {
+        let answer = rt
+            .block_on(agent.call_paced("GET", &path, None, wait + Duration::from_secs(10)))
+            .map(|(s, v, ra)| {
+                retry_after = ra;
+                (s, v)
+            });
+        match answer {
             Ok((200, v)) => {
                 let view: stepguard::step::view::StepView =
                     serde_json::from_value(v).context("the agent's step response is not a step")?;
@@ -604,12 +615,12 @@ fn wait_cmd(args: WaitArgs) -> Result<i32> {
             }
             Ok((status, v)) => {
                 last_err = format!("{status}: {}", v["error"].as_str().unwrap_or(""));
-                std::thread::sleep(Duration::from_secs(1));
+                retry_after = retry_after.or(Some(Duration::from_secs(1)));
             }
             Err(e) => {
                 // The agent may be restarting (it resumes the step from disk): keep trying.
                 last_err = format!("{e:#}");
-                std::thread::sleep(Duration::from_secs(1));
+                retry_after = Some(Duration::from_secs(1));
             }
         }
     }

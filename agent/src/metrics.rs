@@ -59,6 +59,8 @@ pub struct Metrics {
     pub last_step_gap: Family<GapLabels, GaugeF>,
     pub step_gap: Histogram,
     pub step_active: Gauge,
+    /// Writes of step records that failed (a full or read-only state dir).
+    pub state_write_errors: Counter,
     pub steps: Family<VerdictLabels, Counter>,
     pub last_step_passed: Gauge,
     pub last_step_started: GaugeF,
@@ -150,6 +152,12 @@ impl Metrics {
             "1 while a step is being watched",
             step_active.clone(),
         );
+        let state_write_errors = Counter::default();
+        r.register(
+            "state_write_errors",
+            "Step records that could not be written to the state dir (full or read-only)",
+            state_write_errors.clone(),
+        );
         let steps = Family::<VerdictLabels, Counter>::default();
         r.register("steps", "Finished steps by verdict", steps.clone());
         let last_step_passed = Gauge::default();
@@ -231,6 +239,7 @@ impl Metrics {
             last_step_gap,
             step_gap,
             step_active,
+            state_write_errors,
             steps,
             last_step_passed,
             last_step_started,

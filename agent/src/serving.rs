@@ -57,6 +57,27 @@ impl Default for Limits {
 /// Connections waiting for their first bytes, oldest first, each with its eviction signal.
 type Waiters = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, oneshot::Sender<()>)>>>;
 
+/// Connections holding a slot: id, whether a response write is stalled, the eviction signal.
+type Serving =
+    Arc<std::sync::Mutex<Vec<(u64, Arc<std::sync::atomic::AtomicBool>, oneshot::Sender<()>)>>>;
+
+/// How long a new request waits for the slot an evicted connection gives up.
+const EVICTION_WAIT: Duration = Duration::from_millis(200);
+
+/// Closes the oldest connection whose response write is stalled; false when none is.
+fn evict_stalled(serving: &Serving) -> bool {
+    let mut s = serving.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(i) = s
+        .iter()
+        .position(|(_, stalled, _)| stalled.load(std::sync::atomic::Ordering::Relaxed))
+    else {
+        return false;
+    };
+    let (_, _, tx) = s.remove(i);
+    let _ = tx.send(());
+    true
+}
+
 /// Serves `router` on `listener` until `shutdown` completes, then closes within the grace.
 pub async fn serve(
     listener: TcpListener,
@@ -66,6 +87,7 @@ pub async fn serve(
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let waiters: Waiters = Default::default();
+    let serving: Serving = Default::default();
     let graceful = GracefulShutdown::new();
     let mut next_id: u64 = 0;
     tokio::pin!(shutdown);
@@ -95,9 +117,10 @@ pub async fn serve(
             }
             w.push_back((id, cancel_tx));
         }
-        let (slots, waiters, watcher, router) = (
+        let (slots, waiters, serving, watcher, router) = (
             slots.clone(),
             waiters.clone(),
+            serving.clone(),
             graceful.watcher(),
             router.clone(),
         );
@@ -117,9 +140,26 @@ pub async fn serve(
             if !arrived {
                 return; // idle, evicted or broken: closed, having held no slot
             }
-            let Ok(permit) = slots.try_acquire_owned() else {
-                return; // every slot serves a request: closed at once
+            // Every slot taken: a connection whose client is not reading its responses (a
+            // stalled write) gives its slot up; otherwise this one is closed at once.
+            let permit = match slots.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    if !evict_stalled(&serving) {
+                        return;
+                    }
+                    match tokio::time::timeout(EVICTION_WAIT, slots.acquire_owned()).await {
+                        Ok(Ok(p)) => p,
+                        _ => return,
+                    }
+                }
             };
+            let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (evict_tx, evict_rx) = oneshot::channel::<()>();
+            serving
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, stalled.clone(), evict_tx));
             let _ = sock.set_nodelay(true);
             // The last request a connection may send is answered with `Connection: close`.
             let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -140,8 +180,18 @@ pub async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .max_buf_size(16 * 1024)
-                .serve_connection(TokioIo::new(WriteDeadline::new(sock, write_timeout)), svc);
-            let _ = watcher.watch(conn).await;
+                .serve_connection(
+                    TokioIo::new(WriteDeadline::new(sock, write_timeout, stalled)),
+                    svc,
+                );
+            tokio::select! {
+                _ = watcher.watch(conn) => {}
+                _ = evict_rx => {}
+            }
+            serving
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(c, _, _)| *c != id);
             drop(permit);
         });
     }
@@ -164,14 +214,17 @@ struct WriteDeadline<T> {
     io: T,
     limit: Duration,
     stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Set while a write waits for the client to read (the connection may be evicted).
+    flag: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<T> WriteDeadline<T> {
-    fn new(io: T, limit: Duration) -> Self {
+    fn new(io: T, limit: Duration, flag: Arc<std::sync::atomic::AtomicBool>) -> Self {
         WriteDeadline {
             io,
             limit,
             stalled: None,
+            flag,
         }
     }
 
@@ -185,9 +238,11 @@ impl<T> WriteDeadline<T> {
         match r {
             Poll::Ready(x) => {
                 self.stalled = None;
+                self.flag.store(false, std::sync::atomic::Ordering::Relaxed);
                 Poll::Ready(x)
             }
             Poll::Pending => {
+                self.flag.store(true, std::sync::atomic::Ordering::Relaxed);
                 let limit = self.limit;
                 let s = self
                     .stalled

@@ -194,3 +194,18 @@ fn a_witness_without_a_token_does_not_start_unless_told_it_is_unauthenticated() 
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// 500 targets at the default 10 ms step cadence are refused at startup with one line (they
+/// cost 1.3 cores in a step).
+#[test]
+fn a_probe_budget_is_checked_at_startup() {
+    let mut y = String::from("targets:\n");
+    for i in 0..500 {
+        y.push_str(&format!(
+            "  - {{name: t{i}, address: 198.51.100.10, probe: tcp, port: 80}}\n"
+        ));
+    }
+    refused(&[], Some(&y), "targets");
+    let (_, err) = agent(&[], Some(&y));
+    assert!(err.contains("probes a second"), "{err}");
+}

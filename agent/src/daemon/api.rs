@@ -94,6 +94,14 @@ async fn metrics(State(d): State<Arc<Daemon>>) -> Response {
 }
 
 async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
+    if let Some(why) = d.store.unsaved() {
+        // Verdicts are served from memory but would not survive a restart.
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: the state dir cannot be written ({why})\n"),
+        )
+            .into_response();
+    }
     if d.ready.load(Ordering::SeqCst) {
         (StatusCode::OK, "ready\n").into_response()
     } else {
@@ -397,15 +405,23 @@ async fn get_step(
             } else {
                 StatusCode::ACCEPTED
             };
-            if wants_text(&headers, &q) {
-                return (
+            let mut r = if wants_text(&headers, &q) {
+                (
                     code,
                     [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
                     gaps_text(&s),
                 )
-                    .into_response();
+                    .into_response()
+            } else {
+                (code, axum::Json(step_json(&s))).into_response()
+            };
+            // Answered at once because every long-poll slot is held (or shutting down):
+            // waiters come back in a second, not at once.
+            if !done && _permit.is_none() {
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
             }
-            return (code, axum::Json(step_json(&s))).into_response();
+            return r;
         }
         tokio::select! {
             _ = tokio::time::sleep_until(deadline) => {}

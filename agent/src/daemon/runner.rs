@@ -111,6 +111,8 @@ struct Runner {
     /// Named entries of kept maps that lost some since the baseline.
     last_map_entries: BTreeMap<String, Vec<String>>,
     last_programs: Option<BTreeMap<String, Option<u32>>>,
+    /// When the resumed step's record was last written.
+    resumed_from: Option<f64>,
 }
 
 /// Runs the step runner until the daemon goes away. Call once per daemon.
@@ -129,6 +131,7 @@ pub async fn run(d: Arc<Daemon>) {
         last_agent_version: None,
         last_map_entries: BTreeMap::new(),
         last_programs: None,
+        resumed_from: None,
         d,
     };
     r.resume();
@@ -181,9 +184,32 @@ impl Runner {
 
     /// Picks up an unfinished step from disk: the time the agent was away is a hole.
     fn resume(&mut self) {
-        let Some(mut s) = self.d.store.list().into_iter().find(|s| !s.is_final()) else {
+        // The newest unfinished step is resumed; older unfinished ones (a crash between two
+        // steps' writes, a state dir copied around) are decided now: their evidence ended
+        // where their record did, so they are incomplete, never left watching forever.
+        let mut unfinished = self.d.store.list().into_iter().filter(|s| !s.is_final());
+        let Some(mut s) = unfinished.next() else {
             return;
         };
+        for mut old in unfinished {
+            let now = unix_now();
+            old.phase = crate::step::Phase::Done;
+            old.evidence_incomplete = Some(format!(
+                "the agent restarted with this step unfinished and a newer one ({}) also unfinished: its record ends at {:.0} (unix), its evidence with it",
+                s.id, old.updated_at
+            ));
+            old.verdict = Some(crate::step::Verdict {
+                status: crate::step::Status::Failed,
+                reasons: vec![crate::step::Reason::EvidenceIncomplete],
+                summary: old.evidence_incomplete.clone().unwrap_or_default(),
+                finished_at: now,
+            });
+            if let Err(e) = watch::persist(&self.d, &mut old) {
+                tracing::error!(step = %old.id, error = %e, "cannot persist a step decided at start");
+            }
+            tracing::warn!(step = %old.id, "an older unfinished step was decided at start: evidence_incomplete");
+        }
+        self.resumed_from = Some(s.updated_at);
         let now = unix_now();
         s.resume(now, crate::clock::boot_id().as_deref());
         tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
@@ -323,6 +349,15 @@ impl Runner {
         }
         self.n += 1;
         let n = self.n;
+        // Records the disk refused are written again once it takes them (every second).
+        if n.is_multiple_of(10) && self.d.store.unsaved().is_some() {
+            let failed = self.d.store.retry_unsaved();
+            if failed > 0 {
+                lock(&self.d.metrics)
+                    .state_write_errors
+                    .inc_by(failed as u64);
+            }
+        }
         // The baseline's devices and any the step declared it expects after the restart.
         let Some(tracked) = self.active().map(|s| {
             let mut t: std::collections::BTreeSet<String> =
@@ -413,6 +448,7 @@ impl Runner {
             self.sample(s);
         }
         let resumed = self.resumed && self.last_programs.is_some();
+        let resumed_from = self.resumed_from;
         if resumed {
             self.resumed = false;
         }
@@ -432,7 +468,11 @@ impl Runner {
                     s.reload.last_seen.clone()
                 };
                 if p != &before {
-                    s.evidence_incomplete = Some("the datapath changed while the agent was down: the outage was not observed".into());
+                    let since = resumed_from.unwrap_or(s.updated_at);
+                    s.evidence_incomplete = Some(format!(
+                        "the datapath changed after the step's record was last written ({:.1} s before this agent started: the agent was down, or could not write its state dir): the outage was not observed",
+                        (now - since).max(0.0)
+                    ));
                 }
             }
         }

@@ -346,7 +346,15 @@ fn persistable(s: &Step) -> Step {
 /// Saves the step (this run's samples folded into outages).
 pub fn persist(d: &Daemon, s: &mut Step) -> std::io::Result<()> {
     s.updated_at = unix_now();
-    d.store.save(&persistable(s))
+    let r = d.store.save(&persistable(s));
+    if r.is_err() {
+        lock(&d.metrics).state_write_errors.inc();
+    }
+    s.not_persisted = r
+        .as_ref()
+        .err()
+        .map(|e| format!("the step's record could not be written: {e}"));
+    r
 }
 
 /// Exports a step that just began: active, and the gap budget of each target.
@@ -378,6 +386,8 @@ pub fn finished(d: &Daemon, s: &Step) {
     m.last_step_started.set(s.created_at);
     m.last_step_finished.set(v.finished_at);
     m.step_active.set(0);
+    // The last step's gaps only: series of earlier steps' witnesses (or targets) go.
+    m.last_step_gap.clear();
     for g in &s.gaps {
         let l = crate::metrics::GapLabels {
             kind: g.kind.clone(),

@@ -72,6 +72,11 @@ pub fn judge_reply(
     kind: RecordKind,
     expect: Option<&[IpAddr]>,
 ) -> Option<Result<Answer, ProbeError>> {
+    // Not a DNS header, or another query's id: a stray datagram (garbage from the resolver's
+    // own address included), ignored like any other; the probe waits for its answer.
+    if datagram.len() < 12 || u16::from_be_bytes([datagram[0], datagram[1]]) != id {
+        return None;
+    }
     let reply = match Message::from_vec(datagram) {
         Ok(m) => m,
         Err(e) => {
@@ -210,6 +215,29 @@ pub(crate) mod testserver {
             }
         });
         addr
+    }
+}
+
+#[cfg(test)]
+mod garbage_tests {
+    use super::*;
+
+    #[test]
+    fn garbage_from_the_resolver_is_ignored_not_a_failure() {
+        let r: SocketAddr = "198.51.100.53:53".parse().unwrap();
+        for junk in [&b"x"[..], &b"\x00\x00garbage!!"[..], &[0xffu8; 40][..]] {
+            assert!(
+                judge_reply(junk, 0x1234, r, "a.test", RecordKind::A, None).is_none(),
+                "{junk:?}"
+            );
+        }
+        // Our id, but not a DNS message: a malformed answer, a failure.
+        let mut ours = vec![0x12, 0x34];
+        ours.extend([0xff; 20]);
+        assert!(matches!(
+            judge_reply(&ours, 0x1234, r, "a.test", RecordKind::A, None),
+            Some(Err(_))
+        ));
     }
 }
 

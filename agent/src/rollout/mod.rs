@@ -934,6 +934,9 @@ async fn step_node(
     let sel = Cluster::selector(ds);
     let url = view.agents.get(&st.node).cloned().unwrap_or_default();
     let agent = c.agent(&url)?;
+    // The verdict's polls: at most two a second, and not before the agent's Retry-After.
+    let mut pace = crate::client::Pace::default();
+    let mut retry_after: Option<Duration> = None;
     let t = Timeouts {
         replace: c.args.replace_timeout.as_secs_f64(),
         verdict: c.args.step_timeout.as_secs_f64() + 60.0,
@@ -1064,14 +1067,19 @@ async fn step_node(
                     Event::Replaced(ok)
                 }
                 machine::Action::WaitVerdict { step } => {
+                    pace.wait(retry_after.take()).await;
                     let r = agent
-                        .call(
+                        .call_paced(
                             "GET",
                             &format!("/v1/steps/{step}?wait=20s"),
                             None,
                             Duration::from_secs(30),
                         )
-                        .await;
+                        .await
+                        .map(|(s, v, ra)| {
+                            retry_after = ra;
+                            (s, v)
+                        });
                     match r {
                         Ok((200, v)) => {
                             let reasons: Vec<&str> = v["verdict"]["reasons"]
@@ -1090,11 +1098,11 @@ async fn step_node(
                         }
                         Ok((202, _)) => Event::Verdict(Ok(None)),
                         Ok((s, v)) => {
-                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            retry_after = retry_after.or(Some(Duration::from_secs(1)));
                             Event::Verdict(Err(format!("agent answered {s}: {v}")))
                         }
                         Err(e) => {
-                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            retry_after = Some(Duration::from_secs(1));
                             Event::Verdict(Err(format!("{e:#}")))
                         }
                     }

@@ -300,9 +300,11 @@ impl StepParams {
                 format!("at most {MAX_WITNESSES} witnesses per step"),
             ));
         }
-        for w in &witnesses {
-            if let Err(e) = crate::client::Agent::new(w, None) {
-                return Err(RequestError::new("witnesses", format!("{e:#}")));
+        // One spelling per witness (`http://host:port`): its metric series and its track.
+        for w in witnesses.iter_mut() {
+            match crate::client::Agent::new(w, None) {
+                Ok(a) => *w = a.url(),
+                Err(e) => return Err(RequestError::new("witnesses", format!("{e:#}"))),
             }
         }
         witnesses.sort();
@@ -786,6 +788,10 @@ pub struct Step {
     /// steady cadence's.
     #[serde(default)]
     pub trigger: Option<String>,
+    /// The last write of this step's record failed (the state dir is full or read-only):
+    /// what is served is newer than what is on disk. Never written to disk itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_persisted: Option<String>,
 }
 
 /// Who began a step.
@@ -835,6 +841,7 @@ impl Step {
             witnesses: BTreeMap::new(),
             origin: Origin::Posted,
             trigger: None,
+            not_persisted: None,
             maps: BTreeMap::new(),
             verdict: None,
             updated_at: now,
@@ -887,6 +894,11 @@ impl Step {
 pub struct StepStore {
     dir: PathBuf,
     steps: std::sync::Mutex<BTreeMap<String, Step>>,
+    /// Steps whose latest record could not be written, with the error (written again by
+    /// [`StepStore::retry_unsaved`]).
+    unsaved: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Writes that failed since start.
+    pub write_errors: std::sync::atomic::AtomicU64,
 }
 
 /// A step file larger than this is not read (a step's record is bounded far below it).
@@ -901,6 +913,8 @@ impl StepStore {
         let store = Self {
             steps: std::sync::Mutex::new(Self::read_all(&dir)),
             dir,
+            unsaved: Default::default(),
+            write_errors: Default::default(),
         };
         Ok(store)
     }
@@ -924,6 +938,11 @@ impl StepStore {
         };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".json.tmp") {
+                // A write that did not finish (a full disk, a crash): its record is not whole.
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
             if !name.ends_with(".json") || name.starts_with('.') {
                 continue;
             }
@@ -956,22 +975,85 @@ impl StepStore {
         self.steps.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Saves a step to disk (write and rename) and keeps it in memory.
-    /// A step already known is updated in memory first, so its verdict is served even when
-    /// the disk refuses the write; a new step is kept only once it is on disk.
+    /// Saves a step to disk (written to a temporary file, fsynced, renamed, the directory
+    /// fsynced) and keeps it in memory. A step already known is updated in memory first, so
+    /// its verdict is served even when the disk refuses the write (the step then says it is
+    /// not persisted, and the write is tried again); a new step is kept only once it is on
+    /// disk.
     pub fn save(&self, s: &Step) -> std::io::Result<()> {
-        {
+        let mut on_disk = s.clone();
+        on_disk.not_persisted = None;
+        let known = {
             let mut m = self.mem();
-            if let Some(known) = m.get_mut(&s.id) {
-                *known = s.clone();
+            match m.get_mut(&s.id) {
+                Some(k) => {
+                    *k = on_disk.clone();
+                    true
+                }
+                None => false,
+            }
+        };
+        match self.write(&on_disk) {
+            Ok(()) => {
+                self.unsaved_mut().remove(&s.id);
+                self.mem().insert(s.id.clone(), on_disk);
+                Ok(())
+            }
+            Err(e) => {
+                self.write_errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if known {
+                    let why = format!("the step's record could not be written: {e}");
+                    if let Some(k) = self.mem().get_mut(&s.id) {
+                        k.not_persisted = Some(why.clone());
+                    }
+                    self.unsaved_mut().insert(s.id.clone(), why);
+                }
+                Err(e)
             }
         }
+    }
+
+    fn unsaved_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, String>> {
+        self.unsaved.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self, s: &Step) -> std::io::Result<()> {
+        use std::io::Write;
         let path = self.dir.join(format!("{}.json", s.id));
         let tmp = self.dir.join(format!(".{}.json.tmp", s.id));
-        std::fs::write(&tmp, serde_json::to_vec(s)?)?;
-        std::fs::rename(tmp, path)?;
-        self.mem().insert(s.id.clone(), s.clone());
-        Ok(())
+        let r = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&serde_json::to_vec(s)?)?;
+            f.sync_all()?;
+            drop(f);
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&self.dir)?.sync_all()
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r
+    }
+
+    /// Why some step's latest record is not on disk (readiness and the view say so).
+    pub fn unsaved(&self) -> Option<String> {
+        self.unsaved_mut().values().next().cloned()
+    }
+
+    /// Writes again the steps whose last write failed; how many writes failed again.
+    pub fn retry_unsaved(&self) -> usize {
+        let ids: Vec<String> = self.unsaved_mut().keys().cloned().collect();
+        let mut failed = 0;
+        for id in ids {
+            match self.load(&id) {
+                Some(s) => failed += usize::from(self.save(&s).is_err()),
+                None => {
+                    self.unsaved_mut().remove(&id);
+                }
+            }
+        }
+        failed
     }
 
     pub fn load(&self, id: &str) -> Option<Step> {
@@ -1025,6 +1107,26 @@ mod tests {
         let e = StepParams::from_request(&req, burst, &[Duration::from_millis(150)]).unwrap_err();
         assert_eq!(e.field, "burst_interval");
         assert!(StepParams::from_request(&req, burst, &[Duration::from_millis(200)]).is_ok());
+    }
+
+    /// Each spelling of one witness is one witness (and one metric series).
+    #[test]
+    fn witness_urls_are_normalised() {
+        let req = StepRequest {
+            witnesses: Some(vec![
+                "http://W.example:9970".into(),
+                "http://w.example:9970/".into(),
+            ]),
+            ..Default::default()
+        };
+        let (_, p) = StepParams::from_request(&req, Duration::from_millis(10), &[]).unwrap();
+        assert_eq!(p.witnesses, vec!["http://w.example:9970".to_string()]);
+        let req = StepRequest {
+            witnesses: Some(vec!["http://u1@w.example:9970".into()]),
+            ..Default::default()
+        };
+        let e = StepParams::from_request(&req, Duration::from_millis(10), &[]).unwrap_err();
+        assert_eq!(e.field, "witnesses", "{e}");
     }
 
     #[test]

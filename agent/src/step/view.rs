@@ -57,6 +57,10 @@ pub struct StepView {
     #[serde(default)]
     pub holes: Vec<(f64, f64)>,
     pub evidence_incomplete: Option<String>,
+    /// Why the served step is newer than its record on disk (the state dir cannot be
+    /// written); absent when it is on disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_persisted: Option<String>,
     /// Global maps across the step, judged by class (new in this version).
     #[serde(default)]
     pub maps: BTreeMap<String, super::MapEvidence>,
@@ -93,6 +97,7 @@ impl StepView {
             cilium_after_from: s.cilium_after_from.clone(),
             holes: s.holes.clone(),
             evidence_incomplete: s.evidence_incomplete.clone(),
+            not_persisted: s.not_persisted.clone(),
             maps: s.maps.clone(),
             witnesses: s.witnesses.clone(),
             probes: s
@@ -131,6 +136,9 @@ impl StepView {
         }
         if let Some(t) = &self.trigger {
             out.push_str(&format!("  implicit step: {t}\n"));
+        }
+        if let Some(n) = &self.not_persisted {
+            out.push_str(&format!("  NOT PERSISTED: {n}\n"));
         }
         if let Some(before) = &self.baseline.cilium {
             let after = self.cilium_after.as_deref().unwrap_or("not yet seen");

@@ -186,3 +186,286 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
     let _ = held.join();
     drop((flood, more));
 }
+
+/// A socket with a tiny receive buffer (set before connecting), from inside `ns`.
+fn slow_reader(ns: &str, addr: std::net::SocketAddr, n: usize, requests: usize) -> Vec<TcpStream> {
+    stepguard_lab::netns::in_netns(ns, move || {
+        use std::io::Write;
+        use std::os::fd::FromRawFd;
+        let mut out = Vec::new();
+        let std::net::SocketAddr::V4(a) = addr else {
+            anyhow::bail!("IPv4 only")
+        };
+        let req = "GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n".repeat(requests);
+        for _ in 0..n {
+            // SAFETY: plain socket calls on a descriptor this function owns.
+            let s = unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+                if fd < 0 {
+                    continue;
+                }
+                let size: libc::c_int = 2048;
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUF,
+                    &size as *const _ as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as u32,
+                );
+                let sa = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as u16,
+                    sin_port: a.port().to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from(*a.ip()).to_be(),
+                    },
+                    sin_zero: [0; 8],
+                };
+                if libc::connect(
+                    fd,
+                    &sa as *const _ as *const libc::sockaddr,
+                    std::mem::size_of::<libc::sockaddr_in>() as u32,
+                ) != 0
+                {
+                    libc::close(fd);
+                    continue;
+                }
+                TcpStream::from_raw_fd(fd)
+            };
+            let mut s = s;
+            s.set_write_timeout(Some(Duration::from_millis(50)))?;
+            let _ = s.write_all(req.as_bytes());
+            out.push(s);
+        }
+        Ok(out)
+    })
+    .unwrap()
+}
+
+/// Issue 22, item 3: 270 slow readers (2 KiB receive buffers, 400 pipelined GETs each, never
+/// reading) hold no slot for long: /readyz and /metrics keep answering, and a step with an
+/// outage is begun and measured meanwhile.
+#[test]
+fn slow_readers_do_not_lock_the_agent_out() {
+    let mut lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    let slow = slow_reader(&agent.ns, agent.addr, 270, 400);
+    assert!(slow.len() >= 250, "{} slow readers", slow.len());
+    let t = Instant::now();
+    let mut answered = 0;
+    for _ in 0..20 {
+        let (a, _) = agent.get("/readyz");
+        let (b, m) = agent.get("/metrics");
+        if a == 200 && b == 200 && m.ends_with("# EOF\n") {
+            answered += 1;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        answered >= 18,
+        "/readyz and /metrics answered {answered} of 20 times in {:?} with slow readers",
+        t.elapsed()
+    );
+    let id = agent.begin_probing(r#"{"settle":"1s","timeout":"30s"}"#);
+    let more = slow_reader(&agent.ns, agent.addr, 270, 400);
+    let r = lab
+        .restart(&RestartOpts {
+            down: Duration::from_millis(300),
+            blackhole: true,
+            ..Default::default()
+        })
+        .unwrap();
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{:#}", v["verdict"]);
+    for g in v["gaps"].as_array().unwrap() {
+        assert_gap_matches(g, &r, g["target"].as_str().unwrap());
+    }
+    drop((slow, more));
+}
+
+/// Issue 22, item 5: with every long-poll slot held, `stepguard wait` connects at most twice
+/// a second (it used to spin: 2,136 connects in 5 s), honouring the agent's Retry-After.
+#[test]
+fn waiters_back_off_when_every_long_poll_slot_is_held() {
+    let lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &["--max-long-polls", "2"]);
+    let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
+    let hold: Vec<_> = (0..2)
+        .map(|_| {
+            let (ns, addr, id) = (agent.ns.clone(), agent.addr, id.clone());
+            std::thread::spawn(move || {
+                http(
+                    &ns,
+                    addr,
+                    "GET",
+                    &format!("/v1/steps/{id}?wait=30s"),
+                    None,
+                    None,
+                )
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // A counting proxy in the node namespace between `stepguard wait` and the agent.
+    let proxy = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let connects = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let listener = {
+        let ns = agent.ns.clone();
+        stepguard_lab::netns::in_netns(&ns, move || Ok(std::net::TcpListener::bind(proxy)?))
+            .unwrap()
+    };
+    listener.set_nonblocking(true).unwrap();
+    let (c2, target) = (connects.clone(), agent.addr);
+    let ns = agent.ns.clone();
+    let proxy_thread = std::thread::spawn(move || {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(8) {
+            match listener.accept() {
+                Ok((mut client, _)) => {
+                    c2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let upstream = stepguard_lab::netns::in_netns(&ns, move || {
+                        Ok(TcpStream::connect_timeout(&target, Duration::from_secs(1))?)
+                    });
+                    if let Ok(mut up) = upstream {
+                        let _ = client.set_nonblocking(false);
+                        let (mut c_r, mut u_w) =
+                            (client.try_clone().unwrap(), up.try_clone().unwrap());
+                        std::thread::spawn(move || {
+                            let _ = std::io::copy(&mut c_r, &mut u_w);
+                        });
+                        std::thread::spawn(move || {
+                            let _ = std::io::copy(&mut up, &mut client);
+                        });
+                    }
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    let t = Instant::now();
+    let out = in_node(
+        &lab,
+        "timeout",
+        &[
+            "5",
+            bin("STEPGUARD_BIN", "stepguard").to_str().unwrap(),
+            "wait",
+            "--agent",
+            &format!("http://{proxy}"),
+            "--step",
+            &id,
+            "--timeout",
+            "60s",
+        ],
+    );
+    let elapsed = t.elapsed().as_secs_f64();
+    let n = connects.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (n as f64) <= 2.0 * elapsed + 2.0,
+        "`stepguard wait` connected {n} times in {elapsed:.1} s (at most 2 a second): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(n >= 2, "it did poll: {n}");
+    proxy_thread.join().unwrap();
+    for h in hold {
+        let _ = h.join();
+    }
+}
+
+/// Unmounts the test's tmpfs however the test ends.
+struct Tmpfs(std::path::PathBuf);
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Issue 22, item 6: the state dir fills after the first save. The verdict is served and says
+/// it is not persisted, readiness says why, a metric counts the failed writes, no temporary
+/// file is left, and once there is room again the record is written and survives a restart.
+#[test]
+fn a_full_state_dir_loses_no_verdict() {
+    let mut lab = lab(|_| {});
+    let dir = lab.state.run_dir.join("small-state");
+    std::fs::create_dir_all(&dir).unwrap();
+    sh(
+        "mount",
+        &[
+            "-t",
+            "tmpfs",
+            "-o",
+            "size=256k",
+            "tmpfs",
+            dir.to_str().unwrap(),
+        ],
+    );
+    let _mounted = Tmpfs(dir.clone());
+    let mut agent = Daemon::start_with(
+        lab.node_ns(),
+        lab.stepguard_config(),
+        dir.clone(),
+        free_port(),
+        &[],
+    );
+    let id = agent.begin_probing(r#"{"settle":"1s","timeout":"30s"}"#);
+    // Fill the disk: the step's later writes fail.
+    let filler = dir.join("filler");
+    let _ = std::process::Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k", "count=1000"])
+        .arg(format!("of={}", filler.display()))
+        .stderr(std::process::Stdio::null())
+        .status();
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{:#}", v["verdict"]);
+    assert!(
+        v["not_persisted"]
+            .as_str()
+            .is_some_and(|n| n.contains("could not be written")),
+        "the step says it is not on disk: {}",
+        v["not_persisted"]
+    );
+    let (s, body) = agent.get("/readyz");
+    assert_eq!(s, 503, "{body}");
+    assert!(body.contains("state dir"), "{body}");
+    let (_, m) = agent.get("/metrics");
+    let errors = metric_value(&m, "stepguard_state_write_errors_total").unwrap_or(0.0);
+    assert!(errors >= 1.0, "write errors counted: {errors}");
+    let steps_dir = dir.join("steps");
+    let leftovers: Vec<String> = std::fs::read_dir(&steps_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    // Room again: the record is written within a few seconds, readiness comes back.
+    std::fs::remove_file(&filler).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let on_disk: serde_json::Value = std::fs::read(steps_dir.join(format!("{id}.json")))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        if on_disk["verdict"]["status"] == "passed" && agent.get("/readyz").0 == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the record was not written again: {on_disk}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    agent.kill9();
+    agent.restart_same();
+    let v = agent.verdict(&id);
+    assert_eq!(
+        v["verdict"]["status"], "passed",
+        "after a restart: {:#}",
+        v["verdict"]
+    );
+    assert!(v["not_persisted"].is_null(), "{}", v["not_persisted"]);
+}

@@ -588,3 +588,34 @@ fn sigterm_turns_readiness_false_before_the_agent_closes() {
     let status = agent.child.wait().unwrap();
     assert!(status.success(), "clean exit after SIGTERM: {status}");
 }
+
+/// Issue 22, item 7: two unfinished step files at start: the newest is resumed, the older one
+/// is decided at once (evidence_incomplete), not left watching forever.
+#[test]
+fn every_unfinished_step_is_decided_at_start() {
+    let lab = lab(|_| {});
+    let mut agent = Daemon::start(&lab, &[]);
+    let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
+    agent.wait_persisted(&id, every_target_persisted);
+    agent.kill9();
+    let steps = agent.state_dir.join("steps");
+    let mut older: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(steps.join(format!("{id}.json"))).unwrap()).unwrap();
+    older["id"] = "older-unfinished".into();
+    older["created_at"] = (older["created_at"].as_f64().unwrap() - 30.0).into();
+    std::fs::write(
+        steps.join("older-unfinished.json"),
+        serde_json::to_vec(&older).unwrap(),
+    )
+    .unwrap();
+    agent.restart_same();
+    let (s, v) = agent.get_json("/v1/steps/older-unfinished");
+    assert_eq!(s, 200, "decided at start: {v}");
+    assert_eq!(
+        v["verdict"]["reasons"],
+        serde_json::json!(["evidence_incomplete"]),
+        "{v}"
+    );
+    let (s, v) = agent.get_json(&format!("/v1/steps/{id}"));
+    assert_eq!(s, 202, "the newest is resumed: {v}");
+}

@@ -390,3 +390,100 @@ fn an_always_on_witness_measures_an_unstepped_lease_move() {
         assert_lan_gap(&g, &r, vip, 0.100);
     }
 }
+
+/// Issue 22, item 2: a step planted on a witness by someone else on the LAN (same id, a 1 h
+/// budget) is refused, not adopted: the witness answers 409 and the agent does not begin.
+#[test]
+fn a_witness_step_planted_with_other_budgets_is_refused() {
+    let lab = lan(short_lease(2000));
+    let w = Witness::start(&lab);
+    let a0 = agent_on(&lab, 0);
+    let addr: std::net::SocketAddr = w.url.trim_start_matches("http://").parse().unwrap();
+    let (s, b) = http(
+        &lab.client_ns(),
+        addr,
+        "POST",
+        "/v1/steps",
+        Some(r#"{"id":"planted-1","max_gap":"3600000ms","timeout":"1h"}"#),
+        None,
+    );
+    assert_eq!(s, 201, "{b}");
+    let (s, b) = a0.post(
+        "/v1/steps",
+        &format!(
+            r#"{{"id":"planted-1","settle":"1s","timeout":"20s","max_gap":"200ms","witnesses":["{}"]}}"#,
+            w.url
+        ),
+        None,
+    );
+    assert_eq!(s, 503, "the planted step must not be adopted: {b}");
+    let e = b["error"].as_str().unwrap_or("");
+    assert!(e.contains(&w.url) && e.contains("409"), "{b}");
+}
+
+/// Issue 22, item 4: bodies trickled at 1 byte/s by clients without the token hold no slot of
+/// a witness (authentication comes from the headers, before the body; bodies have a
+/// deadline): a step naming that witness, with the agent and witness sharing a token, passes.
+#[test]
+fn trickled_bodies_do_not_lock_a_witness_out() {
+    let mut lab = lan(short_lease(2000));
+    let token = lab.state.run_dir.join("witness-token");
+    std::fs::write(&token, "a-lan-token-0123456789abcdef\n").unwrap();
+    let tok = token.to_str().unwrap().to_string();
+    let w = Witness::start_with(&lab, &["--token-file", &tok]);
+    let node = lab.node(0).unwrap();
+    let a0 = Daemon::start_with(
+        node.node_ns(),
+        lab.node_config(0),
+        lab.state.run_dir.join("agent-state-tok"),
+        free_port(),
+        &["--token-file", &tok],
+    );
+    let addr: std::net::SocketAddr = w.url.trim_start_matches("http://").parse().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickle = {
+        let (ns, stop) = (lab.client_ns(), stop.clone());
+        std::thread::spawn(move || {
+            stepguard_lab::netns::in_netns(&ns, move || {
+                use std::io::Write;
+                let mut socks: Vec<std::net::TcpStream> = (0..260)
+                    .filter_map(|_| {
+                        let mut s =
+                            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500))
+                                .ok()?;
+                        s.set_write_timeout(Some(Duration::from_millis(200))).ok()?;
+                        s.write_all(
+                            b"POST /v1/steps HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\nContent-Length: 4000\r\n\r\n{",
+                        )
+                        .ok()?;
+                        Some(s)
+                    })
+                    .collect();
+                let n = socks.len();
+                let t = Instant::now();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                    && t.elapsed() < Duration::from_secs(30)
+                {
+                    for s in socks.iter_mut() {
+                        let _ = s.write_all(b" ");
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                Ok(n)
+            })
+            .unwrap()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    // Without the token, step data is not readable either.
+    let (s, _) = http(&lab.client_ns(), addr, "GET", "/v1/steps/x", None, None);
+    assert_eq!(s, 401);
+    let id = a0.begin_probing(&step_body(&w, ""));
+    restart(&mut lab, 0, 200, false, false);
+    let v = a0.verdict(&id);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = trickle.join().unwrap();
+    assert!(n >= 200, "only {n} trickling connections");
+    assert_eq!(v["verdict"]["status"], "passed", "{:#}", v["verdict"]);
+    assert!(v["witnesses"][&w.url]["report"].is_object(), "{v:#}");
+}
