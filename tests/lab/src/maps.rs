@@ -237,11 +237,15 @@ pub fn create_pinned(bpffs: &Path, m: &MapSpec) -> Result<OwnedFd> {
     Ok(fd)
 }
 
+/// An index as Cilium's ids are stored (host byte order): a `__u32` backend id, a `__u16`
+/// reverse-NAT index or node id, at the start of a key or value of `size` bytes.
 fn key_from(idx: u32, size: u32) -> Vec<u8> {
     let mut k = vec![0u8; size as usize];
-    let b = idx.to_be_bytes();
-    let n = k.len().min(4);
-    k[..n].copy_from_slice(&b[4 - n..]);
+    match k.len() {
+        0 | 1 => k.iter_mut().for_each(|b| *b = idx as u8),
+        2 | 3 => k[..2].copy_from_slice(&(idx as u16).to_ne_bytes()),
+        _ => k[..4].copy_from_slice(&idx.to_ne_bytes()),
+    }
     k
 }
 

@@ -478,7 +478,14 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
     // Without the token, step data is not readable either.
     let (s, _) = http(&lab.client_ns(), addr, "GET", "/v1/steps/x", None, None);
     assert_eq!(s, 401);
-    let id = a0.begin_probing(&step_body(&w, ""));
+    let (s, b) = a0.post(
+        "/v1/steps",
+        &step_body(&w, ""),
+        Some("a-lan-token-0123456789abcdef"),
+    );
+    assert_eq!(s, 201, "{b}");
+    let id = b["id"].as_str().unwrap().to_string();
+    a0.wait_probing(&id, 5, &Default::default());
     restart(&mut lab, 0, 200, false, false);
     let v = a0.verdict(&id);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
