@@ -277,6 +277,25 @@ fn proto_name(p: u8) -> String {
     }
 }
 
+/// A service key after its address: `dport` (network order), `backend_slot`, `proto`, `scope`.
+fn service_key(addr: String, rest: &[u8]) -> Option<String> {
+    let (port, slot) = (
+        be16(rest)?,
+        u16::from_ne_bytes([*rest.get(2)?, *rest.get(3)?]),
+    );
+    let scope = if *rest.get(5)? == 1 {
+        " (internal)"
+    } else {
+        ""
+    };
+    let frontend = format!("{addr}:{port}/{}{scope}", proto_name(rest[4]));
+    Some(if slot == 0 {
+        frontend
+    } else {
+        format!("{frontend} backend slot {slot}")
+    })
+}
+
 /// An entry of a kept-state map in Cilium's terms, read from its key (and value): a service
 /// frontend `198.51.100.10:80/TCP` (`struct lb4_key`: address, dport in network order,
 /// backend_slot, proto, scope; slot 0 is the service itself, others its backend slots), a
@@ -285,34 +304,8 @@ fn proto_name(p: u8) -> String {
 /// key of another size.
 pub fn describe_entry(map: &str, key: &[u8], value: &[u8]) -> Option<String> {
     match (map, key.len()) {
-        ("cilium_lb4_services_v2", 12) => {
-            let (addr, port, slot) = (
-                ip4(key)?,
-                be16(&key[4..])?,
-                u16::from_ne_bytes([key[6], key[7]]),
-            );
-            let scope = if key[9] == 1 { " (internal)" } else { "" };
-            let frontend = format!("{addr}:{port}/{}{scope}", proto_name(key[8]));
-            Some(if slot == 0 {
-                frontend
-            } else {
-                format!("{frontend} backend slot {slot}")
-            })
-        }
-        ("cilium_lb6_services_v2", 24) => {
-            let (addr, port, slot) = (
-                ip6(key)?,
-                be16(&key[16..])?,
-                u16::from_ne_bytes([key[18], key[19]]),
-            );
-            let scope = if key[21] == 1 { " (internal)" } else { "" };
-            let frontend = format!("[{addr}]:{port}/{}{scope}", proto_name(key[20]));
-            Some(if slot == 0 {
-                frontend
-            } else {
-                format!("{frontend} backend slot {slot}")
-            })
-        }
+        ("cilium_lb4_services_v2", 12) => service_key(ip4(key)?.to_string(), &key[4..]),
+        ("cilium_lb6_services_v2", 24) => service_key(format!("[{}]", ip6(key)?), &key[16..]),
         ("cilium_lb4_backends_v3", 4) => Some(format!(
             "backend {} = {}:{}",
             u32::from_ne_bytes(key.try_into().ok()?),

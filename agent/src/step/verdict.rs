@@ -803,6 +803,25 @@ fn judge_policy_maps(
     );
 }
 
+/// [`judge_maps`] over an observation.
+fn judge_observed_maps(
+    step: &Step,
+    o: &Observed,
+    maps: &BTreeMap<String, Option<u64>>,
+    va: Option<&AfterVersion>,
+    settle_over: bool,
+) -> MapsJudged {
+    judge_maps(
+        step,
+        maps,
+        o.map_ids.as_ref(),
+        o.endpoint_maps.as_ref(),
+        va,
+        &o.map_entries,
+        settle_over,
+    )
+}
+
 /// What [`judge_maps`] found.
 pub struct MapsJudged {
     pub evidence: BTreeMap<String, MapEvidence>,
@@ -917,15 +936,7 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
     if let Some(maps) = &o.maps {
         let settle_over = o.now >= reloaded_at + step.params.settle.as_secs_f64();
         let va = after_version(step, o);
-        let j = judge_maps(
-            step,
-            maps,
-            o.map_ids.as_ref(),
-            o.endpoint_maps.as_ref(),
-            va.as_ref(),
-            &o.map_entries,
-            settle_over,
-        );
+        let j = judge_observed_maps(step, o, maps, va.as_ref(), settle_over);
         if let Some((code, why)) = j.fatal {
             return Judged::fatal(code, why);
         }
@@ -1189,16 +1200,7 @@ pub fn decide(step: &mut Step, o: &Observed) {
         });
         step.cilium_after_from = va.as_ref().map(|a| a.from.clone());
         let settle_over = now >= at + step.params.settle.as_secs_f64();
-        step.maps = judge_maps(
-            step,
-            maps,
-            o.map_ids.as_ref(),
-            o.endpoint_maps.as_ref(),
-            va.as_ref(),
-            &o.map_entries,
-            settle_over,
-        )
-        .evidence;
+        step.maps = judge_observed_maps(step, o, maps, va.as_ref(), settle_over).evidence;
     }
     step.dns_p50_after_ms = o.dns_p50_after_ms;
     if step.evidence_incomplete.is_none() {

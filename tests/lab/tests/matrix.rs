@@ -172,17 +172,6 @@ fn faults() -> Vec<Fault> {
     ]
 }
 
-fn reasons(v: &serde_json::Value) -> Vec<String> {
-    v["verdict"]["reasons"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|r| r.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// One cell: a lab, an agent, a healthy restart, the upgrade (tcx cells), a fault (when one is
 /// assigned to the cell). Returns what went wrong, one line each.
 fn run_cell(c: Cell, faults: &[Fault]) -> Vec<String> {

@@ -16,17 +16,6 @@ const VERSIONS: [Profile; 5] = [
     Profile::V1_20,
 ];
 
-fn reasons(v: &Value) -> Vec<String> {
-    v["verdict"]["reasons"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|r| r.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn status(v: &Value) -> &str {
     v["verdict"]["status"].as_str().unwrap_or("")
 }

@@ -228,6 +228,18 @@ pub fn check(lab: &Lab, extra: &[&str]) -> (i32, Value, String) {
     (out.status.code().unwrap_or(-1), v, stderr)
 }
 
+/// A step's verdict reason codes.
+pub fn reasons(v: &Value) -> Vec<String> {
+    v["verdict"]["reasons"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|r| r.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// One check's result from `check`'s JSON.
 pub fn result<'a>(v: &'a Value, name: &str) -> &'a Value {
     v["checks"]
