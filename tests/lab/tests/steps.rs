@@ -616,6 +616,19 @@ fn every_unfinished_step_is_decided_at_start() {
         serde_json::json!(["evidence_incomplete"]),
         "{v}"
     );
-    let (s, v) = agent.get_json(&format!("/v1/steps/{id}"));
-    assert_eq!(s, 202, "the newest is resumed: {v}");
+    assert!(
+        v["verdict"]["summary"].as_str().unwrap_or("").contains(&id),
+        "names the newer step: {}",
+        v["verdict"]["summary"]
+    );
+    // The newest is resumed (and judged on its own: the agent was down during it).
+    let v = agent.verdict(&id);
+    assert!(
+        v["verdict"]["summary"]
+            .as_str()
+            .unwrap_or("")
+            .contains("agent was down"),
+        "resumed: {}",
+        v["verdict"]
+    );
 }
