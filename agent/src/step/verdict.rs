@@ -1400,6 +1400,22 @@ mod tests {
         s
     }
 
+    /// Observes the step at `ticks`, the datapath reloading at 1.2 s; the verdict once decided.
+    fn reload_at_1_2(s: &mut Step, ticks: &[f64]) -> Option<Verdict> {
+        for &t in ticks {
+            let p = if t < 1.2 {
+                progs(Some(10), Some(11))
+            } else {
+                progs(Some(20), Some(21))
+            };
+            decide(s, &obs(t, p));
+            if s.verdict.is_some() {
+                break;
+            }
+        }
+        s.verdict.clone()
+    }
+
     /// Sets a target's samples and its counts, as the runner records them.
     fn record(s: &mut Step, samples: Vec<(f64, bool)>) {
         let t = s.targets.get_mut("gw").unwrap();
@@ -1418,18 +1434,7 @@ mod tests {
             .map(|t| (t, t < 1.2 || ((t * 100.0).round() as u64).is_multiple_of(2)))
             .collect();
         record(&mut s, samples);
-        for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0] {
-            let p = if t < 1.2 {
-                progs(Some(10), Some(11))
-            } else {
-                progs(Some(20), Some(21))
-            };
-            decide(&mut s, &obs(t, p));
-            if s.verdict.is_some() {
-                break;
-            }
-        }
-        let v = s.verdict.as_ref().expect("decided");
+        let v = reload_at_1_2(&mut s, &[0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0]).expect("decided");
         assert_eq!(v.status, Status::Failed);
         assert_eq!(v.reasons, vec![Reason::LossOverBudget], "{v:?}");
         assert!(v.summary.contains("max_loss"), "{}", v.summary);
@@ -1447,20 +1452,11 @@ mod tests {
             .map(|t| (t, t < 1.5 || (t - 1.5) % 1.5 >= 0.5))
             .collect();
         record(&mut s, samples);
-        let mut v = None;
-        for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0, 11.0, 14.0, 15.0] {
-            let p = if t < 1.2 {
-                progs(Some(10), Some(11))
-            } else {
-                progs(Some(20), Some(21))
-            };
-            decide(&mut s, &obs(t, p));
-            if s.verdict.is_some() {
-                v = s.verdict.clone();
-                break;
-            }
-        }
-        let v = v.expect("decided");
+        let v = reload_at_1_2(
+            &mut s,
+            &[0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0, 11.0, 14.0, 15.0],
+        )
+        .expect("decided");
         assert_eq!(v.reasons, vec![Reason::GapOverBudget], "{v:?}");
         assert!(v.summary.contains("max_total_gap"), "{}", v.summary);
     }

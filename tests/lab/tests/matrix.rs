@@ -30,14 +30,6 @@ impl std::fmt::Display for Cell {
     }
 }
 
-const VERSIONS: [Profile; 5] = [
-    Profile::V1_16,
-    Profile::V1_17,
-    Profile::V1_18,
-    Profile::V1_19,
-    Profile::V1_20,
-];
-
 fn next(v: Profile) -> Option<Profile> {
     VERSIONS
         .iter()

@@ -8,14 +8,6 @@ use serde_json::Value;
 use std::time::Duration;
 use stepguard_lab::{Lab, Profile, RestartOpts};
 
-const VERSIONS: [Profile; 5] = [
-    Profile::V1_16,
-    Profile::V1_17,
-    Profile::V1_18,
-    Profile::V1_19,
-    Profile::V1_20,
-];
-
 fn status(v: &Value) -> &str {
     v["verdict"]["status"].as_str().unwrap_or("")
 }

@@ -228,6 +228,15 @@ pub fn check(lab: &Lab, extra: &[&str]) -> (i32, Value, String) {
     (out.status.code().unwrap_or(-1), v, stderr)
 }
 
+/// Every Cilium minor the lab imitates, oldest first.
+pub const VERSIONS: [stepguard_lab::Profile; 5] = [
+    stepguard_lab::Profile::V1_16,
+    stepguard_lab::Profile::V1_17,
+    stepguard_lab::Profile::V1_18,
+    stepguard_lab::Profile::V1_19,
+    stepguard_lab::Profile::V1_20,
+];
+
 /// A step's verdict reason codes.
 pub fn reasons(v: &Value) -> Vec<String> {
     v["verdict"]["reasons"]
