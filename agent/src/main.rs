@@ -59,9 +59,11 @@ enum Cmd {
     /// Begin a step on an agent (POST /v1/steps); prints the step id on the last line.
     Step(StepArgs),
     /// Step a Cilium DaemonSet (updateStrategy OnDelete) node by node, each verified by the
-    /// node's agent; stops at the first failed step. Exit 0 all passed, 1 a step failed,
-    /// 2 refused / interrupted / usage.
-    Rollout(stepguard::rollout::RolloutArgs),
+    /// node's agent. A failed step halts the rollout for every later run until a person
+    /// lifts it (--retry NODE, --skip NODE, --abort); an interrupted run's step is finished
+    /// first. Exit 0 all passed, 1 a step failed (halted), 2 refused / halted / paused /
+    /// interrupted / usage.
+    Rollout(Box<stepguard::rollout::RolloutArgs>),
     /// Wait for a step's verdict; exit 0 passed, 1 failed, 2 timed out / agent unreachable / usage.
     Wait(WaitArgs),
     /// Run the node checks once and print the result; exit 0 all pass, 1 any fail, 2 any unknown or usage/config error.
@@ -303,7 +305,7 @@ fn run(cmd: Cmd) -> Result<i32> {
     match cmd {
         Cmd::Agent(args) => agent(args),
         Cmd::Witness(args) => witness(args),
-        Cmd::Rollout(args) => stepguard::rollout::run(args),
+        Cmd::Rollout(args) => stepguard::rollout::run(*args),
         Cmd::Step(args) => step_cmd(args),
         Cmd::Wait(args) => wait_cmd(args),
         Cmd::Check(args) => check(args),

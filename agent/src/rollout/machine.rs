@@ -3,6 +3,7 @@
 //! which `plan` decides) is tested here: failures in each phase, timeouts, the lock lost,
 //! and resuming an interrupted step without repeating it.
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// Where a node's step is.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -157,34 +158,58 @@ pub fn advance(p: Phase, ev: Event, now: f64, t: Timeouts) -> Phase {
     }
 }
 
+/// The interrupted step's old pod, as the API server shows it now.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OldPod {
+    /// Still there and not being deleted: the delete never happened.
+    Present,
+    /// Deleted, within its grace period.
+    Terminating,
+    Gone,
+}
+
 /// Where an interrupted step resumes, from what the lock recorded and what is there now:
-/// the step the agent still knows, whether the old pod is still there, whether a Ready
-/// replacement on the current revision is.
+/// whether the node's agent still knows the step (`Some(false)`: it answered 404; `None`: it
+/// could not be asked, so the record — written after the agent began the step — stands), the
+/// old pod, whether a Ready replacement on an acceptable revision is there. A step whose
+/// restart happened but whose verdict can no longer be read fails: a fresh step begun now
+/// would take its baseline after the restart and prove nothing.
 pub fn resume(
-    step: Option<&str>,
-    agent_knows_step: bool,
-    old_pod_present: bool,
+    step: &str,
+    agent_knows: Option<bool>,
+    old: OldPod,
     replaced: bool,
     now: f64,
 ) -> Phase {
-    match step {
-        Some(s) if agent_knows_step => {
-            if replaced {
-                Phase::Verdict {
-                    step: s.into(),
-                    since: now,
-                }
-            } else if old_pod_present {
-                Phase::Delete { step: s.into() }
-            } else {
-                Phase::Replace {
-                    step: s.into(),
-                    since: now,
-                }
-            }
-        }
-        _ => Phase::Begin,
+    match (agent_knows, old) {
+        (Some(false), OldPod::Present) => Phase::Begin,
+        (Some(false), _) => failed(
+            Some(step),
+            format!(
+                "the interrupted step {step} is unknown to the node's agent and the cilium pod was already deleted: that restart went unverified"
+            ),
+        ),
+        (_, OldPod::Present) => Phase::Delete { step: step.into() },
+        (_, _) if replaced => Phase::Verdict {
+            step: step.into(),
+            since: now,
+        },
+        _ => Phase::Replace {
+            step: step.into(),
+            since: now,
+        },
     }
+}
+
+/// Whether a replacement pod carrying revision `hash` answers a step that targeted `target`
+/// (hash, number): the target itself, or a newer revision of the DaemonSet (the template
+/// changed before the controller created the pod). `numbers`: the DaemonSet's revisions.
+pub fn acceptable_revision(
+    hash: &str,
+    target: (&str, i64),
+    numbers: &BTreeMap<String, i64>,
+) -> bool {
+    hash == target.0 || numbers.get(hash).is_some_and(|n| *n > target.1)
 }
 
 #[cfg(test)]
@@ -307,30 +332,42 @@ mod tests {
 
     #[test]
     fn an_interrupted_step_resumes_where_it_stopped_never_twice() {
-        assert_eq!(resume(None, false, true, false, 0.0), Phase::Begin);
+        use OldPod::*;
         assert_eq!(
-            resume(Some("s"), false, true, false, 0.0),
+            resume("s", Some(false), Present, false, 0.0),
             Phase::Begin,
-            "the agent lost it: begin anew"
+            "the agent lost it before anything was touched: begin anew"
         );
-        assert_eq!(
-            resume(Some("s"), true, true, false, 0.0),
-            Phase::Delete { step: "s".into() }
-        );
-        assert_eq!(
-            resume(Some("s"), true, false, false, 1.0),
-            Phase::Replace {
-                step: "s".into(),
-                since: 1.0
+        for old in [Terminating, Gone] {
+            assert!(
+                matches!(resume("s", Some(false), old, true, 0.0), Phase::Done(Outcome::Failed { ref why, .. }) if why.contains("unverified")),
+                "{old:?}: the restart happened and its verdict is lost"
+            );
+        }
+        for knows in [Some(true), None] {
+            assert_eq!(
+                resume("s", knows, Present, false, 0.0),
+                Phase::Delete { step: "s".into() }
+            );
+            for old in [Terminating, Gone] {
+                assert_eq!(
+                    resume("s", knows, old, false, 1.0),
+                    Phase::Replace {
+                        step: "s".into(),
+                        since: 1.0
+                    },
+                    "{old:?}"
+                );
+                assert_eq!(
+                    resume("s", knows, old, true, 1.0),
+                    Phase::Verdict {
+                        step: "s".into(),
+                        since: 1.0
+                    },
+                    "{old:?}"
+                );
             }
-        );
-        assert_eq!(
-            resume(Some("s"), true, false, true, 1.0),
-            Phase::Verdict {
-                step: "s".into(),
-                since: 1.0
-            }
-        );
+        }
         // A resumed delete whose pod is already gone goes on.
         let p = advance(
             Phase::Delete { step: "s".into() },
@@ -344,6 +381,29 @@ mod tests {
                 step: "s".into(),
                 since: 2.0
             }
+        );
+    }
+
+    #[test]
+    fn a_replacement_on_the_target_or_a_newer_revision_answers_the_step() {
+        let numbers: BTreeMap<String, i64> = [
+            ("r1".to_string(), 1),
+            ("r2".to_string(), 2),
+            ("r3".to_string(), 3),
+        ]
+        .into();
+        assert!(acceptable_revision("r2", ("r2", 2), &numbers));
+        assert!(
+            acceptable_revision("r3", ("r2", 2), &numbers),
+            "the template changed before the pod was created"
+        );
+        assert!(
+            !acceptable_revision("r1", ("r2", 2), &numbers),
+            "an older pod is no replacement"
+        );
+        assert!(
+            !acceptable_revision("rx", ("r2", 2), &numbers),
+            "an unknown revision"
         );
     }
 }

@@ -61,6 +61,10 @@ pub struct PlanOpts {
     /// to back (clients with two resolvers keep one).
     pub vip_groups: BTreeMap<String, Vec<String>>,
     pub pause_between: Duration,
+    /// Nodes a person left as they are on this revision (`--skip`): not stepped.
+    pub skip: BTreeSet<String>,
+    /// A node a person asked to step again (`--retry`): first, whatever its revision.
+    pub again: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -197,7 +201,16 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
             .map(|l| l.service.clone())
             .collect()
     };
-    let mut todo: Vec<&CiliumPod> = v.pods.iter().filter(|p| &p.revision != rev).collect();
+    let again = o
+        .again
+        .as_deref()
+        .and_then(|n| v.pods.iter().find(|p| p.node == n));
+    let mut todo: Vec<&CiliumPod> = v
+        .pods
+        .iter()
+        .filter(|p| &p.revision != rev && !o.skip.contains(&p.node))
+        .filter(|p| again.is_none_or(|a| a.node != p.node))
+        .collect();
     todo.sort_by(|a, b| a.node.cmp(&b.node));
     let canary = o.canary.clone().or_else(|| {
         let (k, val) = o.canary_label.as_ref()?;
@@ -206,6 +219,9 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
             .map(|p| p.node.clone())
     });
     let mut order: Vec<(&CiliumPod, String)> = Vec::new();
+    if let Some(p) = again {
+        order.push((p, "retry".into()));
+    }
     if let Some(c) = &canary {
         if let Some(i) = todo.iter().position(|p| &p.node == c) {
             order.push((todo.remove(i), "canary".into()));
@@ -438,6 +454,21 @@ mod tests {
         .unwrap();
         assert_eq!(p.len(), 2);
         assert!(p.iter().all(|s| s.node != "a1"));
+    }
+
+    #[test]
+    fn a_retried_node_comes_first_and_skipped_nodes_not_at_all() {
+        let mut v = view();
+        v.pods[2].revision = "new".into(); // b1: already stepped (and failed its verdict)
+        let o = PlanOpts {
+            again: Some("b1".into()),
+            skip: ["a2".to_string()].into(),
+            ..Default::default()
+        };
+        let p = plan(&v, &o).unwrap();
+        let names: Vec<&str> = p.iter().map(|s| s.node.as_str()).collect();
+        assert_eq!(names, ["b1", "b2", "a1", "cp"]);
+        assert_eq!(p[0].why, "retry");
     }
 
     #[test]

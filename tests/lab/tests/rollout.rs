@@ -1,15 +1,15 @@
-//! `stepguard rollout` end to end (issue 13): a fake Kubernetes API server whose cilium pod
-//! DELETE restarts the matching node of a three-node LAN lab and then reports a Ready
-//! replacement; real stepguard agents on the lab nodes; the stepper as a process in the LAN
-//! client namespace. Cases: the plan and refusals (`--dry-run`); a three-node rollout passes;
-//! the stepper killed mid-step and started again finishes without stepping a node twice; a
-//! revision change mid-rollout re-plans; a fault on the second node stops the rollout there
-//! with the third node untouched.
+//! `stepguard rollout` end to end (issues 13 and 23): a fake Kubernetes API server that plays
+//! the DaemonSet controller's part as the real one does (a deleted pod Terminating for its
+//! grace period, the replacement Pending and unbound, then bound, then Ready once the matching
+//! node of a three-node LAN lab restarted); real stepguard agents on the lab nodes; the stepper
+//! as a process in the LAN client namespace. Each test is one promise: the stepper never walks
+//! past a node whose verdict it did not read as passed.
 mod common;
-use common::fakekube::{FakeKube, World};
+use common::fakekube::{Bump, FakeKube, FakePod, Moment, World};
 use common::*;
+use serde_json::Value;
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stepguard_lab::lan::{LanGuard, LanLab, LanSpec, LeaseTimings};
@@ -25,8 +25,9 @@ struct Env {
     kube: FakeKube,
     kubeconfig: std::path::PathBuf,
     client_ns: String,
+    run_dir: std::path::PathBuf,
     _lan: Arc<Mutex<LanGuard>>,
-    /// When set, the next restart of this many-th deletion (1-based, in the current run)
+    /// When set, the restart for this many-th deletion (1-based, over the world's life)
     /// empties the node's endpoint map.
     fault_at: Arc<Mutex<Option<usize>>>,
 }
@@ -60,6 +61,9 @@ fn env() -> Env {
         generation: 2,
         observed_generation: 2,
         image: "quay.io/cilium/cilium:v1.18.2@sha256:0123".into(),
+        grace: Duration::from_millis(1000),
+        create_after: Duration::from_millis(300),
+        bind_after: Duration::from_millis(300),
         ..Default::default()
     };
     for i in 0..3u8 {
@@ -76,7 +80,7 @@ fn env() -> Env {
         world.nodes.insert(node_name(i), true);
         world.pods.insert(
             format!("cilium-{i}"),
-            (format!("uid-{i}"), node_name(i), "rev1".into(), true),
+            FakePod::running(&format!("uid-{i}"), &node_name(i), "rev1"),
         );
         world
             .agents
@@ -101,6 +105,14 @@ fn env() -> Env {
             if *fault_at.lock().unwrap() == Some(nth) {
                 opts.flush_map = Some("cilium_lxc".into());
             }
+            eprintln!(
+                "the lab restarts {node} for deletion {nth}{}",
+                if opts.flush_map.is_some() {
+                    ", emptying cilium_lxc"
+                } else {
+                    ""
+                }
+            );
             let mut l = lan.lock().unwrap();
             l.restart(i, &opts, false).expect("lab restart");
             sync_leases(&mut w.lock().unwrap(), &l);
@@ -120,6 +132,7 @@ fn env() -> Env {
         kube,
         kubeconfig,
         client_ns,
+        run_dir,
         fault_at,
     }
 }
@@ -140,18 +153,19 @@ fn rollout_cmd(e: &Env, extra: &[&str]) -> Command {
     c.arg(format!("--net=/run/netns/{}", e.client_ns))
         .arg("--")
         .arg(bin("STEPGUARD_BIN", "stepguard"))
-        .args([
-            "rollout",
-            "--lock-duration",
-            "3s",
-            "--settle",
-            "1s",
-            "--step-timeout",
-            "30s",
-            "--replace-timeout",
-            "60s",
-        ])
-        .args(extra)
+        .arg("rollout");
+    // The test's pace, unless the case sets its own.
+    for (flag, value) in [
+        ("--lock-duration", "3s"),
+        ("--settle", "1s"),
+        ("--step-timeout", "30s"),
+        ("--replace-timeout", "30s"),
+    ] {
+        if !extra.contains(&flag) {
+            c.args([flag, value]);
+        }
+    }
+    c.args(extra)
         .env("KUBECONFIG", &e.kubeconfig)
         .env("RUST_LOG", "warn");
     c
@@ -166,18 +180,45 @@ fn rollout(e: &Env, extra: &[&str]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text)
 }
 
-fn deletions_since(e: &Env, from: usize) -> Vec<String> {
-    e.kube.world.lock().unwrap().deletions[from..].to_vec()
+/// A stepper in the background, its output in a file of the lab's run directory.
+struct Stepper {
+    child: Child,
+    log: std::path::PathBuf,
 }
 
-fn all_on(e: &Env, rev: &str) -> bool {
-    e.kube
-        .world
-        .lock()
-        .unwrap()
-        .pods
-        .values()
-        .all(|p| p.2 == rev)
+impl Stepper {
+    fn spawn(e: &Env, name: &str, extra: &[&str]) -> Stepper {
+        let log = e.run_dir.join(format!("{name}.log"));
+        let f = std::fs::File::create(&log).unwrap();
+        let child = rollout_cmd(e, extra)
+            .stdout(Stdio::from(f.try_clone().unwrap()))
+            .stderr(Stdio::from(f))
+            .spawn()
+            .expect("spawn stepguard rollout");
+        Stepper { child, log }
+    }
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+    fn kill9(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Stepper {
+    fn drop(&mut self) {
+        if self.running() {
+            self.kill9();
+        }
+    }
+}
+
+fn deletions_since(e: &Env, from: usize) -> Vec<String> {
+    e.kube.world.lock().unwrap().deletions[from..].to_vec()
 }
 
 fn counts(v: &[String]) -> BTreeMap<String, usize> {
@@ -188,8 +229,95 @@ fn counts(v: &[String]) -> BTreeMap<String, usize> {
     m
 }
 
+/// Every node runs one Ready cilium pod on `rev`, none being deleted.
+fn all_on(e: &Env, rev: &str) -> bool {
+    let w = e.kube.world.lock().unwrap();
+    w.pods.len() == 3
+        && w.pods
+            .values()
+            .all(|p| p.revision == rev && p.ready && !p.terminating)
+}
+
+fn events(e: &Env) -> usize {
+    e.kube.world.lock().unwrap().events.len()
+}
+
+/// The nodes of the Events with `reason` since the `from`-th Event.
+fn event_nodes(e: &Env, from: usize, reason: &str) -> Vec<String> {
+    e.kube.world.lock().unwrap().events[from..]
+        .iter()
+        .filter(|v| v["reason"] == reason)
+        .filter_map(|v| {
+            let m = v["message"].as_str()?;
+            Some(m.strip_prefix("node ")?.split(':').next()?.to_string())
+        })
+        .collect()
+}
+
+fn reasons_since(e: &Env, from: usize) -> Vec<String> {
+    e.kube.world.lock().unwrap().events[from..]
+        .iter()
+        .filter_map(|v| v["reason"].as_str().map(String::from))
+        .collect()
+}
+
+/// The rollout lock, if any.
+fn lock(e: &Env) -> Option<Value> {
+    e.kube
+        .world
+        .lock()
+        .unwrap()
+        .leases
+        .iter()
+        .find(|((ns, _), _)| ns == "stepguard")
+        .map(|(_, l)| l.clone())
+}
+
+fn lock_annotation(e: &Env, key: &str) -> Option<String> {
+    lock(e).and_then(|l| l["metadata"]["annotations"][key].as_str().map(String::from))
+}
+
+/// Waits (bounded) until `ok`; panics with `what` and `context()` otherwise.
+fn wait_until(what: &str, limit: Duration, ok: impl Fn() -> bool, context: impl Fn() -> String) {
+    let deadline = Instant::now() + limit;
+    while !ok() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {limit:?}\n{}",
+            context()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Every node stepped exactly once since `from_del`, and every verdict read (one passed Event
+/// per node since `from_ev`), all on `rev`.
+fn each_node_once_every_verdict_read(
+    e: &Env,
+    from_del: usize,
+    from_ev: usize,
+    rev: &str,
+    out: &str,
+) {
+    let d = deletions_since(e, from_del);
+    assert_eq!(
+        counts(&d).values().copied().collect::<Vec<_>>(),
+        [1, 1, 1],
+        "each node deleted once: {d:?}\n{out}"
+    );
+    let mut passed = event_nodes(e, from_ev, "StepguardStepPassed");
+    passed.sort();
+    assert_eq!(
+        passed,
+        [node_name(0), node_name(1), node_name(2)],
+        "every node's verdict read, once: {:?}\n{out}",
+        reasons_since(e, from_ev)
+    );
+    assert!(all_on(e, rev), "{:?}", e.kube.world.lock().unwrap().pods);
+}
+
 #[test]
-fn rollouts_step_verify_resume_replan_and_stop_at_a_failed_step() {
+fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
     let e = env();
 
     // The plan, and the refusals in their documented order.
@@ -224,100 +352,25 @@ fn rollouts_step_verify_resume_replan_and_stop_at_a_failed_step() {
     // A three-node rollout passes: each node stepped once, verified, the lock released.
     let (code, out) = rollout(&e, &[]);
     assert_eq!(code, 0, "{out}");
-    let d = deletions_since(&e, 0);
-    assert_eq!(
-        counts(&d).values().copied().collect::<Vec<_>>(),
-        [1, 1, 1],
-        "{d:?}\n{out}"
-    );
-    assert!(all_on(&e, "rev2"));
+    each_node_once_every_verdict_read(&e, 0, 0, "rev2", &out);
     assert!(out.contains("3 nodes stepped and verified"), "{out}");
-    {
-        let w = e.kube.world.lock().unwrap();
-        assert!(
-            !w.leases.keys().any(|(ns, _)| ns == "stepguard"),
-            "the lock is released"
-        );
-        let reasons: Vec<&str> = w
-            .events
-            .iter()
-            .filter_map(|e| e["reason"].as_str())
-            .collect();
-        assert_eq!(
-            reasons
-                .iter()
-                .filter(|r| **r == "StepguardStepPassed")
-                .count(),
-            3,
-            "{reasons:?}"
-        );
-    }
+    assert!(lock(&e).is_none(), "the lock is released: {:?}", lock(&e));
 
-    // Killed mid-step, started again: finishes without stepping a node twice.
-    let from = e.kube.world.lock().unwrap().deletions.len();
-    e.kube.world.lock().unwrap().bump_revision(); // rev3
-    let mut child = rollout_cmd(&e, &[])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let w = e.kube.world.lock().unwrap();
-        let lock = w
-            .leases
-            .iter()
-            .find(|((ns, _), _)| ns == "stepguard")
-            .map(|(_, l)| l.clone());
-        let inflight = lock.as_ref().and_then(|l| {
-            l["metadata"]["annotations"]["stepguard.io/node"]
-                .as_str()
-                .map(String::from)
-        });
-        // The second node's step has begun (its pod may or may not be deleted yet).
-        if w.deletions.len() > from && inflight.is_some_and(|n| n != w.deletions[from]) {
-            break;
-        }
-        drop(w);
-        assert!(
-            Instant::now() < deadline,
-            "the stepper never reached its second node"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    let _ = child.wait();
-    // A second stepper refuses while the lock is live, then resumes once it expired.
-    let (code, out) = rollout(&e, &[]);
-    assert!(
-        code == 2 && out.contains("another rollout holds the lock"),
-        "{code}: {out}"
-    );
-    std::thread::sleep(Duration::from_millis(3500));
-    let (code, out) = rollout(&e, &[]);
-    assert_eq!(code, 0, "{out}");
-    assert!(
-        out.contains("resuming the rollout interrupted at node"),
-        "{out}"
-    );
-    let d = deletions_since(&e, from);
-    assert_eq!(
-        counts(&d).values().copied().collect::<Vec<_>>(),
-        [1, 1, 1],
-        "no node twice: {d:?}\n{out}"
-    );
-    assert!(all_on(&e, "rev3"));
-
-    // A revision change mid-rollout: the node already stepped to the superseded revision is
-    // stepped again.
+    // An approved revision change mid-rollout: the node already stepped to the superseded
+    // revision is stepped again.
     let from = e.kube.world.lock().unwrap().deletions.len();
     {
         let mut w = e.kube.world.lock().unwrap();
-        w.bump_revision(); // rev4
-        w.bump_after = Some(w.replacements + 1); // rev5 right after the first replacement
+        w.bump_revision(); // rev3
+        w.bumps.push(Bump {
+            deletion: from + 1,
+            at: Moment::Ready,
+            approve: true,
+        }); // rev4, approved, right after the first replacement
     }
     let (code, out) = rollout(&e, &[]);
     assert_eq!(code, 0, "{out}");
+    assert!(out.contains("moved to approved revision rev4"), "{out}");
     let d = deletions_since(&e, from);
     assert_eq!(d.len(), 4, "{d:?}\n{out}");
     assert_eq!(
@@ -325,28 +378,363 @@ fn rollouts_step_verify_resume_replan_and_stop_at_a_failed_step() {
         2,
         "the first node is stepped again: {d:?}"
     );
-    assert!(all_on(&e, "rev5"));
+    assert!(all_on(&e, "rev4"));
+}
 
-    // A fault on the second node (its endpoint map comes back empty): the rollout stops there,
+/// Where the stepper is killed.
+#[derive(Clone, Copy, Debug)]
+enum KillAt {
+    /// The step begun on the agent and recorded; the pod not deleted yet.
+    BeforeDelete,
+    /// The old pod Terminating, no replacement yet.
+    Terminating,
+    /// The replacement Pending, unbound.
+    Pending,
+    /// The replacement Ready, its verdict not read.
+    ReadyBeforeVerdict,
+}
+
+#[test]
+fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice() {
+    let e = env();
+    for at in [
+        KillAt::BeforeDelete,
+        KillAt::Terminating,
+        KillAt::Pending,
+        KillAt::ReadyBeforeVerdict,
+    ] {
+        let (from_del, from_ev, rev) = {
+            let mut w = e.kube.world.lock().unwrap();
+            w.bump_revision();
+            match at {
+                KillAt::BeforeDelete => {
+                    w.slow_event = Some(("StepguardStepBegun".into(), Duration::from_secs(5)))
+                }
+                KillAt::Terminating => w.create_after = Duration::from_secs(3),
+                KillAt::Pending => w.bind_after = Duration::from_secs(3),
+                KillAt::ReadyBeforeVerdict => {}
+            }
+            (w.deletions.len(), w.events.len(), w.revision.0.clone())
+        };
+        let mut s = Stepper::spawn(&e, &format!("kill-{at:?}"), &[]);
+        let in_flight = || lock_annotation(&e, "stepguard.io/node");
+        wait_until(
+            &format!("{at:?}: the stepper reaches the phase"),
+            Duration::from_secs(60),
+            || {
+                let Some(node) = in_flight() else {
+                    return false;
+                };
+                let w = e.kube.world.lock().unwrap();
+                let deleted = w.deletions.len() > from_del;
+                let old_terminating = w.pods.values().any(|p| p.node == node && p.terminating);
+                let fresh: Vec<&FakePod> = w
+                    .pods
+                    .values()
+                    .filter(|p| p.node == node && !p.terminating && p.revision == rev)
+                    .collect();
+                match at {
+                    KillAt::BeforeDelete => w.holding_event && !deleted,
+                    KillAt::Terminating => deleted && old_terminating && fresh.is_empty(),
+                    KillAt::Pending => fresh.iter().any(|p| !p.bound),
+                    KillAt::ReadyBeforeVerdict => fresh.iter().any(|p| p.ready),
+                }
+            },
+            || s.output(),
+        );
+        if let KillAt::ReadyBeforeVerdict = at {
+            assert!(
+                event_nodes(&e, from_ev, "StepguardStepPassed").is_empty(),
+                "killed before the verdict was read"
+            );
+        }
+        s.kill9();
+        let killed_at = in_flight().expect("the lock records the step in flight");
+        {
+            let mut w = e.kube.world.lock().unwrap();
+            w.create_after = Duration::from_millis(300);
+            w.bind_after = Duration::from_millis(300);
+        }
+        // The lock expires (3 s); the next run finishes the interrupted node first.
+        std::thread::sleep(Duration::from_millis(3500));
+        let (code, out) = rollout(&e, &[]);
+        assert_eq!(code, 0, "{at:?}: {out}");
+        assert!(
+            out.contains(&format!(
+                "resuming the rollout interrupted at node {killed_at}"
+            )),
+            "{at:?}: {out}"
+        );
+        let first = out
+            .lines()
+            .find(|l| l.starts_with("[ 1]"))
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            first.contains(&killed_at),
+            "{at:?}: the interrupted node comes first: {out}"
+        );
+        each_node_once_every_verdict_read(&e, from_del, from_ev, &rev, &format!("{at:?}: {out}"));
+    }
+}
+
+#[test]
+fn a_failed_step_halts_every_later_run_until_a_person_lifts_it() {
+    let e = env();
+    // A fault on the second node (its endpoint map comes back empty): the rollout halts there,
     // exit 1, and the third node is untouched.
     let from = e.kube.world.lock().unwrap().deletions.len();
-    e.kube.world.lock().unwrap().bump_revision(); // rev6
     *e.fault_at.lock().unwrap() = Some(from + 2);
     let (code, out) = rollout(&e, &[]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("map_emptied"), "{out}");
     let d = deletions_since(&e, from);
-    assert_eq!(d.len(), 2, "stopped at the second node: {d:?}\n{out}");
-    let w = e.kube.world.lock().unwrap();
-    let untouched: Vec<_> = w.pods.values().filter(|p| p.2 != "rev6").collect();
-    assert_eq!(untouched.len(), 1, "{:?}", w.pods);
+    assert_eq!(d.len(), 2, "halted at the second node: {d:?}\n{out}");
+    let failed = d[1].clone();
+    let halt = lock_annotation(&e, "stepguard.io/halt").expect("the halt is on the lock");
     assert!(
-        !d.contains(&untouched[0].1),
-        "the third node was not touched"
+        halt.contains(&failed) && halt.contains("map_emptied"),
+        "{halt}"
     );
-    assert!(w
-        .events
+    assert!(reasons_since(&e, 0)
         .iter()
-        .any(|e| e["reason"] == "StepguardStepFailed"));
-    drop(w);
+        .any(|r| r == "StepguardRolloutHalted"));
+
+    // The next run refuses, and so does --dry-run, naming the halt and how to lift it.
+    let (code, out) = rollout(&e, &[]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("halted") && out.contains(&format!("--retry {failed}")),
+        "{out}"
+    );
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("halted") && out.contains(&failed), "{out}");
+    assert_eq!(deletions_since(&e, from).len(), 2, "nothing stepped");
+
+    // `--watch` on an approved revision does not step either while the halt stands.
+    e.kube.world.lock().unwrap().approve_current();
+    let mut watch = Stepper::spawn(&e, "watch-halted", &["--watch", "--watch-interval", "1s"]);
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(watch.running(), "{}", watch.output());
+    assert_eq!(
+        deletions_since(&e, from).len(),
+        2,
+        "the watch steps nothing while halted: {}",
+        watch.output()
+    );
+    assert!(watch.output().contains("halted"), "{}", watch.output());
+
+    // Only the failed node's halt can be lifted, with a reason; the decision is recorded.
+    let other = (0..3).map(node_name).find(|n| *n != failed).unwrap();
+    let (code, out) = rollout(&e, &["--retry", &other, "--reason", "wrong node"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains(&format!("the halt is at node {failed}")),
+        "{out}"
+    );
+    let (code, out) = rollout(&e, &["--retry", &failed]);
+    assert_ne!(code, 0, "a decision needs a reason: {out}");
+    let ev = events(&e);
+    let (code, out) = rollout(
+        &e,
+        &["--retry", &failed, "--reason", "flushed by hand, fixed"],
+    );
+    assert_eq!(code, 0, "{out}");
+    let decisions = lock_annotation(&e, "stepguard.io/decisions").unwrap_or_default();
+    assert!(
+        decisions.contains("fake-stepper") && decisions.contains("flushed by hand, fixed"),
+        "who and why: {decisions}"
+    );
+    assert!(reasons_since(&e, ev)
+        .iter()
+        .any(|r| r == "StepguardHaltLifted"));
+
+    // The watch goes on: the failed node stepped again first, then the third.
+    wait_until(
+        "the watch finishes the rollout after the retry",
+        Duration::from_secs(90),
+        || deletions_since(&e, from).len() >= 4 && all_on(&e, "rev2"),
+        || watch.output(),
+    );
+    let d = deletions_since(&e, from);
+    assert_eq!(d[2], failed, "the retried node first: {d:?}");
+    assert_eq!(counts(&d)[&failed], 2, "{d:?}");
+    wait_until(
+        "the watch's rollout ends (lock released)",
+        Duration::from_secs(60),
+        || {
+            lock(&e).is_some_and(|l| {
+                l["spec"]["holderIdentity"]
+                    .as_str()
+                    .unwrap_or("")
+                    .is_empty()
+            })
+        },
+        || watch.output(),
+    );
+    assert!(
+        event_nodes(&e, ev, "StepguardStepPassed").contains(&failed),
+        "the retried step's verdict read: {}",
+        watch.output()
+    );
+    watch.kill9();
+
+    // `--skip`: a halt on a new revision lifted by leaving the node as it is.
+    let from = e.kube.world.lock().unwrap().deletions.len();
+    e.kube.world.lock().unwrap().bump_approved(); // rev3
+                                                  // The fault on the run's second node: the first is the node emptied above, whose map the
+                                                  // lab leaves empty (it does not regenerate endpoints), so emptying it again changes nothing.
+    let emptied = failed;
+    *e.fault_at.lock().unwrap() = Some(from + 2);
+    let (code, out) = rollout(&e, &[]);
+    assert_eq!(code, 1, "{out}");
+    let failed = deletions_since(&e, from)[1].clone();
+    assert_ne!(failed, emptied, "{out}");
+    let (code, out) = rollout(&e, &["--skip", &failed, "--reason", "known bad NIC"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = rollout(&e, &[]);
+    assert_eq!(code, 0, "{out}");
+    let d = deletions_since(&e, from);
+    assert_eq!(
+        counts(&d).get(&failed),
+        Some(&1),
+        "the skipped node is not stepped again: {d:?}"
+    );
+    assert_eq!(d.len(), 3, "{d:?}");
+}
+
+#[test]
+fn a_template_change_before_the_replacement_is_judged_by_the_revision_it_carries() {
+    let e = env();
+    // The template changes (approved) while the first old pod is Terminating: its replacement
+    // carries the newer revision, and that is a replacement, not a timeout.
+    let (from, ev) = {
+        let mut w = e.kube.world.lock().unwrap();
+        w.approve_current();
+        w.bumps.push(Bump {
+            deletion: 1,
+            at: Moment::Terminating,
+            approve: true,
+        }); // rev3
+        (w.deletions.len(), w.events.len())
+    };
+    let (code, out) = rollout(&e, &["--replace-timeout", "20s"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("carries revision rev3"), "{out}");
+    assert!(
+        !reasons_since(&e, ev)
+            .iter()
+            .any(|r| r == "StepguardStepFailed"),
+        "{out}"
+    );
+    each_node_once_every_verdict_read(&e, from, ev, "rev3", &out);
+
+    // Unapproved, by hand: the step is finished and its verdict read, then the run stops
+    // (exit 2) instead of going on to a revision nobody approved.
+    let (from, ev) = {
+        let mut w = e.kube.world.lock().unwrap();
+        w.bump_approved(); // rev4
+        let n = w.deletions.len();
+        w.bumps.push(Bump {
+            deletion: n + 1,
+            at: Moment::Pending,
+            approve: false,
+        }); // rev5
+        (n, w.events.len())
+    };
+    let (code, out) = rollout(&e, &["--replace-timeout", "20s"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("revision rev5 of the DaemonSet is not approved"),
+        "{out}"
+    );
+    let d = deletions_since(&e, from);
+    assert_eq!(d.len(), 1, "{d:?}\n{out}");
+    assert_eq!(event_nodes(&e, ev, "StepguardStepPassed"), d, "{out}");
+}
+
+#[test]
+fn watch_pauses_at_an_unapproved_revision_until_it_is_approved() {
+    let e = env();
+    let ev = {
+        let mut w = e.kube.world.lock().unwrap();
+        w.approve_current(); // rev2
+        w.bumps.push(Bump {
+            deletion: 1,
+            at: Moment::Ready,
+            approve: false,
+        }); // rev3, not approved, as the first replacement turns Ready
+        w.events.len()
+    };
+    let mut watch = Stepper::spawn(&e, "watch-pause", &["--watch", "--watch-interval", "1s"]);
+    wait_until(
+        "the watch pauses with an Event",
+        Duration::from_secs(60),
+        || {
+            reasons_since(&e, ev)
+                .iter()
+                .any(|r| r == "StepguardRolloutPaused")
+        },
+        || watch.output(),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        deletions_since(&e, 0).len(),
+        1,
+        "paused: {}",
+        watch.output()
+    );
+    assert!(watch.running());
+    assert!(
+        watch.output().contains("rev3"),
+        "a log line: {}",
+        watch.output()
+    );
+    e.kube.world.lock().unwrap().approve_current();
+    wait_until(
+        "the watch goes on once rev3 is approved",
+        Duration::from_secs(90),
+        || all_on(&e, "rev3"),
+        || watch.output(),
+    );
+    let d = deletions_since(&e, 0);
+    assert_eq!(d.len(), 4, "{d:?}");
+    assert_eq!(
+        counts(&d)[&d[0]],
+        2,
+        "the first node again, for rev3: {d:?}"
+    );
+}
+
+#[test]
+fn transient_api_errors_mid_rollout_are_waited_out() {
+    let e = env();
+    let mut s = Stepper::spawn(&e, "flaky", &["--lock-duration", "10s"]);
+    wait_until(
+        "the first pod deleted",
+        Duration::from_secs(60),
+        || !deletions_since(&e, 0).is_empty(),
+        || s.output(),
+    );
+    e.kube.world.lock().unwrap().fail_until = Some(Instant::now() + Duration::from_secs(4));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rollout ends: {}",
+            s.output()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = s.output();
+    assert_eq!(status.code(), Some(0), "{out}");
+    assert!(
+        e.kube.world.lock().unwrap().failed_requests > 0,
+        "the server failed"
+    );
+    each_node_once_every_verdict_read(&e, 0, 0, "rev2", &out);
 }

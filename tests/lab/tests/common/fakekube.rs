@@ -4,8 +4,16 @@
 //! (optimistic concurrency on Leases), AlreadyExists on a create. It serves what
 //! `stepguard rollout` reads and writes: a DaemonSet, its ControllerRevisions, Nodes, the
 //! cilium and stepguard pods, Leases (Cilium's L2 announcements and the lock), Events.
-//! Deleting a cilium pod runs a hook (the test restarts the matching lab node) and then
-//! reports a Ready replacement on the DaemonSet's current revision.
+//! Deleting a cilium pod behaves as the real DaemonSet controller and kubelet make it look
+//! (`pkg/controller/daemon/daemon_controller.go`, `podsShouldBeOnNode`/`syncNodes`): the pod
+//! stays Terminating (`deletionTimestamp`) for its grace period; the controller, which skips
+//! terminating pods, creates the replacement with the hash of the revision current at that
+//! moment, Pending and unbound (pinned to the node by a required node affinity on
+//! `metadata.name`); the scheduler binds it; it turns Ready once the node's agent restarted
+//! (the hook: the test restarts the matching lab node) and the old pod is gone. A template
+//! change can land at any of those moments (`bump_at`). Faults the real API server is not made
+//! to produce on demand: every request answered 500 for a while (`fail_until`), one Event
+//! create held (`slow_event`).
 #![allow(dead_code)]
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -18,6 +26,54 @@ use std::sync::{Arc, Mutex};
 
 pub type Hook = Arc<dyn Fn(&str) + Send + Sync>;
 
+/// A cilium pod.
+#[derive(Clone, Debug)]
+pub struct FakePod {
+    pub uid: String,
+    /// The node it is for (bound or, while Pending, by affinity).
+    pub node: String,
+    pub bound: bool,
+    /// `controller-revision-hash`.
+    pub revision: String,
+    pub ready: bool,
+    pub terminating: bool,
+}
+
+impl FakePod {
+    pub fn running(uid: &str, node: &str, revision: &str) -> FakePod {
+        FakePod {
+            uid: uid.into(),
+            node: node.into(),
+            bound: true,
+            revision: revision.into(),
+            ready: true,
+            terminating: false,
+        }
+    }
+}
+
+/// The moments of a replacement at which a template change can land.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Moment {
+    /// The old pod Terminating, before the controller created the replacement.
+    Terminating,
+    /// The replacement created, Pending, unbound.
+    Pending,
+    /// Bound, not Ready.
+    Bound,
+    /// Ready.
+    Ready,
+}
+
+/// A template change at the n-th deletion (1-based, counted over the world's life) and moment;
+/// `approve`: the DaemonSet's approval annotation follows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Bump {
+    pub deletion: usize,
+    pub at: Moment,
+    pub approve: bool,
+}
+
 #[derive(Default)]
 pub struct World {
     pub rv: u64,
@@ -28,8 +84,8 @@ pub struct World {
     pub ds_annotations: BTreeMap<String, String>,
     /// name → ready
     pub nodes: BTreeMap<String, bool>,
-    /// cilium pods: name → (uid, node, revision hash, ready)
-    pub pods: BTreeMap<String, (String, String, String, bool)>,
+    /// cilium pods by name
+    pub pods: BTreeMap<String, FakePod>,
     /// stepguard agent pods: node → pod IP
     pub agents: BTreeMap<String, String>,
     /// (namespace, name) → Lease JSON
@@ -37,9 +93,21 @@ pub struct World {
     pub events: Vec<Value>,
     /// Cilium pod deletions per node, in order.
     pub deletions: Vec<String>,
-    /// After this many replacements, the DaemonSet gets a new revision (a change mid-rollout).
-    pub bump_after: Option<usize>,
+    /// Template changes mid-rollout.
+    pub bumps: Vec<Bump>,
     pub replacements: usize,
+    /// The controller's pace: how long a deleted pod stays Terminating, and when the
+    /// replacement is created and bound after the delete.
+    pub grace: std::time::Duration,
+    pub create_after: std::time::Duration,
+    pub bind_after: std::time::Duration,
+    /// Every request is answered 500 until then.
+    pub fail_until: Option<std::time::Instant>,
+    pub failed_requests: usize,
+    /// An Event create with this reason is held this long (once).
+    pub slow_event: Option<(String, std::time::Duration)>,
+    /// Set while a held Event create is in flight.
+    pub holding_event: bool,
 }
 
 impl World {
@@ -54,6 +122,41 @@ impl World {
         self.revision = (format!("rev{n}"), n);
         self.generation += 1;
         self.observed_generation = self.generation;
+        self.next_rv();
+    }
+
+    /// A new revision, approved by the DaemonSet's annotation.
+    pub fn bump_approved(&mut self) {
+        self.bump_revision();
+        self.approve_current();
+    }
+
+    pub fn approve_current(&mut self) {
+        let h = self.revision.0.clone();
+        self.ds_annotations
+            .insert("stepguard.io/approve-revision".into(), h);
+        self.next_rv();
+    }
+
+    /// Pods not being deleted.
+    pub fn live_pods(&self) -> impl Iterator<Item = (&String, &FakePod)> {
+        self.pods.iter().filter(|(_, p)| !p.terminating)
+    }
+
+    fn bump_if(&mut self, deletion: usize, at: Moment) {
+        let due: Vec<Bump> = self
+            .bumps
+            .iter()
+            .filter(|b| b.deletion == deletion && b.at == at)
+            .copied()
+            .collect();
+        for b in due {
+            if b.approve {
+                self.bump_approved();
+            } else {
+                self.bump_revision();
+            }
+        }
     }
 }
 
@@ -90,13 +193,25 @@ fn ds_json(w: &World) -> Value {
     })
 }
 
-fn pod_json(name: &str, uid: &str, node: &str, rev: &str, ready: bool) -> Value {
-    json!({
+fn pod_json(name: &str, p: &FakePod) -> Value {
+    let mut v = json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "kube-system", "uid": uid, "labels": {"k8s-app": "cilium", "controller-revision-hash": rev}},
-        "spec": {"nodeName": node, "containers": [{"name": "cilium-agent"}]},
-        "status": {"conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}
-    })
+        "metadata": {"name": name, "namespace": "kube-system", "uid": p.uid, "labels": {"k8s-app": "cilium", "controller-revision-hash": p.revision},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "cilium", "uid": "ds-uid", "controller": true}]},
+        "spec": {"containers": [{"name": "cilium-agent"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [p.node]}]}]}}}},
+        "status": {"phase": if p.bound && p.ready {"Running"} else {"Pending"},
+            "conditions": [{"type": "Ready", "status": if p.ready {"True"} else {"False"}}]}
+    });
+    if p.bound {
+        v["spec"]["nodeName"] = json!(p.node);
+    }
+    if p.terminating {
+        v["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        v["metadata"]["deletionGracePeriodSeconds"] = json!(1);
+    }
+    v
 }
 
 async fn get_ds(State((w, _)): State<S>) -> Response {
@@ -132,10 +247,7 @@ async fn list_nodes(State((w, _)): State<S>) -> Response {
 async fn list_pods(State((w, _)): State<S>, Path(ns): Path<String>) -> Response {
     let w = w.lock().unwrap();
     let items = if ns == "kube-system" {
-        w.pods
-            .iter()
-            .map(|(name, (uid, node, rev, ready))| pod_json(name, uid, node, rev, *ready))
-            .collect()
+        w.pods.iter().map(|(name, p)| pod_json(name, p)).collect()
     } else if ns == "stepguard" {
         w.agents
             .iter()
@@ -148,6 +260,14 @@ async fn list_pods(State((w, _)): State<S>, Path(ns): Path<String>) -> Response 
     list("Pod", "v1", w.rv, items)
 }
 
+async fn get_pod(State((w, _)): State<S>, Path((ns, name)): Path<(String, String)>) -> Response {
+    let w = w.lock().unwrap();
+    match w.pods.get(&name).filter(|_| ns == "kube-system") {
+        Some(p) => axum::Json(pod_json(&name, p)).into_response(),
+        None => status(404, "NotFound", format!("pods \"{name}\" not found")),
+    }
+}
+
 async fn delete_pod(
     State((w, hook)): State<S>,
     Path((ns, name)): Path<(String, String)>,
@@ -158,43 +278,81 @@ async fn delete_pod(
     }
     let opts: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let want_uid = opts["preconditions"]["uid"].as_str().map(String::from);
-    let (deleted, node) = {
+    let (deleted, node, nth, pace) = {
         let mut w = w.lock().unwrap();
-        let Some((uid, node, rev, ready)) = w.pods.get(&name).cloned() else {
+        let Some(p) = w.pods.get(&name).cloned() else {
             return status(404, "NotFound", format!("pods \"{name}\" not found"));
         };
-        if want_uid.as_deref().is_some_and(|u| u != uid) {
+        if want_uid.as_deref().is_some_and(|u| u != p.uid) {
             return status(
                 409,
                 "Conflict",
                 format!(
-                    "Precondition failed: UID in precondition: {}, UID in object meta: {uid}",
-                    want_uid.unwrap()
+                    "Precondition failed: UID in precondition: {}, UID in object meta: {}",
+                    want_uid.unwrap(),
+                    p.uid
                 ),
             );
         }
-        w.pods.remove(&name);
-        w.deletions.push(node.clone());
+        if p.terminating {
+            // Deleting a terminating pod again changes nothing.
+            return axum::Json(pod_json(&name, &p)).into_response();
+        }
+        w.pods.get_mut(&name).unwrap().terminating = true;
+        w.deletions.push(p.node.clone());
+        let nth = w.deletions.len();
         w.next_rv();
-        (pod_json(&name, &uid, &node, &rev, ready), node)
+        let pace = (w.grace, w.create_after, w.bind_after);
+        (pod_json(&name, &w.pods[&name]), p.node.clone(), nth, pace)
     };
-    // The DaemonSet controller's part: the node's agent restarts (the lab), then a Ready pod
-    // on the current revision replaces the deleted one.
+    // The DaemonSet controller, the scheduler and the kubelet, at their pace.
     let (w2, hook2) = (w.clone(), hook.clone());
     std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        let (grace, create_after, bind_after) = pace;
+        std::thread::sleep(create_after);
+        let new = {
+            let mut w = w2.lock().unwrap();
+            w.bump_if(nth, Moment::Terminating);
+            let n = w.next_rv();
+            let new = format!("cilium-{node}-{n}");
+            let rev = w.revision.0.clone();
+            w.pods.insert(
+                new.clone(),
+                FakePod {
+                    uid: format!("uid-{node}-{n}"),
+                    node: node.clone(),
+                    bound: false,
+                    revision: rev,
+                    ready: false,
+                    terminating: false,
+                },
+            );
+            w.bump_if(nth, Moment::Pending);
+            new
+        };
+        std::thread::sleep(bind_after);
+        {
+            let mut w = w2.lock().unwrap();
+            if let Some(p) = w.pods.get_mut(&new) {
+                p.bound = true;
+            }
+            w.next_rv();
+            w.bump_if(nth, Moment::Bound);
+        }
+        // The node's agent restarts with the new pod; the old pod is gone after its grace.
         hook2(&node);
+        if let Some(rest) = grace.checked_sub(t0.elapsed()) {
+            std::thread::sleep(rest);
+        }
         let mut w = w2.lock().unwrap();
-        let rev = w.revision.0.clone();
-        let n = w.rv;
-        w.pods.insert(
-            format!("cilium-{node}-{n}"),
-            (format!("uid-{node}-{n}"), node.clone(), rev, true),
-        );
+        w.pods.remove(&name);
+        if let Some(p) = w.pods.get_mut(&new) {
+            p.ready = true;
+        }
         w.next_rv();
         w.replacements += 1;
-        if w.bump_after == Some(w.replacements) {
-            w.bump_revision();
-        }
+        w.bump_if(nth, Moment::Ready);
     });
     axum::Json(deleted).into_response()
 }
@@ -281,11 +439,57 @@ async fn delete_lease(
 }
 
 async fn create_event(State((w, _)): State<S>, axum::Json(mut e): axum::Json<Value>) -> Response {
+    let hold = {
+        let mut w = w.lock().unwrap();
+        let due = w
+            .slow_event
+            .as_ref()
+            .filter(|(r, _)| e["reason"].as_str() == Some(r.as_str()))
+            .map(|(_, d)| *d);
+        if due.is_some() {
+            w.slow_event = None;
+            w.holding_event = true;
+        }
+        due
+    };
+    if let Some(d) = hold {
+        tokio::time::sleep(d).await;
+    }
     let mut w = w.lock().unwrap();
+    w.holding_event = false;
     let n = w.events.len();
     e["metadata"]["name"] = json!(format!("ev-{n}"));
     w.events.push(e.clone());
     (StatusCode::CREATED, axum::Json(e)).into_response()
+}
+
+async fn self_subject_review() -> Response {
+    (
+        StatusCode::CREATED,
+        axum::Json(json!({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview", "metadata": {},
+            "status": {"userInfo": {"username": "fake-stepper", "groups": ["system:authenticated"]}}})),
+    )
+        .into_response()
+}
+
+/// Every request answered 500 while `fail_until` is ahead.
+async fn failing(
+    State((w, _)): State<S>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    {
+        let mut w = w.lock().unwrap();
+        if w.fail_until.is_some_and(|t| std::time::Instant::now() < t) {
+            w.failed_requests += 1;
+            return status(
+                500,
+                "InternalError",
+                "the fake API server fails on purpose".into(),
+            );
+        }
+    }
+    next.run(req).await
 }
 
 impl FakeKube {
@@ -311,13 +515,15 @@ impl FakeKube {
                     .route("/apis/apps/v1/namespaces/kube-system/controllerrevisions", get(list_revisions))
                     .route("/api/v1/nodes", get(list_nodes))
                     .route("/api/v1/namespaces/{ns}/pods", get(list_pods))
-                    .route("/api/v1/namespaces/{ns}/pods/{name}", axum::routing::delete(delete_pod))
+                    .route("/api/v1/namespaces/{ns}/pods/{name}", get(get_pod).delete(delete_pod))
+                    .route("/apis/authentication.k8s.io/v1/selfsubjectreviews", axum::routing::post(self_subject_review))
                     .route("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases", get(list_leases).post(create_lease))
                     .route("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{name}", get(get_lease).put(replace_lease).delete(delete_lease))
                     .route("/api/v1/namespaces/{ns}/events", axum::routing::post(create_event))
                     .fallback(|uri: axum::http::Uri, Query(_q): Query<HashMap<String, String>>| async move {
                         status(404, "NotFound", format!("the fake API server does not serve {uri}"))
                     })
+                    .layer(axum::middleware::from_fn_with_state(state.clone(), failing))
                     .with_state(state);
                 let l = tokio::net::TcpListener::from_std(listener).unwrap();
                 axum::serve(l, app).await.unwrap();
