@@ -1327,8 +1327,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     };
     let run_id = format!("{:x}", (now_s() * 1000.0) as u64 % 0xffffff);
     let mut ds = ds;
-    let mut waiting = String::new();
-    let mut delay = Duration::from_millis(500);
+    let mut waiting = Waiting::default();
     loop {
         if lost.load(Ordering::SeqCst) {
             code = 2;
@@ -1343,13 +1342,12 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         let (view, ds_now) = match c.view().await {
             Ok(v) => v,
             Err(e) if transient(&e) => {
-                let note = format!("cannot read the cluster (retrying): {e:#}");
-                if note != waiting {
-                    say(json_out, note.clone());
-                    waiting = note;
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(15));
+                waiting
+                    .wait(
+                        json_out,
+                        format!("cannot read the cluster (retrying): {e:#}"),
+                    )
+                    .await;
                 continue;
             }
             Err(e) => {
@@ -1413,18 +1411,12 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                         "waiting: the plan refuses to go on:\n{}",
                         refusals_text(&refusals)
                     );
-                    if note != waiting {
-                        say(json_out, note.clone());
-                        waiting = note;
-                    }
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(15));
+                    waiting.wait(json_out, note).await;
                     continue;
                 }
             }
         };
-        waiting.clear();
-        delay = Duration::from_millis(500);
+        waiting = Waiting::default();
         if !results.is_empty() && !st.pause_before.is_zero() {
             say(
                 json_out,
@@ -1551,6 +1543,26 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         }
     }
     Ok(code)
+}
+
+/// A rollout waiting out something (a transient failure, a plan that refuses to go on): each
+/// new reason told once, the pause growing from 0.5 s to 15 s.
+#[derive(Default)]
+struct Waiting {
+    note: String,
+    delay: Duration,
+}
+
+impl Waiting {
+    async fn wait(&mut self, json_out: bool, note: String) {
+        if note != self.note {
+            say(json_out, note.clone());
+            self.note = note;
+        }
+        let d = self.delay.max(Duration::from_millis(500));
+        tokio::time::sleep(d).await;
+        self.delay = (d * 2).min(Duration::from_secs(15));
+    }
 }
 
 /// What every step of a run shares.
