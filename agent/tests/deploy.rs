@@ -326,7 +326,7 @@ fn the_rollout_rbac_is_least_privilege() {
     );
     let ks = rules("Role", Some("kube-system"));
     assert!(
-        ks.contains(&("pods".into(), v(&["list", "delete"]))),
+        ks.contains(&("pods".into(), v(&["get", "list", "delete"]))),
         "{ks:?}"
     );
     assert!(
