@@ -88,6 +88,52 @@ pub async fn loaded_settings(socket: &Path) -> Result<AgentInfo, ApiError> {
         })
 }
 
+/// The socket's identity: Cilium binds its API socket anew at every start, so a new inode
+/// (or mtime) is a new agent, whose settings are read again.
+fn socket_identity(socket: &Path) -> Option<(u64, u64, i64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(socket).ok()?;
+    Some((m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
+}
+
+type Cached = Option<((u64, u64, i64, i64), std::path::PathBuf, AgentInfo)>;
+static CACHE: std::sync::Mutex<Cached> = std::sync::Mutex::new(None);
+
+/// [`loaded_settings`], read once per start of the running agent: the settings are what it
+/// loaded at its start, so while its socket is the same one the answer is too (debuginfo is
+/// heavy on a node with many endpoints). Failures are not remembered.
+pub async fn loaded_settings_cached(socket: &Path) -> Result<AgentInfo, ApiError> {
+    let id = socket_identity(socket);
+    let cached = id.and_then(|id| {
+        let c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        c.as_ref()
+            .filter(|(cid, path, _)| *cid == id && path == socket)
+            .map(|(_, _, info)| info.clone())
+    });
+    if let Some(info) = cached {
+        // Still the same listener, and still listening (a stopped agent leaves its socket
+        // file behind): a connect, no request.
+        let path = socket.display().to_string();
+        return match tokio::time::timeout(
+            Duration::from_secs(2),
+            tokio::net::UnixStream::connect(socket),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(info),
+            Ok(Err(source)) => Err(ApiError::Connect { path, source }),
+            Err(_) => Err(ApiError::Timeout { path, ms: 2000 }),
+        };
+    }
+    let info = loaded_settings(socket).await?;
+    // Kept only if the socket is still the one that answered.
+    if let Some(id) = id.filter(|id| socket_identity(socket) == Some(*id)) {
+        *CACHE.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((id, socket.to_path_buf(), info.clone()));
+    }
+    Ok(info)
+}
+
 /// `environment-variables` of a debuginfo answer into a map (`key:value`, split at the first
 /// colon), and `cilium-version`.
 pub fn parse_debuginfo(body: &[u8]) -> Result<AgentInfo, String> {

@@ -75,10 +75,32 @@ pub async fn run(
         None
     };
     let maps_took = t.elapsed();
+    // What the running cilium-agent loaded (read once per start of it), and with it the
+    // effective configuration the checks expect.
+    let loaded = match &cfg.cilium_api {
+        Some(sock)
+            if wanted
+                .iter()
+                .any(|c| matches!(c.name, "config" | "devices" | "maps")) =>
+        {
+            Some(crate::ciliumapi::loaded_settings_cached(sock).await)
+        }
+        _ => None,
+    };
+    let effective = match (cilium_snap, &loaded) {
+        (Some(s), Some(Ok(l))) => Some(checks::config::effective(
+            s,
+            Some(&l.settings),
+            store.as_ref(),
+        )),
+        _ => None,
+    };
     let inputs = checks::Inputs {
         cfg,
         cilium: cilium_cfg.as_ref().map(|r| r.as_ref()),
         store: store.as_ref(),
+        loaded: loaded.as_ref().map(|r| r.as_ref()),
+        effective: effective.as_ref(),
         links: links.as_ref(),
         maps: maps.as_ref(),
     };

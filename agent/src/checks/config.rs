@@ -26,6 +26,113 @@ fn same(a: &str, b: &str) -> bool {
             && a.eq_ignore_ascii_case(b))
 }
 
+/// The declared keys against the loaded ones.
+struct Classified {
+    sources: String,
+    verified: usize,
+    /// Rows `{key, declared, loaded}`.
+    not_applied: Vec<serde_json::Value>,
+    overrides: Vec<serde_json::Value>,
+    unsure: Vec<serde_json::Value>,
+    unverifiable: Vec<String>,
+}
+
+/// Whether the agent's config came with a per-node source (a CiliumNodeConfig, Node labels).
+fn per_node(loaded: &BTreeMap<String, String>) -> bool {
+    let sources = loaded.get(CONFIG_SOURCES).map(String::as_str).unwrap_or("");
+    sources.contains("cilium-node-config") || sources.contains("node:")
+}
+
+fn classify(
+    snap: &Snapshot,
+    loaded: &BTreeMap<String, String>,
+    store: Option<&SnapshotStore>,
+) -> Classified {
+    let sources = loaded.get(CONFIG_SOURCES).cloned().unwrap_or_default();
+    let per_node = per_node(loaded);
+    let mut c = Classified {
+        sources,
+        verified: 0,
+        not_applied: vec![],
+        overrides: vec![],
+        unsure: vec![],
+        unverifiable: vec![],
+    };
+    for (k, want) in snap
+        .values
+        .iter()
+        .filter(|(k, _)| k.as_str() != CONFIG_SOURCES)
+    {
+        let Some(have) = loaded.get(k) else {
+            c.unverifiable.push(k.clone());
+            continue;
+        };
+        if same(have, want) {
+            c.verified += 1;
+            continue;
+        }
+        let earlier = store
+            .map(|s| s.history(k))
+            .unwrap_or_default()
+            .iter()
+            .any(|v| same(v, have));
+        let row = json!({"key": k, "declared": want, "loaded": have});
+        match (earlier, per_node && store.is_some()) {
+            // The agent runs with a value the ConfigMap had before: the edit did not reach it.
+            (true, _) => c.not_applied.push(row),
+            // A value the ConfigMap never had, from a per-node source: an override.
+            (false, true) => c.overrides.push(row),
+            // A value the mounted ConfigMap never had, and no per-node source: the mount may
+            // lag behind (kubelet syncs it late; the restarted agent built its config from the
+            // API server), or there is no history to tell. Unknown, never "not applied".
+            (false, false) => c.unsure.push(row),
+        }
+    }
+    c
+}
+
+/// Keys checks read, with Cilium's defaults: on a node with a per-node source, a loaded value
+/// other than the default for a key the ConfigMap does not declare is an override too.
+const DEFAULTS: [(&str, &str); 10] = [
+    ("devices", ""),
+    ("bpf-lb-acceleration", "disabled"),
+    ("enable-l2-announcements", "false"),
+    ("enable-host-firewall", "false"),
+    ("enable-bpf-masquerade", "false"),
+    ("enable-wireguard", "false"),
+    ("enable-ipsec", "false"),
+    ("enable-node-port", "false"),
+    ("kube-proxy-replacement", "false"),
+    ("enable-ipv6", "false"),
+];
+
+/// The effective configuration: the declared ConfigMap with the per-node overrides the
+/// running agent loaded (Cilium's `build-config` merges the ConfigMap and the matching
+/// CiliumNodeConfigs, later sources winning). Without the agent's answer, the ConfigMap.
+pub fn effective(
+    snap: &Snapshot,
+    loaded: Option<&BTreeMap<String, String>>,
+    store: Option<&SnapshotStore>,
+) -> Snapshot {
+    let mut out = snap.clone();
+    let Some(loaded) = loaded.filter(|l| per_node(l)) else {
+        return out;
+    };
+    for row in classify(snap, loaded, store).overrides {
+        if let (Some(k), Some(v)) = (row["key"].as_str(), row["loaded"].as_str()) {
+            out.values.insert(k.to_string(), v.to_string());
+        }
+    }
+    for (k, default) in DEFAULTS {
+        if let Some(v) = loaded.get(k).filter(|_| !snap.values.contains_key(k)) {
+            if !same(v, default) {
+                out.values.insert(k.to_string(), v.clone());
+            }
+        }
+    }
+    out
+}
+
 pub fn evaluate(
     declared: Option<Result<&Snapshot, &crate::ciliumconfig::ReadError>>,
     loaded: Option<Result<&BTreeMap<String, String>, &crate::ciliumapi::ApiError>>,
@@ -69,40 +176,14 @@ pub fn evaluate(
         }
         Some(Ok(l)) => l,
     };
-    let sources = loaded.get(CONFIG_SOURCES).cloned().unwrap_or_default();
-    let per_node = sources.contains("cilium-node-config") || sources.contains("node:");
-    let (mut verified, mut not_applied, mut overrides, mut unsure, mut unverifiable) =
-        (0usize, Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (k, want) in snap
-        .values
-        .iter()
-        .filter(|(k, _)| k.as_str() != CONFIG_SOURCES)
-    {
-        let Some(have) = loaded.get(k) else {
-            unverifiable.push(k.clone());
-            continue;
-        };
-        if same(have, want) {
-            verified += 1;
-            continue;
-        }
-        let earlier = store
-            .map(|s| s.history(k))
-            .unwrap_or_default()
-            .iter()
-            .any(|v| same(v, have));
-        let row = json!({"key": k, "declared": want, "loaded": have});
-        match (earlier, per_node && store.is_some()) {
-            // The agent runs with a value the ConfigMap had before: the edit did not reach it.
-            (true, _) => not_applied.push(row),
-            // A value the ConfigMap never had, from a per-node source: an override.
-            (false, true) => overrides.push(row),
-            // A value the mounted ConfigMap never had, and no per-node source: the mount may
-            // lag behind (kubelet syncs it late; the restarted agent built its config from the
-            // API server), or there is no history to tell. Unknown, never "not applied".
-            (false, false) => unsure.push(row),
-        }
-    }
+    let Classified {
+        sources,
+        verified,
+        not_applied,
+        overrides,
+        unsure,
+        unverifiable,
+    } = classify(snap, loaded, store);
     let keys = |v: &[serde_json::Value]| {
         v.iter()
             .filter_map(|r| r["key"].as_str())
@@ -167,20 +248,15 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
 
 fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
     Box::pin(async move {
-        let loaded = match &i.cfg.cilium_api {
-            Some(sock) => Some(crate::ciliumapi::loaded_settings(sock).await),
-            None => None,
-        };
+        let loaded = i.loaded;
         let mut r = evaluate(
             i.cilium,
-            loaded
-                .as_ref()
-                .map(|r| r.as_ref().map(|info| &info.settings)),
+            loaded.map(|r| r.map(|info| &info.settings)),
             i.store,
         );
         // The running agent's version, whatever the config verdict: a step reads it (the
         // release a declared upgrade is held to).
-        if let (Some(Ok(info)), Some(obj)) = (&loaded, r.evidence.as_object_mut()) {
+        if let (Some(Ok(info)), Some(obj)) = (loaded, r.evidence.as_object_mut()) {
             obj.insert(AGENT_VERSION.into(), json!(info.version));
         }
         r
@@ -258,6 +334,43 @@ mod tests {
             "{}",
             r.reason
         );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// The effective configuration carries the overrides (declared keys and, with a per-node
+    /// source, undeclared keys off their default); without a per-node source, the ConfigMap.
+    #[test]
+    fn the_effective_configuration_is_the_configmap_with_the_overrides() {
+        let (st, dir) = store("effective");
+        let now = snap(100.0, &[("devices", "eth0 eth1"), ("enable-ipv6", "false")]);
+        st.remember(&now).unwrap();
+        let mut l = loaded(&[
+            ("devices", "eth0"),
+            ("enable-ipv6", "false"),
+            ("bpf-lb-acceleration", "native"),
+            ("enable-host-firewall", "false"),
+            (
+                "config-sources",
+                "config-map:kube-system/cilium-config,cilium-node-config:kube-system/n1",
+            ),
+        ]);
+        let e = effective(&now, Some(&l), Some(&st));
+        assert_eq!(e.values["devices"], "eth0");
+        assert_eq!(e.values["bpf-lb-acceleration"], "native");
+        assert!(
+            !e.values.contains_key("enable-host-firewall"),
+            "a default is no override"
+        );
+        l.insert(
+            "config-sources".into(),
+            "config-map:kube-system/cilium-config".into(),
+        );
+        let e = effective(&now, Some(&l), Some(&st));
+        assert_eq!(
+            e.values["devices"], "eth0 eth1",
+            "no per-node source: the ConfigMap"
+        );
+        assert_eq!(effective(&now, None, Some(&st)), now);
         let _ = std::fs::remove_dir_all(dir);
     }
 

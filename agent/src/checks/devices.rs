@@ -24,6 +24,60 @@ pub enum Expected {
     Auto,
 }
 
+/// Whether the datapath must also carry `cil_to_netdev` (egress) on every selected device:
+/// Cilium's loader attaches it exactly when `AreDevicesRequired()` holds and detaches it
+/// otherwise (docs/cilium-fidelity.md). `because`: the configuration keys that make it so;
+/// empty: not required.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ToNetdev {
+    pub because: Vec<String>,
+}
+
+fn on(cfg: &std::collections::BTreeMap<String, String>, k: &str) -> bool {
+    cfg.get(k).is_some_and(|v| {
+        let v = v.trim();
+        v.eq_ignore_ascii_case("true") || v == "strict"
+    })
+}
+
+/// `AreDevicesRequired()` from the effective configuration, at `release` (`1.18`) when known:
+/// NodePort (`kube-proxy-replacement`, or `enable-node-port` before 1.19), host firewall,
+/// WireGuard, L2 announcements, IPsec (`enable-ipsec`; 1.16: `enable-ipsec-encrypted-overlay`),
+/// BPF masquerade (its own term since 1.19; before, it requires NodePort, so the same), and
+/// high-scale ipcache up to 1.17.
+pub fn to_netdev_required(
+    cfg: &std::collections::BTreeMap<String, String>,
+    release: Option<&str>,
+) -> ToNetdev {
+    let minor = release
+        .and_then(|r| r.strip_prefix("1."))
+        .and_then(|m| m.parse::<u32>().ok());
+    let mut keys: Vec<&str> = vec![
+        "kube-proxy-replacement",
+        "enable-host-firewall",
+        "enable-wireguard",
+        "enable-l2-announcements",
+        "enable-bpf-masquerade",
+    ];
+    if minor.is_none_or(|m| m <= 18) {
+        keys.push("enable-node-port");
+    }
+    match minor {
+        Some(16) => keys.push("enable-ipsec-encrypted-overlay"),
+        _ => keys.push("enable-ipsec"),
+    }
+    if minor.is_some_and(|m| m <= 17) {
+        keys.push("enable-high-scale-ipcache");
+    }
+    ToNetdev {
+        because: keys
+            .into_iter()
+            .filter(|k| on(cfg, k))
+            .map(String::from)
+            .collect(),
+    }
+}
+
 /// Splits a cilium-config `devices` value (`eth0 eth1`, `eth0,eth1`, `eth+`).
 pub fn split_devices(value: &str) -> Vec<String> {
     value
@@ -64,6 +118,8 @@ pub fn ciliums_own(name: &str) -> bool {
 
 /// Suffix of the reload-tracking key for a device's XDP program (`eth0:xdp`).
 pub const XDP_KEY: &str = ":xdp";
+/// Reload key suffix for a device's `cil_to_netdev` (egress), followed when it was there.
+pub const TO_NETDEV_KEY: &str = ":to_netdev";
 
 /// Cilium's overlay devices (tunnel routing mode: VXLAN or Geneve), which carry
 /// `cil_from_overlay`/`cil_to_overlay`.
@@ -141,6 +197,25 @@ pub fn listed_but_absent(devices: &[Device], exp: &Expected) -> Vec<String> {
 
 /// Decides the check from an observation.
 pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
+    evaluate_with(obs, exp, &ToNetdev::default())
+}
+
+/// Selected devices lacking `cil_to_netdev` on egress.
+pub fn lacking_to_netdev(obs: &Observation, selected: &BTreeSet<String>) -> Vec<String> {
+    obs.devices
+        .iter()
+        .filter(|d| selected.contains(&d.name))
+        .filter(|d| {
+            !d.programs
+                .iter()
+                .any(|p| p.hook == "egress" && p.is("cil_to_netdev"))
+        })
+        .map(|d| d.name.clone())
+        .collect()
+}
+
+/// Decides the check, `cil_to_netdev` required as `to_netdev` says.
+pub fn evaluate_with(obs: &Observation, exp: &Expected, to_netdev: &ToNetdev) -> CheckResult {
     let expected = expected_set(&obs.devices, exp);
     let carried = carrying(&obs.devices);
     let have: BTreeSet<String> = carried
@@ -184,6 +259,7 @@ pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
         "endpoint_devices": obs.endpoint_devices,
         "problems": obs.problems,
         "link_pin_problems": obs.link_pin_problems,
+        "to_netdev_required_by": to_netdev.because,
     });
     if obs.prog_details_unreadable {
         return CheckResult::unknown(
@@ -224,7 +300,26 @@ pub fn evaluate(obs: &Observation, exp: &Expected) -> CheckResult {
                     .any(|p| p.hook == "egress" && p.is("cil_from_host"))
         });
     let list = |v: &[&String]| v.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ");
+    let no_egress = if to_netdev.because.is_empty() {
+        vec![]
+    } else {
+        lacking_to_netdev(obs, &have)
+    };
     match (missing.is_empty(), unexpected.is_empty()) {
+        (true, true) if !no_egress.is_empty() => {
+            let mut evidence = evidence;
+            evidence["to_netdev_missing"] = json!(no_egress);
+            CheckResult::fail(
+                CHECK,
+                "to_netdev_missing",
+                format!(
+                    "cil_to_netdev missing on {}, required because {} (Cilium attaches it on every selected device when devices are required)",
+                    no_egress.join(", "),
+                    to_netdev.because.iter().map(|k| format!("{k}=true")).collect::<Vec<_>>().join(", ")
+                ),
+                evidence,
+            )
+        }
         (true, true) => match host_ok {
             Some(true) => CheckResult::pass(
                 CHECK,
@@ -298,8 +393,18 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
 
 fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
     Box::pin(async move {
+        // What the node runs with: the ConfigMap and the per-node overrides the agent loaded.
+        let cfg = i.effective.or(i.cilium.and_then(|c| c.ok()));
+        let release = i
+            .loaded
+            .and_then(|l| l.ok())
+            .and_then(|l| l.version.as_deref())
+            .and_then(crate::profile::release_of);
+        let to_netdev = cfg
+            .map(|c| to_netdev_required(&c.values, release.as_deref()))
+            .unwrap_or_default();
         match i.links {
-            Some(Ok(o)) => evaluate(o, &expected_devices(i.cfg, i.cilium.and_then(|c| c.ok()))),
+            Some(Ok(o)) => evaluate_with(o, &expected_devices(i.cfg, cfg), &to_netdev),
             Some(Err(e)) => {
                 CheckResult::unknown(CHECK, "netlink_error", e.to_string(), serde_json::json!({}))
             }

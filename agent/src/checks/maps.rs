@@ -145,7 +145,8 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             );
         };
         let cfg = i.cfg;
-        let (features, features_from) = features(cfg, i.cilium.and_then(|c| c.ok()));
+        let (features, features_from) =
+            features(cfg, i.effective.or(i.cilium.and_then(|c| c.ok())));
         let exp = MapsExpectation {
             // A version newer than the newest profile is checked against the newest (the
             // evidence says so): never failed for names the profile does not know.

@@ -48,6 +48,11 @@ pub struct Inputs<'a> {
     pub cilium:
         Option<Result<&'a crate::ciliumconfig::Snapshot, &'a crate::ciliumconfig::ReadError>>,
     pub store: Option<&'a crate::ciliumconfig::SnapshotStore>,
+    /// What the running cilium-agent reports it loaded (its API), when asked.
+    pub loaded: Option<Result<&'a crate::ciliumapi::AgentInfo, &'a crate::ciliumapi::ApiError>>,
+    /// The effective configuration: the ConfigMap with the per-node overrides the agent
+    /// loaded (`config::effective`); what every check reading a config key expects.
+    pub effective: Option<&'a crate::ciliumconfig::Snapshot>,
     pub links:
         Option<&'a Result<crate::kernel::links::Observation, crate::kernel::links::LinkError>>,
     pub maps:

@@ -1,7 +1,7 @@
 //! The step lifecycle's pieces the runner uses: taking the baseline, persisting, and
 //! exporting the outcome. The runner (`runner.rs`) alone owns and advances the active step.
 use super::{lock, Daemon};
-use crate::checks::devices::{self, XDP_KEY};
+use crate::checks::devices::{self, TO_NETDEV_KEY, XDP_KEY};
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
 use crate::probe::unix_now;
@@ -13,10 +13,12 @@ use std::sync::Arc;
 /// What the reload check follows under a tracking key: the device and the program (Cilium's
 /// entry points, bpf/bpf_host.c, bpf_overlay.c, bpf_xdp.c): `cil_from_netdev` on a host
 /// device, `cil_to_host` on cilium_host, `cil_from_overlay` on the overlay device, and
-/// `cil_xdp_entry` for `<dev>:xdp`.
+/// `cil_xdp_entry` for `<dev>:xdp`, `cil_to_netdev` (egress) for `<dev>:to_netdev`.
 pub fn tracked_program(key: &str) -> (&str, &'static str, &'static str) {
     if let Some(dev) = key.strip_suffix(XDP_KEY) {
         (dev, "xdp", "cil_xdp_entry")
+    } else if let Some(dev) = key.strip_suffix(TO_NETDEV_KEY) {
+        (dev, "egress", "cil_to_netdev")
     } else if key == "cilium_host" {
         (key, "ingress", "cil_to_host")
     } else if devices::is_overlay(key) {
@@ -47,7 +49,8 @@ pub fn current_programs(
 
 /// The keys a step follows for the reload: the selected host devices, `cilium_host`, the
 /// overlay device when it carries `cil_from_overlay`, and `<dev>:xdp` for every selected
-/// device carrying `cil_xdp_entry`. Cilium reloads all of them on every start.
+/// device carrying `cil_xdp_entry`, `<dev>:to_netdev` for every one carrying `cil_to_netdev`.
+/// Cilium reloads all of them on every start.
 pub fn reload_keys(obs: &links::Observation, selected: &[String]) -> Vec<String> {
     let mut keys = selected.to_vec();
     let carries = |name: &str, hook: &str, prog: &str| {
@@ -66,6 +69,9 @@ pub fn reload_keys(obs: &links::Observation, selected: &[String]) -> Vec<String>
     for dev in selected {
         if carries(dev, "xdp", "cil_xdp_entry") {
             keys.push(format!("{dev}{XDP_KEY}"));
+        }
+        if carries(dev, "egress", "cil_to_netdev") {
+            keys.push(format!("{dev}{TO_NETDEV_KEY}"));
         }
     }
     keys

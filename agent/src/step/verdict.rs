@@ -121,6 +121,10 @@ pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
             if base.keys().any(|k| k.ends_with(XDP_KEY)) {
                 w.extend(d.iter().map(|d| format!("{d}{XDP_KEY}")));
             }
+            let to_netdev = crate::checks::devices::TO_NETDEV_KEY;
+            if base.keys().any(|k| k.ends_with(to_netdev)) {
+                w.extend(d.iter().map(|d| format!("{d}{to_netdev}")));
+            }
             w.extend(
                 base.keys()
                     .filter(|k| *k == "cilium_host" || crate::checks::devices::is_overlay(k))

@@ -375,14 +375,8 @@ pub fn replace(
             }
         }
         if let Some(drop) = &drop_device {
-            for a in atts.iter().filter(|a| &a.device == drop) {
-                match &a.link_pin {
-                    // Only the pin holds the link: removing it detaches the program.
-                    Some(pin) => std::fs::remove_file(pin)
-                        .with_context(|| format!("unpin {}", pin.display()))?,
-                    None => tc_set(&a.device, a.hook, None)?,
-                }
-            }
+            let gone: Vec<&Attachment> = atts.iter().filter(|a| &a.device == drop).collect();
+            detach_here(&gone)?;
         }
         drop(prepared);
         Ok(out)
@@ -390,6 +384,29 @@ pub fn replace(
 }
 
 /// Sets or clears the lab's blackhole flag.
+/// Detaches these attachments, in the calling thread's network namespace.
+fn detach_here(atts: &[&Attachment]) -> Result<()> {
+    for a in atts {
+        match &a.link_pin {
+            // Only the pin holds the link: removing it detaches the program.
+            Some(pin) => {
+                std::fs::remove_file(pin).with_context(|| format!("unpin {}", pin.display()))?
+            }
+            None => tc_set(&a.device, a.hook, None)?,
+        }
+    }
+    Ok(())
+}
+
+/// Detaches these attachments in namespace `ns`.
+pub fn detach(ns: &str, atts: &[Attachment]) -> Result<()> {
+    if atts.is_empty() {
+        return Ok(());
+    }
+    let atts = atts.to_vec();
+    in_netns(ns, move || detach_here(&atts.iter().collect::<Vec<_>>()))
+}
+
 pub fn set_blackhole(bpffs: &Path, on: bool) -> Result<()> {
     let pin = blackhole_pin(bpffs);
     let fd = sys::obj_get(&pin).with_context(|| format!("open blackhole map {}", pin.display()))?;

@@ -146,6 +146,10 @@ pub struct LabState {
     pub attachments: Vec<Attachment>,
     pub host_endpoint: u16,
     pub ready: bool,
+    /// Set once a per-node override was given: from then on every restart attaches the host
+    /// devices' programs as the effective configuration (ConfigMap + overrides) says.
+    #[serde(default)]
+    pub follows_config: bool,
 }
 
 /// A lab handle. Dropping it does nothing; call [`Lab::down`] (tests use [`LabGuard`]).
@@ -292,6 +296,7 @@ impl Lab {
                 attachments: vec![],
                 host_endpoint: 1,
                 ready: false,
+                follows_config: false,
             },
         };
         lab.save()?;
@@ -532,18 +537,95 @@ impl Lab {
     /// overrides (Cilium: `cilium-dbg build-config` merges the ConfigMap and matching
     /// CiliumNodeConfigs, later sources winning, and records `config-sources`).
     fn load_agent_config(&self) -> Result<()> {
-        let mut values = ciliumconfig::read(&self.state.cilium_config)?;
+        let mut values = self.effective_config(true)?;
         let mut sources = vec!["config-map:kube-system/cilium-config".to_string()];
         if !self.state.spec.node_overrides.is_empty() {
-            for (k, v) in &self.state.spec.node_overrides {
-                values.insert(k.clone(), v.clone());
-            }
             sources.push("cilium-node-config:kube-system/lab-node".into());
         }
         values.insert("config-sources".into(), sources.join(","));
         std::fs::create_dir_all(self.agent_run_dir())?;
         std::fs::write(self.agent_settings(), serde_json::to_vec(&values)?)
             .context("write the lab agent's loaded settings")
+    }
+
+    /// The configuration the agent builds at its start: the mounted ConfigMap, with the
+    /// per-node overrides on top when `with_overrides`.
+    pub fn effective_config(&self, with_overrides: bool) -> Result<BTreeMap<String, String>> {
+        let mut values = ciliumconfig::read(&self.state.cilium_config)?;
+        if with_overrides {
+            for (k, v) in &self.state.spec.node_overrides {
+                values.insert(k.clone(), v.clone());
+            }
+        }
+        Ok(values)
+    }
+
+    /// The host-device programs a configuration asks for (Cilium's loader: `cil_from_netdev`
+    /// on every selected device, `cil_to_netdev` when devices are required, `cil_xdp_entry`
+    /// with `bpf-lb-acceleration`), over the lab's devices.
+    fn host_plan(&self, cfg: &BTreeMap<String, String>) -> datapath::Plan {
+        let patterns: Vec<&str> = cfg
+            .get("devices")
+            .map(|d| d.split([' ', ',']).filter(|p| !p.is_empty()).collect())
+            .unwrap_or_default();
+        let selected: Vec<String> = self
+            .state
+            .devices
+            .iter()
+            .filter(|d| {
+                patterns.is_empty()
+                    || patterns.iter().any(|p| match p.strip_suffix('+') {
+                        Some(prefix) => d.starts_with(prefix),
+                        None => d == p,
+                    })
+            })
+            .cloned()
+            .collect();
+        let xdp = cfg
+            .get("bpf-lb-acceleration")
+            .is_some_and(|v| v != "disabled" && !v.is_empty());
+        datapath::plan(
+            &selected,
+            &[],
+            datapath::PlanOpts {
+                xdp,
+                to_netdev: maps::devices_required_by(cfg),
+                host: false,
+                overlay: None,
+            },
+        )
+    }
+
+    /// After a restart's reload: the host devices carry what `cfg` asks for — programs it no
+    /// longer asks for detached, new ones attached.
+    fn follow_config(&mut self, cfg: &BTreeMap<String, String>) -> Result<()> {
+        let want = self.host_plan(cfg);
+        let host_prog =
+            |p: &str| matches!(p, "cil_from_netdev" | "cil_to_netdev" | "cil_xdp_entry");
+        let (keep, gone): (Vec<Attachment>, Vec<Attachment>) =
+            self.state.attachments.iter().cloned().partition(|a| {
+                !(self.state.devices.contains(&a.device) && host_prog(&a.program))
+                    || want
+                        .iter()
+                        .any(|w| w.0 == a.device && w.1 == a.program && w.2 == a.hook)
+            });
+        let missing: datapath::Plan = want
+            .into_iter()
+            .filter(|w| {
+                !keep
+                    .iter()
+                    .any(|a| a.device == w.0 && a.program == w.1 && a.hook == w.2)
+            })
+            .collect();
+        datapath::detach(&self.node_ns(), &gone)?;
+        let added = datapath::attach_all(
+            &self.node_ns(),
+            &self.state.bpffs,
+            self.state.spec.attach,
+            &missing,
+        )?;
+        self.state.attachments = keep.into_iter().chain(added).collect();
+        self.save()
     }
 
     /// The maps of an agent coming back as `to`. An upgrade unpins the global maps the new
@@ -912,6 +994,11 @@ impl Lab {
                 bail!("--stale {p}: no lab device carries {p}");
             }
         }
+        if let Some(p) = &o.lose_program {
+            if !self.state.attachments.iter().any(|a| &a.program == p) {
+                bail!("--lose-program {p}: no lab device carries {p}");
+            }
+        }
         let globals = maps::globals_dir(&self.state.bpffs);
         for m in [
             &o.lose_map,
@@ -981,6 +1068,23 @@ impl Lab {
         lift?;
         self.state.attachments = new.clone();
         self.save()?;
+        if self.state.follows_config && !o.no_reload && !o.keep_config {
+            // The agent's datapath follows the configuration it builds at its start (the
+            // fault: it ignores the per-node overrides it loaded).
+            let cfg = self.effective_config(!o.ignore_override)?;
+            self.follow_config(&cfg)?;
+        }
+        if let Some(p) = &o.lose_program {
+            let (gone, kept): (Vec<Attachment>, Vec<Attachment>) = self
+                .state
+                .attachments
+                .iter()
+                .cloned()
+                .partition(|a| &a.program == p);
+            datapath::detach(&node, &gone)?;
+            self.state.attachments = kept;
+            self.save()?;
+        }
         if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
             self.upgrade_maps(to)?;
         }
@@ -1108,8 +1212,14 @@ impl Lab {
     pub fn config_override(&mut self, changes: &[(String, String)]) -> Result<()> {
         ciliumconfig::validate_keys(changes.iter().map(|c| &c.0))?;
         for (k, v) in changes {
-            self.state.spec.node_overrides.insert(k.clone(), v.clone());
+            // `KEY=` removes the override (the CiliumNodeConfig loses the key).
+            if v.is_empty() {
+                self.state.spec.node_overrides.remove(k);
+            } else {
+                self.state.spec.node_overrides.insert(k.clone(), v.clone());
+            }
         }
+        self.state.follows_config = true;
         self.save()
     }
 
@@ -1217,6 +1327,12 @@ pub struct RestartOpts {
     /// Fault: the programs are reloaded but the agent does not read its config again (as when
     /// Cilium reloads the datapath for a device change without restarting).
     pub keep_config: bool,
+    /// Fault: this program (e.g. `cil_to_netdev`) is no longer attached anywhere after the
+    /// reload.
+    pub lose_program: Option<String>,
+    /// Fault: the agent loads the per-node overrides but its datapath follows the ConfigMap
+    /// alone.
+    pub ignore_override: bool,
 }
 
 /// What really happened, for tests to compare against.

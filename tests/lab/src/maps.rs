@@ -88,6 +88,28 @@ impl Features {
     }
 }
 
+/// Cilium's `AreDevicesRequired` from configuration keys (`pkg/option/config.go`, every
+/// version 1.16–main: NodePort/KPR, host firewall, WireGuard, L2 announcements, IPsec, BPF
+/// masquerade — which needs NodePort before 1.19 and is its own term since): the lab's
+/// agent attaches `cil_to_netdev` exactly then.
+pub fn devices_required_by(cfg: &std::collections::BTreeMap<String, String>) -> bool {
+    let on = |k: &str| {
+        cfg.get(k)
+            .is_some_and(|v| matches!(v.trim(), "true" | "True" | "strict"))
+    };
+    [
+        "kube-proxy-replacement",
+        "enable-node-port",
+        "enable-host-firewall",
+        "enable-wireguard",
+        "enable-l2-announcements",
+        "enable-ipsec",
+        "enable-bpf-masquerade",
+    ]
+    .iter()
+    .any(|k| on(k))
+}
+
 #[derive(Clone, Debug)]
 pub struct MapSpec {
     pub name: String,

@@ -106,6 +106,13 @@ enum Cmd {
         /// Fault: the programs are reloaded but the agent does not read its config again.
         #[arg(long)]
         keep_config: bool,
+        /// Fault: this program (e.g. cil_to_netdev) is no longer attached after the reload.
+        #[arg(long, value_name = "PROGRAM")]
+        lose_program: Option<String>,
+        /// Fault: the agent loads the per-node overrides but its datapath follows the
+        /// ConfigMap alone.
+        #[arg(long)]
+        ignore_override: bool,
         /// LAN lab: restart the agent on this node (its leases move as Cilium's do).
         #[arg(long)]
         node: Option<u8>,
@@ -155,7 +162,7 @@ enum Cmd {
         prefix: Option<String>,
         #[arg(value_parser = ["set", "override", "show"])]
         action: String,
-        /// KEY=VALUE pairs (for `set`).
+        /// KEY=VALUE pairs (`set`, `override`; `override KEY=` removes an override).
         pairs: Vec<String>,
     },
     /// Add a host device (a veth into the fabric) carrying the datapath: `device add eth2`.
@@ -331,6 +338,8 @@ fn real_main() -> Result<()> {
             refill_after,
             stale,
             keep_config,
+            lose_program,
+            ignore_override,
             no_reload,
             drop_device,
             lose_map,
@@ -350,6 +359,8 @@ fn real_main() -> Result<()> {
                 refill_after,
                 stale,
                 keep_config,
+                lose_program,
+                ignore_override,
                 no_reload,
                 drop_device,
                 lose_map,
