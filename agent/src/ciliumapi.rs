@@ -38,8 +38,11 @@ pub struct AgentInfo {
 
 /// The settings the running agent loaded at its start, by name, and its version.
 pub async fn loaded_settings(socket: &Path) -> Result<AgentInfo, ApiError> {
+    loaded_settings_within(socket, WAIT).await
+}
+
+async fn loaded_settings_within(socket: &Path, timeout: Duration) -> Result<AgentInfo, ApiError> {
     let path = socket.display().to_string();
-    let timeout = Duration::from_secs(2);
     let work = async {
         let stream = tokio::net::UnixStream::connect(socket)
             .await
@@ -96,42 +99,105 @@ fn socket_identity(socket: &Path) -> Option<(u64, u64, i64, i64)> {
     Some((m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
 }
 
-type Cached = Option<((u64, u64, i64, i64), std::path::PathBuf, AgentInfo)>;
-static CACHE: std::sync::Mutex<Cached> = std::sync::Mutex::new(None);
+type Identity = (u64, u64, i64, i64);
+
+/// The last answer per socket identity, and a read in flight.
+#[derive(Default)]
+struct Cache {
+    answer: Option<(Identity, std::path::PathBuf, AgentInfo)>,
+    reading: Option<(Identity, std::path::PathBuf)>,
+}
+
+static CACHE: std::sync::Mutex<Option<Cache>> = std::sync::Mutex::new(None);
+
+/// How long a check waits for the agent's answer; the read itself may take up to
+/// [`READ_TIMEOUT`] in the background (debuginfo carries every endpoint, policy and service:
+/// seconds on a big node), and the next check finds it.
+pub const WAIT: Duration = Duration::from_secs(2);
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn cached(id: Identity, socket: &Path) -> Option<AgentInfo> {
+    let c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    c.as_ref()?
+        .answer
+        .as_ref()
+        .filter(|(cid, path, _)| *cid == id && path == socket)
+        .map(|(_, _, info)| info.clone())
+}
 
 /// [`loaded_settings`], read once per start of the running agent: the settings are what it
-/// loaded at its start, so while its socket is the same one the answer is too (debuginfo is
-/// heavy on a node with many endpoints). Failures are not remembered.
+/// loaded at its start, so while its socket is the same one the answer is too. A check waits
+/// [`WAIT`] for a read; a slower one goes on in the background (one at a time) and the
+/// answer is kept for the next check. Failures are not remembered.
 pub async fn loaded_settings_cached(socket: &Path) -> Result<AgentInfo, ApiError> {
-    let id = socket_identity(socket);
-    let cached = id.and_then(|id| {
-        let c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        c.as_ref()
-            .filter(|(cid, path, _)| *cid == id && path == socket)
-            .map(|(_, _, info)| info.clone())
-    });
-    if let Some(info) = cached {
+    let path = socket.display().to_string();
+    let Some(id) = socket_identity(socket) else {
+        // No socket file: say why, as an uncached read does.
+        return loaded_settings_within(socket, WAIT).await;
+    };
+    if let Some(info) = cached(id, socket) {
         // Still the same listener, and still listening (a stopped agent leaves its socket
         // file behind): a connect, no request.
-        let path = socket.display().to_string();
-        return match tokio::time::timeout(
-            Duration::from_secs(2),
-            tokio::net::UnixStream::connect(socket),
-        )
-        .await
-        {
+        return match tokio::time::timeout(WAIT, tokio::net::UnixStream::connect(socket)).await {
             Ok(Ok(_)) => Ok(info),
             Ok(Err(source)) => Err(ApiError::Connect { path, source }),
-            Err(_) => Err(ApiError::Timeout { path, ms: 2000 }),
+            Err(_) => Err(ApiError::Timeout {
+                path,
+                ms: WAIT.as_millis(),
+            }),
         };
     }
-    let info = loaded_settings(socket).await?;
-    // Kept only if the socket is still the one that answered.
-    if let Some(id) = id.filter(|id| socket_identity(socket) == Some(*id)) {
-        *CACHE.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((id, socket.to_path_buf(), info.clone()));
+    let start = {
+        let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let c = c.get_or_insert_with(Cache::default);
+        let busy = c
+            .reading
+            .as_ref()
+            .is_some_and(|(rid, p)| *rid == id && p == socket);
+        if !busy {
+            c.reading = Some((id, socket.to_path_buf()));
+        }
+        !busy
+    };
+    if start {
+        let sock = socket.to_path_buf();
+        let read = tokio::spawn(async move {
+            let r = loaded_settings_within(&sock, READ_TIMEOUT).await;
+            let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+            let c = c.get_or_insert_with(Cache::default);
+            c.reading = None;
+            // Kept only if the socket is still the one that answered.
+            if let Ok(info) = &r {
+                if socket_identity(&sock) == Some(id) {
+                    c.answer = Some((id, sock.clone(), info.clone()));
+                }
+            }
+            r
+        });
+        match tokio::time::timeout(WAIT, read).await {
+            Ok(Ok(r)) => return r,
+            Ok(Err(e)) => {
+                return Err(ApiError::Http {
+                    path,
+                    message: format!("the read task failed: {e}"),
+                })
+            }
+            Err(_) => {}
+        }
+    } else {
+        // Another check started the read: give it the same wait.
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < WAIT {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if let Some(info) = cached(id, socket) {
+                return Ok(info);
+            }
+        }
     }
-    Ok(info)
+    Err(ApiError::Timeout {
+        path,
+        ms: WAIT.as_millis(),
+    })
 }
 
 /// `environment-variables` of a debuginfo answer into a map (`key:value`, split at the first

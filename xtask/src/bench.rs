@@ -1079,6 +1079,80 @@ fn stepguard_lab_duration(s: &str) -> f64 {
     }
 }
 
+/// The config check's read of the agent's loaded settings (`GET /v1/debuginfo`, which lists
+/// every endpoint) on a big node, each a fresh process (a cold read, as after every agent
+/// start), beside the raw read of the same answer with curl (the physical limit).
+fn config_read(quick: bool) -> Result<Value> {
+    let prefix = "sgbenchc".to_string();
+    let pods = if quick { 100u32 } else { 1000 };
+    let _ = Command::new(lab_bin())
+        .args(["down", "--prefix", &prefix])
+        .output();
+    println!("bench: config read on a {pods}-endpoint lab");
+    run_ok(Command::new(lab_bin()).args(["up", "--prefix", &prefix, "--pods", &pods.to_string()]))?;
+    let _guard = scopeguard(prefix.clone());
+    let run_dir = std::path::Path::new("/run/stepguard-lab").join(&prefix);
+    let cfg = run_dir.join("stepguard.yaml");
+    let sock = run_dir.join("cilium-run/cilium.sock");
+    let ns = format!("{prefix}-node");
+    let (mut checks, mut raw) = (Vec::new(), Vec::new());
+    let mut bytes = 0u64;
+    for _ in 0..5 {
+        let out = run_ok(
+            nsenter(&ns)
+                .arg(stepguard_bin())
+                .args(["check", "--only", "config", "--format", "json", "--config"])
+                .arg(&cfg),
+        )?;
+        let v: Value = serde_json::from_slice(&out.stdout).context("parse check output")?;
+        if v["checks"][0]["status"] != "pass" {
+            bail!("the config check did not pass on the bench lab: {v}");
+        }
+        checks.push(v["checks"][0]["duration_ms"].as_f64().unwrap_or(f64::NAN));
+        let out = run_ok(Command::new("curl").args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{time_total} %{size_download}",
+            "--unix-socket",
+            &sock.to_string_lossy(),
+            "http://localhost/v1/debuginfo",
+        ]))?;
+        let t = String::from_utf8_lossy(&out.stdout).into_owned();
+        let mut it = t.split_whitespace();
+        raw.push(
+            it.next()
+                .and_then(|x| x.parse::<f64>().ok())
+                .unwrap_or(f64::NAN)
+                * 1e3,
+        );
+        bytes = it.next().and_then(|x| x.parse().ok()).unwrap_or(0);
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let (c, r) = (med(&mut checks), med(&mut raw));
+    println!(
+        "  config check {c:.1} ms (median of 5 cold reads) vs curl {r:.1} ms, debuginfo {:.1} MiB",
+        bytes as f64 / 1048576.0
+    );
+    Ok(
+        json!({"endpoints": pods, "check_ms": c, "curl_ms": r, "debuginfo_bytes": bytes, "timeout_ms": 2000}),
+    )
+}
+
+fn report_config(v: &Value) -> String {
+    format!(
+        "\n## config check on a big node\n\n`stepguard check --only config` (a fresh process each time: a cold read of `GET /v1/debuginfo`, as after every cilium-agent start; the daemon reads it once per agent start) on a lab with {} endpoints, whose stand-in debuginfo lists every endpoint as Cilium's does ({:.1} MiB). Reference in the same run: `curl --unix-socket` of the same answer.\n\n| measure | stepguard | reference | goal |\n|---|---|---|---|\n| config check, median of 5 | {:.1} ms | curl {:.1} ms | within its 2 s timeout |\n",
+        v["endpoints"],
+        v["debuginfo_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+        v["check_ms"].as_f64().unwrap_or(f64::NAN),
+        v["curl_ms"].as_f64().unwrap_or(f64::NAN),
+    )
+}
+
 fn report_witness(w: &Value) -> String {
     let mut r = format!(
         "\n## witness\n\n`stepguard witness` in the LAN lab's client namespace, 10 targets (4 http, 3 tcp, 2 dns, 1 icmp); lease timings {} / {} / {}.\n\n| measurement | figure | target |\n|---|---:|---|\n",
@@ -1277,9 +1351,14 @@ pub fn bench(quick: bool, only: &[String]) -> Result<()> {
     } else {
         Value::Null
     };
+    let config = if want("config") {
+        config_read(quick)?
+    } else {
+        Value::Null
+    };
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    let all = json!({"devices_and_maps": devmaps, "daemon": daemon, "witness": witness});
+    let all = json!({"devices_and_maps": devmaps, "daemon": daemon, "witness": witness, "config": config});
     std::fs::write(dir.join("report.json"), serde_json::to_vec_pretty(&all)?)?;
     let mut text = String::new();
     if want("devmaps") {
@@ -1292,6 +1371,9 @@ pub fn bench(quick: bool, only: &[String]) -> Result<()> {
     }
     if want("witness") {
         text += &report_witness(&witness);
+    }
+    if want("config") {
+        text += &report_config(&config);
     }
     std::fs::write(dir.join("report.md"), &text)?;
     println!("\n{text}\nwritten to {}", dir.join("report.md").display());

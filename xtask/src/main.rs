@@ -56,9 +56,9 @@ enum Cmd {
         /// Smaller sizes, for a quick look.
         #[arg(long)]
         quick: bool,
-        /// Run only these parts (comma-separated: devmaps, daemon, witness); the report then
+        /// Run only these parts (comma-separated: devmaps, daemon, witness, config); the report then
         /// has only them.
-        #[arg(long, value_delimiter = ',', value_parser = ["devmaps", "daemon", "witness"])]
+        #[arg(long, value_delimiter = ',', value_parser = ["devmaps", "daemon", "witness", "config"])]
         only: Vec<String>,
     },
     /// Build the OCI image.

@@ -544,6 +544,10 @@ impl Lab {
         }
         values.insert("config-sources".into(), sources.join(","));
         std::fs::create_dir_all(self.agent_run_dir())?;
+        std::fs::write(
+            services::agent_endpoints_file(&self.agent_settings()),
+            self.state.lxc.len().to_string(),
+        )?;
         std::fs::write(self.agent_settings(), serde_json::to_vec(&values)?)
             .context("write the lab agent's loaded settings")
     }

@@ -201,6 +201,34 @@ pub fn start_agent_api(lab_bin: &Path, socket: &Path, settings: &Path, log: &Pat
     Ok(proc)
 }
 
+/// Beside the settings: how many endpoints the lab agent manages (its debuginfo lists them).
+pub fn agent_endpoints_file(settings: &Path) -> std::path::PathBuf {
+    settings.with_file_name("endpoint-count")
+}
+
+/// An endpoint as Cilium's debuginfo lists it (`endpoint-list`: identity, labels, addressing,
+/// policy and health per endpoint, a few KB each), so the answer grows with the node as the
+/// real one does.
+fn endpoint_json(i: usize) -> serde_json::Value {
+    let labels: Vec<String> = (0..12)
+        .map(|l| format!("k8s:app.kubernetes.io/label-{l}=lab-endpoint-{i}-value-{l}"))
+        .collect();
+    serde_json::json!({
+        "id": i + 1,
+        "spec": {"label-configuration": {"user": []}, "options": {"Conntrack": "Enabled", "Debug": "Disabled", "DropNotification": "Enabled", "PolicyAuditMode": "Disabled", "PolicyVerdictNotification": "Enabled", "TraceNotification": "Enabled"}},
+        "status": {
+            "external-identifiers": {"container-id": format!("{:064x}", i), "k8s-namespace": "lab", "k8s-pod-name": format!("lab-pod-{i}"), "pod-name": format!("lab/lab-pod-{i}")},
+            "identity": {"id": 10000 + i, "labels": labels.clone(), "labelsSHA256": format!("{:064x}", i * 7)},
+            "labels": {"realized": {"user": []}, "security-relevant": labels.clone(), "derived": labels},
+            "networking": {"addressing": [{"ipv4": format!("10.{}.{}.{}", i / 65536 % 256, i / 256 % 256, i % 256)}], "host-mac": "02:00:00:00:00:01", "interface-index": 100 + i, "interface-name": format!("lxc{i:05}"), "mac": "02:00:00:00:00:02"},
+            "policy": {"realized": {"allowed-egress-identities": [1, 2, 3], "allowed-ingress-identities": [1, 2, 3], "build": 3, "policy-enabled": "none", "policy-revision": 3}, "spec": {"policy-enabled": "none", "policy-revision": 3}},
+            "health": {"bpf": "OK", "connected": true, "overallHealth": "OK", "policy": "OK"},
+            "state": "ready",
+            "log": (0..6).map(|n| serde_json::json!({"code": "OK", "message": format!("Successfully regenerated endpoint program (Reason: policy rules added) #{n}"), "state": "ready", "timestamp": "2026-01-01T00:00:00Z"})).collect::<Vec<_>>()
+        }
+    })
+}
+
 /// Beside the settings: the version the lab agent reports (`cilium-version`).
 pub fn agent_version_file(settings: &Path) -> std::path::PathBuf {
     settings.with_file_name("cilium-version")
@@ -234,9 +262,14 @@ pub fn serve_agent_api(socket: &Path, settings: &Path) -> Result<()> {
                 .map(|(k, v)| format!("{k}:{}", v.as_str().unwrap_or_default()))
                 .collect();
             let version = std::fs::read_to_string(agent_version_file(settings)).ok();
+            let endpoints: usize = std::fs::read_to_string(agent_endpoints_file(settings))
+                .ok()
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or(0);
+            let list: Vec<serde_json::Value> = (0..endpoints).map(endpoint_json).collect();
             (
                 "200 OK",
-                serde_json::json!({"cilium-version": version.map(|v| v.trim().to_string()), "environment-variables": env}).to_string(),
+                serde_json::json!({"cilium-version": version.map(|v| v.trim().to_string()), "environment-variables": env, "endpoint-list": list}).to_string(),
             )
         } else {
             ("404 Not Found", "{}".to_string())
