@@ -550,6 +550,86 @@ mod tests {
         }
     }
 
+    fn cfg(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// `AreDevicesRequired()` per condition and release (docs/cilium-fidelity.md).
+    #[test]
+    fn to_netdev_is_required_per_condition_and_release() {
+        let req =
+            |pairs: &[(&str, &str)], r: Option<&str>| to_netdev_required(&cfg(pairs), r).because;
+        for k in [
+            "kube-proxy-replacement",
+            "enable-host-firewall",
+            "enable-wireguard",
+            "enable-l2-announcements",
+            "enable-bpf-masquerade",
+        ] {
+            for r in [Some("1.16"), Some("1.18"), Some("1.20"), None] {
+                assert_eq!(req(&[(k, "true")], r), [k], "{k} at {r:?}");
+            }
+        }
+        assert_eq!(
+            req(&[("kube-proxy-replacement", "strict")], None),
+            ["kube-proxy-replacement"]
+        );
+        assert_eq!(
+            req(&[("enable-node-port", "true")], Some("1.18")),
+            ["enable-node-port"]
+        );
+        assert!(
+            req(&[("enable-node-port", "true")], Some("1.19")).is_empty(),
+            "gone on main"
+        );
+        assert_eq!(
+            req(&[("enable-ipsec", "true")], Some("1.17")),
+            ["enable-ipsec"]
+        );
+        assert!(req(&[("enable-ipsec", "true")], Some("1.16")).is_empty());
+        assert_eq!(
+            req(&[("enable-ipsec-encrypted-overlay", "true")], Some("1.16")),
+            ["enable-ipsec-encrypted-overlay"]
+        );
+        assert_eq!(
+            req(&[("enable-high-scale-ipcache", "true")], Some("1.17")),
+            ["enable-high-scale-ipcache"]
+        );
+        assert!(req(&[("enable-high-scale-ipcache", "true")], Some("1.18")).is_empty());
+        assert!(req(&[("enable-high-scale-ipcache", "true")], None).is_empty());
+        for k in ["enable-bandwidth-manager", "enable-ipv4-egress-gateway"] {
+            assert!(
+                req(&[(k, "true")], Some("1.18")).is_empty(),
+                "{k} is no condition"
+            );
+        }
+        assert!(req(&[("kube-proxy-replacement", "false")], None).is_empty());
+    }
+
+    #[test]
+    fn a_required_cil_to_netdev_must_be_on_every_selected_device() {
+        let exp = pats(&["eth0", "eth1"]);
+        let need = ToNetdev {
+            because: vec!["enable-host-firewall".into()],
+        };
+        let r = evaluate_with(&node(vec![]), &exp, &need);
+        assert_eq!(
+            (r.status, r.code.as_str()),
+            (Status::Fail, "to_netdev_missing")
+        );
+        assert_eq!(r.evidence["to_netdev_missing"], json!(["eth1"]));
+        assert!(
+            r.reason.contains("enable-host-firewall=true"),
+            "{}",
+            r.reason
+        );
+        let r = evaluate_with(&node(vec![]), &exp, &ToNetdev::default());
+        assert_eq!(r.status, Status::Pass, "not required: {}", r.reason);
+    }
+
     #[test]
     fn patterns_match_like_cilium() {
         assert!(matches("eth+", "eth12"));
