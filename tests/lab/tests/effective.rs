@@ -27,6 +27,18 @@ fn one(lab: &Lab, name: &str) -> (i32, Value) {
     (code, result(&v, name).clone())
 }
 
+/// A restart whose datapath ignores the override the agent loaded; then the devices check.
+fn ignoring_the_override(lab: &mut Lab) -> (i32, Value) {
+    restart(
+        lab,
+        RestartOpts {
+            ignore_override: true,
+            ..Default::default()
+        },
+    );
+    one(lab, "devices")
+}
+
 fn code_of(r: &Value) -> &str {
     r["code"].as_str().unwrap_or("?")
 }
@@ -67,14 +79,7 @@ fn per_node_overrides_reach_every_check_reading_a_config_key() {
     assert_eq!(code, 0, "the override is what the node should select: {r}");
     assert_eq!(r["evidence"]["selected"], serde_json::json!(["eth0"]));
     // A datapath that ignores the override it loaded.
-    restart(
-        &mut lab,
-        RestartOpts {
-            ignore_override: true,
-            ..Default::default()
-        },
-    );
-    let (code, r) = one(&lab, "devices");
+    let (code, r) = ignoring_the_override(&mut lab);
     assert_eq!((code, code_of(&r)), (1, "device_unexpected"), "{r}");
     // The override removed: the ConfigMap's devices again.
     overriding(&mut lab, "devices", "");
@@ -97,14 +102,7 @@ fn per_node_overrides_reach_every_check_reading_a_config_key() {
             serde_json::json!([key]),
             "{r}"
         );
-        restart(
-            &mut lab,
-            RestartOpts {
-                ignore_override: true,
-                ..Default::default()
-            },
-        );
-        let (code, r) = one(&lab, "devices");
+        let (code, r) = ignoring_the_override(&mut lab);
         assert_eq!((code, code_of(&r)), (1, "to_netdev_missing"), "{key}: {r}");
         assert!(r["reason"].as_str().unwrap().contains(key), "{r}");
         overriding(&mut lab, key, "");
