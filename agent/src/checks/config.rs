@@ -118,7 +118,10 @@ pub fn effective(
     let Some(loaded) = loaded.filter(|l| per_node(l)) else {
         return out;
     };
-    for row in classify(snap, loaded, store).overrides {
+    let c = classify(snap, loaded, store);
+    // With a per-node source, a value the ConfigMap never had is the override; so is one the
+    // check cannot place for want of history (no state directory): the agent loaded it.
+    for row in c.overrides.iter().chain(&c.unsure) {
         if let (Some(k), Some(v)) = (row["key"].as_str(), row["loaded"].as_str()) {
             out.values.insert(k.to_string(), v.to_string());
         }
@@ -371,6 +374,12 @@ mod tests {
             "no per-node source: the ConfigMap"
         );
         assert_eq!(effective(&now, None, Some(&st)), now);
+        // Without the history, a per-node source still decides.
+        l.insert(
+            "config-sources".into(),
+            "config-map:kube-system/cilium-config,cilium-node-config:kube-system/n1".into(),
+        );
+        assert_eq!(effective(&now, Some(&l), None).values["devices"], "eth0");
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -31,12 +31,20 @@ pub enum Expected {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ToNetdev {
     pub because: Vec<String>,
+    /// Judged from the ConfigMap alone (the agent's effective configuration could not be
+    /// read: a per-node override may turn the requirement off): a missing `cil_to_netdev` is
+    /// then `unknown`, not a failure.
+    pub unconfirmed: bool,
 }
 
+/// A boolean setting as Go's `strconv.ParseBool` reads it (`1`, `t`, `T`, `TRUE`, `true`,
+/// `True`), plus `strict` (kube-proxy-replacement's old value).
 fn on(cfg: &std::collections::BTreeMap<String, String>, k: &str) -> bool {
     cfg.get(k).is_some_and(|v| {
-        let v = v.trim();
-        v.eq_ignore_ascii_case("true") || v == "strict"
+        matches!(
+            v.trim(),
+            "1" | "t" | "T" | "TRUE" | "true" | "True" | "strict"
+        )
     })
 }
 
@@ -75,6 +83,7 @@ pub fn to_netdev_required(
             .filter(|k| on(cfg, k))
             .map(String::from)
             .collect(),
+        unconfirmed: false,
     }
 }
 
@@ -306,6 +315,20 @@ pub fn evaluate_with(obs: &Observation, exp: &Expected, to_netdev: &ToNetdev) ->
         lacking_to_netdev(obs, &have)
     };
     match (missing.is_empty(), unexpected.is_empty()) {
+        (true, true) if !no_egress.is_empty() && to_netdev.unconfirmed => {
+            let mut evidence = evidence;
+            evidence["to_netdev_missing"] = json!(no_egress);
+            CheckResult::unknown(
+                CHECK,
+                "to_netdev_unconfirmed",
+                format!(
+                    "cil_to_netdev missing on {}; the ConfigMap requires it ({}), but what the running cilium-agent loaded could not be read, and a per-node override may turn it off",
+                    no_egress.join(", "),
+                    to_netdev.because.join(", ")
+                ),
+                evidence,
+            )
+        }
         (true, true) if !no_egress.is_empty() => {
             let mut evidence = evidence;
             evidence["to_netdev_missing"] = json!(no_egress);
@@ -400,9 +423,12 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             .and_then(|l| l.ok())
             .and_then(|l| l.version.as_deref())
             .and_then(crate::profile::release_of);
-        let to_netdev = cfg
+        let mut to_netdev = cfg
             .map(|c| to_netdev_required(&c.values, release.as_deref()))
             .unwrap_or_default();
+        // Without the agent's answer only the ConfigMap was read (with no API socket
+        // configured the ConfigMap is all there is, and it decides).
+        to_netdev.unconfirmed = i.effective.is_none() && i.cfg.cilium_api.is_some();
         match i.links {
             Some(Ok(o)) => evaluate_with(o, &expected_devices(i.cfg, cfg), &to_netdev),
             Some(Err(e)) => {
@@ -577,6 +603,13 @@ mod tests {
             req(&[("kube-proxy-replacement", "strict")], None),
             ["kube-proxy-replacement"]
         );
+        for v in ["1", "t", "T", "TRUE", "True"] {
+            assert_eq!(
+                req(&[("enable-host-firewall", v)], None),
+                ["enable-host-firewall"],
+                "{v}"
+            );
+        }
         assert_eq!(
             req(&[("enable-node-port", "true")], Some("1.18")),
             ["enable-node-port"]
@@ -612,8 +645,9 @@ mod tests {
     #[test]
     fn a_required_cil_to_netdev_must_be_on_every_selected_device() {
         let exp = pats(&["eth0", "eth1"]);
-        let need = ToNetdev {
+        let mut need = ToNetdev {
             because: vec!["enable-host-firewall".into()],
+            unconfirmed: false,
         };
         let r = evaluate_with(&node(vec![]), &exp, &need);
         assert_eq!(
@@ -625,6 +659,13 @@ mod tests {
             r.reason.contains("enable-host-firewall=true"),
             "{}",
             r.reason
+        );
+        need.unconfirmed = true;
+        let r = evaluate_with(&node(vec![]), &exp, &need);
+        assert_eq!(
+            (r.status, r.code.as_str()),
+            (Status::Unknown, "to_netdev_unconfirmed"),
+            "the ConfigMap alone, the agent unread"
         );
         let r = evaluate_with(&node(vec![]), &exp, &ToNetdev::default());
         assert_eq!(r.status, Status::Pass, "not required: {}", r.reason);

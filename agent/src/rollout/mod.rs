@@ -717,8 +717,20 @@ enum RenewError {
     Failed(String),
 }
 
-/// Renews the lock and writes the record.
-async fn renew(c: &Cluster, rec: &Record) -> Result<(), RenewError> {
+/// Renews the lock and writes the record as it is at each attempt (a 409 retry never writes
+/// an older copy over a newer one), giving up at `within`: a renewal must not outlive the
+/// lock it renews.
+async fn renew(c: &Cluster, shared: &Mutex<Record>, within: Duration) -> Result<(), RenewError> {
+    match tokio::time::timeout(within.max(Duration::from_millis(100)), renew_now(c, shared)).await {
+        Ok(r) => r,
+        Err(_) => Err(RenewError::Failed(format!(
+            "the API server did not answer the renewal within {:.1}s",
+            within.as_secs_f64()
+        ))),
+    }
+}
+
+async fn renew_now(c: &Cluster, shared: &Mutex<Record>) -> Result<(), RenewError> {
     let api = c.leases();
     let name = c.lock_name();
     for _ in 0..3 {
@@ -741,6 +753,7 @@ async fn renew(c: &Cluster, rec: &Record) -> Result<(), RenewError> {
                 }
             )));
         }
+        let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut ann = annotations(&l.metadata);
         rec.write(&mut ann);
         l.metadata.annotations = Some(ann.into_iter().collect());
@@ -771,8 +784,7 @@ async fn persist(c: &Cluster, shared: &Mutex<Record>, lost: &AtomicBool) -> bool
         if lost.load(Ordering::SeqCst) {
             return false;
         }
-        let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match renew(c, &rec).await {
+        match renew(c, shared, renew_tolerance(c).saturating_sub(t0.elapsed())).await {
             Ok(()) => return true,
             Err(RenewError::NotOurs(e)) => {
                 tracing::error!(error = %e, "the rollout lock was lost");
@@ -1082,6 +1094,17 @@ async fn watch_tick(c: &Cluster) -> Result<String> {
             "the rollout of revision {cur} was aborted: approve a new revision to start again (or run `stepguard rollout` by hand)"
         ));
     }
+    // An interrupted step is always finished (its delete waits for an approval itself); a
+    // retry alone waits for the revision to be approved, instead of a run per tick that
+    // pauses at once.
+    if let (None, Some(n)) = (&rec.inflight, &rec.retry) {
+        if ann.get(ANN_APPROVE) != Some(&cur) {
+            return Ok(format!(
+                "node {n} is to be stepped again but the DaemonSet's revision {cur} is not approved (stepguard.io/approve-revision is {}): waiting",
+                ann.get(ANN_APPROVE).map(String::as_str).unwrap_or("not set")
+            ));
+        }
+    }
     if owed || approved(&v, &ann) {
         let code = rollout(c, true).await?;
         return Ok(format!("rollout ended with exit code {code}"));
@@ -1259,8 +1282,8 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             let mut last_ok = Instant::now();
             loop {
                 tokio::time::sleep(every).await;
-                let cur = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                match renew(&c2, &cur).await {
+                let left = renew_tolerance(&c2).saturating_sub(last_ok.elapsed());
+                match renew(&c2, &shared, left).await {
                     Ok(()) => last_ok = Instant::now(),
                     Err(RenewError::NotOurs(e)) => {
                         tracing::error!(error = %e, "the rollout lock was lost");
@@ -1465,6 +1488,9 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             }
         }
         if let Outcome::Failed { .. } = &r.outcome {
+            // The halt is on the lock before anything else happens (release may not get
+            // through; a later run must see it).
+            persist(c, &shared, &lost).await;
             let h = shared
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -1668,7 +1694,8 @@ async fn step_node(
         None => Phase::Begin,
     };
     let mut last_shown = String::new();
-    let step_id = format!("rollout-{}-{}-{}", target.0, st.node, cx.run_id)
+    // The run id first: a long node name is cut, never the part that makes the id new.
+    let step_id = format!("rollout-{}-{}-{}", cx.run_id, target.0, st.node)
         .chars()
         .filter(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(*ch))
         .take(64)
@@ -1771,6 +1798,24 @@ async fn step_node(
                         }
                     }
                     ev
+                }
+                machine::Action::DeletePod
+                    if !record::may_adopt(
+                        &target.0,
+                        view.revision.as_ref().map(|r| r.0.as_str()).unwrap_or(""),
+                        approval(cx.ds).as_deref(),
+                    ) =>
+                {
+                    // A resumed step whose pod is still there, while the DaemonSet moved to a
+                    // revision nobody approved: deleting now would start that revision.
+                    phase = Phase::Done(Outcome::Stopped {
+                        why: format!(
+                            "the DaemonSet moved to revision {} (not approved) before pod {} was deleted: paused; approve it to go on",
+                            view.revision.as_ref().map(|r| r.0.as_str()).unwrap_or("?"),
+                            st.pod
+                        ),
+                    });
+                    continue;
                 }
                 machine::Action::DeletePod => {
                     let r = patient(

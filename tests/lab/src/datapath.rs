@@ -383,7 +383,6 @@ pub fn replace(
     })
 }
 
-/// Sets or clears the lab's blackhole flag.
 /// Detaches these attachments, in the calling thread's network namespace.
 fn detach_here(atts: &[&Attachment]) -> Result<()> {
     for a in atts {
@@ -407,6 +406,7 @@ pub fn detach(ns: &str, atts: &[Attachment]) -> Result<()> {
     in_netns(ns, move || detach_here(&atts.iter().collect::<Vec<_>>()))
 }
 
+/// Sets or clears the lab's blackhole flag.
 pub fn set_blackhole(bpffs: &Path, on: bool) -> Result<()> {
     let pin = blackhole_pin(bpffs);
     let fd = sys::obj_get(&pin).with_context(|| format!("open blackhole map {}", pin.display()))?;

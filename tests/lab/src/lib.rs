@@ -567,7 +567,7 @@ impl Lab {
     /// The host-device programs a configuration asks for (Cilium's loader: `cil_from_netdev`
     /// on every selected device, `cil_to_netdev` when devices are required, `cil_xdp_entry`
     /// with `bpf-lb-acceleration`), over the lab's devices.
-    fn host_plan(&self, cfg: &BTreeMap<String, String>) -> datapath::Plan {
+    fn host_plan(&self, cfg: &BTreeMap<String, String>, dropped: Option<&str>) -> datapath::Plan {
         let patterns: Vec<&str> = cfg
             .get("devices")
             .map(|d| d.split([' ', ',']).filter(|p| !p.is_empty()).collect())
@@ -576,6 +576,7 @@ impl Lab {
             .state
             .devices
             .iter()
+            .filter(|d| Some(d.as_str()) != dropped)
             .filter(|d| {
                 patterns.is_empty()
                     || patterns.iter().any(|p| match p.strip_suffix('+') {
@@ -602,8 +603,13 @@ impl Lab {
 
     /// After a restart's reload: the host devices carry what `cfg` asks for — programs it no
     /// longer asks for detached, new ones attached.
-    fn follow_config(&mut self, cfg: &BTreeMap<String, String>) -> Result<()> {
-        let want = self.host_plan(cfg);
+    /// `dropped`: the `--drop-device` fault's device stays without programs.
+    fn follow_config(
+        &mut self,
+        cfg: &BTreeMap<String, String>,
+        dropped: Option<&str>,
+    ) -> Result<()> {
+        let want = self.host_plan(cfg, dropped);
         let host_prog =
             |p: &str| matches!(p, "cil_from_netdev" | "cil_to_netdev" | "cil_xdp_entry");
         let (keep, gone): (Vec<Attachment>, Vec<Attachment>) =
@@ -1076,7 +1082,7 @@ impl Lab {
             // The agent's datapath follows the configuration it builds at its start (the
             // fault: it ignores the per-node overrides it loaded).
             let cfg = self.effective_config(!o.ignore_override)?;
-            self.follow_config(&cfg)?;
+            self.follow_config(&cfg, o.drop_device.as_deref())?;
         }
         if let Some(p) = &o.lose_program {
             let (gone, kept): (Vec<Attachment>, Vec<Attachment>) = self
@@ -1095,13 +1101,13 @@ impl Lab {
         if let Some(m) = &o.resize_map {
             self.resize_map(m)?;
         }
-        // The agent serves its API again once its datapath is initialised.
+        // The agent loaded its config at its start, before it serves its API again (once its
+        // datapath is initialised): an answer never carries the previous start's settings.
+        if !o.no_reload && !o.keep_config {
+            self.load_agent_config()?;
+        }
         self.start_agent_api()?;
         if !o.no_reload {
-            if !o.keep_config {
-                // The agent restarted: it loaded the cilium-config as it is now.
-                self.load_agent_config()?;
-            }
             self.create_tail_call_maps()?;
             // Like Cilium's start: ipcache is unpinned, created anew (new id) and refilled
             // from the agent's state (pkg/maps/ipcache Recreate) over `refill_after`; the
