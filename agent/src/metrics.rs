@@ -30,6 +30,7 @@ labels!(VerdictLabels { verdict, origin });
 labels!(DeviceLabels { device });
 labels!(MapLabels { map });
 labels!(KindLabels { kind });
+labels!(StateLabels { state });
 
 type GaugeF = Gauge<f64, AtomicU64>;
 
@@ -59,6 +60,11 @@ pub struct Metrics {
     pub last_step_gap: Family<GapLabels, GaugeF>,
     pub step_gap: Histogram,
     pub step_active: Gauge,
+    /// The active (or last) step's endpoints by state: `followed` (at the baseline),
+    /// `regenerated`, `pending`, `deleted`.
+    pub step_endpoints: Family<StateLabels, Gauge>,
+    /// How long after the host datapath the slowest endpoint regenerated (active or last step).
+    pub step_endpoint_regeneration_slowest: GaugeF,
     /// Writes of step records that failed (a full or read-only state dir).
     pub state_write_errors: Counter,
     pub steps: Family<VerdictLabels, Counter>,
@@ -152,6 +158,19 @@ impl Metrics {
             "1 while a step is being watched",
             step_active.clone(),
         );
+        let step_endpoints = Family::<StateLabels, Gauge>::default();
+        r.register(
+            "step_endpoints",
+            "Endpoints of the active or last step by state: followed (carrying cil_from_container at the baseline), regenerated (new program ids), pending, deleted",
+            step_endpoints.clone(),
+        );
+        let step_endpoint_regeneration_slowest = GaugeF::default();
+        r.register_with_unit(
+            "step_endpoint_regeneration_slowest",
+            "How long after the host datapath's first new program the slowest endpoint of the active or last step got new programs",
+            Unit::Seconds,
+            step_endpoint_regeneration_slowest.clone(),
+        );
         let state_write_errors = Counter::default();
         r.register(
             "state_write_errors",
@@ -239,6 +258,8 @@ impl Metrics {
             last_step_gap,
             step_gap,
             step_active,
+            step_endpoints,
+            step_endpoint_regeneration_slowest,
             state_write_errors,
             steps,
             last_step_passed,

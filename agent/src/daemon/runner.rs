@@ -110,6 +110,8 @@ struct Runner {
     last_agent_version: Option<(String, f64)>,
     /// Named entries of kept maps that lost some since the baseline.
     last_map_entries: BTreeMap<String, Vec<String>>,
+    /// The endpoints' programs at the last device observation (taken by the next decision).
+    last_endpoints: Option<BTreeMap<String, crate::step::EndpointPrograms>>,
     last_programs: Option<BTreeMap<String, Option<u32>>>,
     /// When the resumed step's record was last written.
     resumed_from: Option<f64>,
@@ -130,6 +132,7 @@ pub async fn run(d: Arc<Daemon>) {
         last_endpoint_maps: None,
         last_agent_version: None,
         last_map_entries: BTreeMap::new(),
+        last_endpoints: None,
         last_programs: None,
         resumed_from: None,
         d,
@@ -377,12 +380,17 @@ impl Runner {
         if n.is_multiple_of(2) || self.last_programs.is_none() {
             let path = d.cfg.bpffs.clone();
             let topo = d.topology.clone();
-            self.last_programs = d
+            let obs = d
                 .kernel
                 .spawn(async move { links::observe_via(Some(&topo), &path).await })
                 .await
                 .ok()
-                .and_then(|r| r.ok())
+                .and_then(|r| r.ok());
+            self.last_endpoints = obs
+                .as_ref()
+                .filter(|o| o.endpoint_problems.is_empty())
+                .map(watch::endpoint_programs);
+            self.last_programs = obs
                 .filter(|o| !o.prog_details_unreadable)
                 .map(|o| current_programs(&o, &tracked));
         }
@@ -528,8 +536,10 @@ impl Runner {
             endpoint_maps: self.last_endpoint_maps.clone(),
             agent_version: self.last_agent_version.clone(),
             map_entries: self.last_map_entries.clone(),
+            endpoints: self.last_endpoints.take(),
         };
         verdict::decide(s, &o);
+        publish_endpoints(&d, s);
         let done = s.is_final();
         if done || n.is_multiple_of(5) {
             // Probes older than the longest timeout have all answered: fold them into
@@ -547,6 +557,30 @@ impl Runner {
         }
         self.publish();
     }
+}
+
+/// The step's endpoint regeneration as metrics (`stepguard_step_endpoints{state}`,
+/// `stepguard_step_endpoint_regeneration_slowest_seconds`).
+fn publish_endpoints(d: &Daemon, s: &Step) {
+    use crate::metrics::StateLabels;
+    let followed = s.baseline.endpoints.len() as i64;
+    let regenerated = s.endpoints.regenerated.len() as i64;
+    let deleted = s.endpoints.gone.len() as i64;
+    let m = lock(&d.metrics);
+    for (state, n) in [
+        ("followed", followed),
+        ("regenerated", regenerated),
+        ("deleted", deleted),
+        ("pending", (followed - regenerated - deleted).max(0)),
+    ] {
+        m.step_endpoints
+            .get_or_create(&StateLabels {
+                state: state.into(),
+            })
+            .set(n);
+    }
+    m.step_endpoint_regeneration_slowest
+        .set(verdict::slowest_endpoint(s).map_or(0.0, |(_, t)| t));
 }
 
 /// The node checks that keep a step from passing: any that fails, and any that was passing

@@ -47,6 +47,54 @@ pub fn current_programs(
         .collect()
 }
 
+/// Cilium's programs on every endpoint device, by device name (see
+/// `links::endpoint_hooks`): `cil_from_container` on ingress or netkit's peer hook,
+/// `cil_to_container` on egress or netkit's primary hook.
+pub fn endpoint_programs(
+    obs: &links::Observation,
+) -> BTreeMap<String, crate::step::EndpointPrograms> {
+    obs.endpoints
+        .iter()
+        .map(|e| {
+            let [(entry, _), (exit, _)] = links::endpoint_hooks(e.kind.as_deref());
+            let find = |hook: &str, prog: &str| {
+                e.programs
+                    .iter()
+                    .find(|p| p.hook == hook && p.is(prog))
+                    .map(|p| p.prog_id)
+            };
+            (
+                e.name.clone(),
+                crate::step::EndpointPrograms {
+                    ifindex: e.ifindex,
+                    from_container: find(entry, "cil_from_container"),
+                    to_container: find(exit, "cil_to_container"),
+                    raced: e.raced,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The endpoints a step follows: those carrying `cil_from_container` at the start, read
+/// consistently; unknown when endpoint programs could not be queried.
+pub fn endpoint_baseline(
+    obs: &links::Observation,
+) -> (
+    BTreeMap<String, crate::step::EndpointPrograms>,
+    crate::step::EndpointsFollowed,
+) {
+    use crate::step::EndpointsFollowed;
+    if let Some(p) = obs.endpoint_problems.first() {
+        return (BTreeMap::new(), EndpointsFollowed::Unknown(p.clone()));
+    }
+    let eps = endpoint_programs(obs)
+        .into_iter()
+        .filter(|(_, e)| e.from_container.is_some() && !e.raced)
+        .collect();
+    (eps, EndpointsFollowed::Followed)
+}
+
 /// The keys a step follows for the reload: the selected host devices, `cilium_host`, the
 /// overlay device when it carries `cil_from_overlay`, and `<dev>:xdp` for every selected
 /// device carrying `cil_xdp_entry`, `<dev>:to_netdev` for every one carrying `cil_to_netdev`.
@@ -307,7 +355,10 @@ pub fn baseline_from(
         .map(|r| (r.check.to_string(), r.status.as_str().to_string()))
         .collect();
     let (kernel_drops, cilium_drops) = (d.kernel_drops_now(), d.cilium_drops_now());
+    let (endpoints, endpoints_followed) = endpoint_baseline(obs);
     Ok(Baseline {
+        endpoints,
+        endpoints_followed,
         cilium,
         cilium_from,
         endpoint_maps,

@@ -20,6 +20,10 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub const BPF_F_RDONLY: u32 = 1 << 3;
 pub const BPF_TCX_INGRESS: u32 = 46;
 pub const BPF_TCX_EGRESS: u32 = 47;
+/// netkit's attach types (kernel >= 6.7): programs on the primary (host-side) device's
+/// ifindex for traffic leaving the primary, and for traffic leaving the peer (the pod).
+pub const BPF_NETKIT_PRIMARY: u32 = 54;
+pub const BPF_NETKIT_PEER: u32 = 55;
 
 pub const MAP_TYPE_HASH: u32 = 1;
 pub const MAP_TYPE_ARRAY: u32 = 2;

@@ -70,12 +70,57 @@ pub struct Device {
     pub programs: Vec<AttachedProgram>,
 }
 
+/// An endpoint device as the link dump or a notification named it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointLink {
+    pub name: String,
+    /// IFLA_INFO_KIND (`veth`, `netkit`), when the kernel says.
+    pub kind: Option<String>,
+}
+
+/// An endpoint's host-side device (`lxc*`: a veth, or netkit in Cilium's netkit datapath
+/// mode) and the programs on it.
+#[derive(Clone, Debug, Serialize)]
+pub struct EndpointDevice {
+    pub name: String,
+    pub ifindex: u32,
+    pub kind: Option<String>,
+    pub programs: Vec<AttachedProgram>,
+    /// A program was replaced between the query and its lookup (a regeneration in progress):
+    /// this endpoint's programs are not a consistent snapshot this time.
+    pub raced: bool,
+}
+
+/// Where an endpoint's programs are queried, by device kind (docs/cilium-fidelity.md,
+/// "Endpoints"): netkit's peer and primary attach types on a netkit device (Cilium attaches
+/// `cil_from_container` to the peer, `cil_to_container` to the primary), tcx ingress and
+/// egress otherwise (legacy tc filters when tcx has none). `(hook, attach type)`.
+pub fn endpoint_hooks(kind: Option<&str>) -> [(&'static str, u32); 2] {
+    if kind == Some("netkit") {
+        [
+            ("netkit_peer", bpf::BPF_NETKIT_PEER),
+            ("netkit_primary", bpf::BPF_NETKIT_PRIMARY),
+        ]
+    } else {
+        [
+            ("ingress", bpf::BPF_TCX_INGRESS),
+            ("egress", bpf::BPF_TCX_EGRESS),
+        ]
+    }
+}
+
 /// Everything observed, plus what could not be read (each entry one line).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Observation {
     pub devices: Vec<Device>,
-    /// lxc* devices seen (counted, not inspected: they are endpoints, not host devices).
+    /// lxc* devices seen (counted here; their programs are in `endpoints`).
     pub endpoint_devices: usize,
+    /// Every endpoint device with its programs (not serialized: a node has thousands).
+    #[serde(skip)]
+    pub endpoints: Vec<EndpointDevice>,
+    /// Endpoint programs that could not be queried (one line each, the first few).
+    #[serde(skip)]
+    pub endpoint_problems: Vec<String>,
     pub problems: Vec<String>,
     /// Pinned links that could not be opened: reported, but they do not make the device
     /// observation unknown (the tcx query is the source of truth for what is attached).
@@ -92,7 +137,7 @@ pub struct Observation {
 #[derive(Clone, Debug, Default)]
 struct Topology {
     devices: Vec<Device>,
-    endpoint_ifindexes: BTreeSet<u32>,
+    endpoints: BTreeMap<u32, EndpointLink>,
 }
 
 /// The agent's steady observations reuse the topology (the dumps of every link, address and
@@ -106,6 +151,33 @@ pub struct TopologyCache {
     topology: Option<(Topology, std::time::Instant)>,
     /// Full dumps taken (for tests and the bench).
     pub dumps: u64,
+    /// Program details by id (a program's name and load time never change): endpoint
+    /// programs are looked up once, not on every observation.
+    names: ProgNames,
+}
+
+/// Program details by id, kept for the ids last seen.
+#[derive(Default)]
+struct ProgNames {
+    known: std::collections::HashMap<u32, bpf::ProgInfo>,
+    seen: BTreeSet<u32>,
+}
+
+impl ProgNames {
+    fn lookup(&mut self, id: u32) -> std::io::Result<bpf::ProgInfo> {
+        self.seen.insert(id);
+        if let Some(i) = self.known.get(&id) {
+            return Ok(i.clone());
+        }
+        let info = bpf::prog_info_by_id(id)?;
+        self.known.insert(id, info.clone());
+        Ok(info)
+    }
+    /// Forgets the ids not looked up since the last call (replaced programs).
+    fn prune(&mut self) {
+        let seen = std::mem::take(&mut self.seen);
+        self.known.retain(|id, _| seen.contains(id));
+    }
 }
 
 /// A topology is dumped again at least this often, whatever the notifications said.
@@ -117,6 +189,7 @@ impl TopologyCache {
             events: super::rtevents::subscribe().ok(),
             topology: None,
             dumps: 0,
+            names: ProgNames::default(),
         }
     }
 
@@ -136,18 +209,17 @@ impl TopologyCache {
         bpffs: &Path,
     ) -> Result<Observation, LinkError> {
         // Notifications are read before the dump: a change during the dump is seen next time.
-        let endpoints = self
+        let endpoints: BTreeSet<u32> = self
             .topology
             .as_ref()
-            .map(|(t, _)| t.endpoint_ifindexes.clone())
+            .map(|(t, _)| t.endpoints.keys().copied().collect())
             .unwrap_or_default();
         let changed = match &self.events {
             Some(fd) => {
                 let c = super::rtevents::host_changes(fd, &endpoints);
                 if let Some((t, _)) = &mut self.topology {
-                    t.endpoint_ifindexes.extend(&c.endpoints_added);
-                    t.endpoint_ifindexes
-                        .retain(|i| !c.endpoints_removed.contains(i));
+                    t.endpoints.extend(c.endpoints_added.clone());
+                    t.endpoints.retain(|i, _| !c.endpoints_removed.contains(i));
                 }
                 c.host
             }
@@ -164,12 +236,12 @@ impl TopologyCache {
             },
             _ => self.dump(handle).await?,
         };
-        let mut r = programs(handle, bpffs, &t).await;
+        let mut r = programs(handle, bpffs, &t, &mut self.names).await;
         for _ in 1..RACE_RETRIES {
             match &r {
                 Ok(o) if o.raced => {
                     t = refresh_links(handle, &t).await.unwrap_or(t);
-                    r = programs(handle, bpffs, &t).await
+                    r = programs(handle, bpffs, &t, &mut self.names).await
                 }
                 _ => break,
             }
@@ -252,10 +324,19 @@ const RACE_RETRIES: usize = 5;
 pub fn fill_details(
     d: &mut Device,
     obs: &mut Observation,
-    lookup: impl Fn(u32) -> std::io::Result<bpf::ProgInfo>,
+    lookup: impl FnMut(u32) -> std::io::Result<bpf::ProgInfo>,
+) -> bool {
+    fill_program_details(&d.name, &mut d.programs, obs, lookup)
+}
+
+fn fill_program_details(
+    device: &str,
+    programs: &mut [AttachedProgram],
+    obs: &mut Observation,
+    mut lookup: impl FnMut(u32) -> std::io::Result<bpf::ProgInfo>,
 ) -> bool {
     let mut raced = false;
-    for p in &mut d.programs {
+    for p in programs {
         match lookup(p.prog_id) {
             Ok(info) => {
                 p.name = Some(info.name.clone());
@@ -269,7 +350,7 @@ pub fn fill_details(
             Err(e) => {
                 obs.prog_details_unreadable = true;
                 let (line, _) = super::super::checks::io_reason(
-                    &format!("program {} on {}", p.prog_id, d.name),
+                    &format!("program {} on {device}", p.prog_id),
                     &e,
                 );
                 if !obs.problems.contains(&line) {
@@ -309,6 +390,17 @@ fn global_unicast(ip: &IpAddr) -> bool {
 /// `other("openvswitch")`, so OVS devices were never excluded).
 fn kind_name(k: &InfoKind) -> String {
     k.to_string()
+}
+
+/// A link message's kind (IFLA_INFO_KIND), when it has one.
+pub fn link_kind(msg: &netlink_packet_route::link::LinkMessage) -> Option<String> {
+    msg.attributes.iter().find_map(|a| match a {
+        LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
+            LinkInfo::Kind(k) => Some(kind_name(k)),
+            _ => None,
+        }),
+        _ => None,
+    })
 }
 
 /// Observes the current network namespace. `bpffs` is where Cilium pins its tcx links.
@@ -449,7 +541,13 @@ async fn topology(handle: &rtnetlink::Handle) -> Result<Topology, LinkError> {
     })? {
         let d = device_of(&msg);
         if is_endpoint_device(&d.name) {
-            t.endpoint_ifindexes.insert(d.ifindex);
+            t.endpoints.insert(
+                d.ifindex,
+                EndpointLink {
+                    name: d.name,
+                    kind: d.kind,
+                },
+            );
             continue;
         }
         t.devices.push(d);
@@ -483,7 +581,7 @@ async fn topology(handle: &rtnetlink::Handle) -> Result<Topology, LinkError> {
 
 async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observation, LinkError> {
     let t = topology(handle).await?;
-    programs(handle, bpffs, &t).await
+    programs(handle, bpffs, &t, &mut ProgNames::default()).await
 }
 
 /// The observation from a topology: each host device's tc/tcx programs queried now.
@@ -491,9 +589,10 @@ async fn programs(
     handle: &rtnetlink::Handle,
     bpffs: &Path,
     t: &Topology,
+    names: &mut ProgNames,
 ) -> Result<Observation, LinkError> {
     let mut obs = Observation {
-        endpoint_devices: t.endpoint_ifindexes.len(),
+        endpoint_devices: t.endpoints.len(),
         ..Default::default()
     };
     let mut devices = t.devices.clone();
@@ -530,62 +629,165 @@ async fn programs(
                 )),
             }
         }
-        for (hook, ingress) in [("ingress", true), ("egress", false)] {
-            let req = handle.traffic_filter(d.ifindex as i32).get();
-            let req = if ingress { req.ingress() } else { req.egress() };
-            let mut stream = req.execute();
-            loop {
-                match stream.try_next().await {
-                    Ok(Some(msg)) => {
-                        let (mut name, mut id) = (None, None);
-                        for a in &msg.attributes {
-                            if let TcAttribute::Options(opts) = a {
-                                for o in opts {
-                                    match o {
-                                        TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => {
-                                            name = Some(n.clone())
-                                        }
-                                        TcOption::Bpf(TcFilterBpfOption::ProgId(i)) => {
-                                            id = Some(*i)
-                                        }
-                                        _ => {}
-                                    }
-                                }
-                            }
-                        }
-                        if let Some(id) = id {
-                            d.programs.push(AttachedProgram {
-                                hook,
-                                via: "tc",
-                                prog_id: id,
-                                name: None,
-                                filter: name,
-                                loaded_at: None,
-                                link_pin: None,
-                            });
-                        }
-                    }
-                    Ok(None) => break,
-                    // No clsact qdisc on this device: no filters.
-                    Err(rtnetlink::Error::NetlinkError(e))
-                        if matches!(e.raw_code().abs(), libc::EINVAL | libc::ENOENT) =>
-                    {
-                        break
-                    }
-                    Err(e) => {
-                        obs.problems
-                            .push(format!("tc filter dump on {} {hook}: {e}", d.name));
-                        break;
-                    }
-                }
+        for hook in ["ingress", "egress"] {
+            match tc_filters(handle, d.ifindex, hook).await {
+                Ok(mut p) => d.programs.append(&mut p),
+                Err(e) => obs
+                    .problems
+                    .push(format!("tc filter dump on {} {hook}: {e}", d.name)),
             }
         }
-        if fill_details(d, &mut obs, bpf::prog_info_by_id) {
+        if fill_details(d, &mut obs, |id| names.lookup(id)) {
             obs.raced = true;
         }
     }
     obs.devices = devices;
+    for (ifindex, link) in &t.endpoints {
+        if let Some(ep) = endpoint_programs(handle, *ifindex, link, &mut obs, names).await {
+            obs.endpoints.push(ep);
+        }
+    }
+    names.prune();
     Ok(obs)
+}
+
+/// At most this many endpoint problems are kept (a node has thousands of endpoints).
+const ENDPOINT_PROBLEMS_MAX: usize = 5;
+
+/// The programs `query` (BPF_PROG_QUERY on the device's ifindex, by attach type) finds on
+/// one endpoint device at its hooks ([`endpoint_hooks`]); None when the device went away
+/// since it was listed (ENODEV: a pod deleted). Problems are one line each.
+pub fn query_endpoint(
+    link: &EndpointLink,
+    mut query: impl FnMut(u32) -> std::io::Result<Vec<u32>>,
+    problems: &mut Vec<String>,
+) -> Option<Vec<AttachedProgram>> {
+    let netkit = link.kind.as_deref() == Some("netkit");
+    let via = if netkit { "netkit" } else { "tcx" };
+    let mut programs = Vec::new();
+    for (hook, at) in endpoint_hooks(link.kind.as_deref()) {
+        match query(at) {
+            Ok(ids) => programs.extend(ids.into_iter().map(|id| AttachedProgram {
+                hook,
+                via,
+                prog_id: id,
+                name: None,
+                filter: None,
+                loaded_at: None,
+                link_pin: None,
+            })),
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return None,
+            // Not on this kernel (no tcx, no netkit): nothing attached that way.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
+                ) => {}
+            Err(e) => problems.push(format!(
+                "{via} query on endpoint {} {hook}: {}",
+                link.name,
+                super::super::checks::io_reason("bpf prog query", &e).0
+            )),
+        }
+    }
+    Some(programs)
+}
+
+/// One endpoint device's programs with their names; None when the device went away.
+async fn endpoint_programs(
+    handle: &rtnetlink::Handle,
+    ifindex: u32,
+    link: &EndpointLink,
+    obs: &mut Observation,
+    names: &mut ProgNames,
+) -> Option<EndpointDevice> {
+    let mut problems = Vec::new();
+    let mut programs = query_endpoint(link, |at| bpf::tcx_prog_ids(ifindex, at), &mut problems)?;
+    // Cilium on tcx removes an endpoint's legacy filters: only a veth endpoint without tcx
+    // programs is dumped for them (a netlink dump per hook per endpoint otherwise).
+    if link.kind.as_deref() != Some("netkit") && programs.is_empty() {
+        for hook in ["ingress", "egress"] {
+            match tc_filters(handle, ifindex, hook).await {
+                Ok(mut p) => programs.append(&mut p),
+                Err(e) => problems.push(format!(
+                    "tc filter dump on endpoint {} {hook}: {e}",
+                    link.name
+                )),
+            }
+        }
+    }
+    let mut scratch = Observation::default();
+    let raced = fill_program_details(&link.name, &mut programs, &mut scratch, |id| {
+        names.lookup(id)
+    });
+    problems.extend(scratch.problems);
+    for line in problems {
+        if obs.endpoint_problems.len() < ENDPOINT_PROBLEMS_MAX {
+            obs.endpoint_problems.push(line);
+        }
+    }
+    Some(EndpointDevice {
+        name: link.name.clone(),
+        ifindex,
+        kind: link.kind.clone(),
+        programs,
+        raced,
+    })
+}
+
+/// The legacy clsact filters of one hook: (name, program id) each. No qdisc: none.
+async fn tc_filters(
+    handle: &rtnetlink::Handle,
+    ifindex: u32,
+    hook: &'static str,
+) -> Result<Vec<AttachedProgram>, String> {
+    let req = handle.traffic_filter(ifindex as i32).get();
+    let req = if hook == "ingress" {
+        req.ingress()
+    } else {
+        req.egress()
+    };
+    let mut stream = req.execute();
+    let mut out = Vec::new();
+    loop {
+        match stream.try_next().await {
+            Ok(Some(msg)) => {
+                let (mut name, mut id) = (None, None);
+                for a in &msg.attributes {
+                    if let TcAttribute::Options(opts) = a {
+                        for o in opts {
+                            match o {
+                                TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => {
+                                    name = Some(n.clone())
+                                }
+                                TcOption::Bpf(TcFilterBpfOption::ProgId(i)) => id = Some(*i),
+                                _ => {}
+                            }
+                        }
+                    }
+                }
+                if let Some(id) = id {
+                    out.push(AttachedProgram {
+                        hook,
+                        via: "tc",
+                        prog_id: id,
+                        name: None,
+                        filter: name,
+                        loaded_at: None,
+                        link_pin: None,
+                    });
+                }
+            }
+            Ok(None) => return Ok(out),
+            // No clsact qdisc on this device: no filters.
+            Err(rtnetlink::Error::NetlinkError(e))
+                if matches!(e.raw_code().abs(), libc::EINVAL | libc::ENOENT) =>
+            {
+                return Ok(out)
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
 
 /// Cilium's pinned tcx links (`<bpffs>/cilium/devices/<dev>/links/<prog>`), by program id.
@@ -679,6 +881,118 @@ mod tests {
         });
         assert!(!raced && obs.prog_details_unreadable);
         assert_eq!(obs.problems.len(), 1);
+    }
+}
+
+#[cfg(test)]
+mod endpoint_tests {
+    use super::*;
+    use netlink_packet_route::link::LinkMessage;
+    use rtnetlink::packet_core::{Emitable, Parseable};
+
+    /// An RTM_NEWLINK for `name` of `kind`, as bytes the kernel sends, parsed back.
+    fn link_message(name: &str, kind: InfoKind) -> LinkMessage {
+        let mut m = LinkMessage::default();
+        m.header.index = 42;
+        m.attributes.push(LinkAttribute::IfName(name.into()));
+        m.attributes
+            .push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(kind)]));
+        let mut buf = vec![0u8; m.buffer_len()];
+        m.emit(&mut buf);
+        LinkMessage::parse(&buf[..]).expect("parse link message")
+    }
+
+    fn prog(id: u32, name: &str) -> bpf::ProgInfo {
+        bpf::ProgInfo {
+            id,
+            prog_type: 3,
+            name: name.into(),
+            load_time_boot_ns: 0,
+        }
+    }
+
+    /// A netkit endpoint (Cilium's `bpf.datapathMode: netkit`; this machine's kernel has no
+    /// netkit, so the kernel's answers are given here as it gives them): the link kind
+    /// `netkit` from the link message, programs queried at BPF_NETKIT_PEER and
+    /// BPF_NETKIT_PRIMARY on the primary's ifindex, kernel names truncated to 15 characters.
+    #[test]
+    fn a_netkit_endpoint_is_queried_at_the_netkit_attach_types() {
+        let m = link_message("lxc1a2b3c", InfoKind::Netkit);
+        let link = EndpointLink {
+            name: "lxc1a2b3c".into(),
+            kind: link_kind(&m),
+        };
+        assert_eq!(link.kind.as_deref(), Some("netkit"));
+        let mut asked = vec![];
+        let mut problems = vec![];
+        let mut programs = query_endpoint(
+            &link,
+            |at| {
+                asked.push(at);
+                Ok(match at {
+                    bpf::BPF_NETKIT_PEER => vec![301],
+                    bpf::BPF_NETKIT_PRIMARY => vec![302],
+                    _ => vec![],
+                })
+            },
+            &mut problems,
+        )
+        .expect("present");
+        assert_eq!(asked, [bpf::BPF_NETKIT_PEER, bpf::BPF_NETKIT_PRIMARY]);
+        assert!(problems.is_empty());
+        let mut obs = Observation::default();
+        let raced = fill_program_details(&link.name, &mut programs, &mut obs, |id| {
+            Ok(prog(
+                id,
+                if id == 301 {
+                    "cil_from_contai"
+                } else {
+                    "cil_to_containe"
+                },
+            ))
+        });
+        assert!(!raced);
+        assert_eq!(
+            (
+                programs[0].hook,
+                programs[0].via,
+                programs[0].is("cil_from_container")
+            ),
+            ("netkit_peer", "netkit", true)
+        );
+        assert_eq!(
+            (programs[1].hook, programs[1].is("cil_to_container")),
+            ("netkit_primary", true)
+        );
+        // A veth endpoint is asked at tcx ingress and egress; a kernel without tcx (EINVAL)
+        // has nothing attached that way, and a device deleted meanwhile (ENODEV) is gone.
+        let veth = EndpointLink {
+            name: "lxc9".into(),
+            kind: link_kind(&link_message("lxc9", InfoKind::Veth)),
+        };
+        let mut asked = vec![];
+        let p = query_endpoint(
+            &veth,
+            |at| {
+                asked.push(at);
+                Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+            },
+            &mut problems,
+        );
+        assert_eq!(asked, [bpf::BPF_TCX_INGRESS, bpf::BPF_TCX_EGRESS]);
+        assert!(p.is_some_and(|p| p.is_empty()) && problems.is_empty());
+        let gone = query_endpoint(
+            &veth,
+            |_| Err(std::io::Error::from_raw_os_error(libc::ENODEV)),
+            &mut problems,
+        );
+        assert!(gone.is_none());
+        let denied = query_endpoint(
+            &veth,
+            |_| Err(std::io::Error::from_raw_os_error(libc::EPERM)),
+            &mut problems,
+        );
+        assert!(denied.is_some() && problems.len() == 2, "{problems:?}");
     }
 }
 

@@ -6,7 +6,7 @@ use netlink_packet_route::link::LinkAttribute;
 use netlink_packet_route::route::{RouteAttribute, RouteMessage};
 use netlink_packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -65,8 +65,8 @@ pub struct Changes {
     /// a known endpoint by ifindex), notifications were lost (the socket overflowed), or the
     /// socket failed.
     pub host: bool,
-    /// Endpoint devices that appeared and went away (by ifindex).
-    pub endpoints_added: BTreeSet<u32>,
+    /// Endpoint devices that appeared (by ifindex, with name and kind) and went away.
+    pub endpoints_added: BTreeMap<u32, super::links::EndpointLink>,
     pub endpoints_removed: BTreeSet<u32>,
 }
 
@@ -127,7 +127,8 @@ pub fn host_changes(fd: &OwnedFd, endpoints: &BTreeSet<u32>) -> Changes {
 }
 
 fn about_host(m: &RouteNetlinkMessage, endpoints: &BTreeSet<u32>, c: &mut Changes) -> bool {
-    let endpoint = |i: u32, c: &Changes| endpoints.contains(&i) || c.endpoints_added.contains(&i);
+    let endpoint =
+        |i: u32, c: &Changes| endpoints.contains(&i) || c.endpoints_added.contains_key(&i);
     let link_name = |l: &netlink_packet_route::link::LinkMessage| {
         l.attributes.iter().find_map(|a| match a {
             LinkAttribute::IfName(n) => Some(n.clone()),
@@ -136,9 +137,15 @@ fn about_host(m: &RouteNetlinkMessage, endpoints: &BTreeSet<u32>, c: &mut Change
     };
     match m {
         RouteNetlinkMessage::NewLink(l) => {
-            if link_name(l).is_some_and(|n| super::links::is_endpoint_device(&n)) {
+            if let Some(n) = link_name(l).filter(|n| super::links::is_endpoint_device(n)) {
                 c.endpoints_removed.remove(&l.header.index);
-                c.endpoints_added.insert(l.header.index);
+                c.endpoints_added.insert(
+                    l.header.index,
+                    super::links::EndpointLink {
+                        name: n,
+                        kind: super::links::link_kind(l),
+                    },
+                );
                 false
             } else {
                 true

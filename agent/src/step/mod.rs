@@ -398,6 +398,53 @@ pub struct Baseline {
     /// entries are not listed.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub map_entries: BTreeMap<String, Vec<String>>,
+    /// Every endpoint carrying `cil_from_container` at the start, by device (left out of
+    /// the API's view, which shows [`view::EndpointsView`]: a node has thousands).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub endpoints: BTreeMap<String, EndpointPrograms>,
+    /// Whether the endpoints could be followed (see [`EndpointsFollowed`]).
+    #[serde(default)]
+    pub endpoints_followed: EndpointsFollowed,
+}
+
+/// Cilium's programs on one endpoint device (Cilium's loader: `cil_from_container` on the
+/// device's ingress, or netkit's peer hook; `cil_to_container` on egress or netkit's
+/// primary hook only when the endpoint needs it). See docs/cilium-fidelity.md, "Endpoints".
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct EndpointPrograms {
+    pub ifindex: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_container: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_container: Option<u32>,
+    /// A program was replaced while it was read (a regeneration in progress): not a
+    /// consistent snapshot this time.
+    #[serde(skip)]
+    pub raced: bool,
+}
+
+/// Whether a step follows its endpoints' regeneration.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum EndpointsFollowed {
+    /// A record from an agent that did not follow endpoints (before issue 25): not judged.
+    #[default]
+    NotFollowed,
+    Followed,
+    /// The endpoint programs could not be read at the start (why): the check is unknown.
+    Unknown(String),
+}
+
+/// How the endpoints fared since the baseline.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct EndpointProgress {
+    /// Endpoints with new program ids: device → first seen at (unix seconds).
+    #[serde(default)]
+    pub regenerated: BTreeMap<String, f64>,
+    /// Endpoints deleted since the baseline (or replaced by a new device of the same name):
+    /// not failures.
+    #[serde(default)]
+    pub gone: std::collections::BTreeSet<String>,
 }
 
 /// How a global map fared across the step, by what Cilium does with it (see
@@ -699,6 +746,7 @@ pub enum Reason {
     CiliumVersionMismatch,
     LossOverBudget,
     DnsSlower,
+    EndpointsNotRegenerated,
     DropsOverBudget,
     EvidenceIncomplete,
     Cancelled,
@@ -716,6 +764,7 @@ impl Reason {
             Reason::CiliumVersionMismatch => "cilium_version_mismatch",
             Reason::LossOverBudget => "loss_over_budget",
             Reason::DnsSlower => "dns_slower",
+            Reason::EndpointsNotRegenerated => "endpoints_not_regenerated",
             Reason::DropsOverBudget => "drops_over_budget",
             Reason::EvidenceIncomplete => "evidence_incomplete",
             Reason::Cancelled => "cancelled",
@@ -776,6 +825,9 @@ pub struct Step {
     /// Global maps across the step, by class (set once the reload is complete).
     #[serde(default)]
     pub maps: BTreeMap<String, MapEvidence>,
+    /// The endpoints' regeneration (against `baseline.endpoints`).
+    #[serde(default)]
+    pub endpoints: EndpointProgress,
     pub verdict: Option<Verdict>,
     pub updated_at: f64,
     /// The boot the step began on (`/proc/sys/kernel/random/boot_id`).
@@ -843,6 +895,7 @@ impl Step {
             trigger: None,
             not_persisted: None,
             maps: BTreeMap::new(),
+            endpoints: EndpointProgress::default(),
             verdict: None,
             updated_at: now,
             boot_id: crate::clock::boot_id(),

@@ -107,6 +107,155 @@ pub struct Observed {
     /// The named entries now of kept-state maps that lost entries (see
     /// `Baseline::map_entries`).
     pub map_entries: BTreeMap<String, Vec<String>>,
+    /// Every endpoint device's Cilium programs now; None when they could not be read.
+    pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
+}
+
+/// Folds an observation of the endpoints into the step's progress: an endpoint present at
+/// the baseline has regenerated once `cil_from_container` has a new id and
+/// `cil_to_container` is either gone (Cilium detaches it from an endpoint that no longer
+/// needs it) or new too; an endpoint whose device is gone, or is a new device under the
+/// name (another ifindex), was deleted meanwhile.
+pub fn update_endpoints(
+    progress: &mut super::EndpointProgress,
+    baseline: &BTreeMap<String, super::EndpointPrograms>,
+    now_eps: &BTreeMap<String, super::EndpointPrograms>,
+    now: f64,
+) {
+    for (name, base) in baseline {
+        if progress.regenerated.contains_key(name) || progress.gone.contains(name) {
+            continue;
+        }
+        match now_eps.get(name) {
+            None => {
+                progress.gone.insert(name.clone());
+            }
+            Some(e) if e.ifindex != base.ifindex => {
+                progress.gone.insert(name.clone());
+            }
+            Some(e) if e.raced => {}
+            Some(e) => {
+                let from_new =
+                    e.from_container.is_some() && e.from_container != base.from_container;
+                let to_ok = e.to_container.is_none() || e.to_container != base.to_container;
+                if from_new && to_ok {
+                    progress.regenerated.insert(name.clone(), now);
+                }
+            }
+        }
+    }
+}
+
+/// At most this many endpoints are named in a verdict or a check's reason.
+pub const ENDPOINTS_NAMED: usize = 10;
+
+/// `a, b, c and 7 more`.
+pub fn name_some<'a>(names: impl IntoIterator<Item = &'a String>, total: usize) -> String {
+    let shown: Vec<&str> = names
+        .into_iter()
+        .take(ENDPOINTS_NAMED)
+        .map(|s| s.as_str())
+        .collect();
+    let rest = total.saturating_sub(shown.len());
+    if rest > 0 {
+        format!("{} and {rest} more", shown.join(", "))
+    } else {
+        shown.join(", ")
+    }
+}
+
+/// The endpoint that regenerated last and how long after the host datapath's first new
+/// program it did (seconds, never negative).
+pub fn slowest_endpoint(step: &Step) -> Option<(String, f64)> {
+    let (name, at) = step
+        .endpoints
+        .regenerated
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(b.1))?;
+    let host = step
+        .reload
+        .changed
+        .values()
+        .map(|(_, t)| *t)
+        .fold(f64::INFINITY, f64::min);
+    let from = if host.is_finite() {
+        host
+    } else {
+        step.created_at
+    };
+    Some((name.clone(), (at - from).max(0.0)))
+}
+
+/// Endpoints at the baseline neither regenerated nor gone.
+pub fn pending_endpoints(step: &Step) -> Vec<&String> {
+    let p = &step.endpoints;
+    step.baseline
+        .endpoints
+        .keys()
+        .filter(|n| !p.regenerated.contains_key(*n) && !p.gone.contains(*n))
+        .collect()
+}
+
+/// `endpoints`: every endpoint present at the baseline and still present runs new programs
+/// by the end of settle (Cilium regenerates every restored endpoint on each start); until
+/// then the step is not green, and after it the step fails naming the endpoints.
+pub fn check_endpoints(step: &Step, now: f64) -> Judged {
+    use super::EndpointsFollowed;
+    match &step.baseline.endpoints_followed {
+        EndpointsFollowed::NotFollowed => {
+            return Judged::pass(
+                "not followed: the step began under an agent that did not follow endpoints",
+            )
+        }
+        EndpointsFollowed::Unknown(why) => {
+            return Judged::not_yet(
+                CheckStatus::Unknown,
+                format!("endpoint programs could not be read at the start: {why}"),
+                Some(Reason::EndpointsNotRegenerated),
+            )
+        }
+        EndpointsFollowed::Followed => {}
+    }
+    let total = step.baseline.endpoints.len();
+    if total == 0 {
+        return Judged::pass("no endpoint carried cil_from_container at the start");
+    }
+    let p = &step.endpoints;
+    let pending = pending_endpoints(step);
+    let gone = if p.gone.is_empty() {
+        String::new()
+    } else {
+        format!("; {} deleted meanwhile", p.gone.len())
+    };
+    let of = total - p.gone.len();
+    if pending.is_empty() {
+        let slowest = slowest_endpoint(step)
+            .map(|(n, s)| format!(" (slowest {n}, {s:.1}s after the host datapath)"))
+            .unwrap_or_default();
+        return Judged::pass(format!(
+            "{} of {of} endpoints regenerated{slowest}{gone}",
+            p.regenerated.len()
+        ));
+    }
+    let names = name_some(pending.iter().copied(), pending.len());
+    match step.reload.complete_at {
+        Some(at) if now >= at + step.params.settle.as_secs_f64() => Judged::fatal(
+            Reason::EndpointsNotRegenerated,
+            format!(
+                "{} of {of} endpoints still ran the programs they had before the restart {:.0}s after the host datapath reloaded (the end of settle): {names}{gone}",
+                pending.len(),
+                step.params.settle.as_secs_f64()
+            ),
+        ),
+        _ => Judged::not_yet(
+            CheckStatus::Fail,
+            format!(
+                "{} of {of} endpoints regenerated; waiting for {names}{gone}",
+                p.regenerated.len()
+            ),
+            Some(Reason::EndpointsNotRegenerated),
+        ),
+    }
 }
 
 /// The reload keys that must carry the datapath after the restart: the declared device set
@@ -1149,7 +1298,7 @@ pub fn witnesses_cover(step: &Step, until: f64) -> bool {
         .all(|w| w.report.as_ref().is_some_and(|r| r.complete_until >= until))
 }
 
-pub const STEP_CHECKS: [StepCheckDef; 6] = [
+pub const STEP_CHECKS: [StepCheckDef; 7] = [
     StepCheckDef {
         name: "evidence",
         judge: |s, _| check_evidence(s),
@@ -1165,6 +1314,10 @@ pub const STEP_CHECKS: [StepCheckDef; 6] = [
     StepCheckDef {
         name: "reload",
         judge: |s, o| check_reload(s, o.now),
+    },
+    StepCheckDef {
+        name: "endpoints",
+        judge: |s, o| check_endpoints(s, o.now),
     },
     StepCheckDef {
         name: "baseline",
@@ -1187,6 +1340,11 @@ pub fn decide(step: &mut Step, o: &Observed) {
         let base = step.baseline.programs.clone();
         let want = wanted_devices(step);
         update_reload(&mut step.reload, &base, &want, p, now);
+    }
+    if let Some(eps) = &o.endpoints {
+        let base = std::mem::take(&mut step.baseline.endpoints);
+        update_endpoints(&mut step.endpoints, &base, eps, now);
+        step.baseline.endpoints = base;
     }
     step.gaps = gap_rows(step, o.complete_until.min(now));
     step.drops = o.drops.clone();
@@ -1418,6 +1576,148 @@ mod tests {
             }
         }
         s.verdict.clone()
+    }
+
+    fn ep(ifindex: u32, from: u32, to: Option<u32>) -> crate::step::EndpointPrograms {
+        crate::step::EndpointPrograms {
+            ifindex,
+            from_container: Some(from),
+            to_container: to,
+            raced: false,
+        }
+    }
+
+    /// Four endpoints at the baseline (lxc3 also has `cil_to_container`).
+    fn with_endpoints() -> Step {
+        let mut s = step();
+        s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Followed;
+        s.baseline.endpoints = [
+            ("lxc0", ep(100, 10, None)),
+            ("lxc1", ep(101, 11, None)),
+            ("lxc2", ep(102, 12, None)),
+            ("lxc3", ep(103, 13, Some(23))),
+        ]
+        .into_iter()
+        .map(|(n, e)| (n.to_string(), e))
+        .collect();
+        s
+    }
+
+    fn eps(
+        list: &[(&str, crate::step::EndpointPrograms)],
+    ) -> Option<BTreeMap<String, crate::step::EndpointPrograms>> {
+        Some(
+            list.iter()
+                .map(|(n, e)| (n.to_string(), e.clone()))
+                .collect(),
+        )
+    }
+
+    /// Cilium regenerates every restored endpoint on each start: a restart whose host
+    /// datapath reloaded but some endpoints kept their old programs fails at the end of
+    /// settle, naming them; while it waits the check says how far it got. An endpoint
+    /// deleted meanwhile is not a failure.
+    #[test]
+    fn endpoints_that_keep_their_old_programs_fail_the_step_by_the_end_of_settle() {
+        let mut s = with_endpoints();
+        let stalled = [
+            ("lxc0", ep(100, 40, None)),
+            ("lxc1", ep(101, 11, None)),
+            ("lxc2", ep(102, 12, None)),
+        ];
+        let mut v = None;
+        for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0] {
+            let p = if t < 1.2 {
+                progs(Some(10), Some(11))
+            } else {
+                progs(Some(20), Some(21))
+            };
+            let mut o = obs(t, p);
+            o.endpoints = if t < 1.5 {
+                eps(&[
+                    ("lxc0", ep(100, 10, None)),
+                    ("lxc1", ep(101, 11, None)),
+                    ("lxc2", ep(102, 12, None)),
+                    ("lxc3", ep(103, 13, Some(23))),
+                ])
+            } else {
+                eps(&stalled)
+            };
+            decide(&mut s, &o);
+            if t == 3.0 {
+                let c = &s.checks["endpoints"];
+                assert_eq!(c.status, CheckStatus::Fail);
+                assert!(
+                    c.reason.contains(
+                        "1 of 3 endpoints regenerated; waiting for lxc1, lxc2; 1 deleted meanwhile"
+                    ),
+                    "{}",
+                    c.reason
+                );
+                assert!(s.verdict.is_none(), "not green while endpoints are pending");
+            }
+            if s.verdict.is_some() {
+                v = s.verdict.clone();
+                break;
+            }
+        }
+        let v = v.expect("decided");
+        assert_eq!(v.status, Status::Failed);
+        assert_eq!(v.reasons, vec![Reason::EndpointsNotRegenerated], "{v:?}");
+        assert!(
+            v.summary.contains("2 of 3 endpoints") && v.summary.contains("lxc1, lxc2"),
+            "{}",
+            v.summary
+        );
+        assert!(s.verdict.as_ref().unwrap().finished_at >= s.reload.complete_at.unwrap() + 5.0);
+    }
+
+    /// A healthy regeneration passes, with the slowest endpoint named; `cil_to_container`
+    /// detached on the reload (the endpoint no longer needs it) is regenerated, kept with
+    /// its old id is not; a new device under an old name was deleted and recreated; an
+    /// endpoint read while its program was being replaced waits for the next observation.
+    #[test]
+    fn endpoint_regeneration_rules() {
+        let base = with_endpoints().baseline.endpoints;
+        let mut p = crate::step::EndpointProgress::default();
+        let mut raced = ep(102, 52, None);
+        raced.raced = true;
+        let now = eps(&[
+            ("lxc0", ep(100, 40, None)),
+            ("lxc1", ep(201, 41, None)),
+            ("lxc2", raced),
+            ("lxc3", ep(103, 43, Some(23))),
+        ])
+        .unwrap();
+        update_endpoints(&mut p, &base, &now, 2.0);
+        assert_eq!(p.regenerated.keys().collect::<Vec<_>>(), ["lxc0"]);
+        assert_eq!(p.gone.iter().collect::<Vec<_>>(), ["lxc1"]);
+        let now = eps(&[
+            ("lxc0", ep(100, 40, None)),
+            ("lxc2", ep(102, 52, None)),
+            ("lxc3", ep(103, 43, None)),
+        ])
+        .unwrap();
+        update_endpoints(&mut p, &base, &now, 3.5);
+        assert_eq!(p.regenerated.len(), 3);
+        assert_eq!(p.regenerated["lxc0"], 2.0, "first seen, not last");
+        let mut s = with_endpoints();
+        s.endpoints = p;
+        s.reload.changed.insert("eth0".into(), (20, 1.2));
+        s.reload.complete_at = Some(1.7);
+        let j = check_endpoints(&s, 4.0);
+        assert!(j.green(), "{j:?}");
+        let r = &j.shown.unwrap().reason;
+        assert!(r.contains("3 of 3 endpoints regenerated (slowest lxc3, 2.3s after the host datapath); 1 deleted meanwhile"), "{r}");
+        // No endpoints at the start, or a record of an older agent: nothing to wait for;
+        // endpoint programs unreadable at the start: unknown, never a pass.
+        let mut s = step();
+        assert!(check_endpoints(&s, 1.0).green());
+        s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Followed;
+        assert!(check_endpoints(&s, 1.0).green());
+        s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Unknown("EPERM".into());
+        let j = check_endpoints(&s, 1.0);
+        assert!(!j.green() && j.shown.unwrap().status == CheckStatus::Unknown);
     }
 
     /// Sets a target's samples and its counts, as the runner records them.

@@ -13,6 +13,53 @@ pub struct ReloadView {
     pub complete_at: Option<f64>,
 }
 
+/// The endpoints' regeneration (`GET /v1/steps/{id}`: `endpoints`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct EndpointsView {
+    /// `followed`, `not_followed` (a step begun by an older agent) or `unknown`.
+    pub state: String,
+    /// Endpoints carrying `cil_from_container` at the baseline.
+    pub followed: usize,
+    pub regenerated: usize,
+    /// Deleted since the baseline (not failures).
+    pub deleted: usize,
+    /// Neither regenerated nor deleted: the first few, and how many.
+    pub pending: Vec<String>,
+    pub pending_count: usize,
+    /// The endpoint that regenerated last, and how long after the host datapath's first new
+    /// program (seconds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowest_s: Option<f64>,
+}
+
+impl EndpointsView {
+    pub fn of(s: &Step) -> EndpointsView {
+        let pending = super::verdict::pending_endpoints(s);
+        let slowest = super::verdict::slowest_endpoint(s);
+        EndpointsView {
+            state: match &s.baseline.endpoints_followed {
+                super::EndpointsFollowed::Followed => "followed",
+                super::EndpointsFollowed::NotFollowed => "not_followed",
+                super::EndpointsFollowed::Unknown(_) => "unknown",
+            }
+            .into(),
+            followed: s.baseline.endpoints.len(),
+            regenerated: s.endpoints.regenerated.len(),
+            deleted: s.endpoints.gone.len(),
+            pending_count: pending.len(),
+            pending: pending
+                .into_iter()
+                .take(super::verdict::ENDPOINTS_NAMED)
+                .cloned()
+                .collect(),
+            slowest_s: slowest.as_ref().map(|x| x.1),
+            slowest: slowest.map(|x| x.0),
+        }
+    }
+}
+
 /// Probes of a target recorded in the step.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ProbeCount {
@@ -71,6 +118,9 @@ pub struct StepView {
     /// addresses each VIP was reached at, latency before/after), reachability.
     #[serde(default)]
     pub witnesses: BTreeMap<String, super::WitnessTrack>,
+    /// The endpoints' regeneration (new in this version; `baseline.endpoints` is left out).
+    #[serde(default)]
+    pub endpoints: EndpointsView,
 }
 
 impl StepView {
@@ -90,7 +140,11 @@ impl StepView {
                 lost: s.reload.lost.clone(),
                 complete_at: s.reload.complete_at,
             },
-            baseline: s.baseline.clone(),
+            baseline: Baseline {
+                endpoints: BTreeMap::new(),
+                ..s.baseline.clone()
+            },
+            endpoints: EndpointsView::of(s),
             drops: s.drops.clone(),
             dns_p50_after_ms: s.dns_p50_after_ms,
             cilium_after: s.cilium_after.clone(),
