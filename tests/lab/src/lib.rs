@@ -1025,11 +1025,14 @@ impl Lab {
         let bpffs = self.state.bpffs.clone();
         let node = self.node_ns();
         let old = self.state.attachments.clone();
+        // The host programs are loaded ahead so the swap itself is quick; the endpoints'
+        // are loaded when they regenerate, after the host's (bounded fds on big labs).
         let prepared = if o.no_reload {
             None
         } else {
             Some(datapath::prepare(&node, &bpffs, &old, |a| {
-                Some(a.device.as_str()) == o.drop_device.as_deref()
+                a.endpoint.is_some()
+                    || Some(a.device.as_str()) == o.drop_device.as_deref()
                     || Some(a.program.as_str()) == o.stale.as_deref()
             })?)
         };
@@ -1044,28 +1047,8 @@ impl Lab {
         }
         let on = now_ns();
         on_down(start);
-        let result = (|| -> Result<Vec<Attachment>> {
-            std::thread::sleep(o.down);
-            if let Some(m) = &o.lose_map {
-                std::fs::remove_file(globals.join(m))
-                    .with_context(|| format!("remove pinned map {m}"))?;
-            }
-            if let Some(m) = &o.flush_map {
-                let fd = sys::obj_get(&globals.join(m))?;
-                maps::flush(&fd, sys::map_key_size(&fd)?)?;
-            }
-            if let Some((m, n)) = &o.lose_entries {
-                let fd = sys::obj_get(&globals.join(m))?;
-                let deleted = maps::delete_some(&fd, sys::map_key_size(&fd)?, *n)?;
-                if deleted < *n {
-                    bail!("--lose-entries {m}:{n}: the map had only {deleted} entries");
-                }
-            }
-            match prepared {
-                Some(p) => datapath::replace(&node, &old, p, o.drop_device.as_deref()),
-                None => Ok(old.clone()),
-            }
-        })();
+        let mut recreated_at = None;
+        let result = self.come_back(o, prepared, &old, &mut recreated_at);
         // Whatever happened, the blackhole is lifted.
         let off = now_ns();
         let lift = if o.blackhole {
@@ -1095,29 +1078,21 @@ impl Lab {
             self.state.attachments = kept;
             self.save()?;
         }
-        if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
-            self.upgrade_maps(to)?;
-        }
-        if let Some(m) = &o.resize_map {
-            self.resize_map(m)?;
-        }
-        // The agent loaded its config at its start, before it serves its API again (once its
-        // datapath is initialised): an answer never carries the previous start's settings.
-        if !o.no_reload && !o.keep_config {
-            self.load_agent_config()?;
-        }
-        self.start_agent_api()?;
         if !o.no_reload {
             self.create_tail_call_maps()?;
-            // Like Cilium's start: ipcache is unpinned, created anew (new id) and refilled
-            // from the agent's state (pkg/maps/ipcache Recreate) over `refill_after`; the
-            // fault leaves it empty.
-            self.recreate_ipcache()?;
+            // ipcache is refilled from the agent's state while the endpoints wait their turn.
             if !o.no_refill {
-                std::thread::sleep(o.refill_after);
+                let since =
+                    recreated_at.map_or(Duration::ZERO, |t: std::time::Instant| t.elapsed());
+                std::thread::sleep(o.refill_after.saturating_sub(since));
                 self.fill_map_named_like("cilium_ipcache")?;
             }
+            // Then the endpoints regenerate, each getting new programs (Cilium's
+            // regeneration of restored endpoints, after the host endpoint's); the fault
+            // holds some back.
+            self.regenerate_endpoints(o)?;
         }
+        let new = self.state.attachments.clone();
         if let Some(p) = o.loss {
             self.random_loss(p, o.loss_for)?;
         }
@@ -1136,6 +1111,99 @@ impl Lab {
             old_programs: old,
             new_programs: new,
         })
+    }
+
+    /// The agent's start after it was down, in Cilium's order (docs/cilium-fidelity.md,
+    /// "Restart order"): the maps are opened or migrated and ipcache is recreated (new id,
+    /// empty) before the API serves; the config is loaded; the API serves; the host
+    /// endpoint's regeneration replaces the host programs. The endpoints follow (see
+    /// [`Lab::regenerate_endpoints`]). Returns the attachments after the host's swap.
+    fn come_back(
+        &mut self,
+        o: &RestartOpts,
+        prepared: Option<datapath::Prepared>,
+        old: &[Attachment],
+        recreated_at: &mut Option<std::time::Instant>,
+    ) -> Result<Vec<Attachment>> {
+        let globals = maps::globals_dir(&self.state.bpffs);
+        std::thread::sleep(o.down);
+        if let Some(m) = &o.lose_map {
+            std::fs::remove_file(globals.join(m))
+                .with_context(|| format!("remove pinned map {m}"))?;
+        }
+        if let Some(m) = &o.flush_map {
+            let fd = sys::obj_get(&globals.join(m))?;
+            maps::flush(&fd, sys::map_key_size(&fd)?)?;
+        }
+        if let Some((m, n)) = &o.lose_entries {
+            let fd = sys::obj_get(&globals.join(m))?;
+            let deleted = maps::delete_some(&fd, sys::map_key_size(&fd)?, *n)?;
+            if deleted < *n {
+                bail!("--lose-entries {m}:{n}: the map had only {deleted} entries");
+            }
+        }
+        let Some(prepared) = prepared else {
+            self.start_agent_api()?;
+            return Ok(old.to_vec());
+        };
+        if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
+            self.upgrade_maps(to)?;
+        }
+        if let Some(m) = &o.resize_map {
+            self.resize_map(m)?;
+        }
+        // ipcache is unpinned and created anew (new id) before the API serves; the old
+        // programs keep the old map until they are replaced; it is refilled from the
+        // agent's state over `refill_after` (the fault leaves it empty).
+        self.recreate_ipcache()?;
+        *recreated_at = Some(std::time::Instant::now());
+        // The agent loaded its config at its start, before it serves its API again: an
+        // answer never carries the previous start's settings.
+        if !o.keep_config {
+            self.load_agent_config()?;
+        }
+        self.start_agent_api()?;
+        datapath::replace(&self.node_ns(), old, prepared, o.drop_device.as_deref())
+    }
+
+    /// Every endpoint gets new programs after the host's, in batches (as Cilium's
+    /// regeneration of restored endpoints does), except those the stall fault holds back:
+    /// they keep running their old programs.
+    fn regenerate_endpoints(&mut self, o: &RestartOpts) -> Result<()> {
+        let stalled: std::collections::BTreeSet<String> = match o.stall_endpoints {
+            None => Default::default(),
+            Some(n) => self
+                .state
+                .lxc
+                .iter()
+                .take(n as usize)
+                .map(|l| l.0.clone())
+                .collect(),
+        };
+        let due: Vec<Attachment> = self
+            .state
+            .attachments
+            .iter()
+            .filter(|a| a.endpoint.is_some() && !stalled.contains(&a.device))
+            .cloned()
+            .collect();
+        let node = self.node_ns();
+        for batch in due.chunks(ENDPOINT_BATCH) {
+            let names: std::collections::BTreeSet<(&str, &str)> = batch
+                .iter()
+                .map(|a| (a.device.as_str(), a.program.as_str()))
+                .collect();
+            let prepared =
+                datapath::prepare(&node, &self.state.bpffs, &self.state.attachments, |a| {
+                    !names.contains(&(a.device.as_str(), a.program.as_str()))
+                })?;
+            self.state.attachments =
+                datapath::replace(&node, &self.state.attachments, prepared, None)?;
+            if !o.regenerate_every.is_zero() {
+                std::thread::sleep(o.regenerate_every);
+            }
+        }
+        self.save()
     }
 
     /// Drops packets from the node to the VIPs at random with probability `p` for `d`
@@ -1343,7 +1411,16 @@ pub struct RestartOpts {
     /// Fault: the agent loads the per-node overrides but its datapath follows the ConfigMap
     /// alone.
     pub ignore_override: bool,
+    /// Fault: endpoint regeneration stalls for this many endpoints (the first ones; all
+    /// with the lab's pod count): they keep their old programs after the restart.
+    pub stall_endpoints: Option<u32>,
+    /// A pause between batches of endpoint regenerations ([`ENDPOINT_BATCH`] each): a
+    /// regeneration that takes this long per batch.
+    pub regenerate_every: Duration,
 }
+
+/// Endpoints regenerated (loaded and swapped in) per batch.
+pub const ENDPOINT_BATCH: usize = 50;
 
 /// What really happened, for tests to compare against.
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -113,6 +113,14 @@ enum Cmd {
         /// ConfigMap alone.
         #[arg(long)]
         ignore_override: bool,
+        /// Fault: endpoint regeneration stalls: the first N endpoints (or all) keep the
+        /// programs they had before the restart.
+        #[arg(long, value_name = "N|all", value_parser = parse_stall)]
+        stall_endpoints: Option<u32>,
+        /// How long each batch of 50 endpoint regenerations takes (after the host
+        /// programs are replaced), e.g. 200ms: a slow regeneration.
+        #[arg(long, default_value = "0s", value_parser = parse_duration)]
+        regenerate_every: std::time::Duration,
         /// LAN lab: restart the agent on this node (its leases move as Cilium's do).
         #[arg(long)]
         node: Option<u8>,
@@ -340,6 +348,8 @@ fn real_main() -> Result<()> {
             keep_config,
             lose_program,
             ignore_override,
+            stall_endpoints,
+            regenerate_every,
             no_reload,
             drop_device,
             lose_map,
@@ -361,6 +371,8 @@ fn real_main() -> Result<()> {
                 keep_config,
                 lose_program,
                 ignore_override,
+                stall_endpoints,
+                regenerate_every,
                 no_reload,
                 drop_device,
                 lose_map,
@@ -464,6 +476,15 @@ fn real_main() -> Result<()> {
 }
 
 /// `MAP:N` of `--lose-entries`.
+/// `all` (every endpoint) or a count.
+fn parse_stall(s: &str) -> Result<u32, String> {
+    if s == "all" {
+        return Ok(u32::MAX);
+    }
+    s.parse()
+        .map_err(|_| format!("invalid --stall-endpoints {s:?}: a number of endpoints or `all`"))
+}
+
 fn parse_lose_entries(s: &str) -> Result<(String, u32), String> {
     let (m, n) = s
         .rsplit_once(':')
