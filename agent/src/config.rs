@@ -155,6 +155,14 @@ pub struct Target {
     /// during a step, the answer must stay what it was when the step began.
     #[serde(default)]
     pub answers: Option<Answers>,
+    /// An east-west target: an address on another node (its health endpoint — Cilium's
+    /// cilium-health answers HTTP `/hello` on 4240 at an address from that node's pod CIDR,
+    /// `CiliumNode.spec.health.ipv4` — or a pod there), reached through this node's datapath
+    /// and the overlay or routes to other nodes. A VIP answered by a local backend cannot
+    /// see a broken overlay; this can. The `vips` check judges it like any target and
+    /// fails it when its route ends on this node (it would not be east-west).
+    #[serde(default)]
+    pub east_west: bool,
 }
 
 /// What a DNS answer must be.

@@ -6,7 +6,15 @@ fn the_example_config_in_deploy_parses() {
         "/../deploy/stepguard.example.yaml"
     );
     let cfg = stepguard::config::Config::load(std::path::Path::new(path)).unwrap();
-    assert_eq!(cfg.targets.len(), 3);
+    assert_eq!(cfg.targets.len(), 4);
+    assert_eq!(
+        cfg.targets
+            .iter()
+            .filter(|t| t.east_west)
+            .map(|t| t.name.as_str())
+            .collect::<Vec<_>>(),
+        ["health-node2"]
+    );
     assert_eq!(cfg.dns.resolvers.len(), 1);
 }
 

@@ -18,21 +18,53 @@ pub async fn run(targets: &[Target]) -> CheckResult {
         );
     }
     let outcomes = futures_util::future::join_all(targets.iter().map(probe::probe)).await;
-    evaluate(targets, &outcomes)
+    let ew = east_west_routes(targets).await;
+    evaluate(targets, &outcomes, &ew)
 }
 
-pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome]) -> CheckResult {
+/// Where the east-west targets' routes end: those ending on this node (a local address, a
+/// local endpoint) are not east-west; those whose route could not be looked up are not
+/// confirmed. By target name.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EastWest {
+    pub local: std::collections::BTreeMap<String, String>,
+    pub unconfirmed: std::collections::BTreeMap<String, String>,
+}
+
+/// Looks up the route of every east-west target (in this network namespace).
+pub async fn east_west_routes(targets: &[Target]) -> EastWest {
+    let mut ew = EastWest::default();
+    for t in targets.iter().filter(|t| t.east_west) {
+        match crate::kernel::links::route_ends_here(t.address).await {
+            Ok(Some(why)) => {
+                ew.local.insert(t.name.clone(), why);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                ew.unconfirmed.insert(t.name.clone(), e);
+            }
+        }
+    }
+    ew
+}
+
+pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) -> CheckResult {
     let evidence = json!({
         "targets": targets.iter().zip(outcomes).map(|(t, o)| json!({
             "name": t.name, "address": t.address, "port": t.port(), "probe": t.probe.as_str(),
             "timeout_ms": t.timeout.as_millis() as u64, "ok": o.ok, "latency_ms": (o.latency.as_secs_f64() * 1e6).round() / 1e3, "detail": o.detail,
-        })).collect::<Vec<_>>()
+            "east_west": t.east_west,
+        })).collect::<Vec<_>>(),
+        "east_west_local": ew.local,
     });
     let failed: Vec<String> = targets
         .iter()
         .zip(outcomes)
         .filter(|(_, o)| !o.ok && o.ran)
-        .map(|(t, o)| format!("{} ({})", t.name, o.detail))
+        .map(|(t, o)| {
+            let ew = if t.east_west { ", east-west" } else { "" };
+            format!("{} ({}{ew})", t.name, o.detail)
+        })
         .collect();
     let not_run: Vec<String> = targets
         .iter()
@@ -49,6 +81,36 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome]) -> CheckResult {
                 failed.len(),
                 targets.len(),
                 failed.join("; ")
+            ),
+            evidence,
+        );
+    }
+    if !ew.local.is_empty() {
+        return CheckResult::fail(
+            CHECK,
+            "east_west_target_local",
+            format!(
+                "not east-west, answered on this node: {} (an east-west target must be on another node, e.g. its health endpoint, or it cannot see a broken overlay)",
+                ew.local
+                    .iter()
+                    .map(|(n, why)| format!("{n} is {why}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            evidence,
+        );
+    }
+    if !ew.unconfirmed.is_empty() {
+        return CheckResult::unknown(
+            CHECK,
+            "east_west_unconfirmed",
+            format!(
+                "cannot tell whether east-west targets leave this node: {}",
+                ew.unconfirmed
+                    .iter()
+                    .map(|(n, e)| format!("{n}: {e}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
             ),
             evidence,
         );
@@ -99,4 +161,73 @@ pub fn render(r: &CheckResult) -> Vec<String> {
         ));
     }
     l
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(yaml: &str) -> Target {
+        crate::config::Config::parse(&format!("targets:\n  - {yaml}"))
+            .unwrap()
+            .targets[0]
+            .clone()
+    }
+
+    fn ok() -> ProbeOutcome {
+        ProbeOutcome {
+            ok: true,
+            sent_at: 0.0,
+            latency: std::time::Duration::from_millis(1),
+            detail: "HTTP 200".into(),
+            ran: true,
+            answers: None,
+        }
+    }
+
+    /// An east-west target answered on this node proves nothing about the overlay: the
+    /// check fails naming why; one whose route could not be looked up is unknown; one that
+    /// leaves the node is judged like any target.
+    #[test]
+    fn an_east_west_target_must_leave_the_node() {
+        let ts = vec![
+            target("{name: gw, address: 198.51.100.10, port: 80, probe: http}"),
+            target("{name: health-n1, address: 169.254.121.1, port: 4240, probe: http, path: /hello, east_west: true}"),
+        ];
+        assert!(ts[1].east_west && !ts[0].east_west);
+        let outcomes = [ok(), ok()];
+        let r = evaluate(&ts, &outcomes, &EastWest::default());
+        assert_eq!(r.status, crate::checks::Status::Pass);
+        assert_eq!(r.evidence["targets"][1]["east_west"], true);
+        let mut ew = EastWest::default();
+        ew.local.insert(
+            "health-n1".into(),
+            "routed to the local endpoint lxc_health".into(),
+        );
+        let r = evaluate(&ts, &outcomes, &ew);
+        assert_eq!(r.status, crate::checks::Status::Fail);
+        assert_eq!(r.code, "east_west_target_local");
+        assert!(
+            r.reason
+                .contains("health-n1 is routed to the local endpoint lxc_health"),
+            "{}",
+            r.reason
+        );
+        let mut ew = EastWest::default();
+        ew.unconfirmed
+            .insert("health-n1".into(), "route lookup: EPERM".into());
+        let r = evaluate(&ts, &outcomes, &ew);
+        assert_eq!(r.status, crate::checks::Status::Unknown);
+        // A failing east-west target says it is one.
+        let mut bad = ok();
+        bad.ok = false;
+        bad.detail = "timeout after 200ms".into();
+        let r = evaluate(&ts, &[ok(), bad], &EastWest::default());
+        assert!(
+            r.reason
+                .contains("health-n1 (timeout after 200ms, east-west)"),
+            "{}",
+            r.reason
+        );
+    }
 }

@@ -67,6 +67,8 @@ pub struct Daemon {
     pub kernel_drops: Mutex<KernelDrops>,
     pub node: Mutex<NodeView>,
     pub probes: Mutex<ProbeView>,
+    /// Where the east-west targets' routes end (looked up with the kernel checks).
+    pub east_west: Mutex<vips_check::EastWest>,
     pub store: StepStore,
     /// The runner's latest snapshot of the current (or last) step; only the runner sends.
     pub snapshot: tokio::sync::watch::Sender<Option<Arc<Step>>>,
@@ -171,6 +173,7 @@ impl Daemon {
             kernel_drops: Mutex::new(kernel_drops),
             node: Mutex::new(NodeView::default()),
             probes: Mutex::new(ProbeView::default()),
+            east_west: Mutex::new(Default::default()),
             store,
             snapshot: tokio::sync::watch::Sender::new(None),
             ports: runner::Ports::new(),
@@ -323,7 +326,7 @@ impl Daemon {
     pub fn vips_result(&self) -> CheckResult {
         let started = Instant::now();
         if self.cfg.targets.is_empty() {
-            return vips_check::evaluate(&[], &[])
+            return vips_check::evaluate(&[], &[], &Default::default())
                 .with_duration(started.elapsed())
                 .or_unknown_when_empty();
         }
@@ -342,7 +345,8 @@ impl Daemon {
                 }
             }
         }
-        vips_check::evaluate(&self.cfg.targets, &outcomes).with_duration(started.elapsed())
+        let ew = lock(&self.east_west).clone();
+        vips_check::evaluate(&self.cfg.targets, &outcomes, &ew).with_duration(started.elapsed())
     }
 
     /// The `dns` check from the recent window of steady resolver queries.
@@ -480,6 +484,10 @@ impl Daemon {
             topology: Some(self.topology.clone()),
         };
         let (results, obs) = node::run(&self.cfg, &opts, &only).await;
+        if self.cfg.targets.iter().any(|t| t.east_west) {
+            let ew = vips_check::east_west_routes(&self.cfg.targets).await;
+            *lock(&self.east_west) = ew;
+        }
         let vips = self.vips_result();
         let dns = self.dns_result();
         {

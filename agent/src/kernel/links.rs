@@ -790,6 +790,54 @@ async fn tc_filters(
     }
 }
 
+/// Where this node's routing ends for `addr` (`ip route get`, in the current network
+/// namespace): `Some(why)` when on this node — a local address, or a route out of an
+/// endpoint device (`lxc*`: a local pod) — and None when it leaves the node.
+pub async fn route_ends_here(addr: IpAddr) -> Result<Option<String>, String> {
+    use netlink_packet_route::route::{RouteAttribute, RouteType};
+    let (conn, handle, _) = rtnetlink::new_connection().map_err(|e| e.to_string())?;
+    let task = tokio::spawn(conn);
+    let msg = match addr {
+        IpAddr::V4(a) => rtnetlink::RouteMessageBuilder::<std::net::Ipv4Addr>::new()
+            .destination_prefix(a, 32)
+            .build(),
+        IpAddr::V6(a) => rtnetlink::RouteMessageBuilder::<std::net::Ipv6Addr>::new()
+            .destination_prefix(a, 128)
+            .build(),
+    };
+    let r = async {
+        let mut answers = handle.route().get(msg).execute();
+        let Some(route) = answers
+            .try_next()
+            .await
+            .map_err(|e| format!("route lookup of {addr}: {e}"))?
+        else {
+            return Err(format!("route lookup of {addr}: no answer"));
+        };
+        if route.header.kind == RouteType::Local {
+            return Ok(Some("a local address of this node".to_string()));
+        }
+        let Some(oif) = route.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Oif(i) => Some(*i),
+            _ => None,
+        }) else {
+            return Ok(None);
+        };
+        let mut links = handle.link().get().match_index(oif).execute();
+        let name = links
+            .try_next()
+            .await
+            .ok()
+            .flatten()
+            .map(|m| device_of(&m).name)
+            .unwrap_or_default();
+        Ok(is_endpoint_device(&name).then(|| format!("routed to the local endpoint {name}")))
+    }
+    .await;
+    task.abort();
+    r
+}
+
 /// Cilium's pinned tcx links (`<bpffs>/cilium/devices/<dev>/links/<prog>`), by program id.
 fn pinned_tcx_links(bpffs: &Path, problems: &mut Vec<String>) -> BTreeMap<u32, PathBuf> {
     let mut out = BTreeMap::new();

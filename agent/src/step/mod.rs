@@ -479,6 +479,9 @@ pub struct Reload {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct TargetTimeline {
     pub kind: String,
+    /// An east-west target (another node, through the overlay or routes to other nodes).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub east_west: bool,
     /// Budget for the longest outage, seconds.
     pub budget: f64,
     /// Budget for the loss outside the longest outage (failed / sent); None: not judged.
@@ -585,6 +588,7 @@ pub fn timelines(
                 t.name.clone(),
                 TargetTimeline {
                     kind: t.probe.as_str().into(),
+                    east_west: t.east_west,
                     budget: t.max_gap.unwrap_or(b.max_gap).as_secs_f64(),
                     loss_budget: t.max_loss.or(b.max_loss),
                     total_budget: t.max_total_gap.or(b.max_total_gap).map(|d| d.as_secs_f64()),
@@ -672,6 +676,9 @@ impl TargetTimeline {
 pub struct TargetGap {
     pub target: String,
     pub kind: String,
+    /// An east-west target (see `config::Target::east_west`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub east_west: bool,
     pub longest_s: f64,
     pub error_bound_s: f64,
     pub total_s: f64,

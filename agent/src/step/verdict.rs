@@ -347,6 +347,7 @@ pub fn gap_row(name: &str, t: &super::TargetTimeline, cadence: f64, now: f64) ->
     TargetGap {
         target: name.to_string(),
         kind: t.kind.clone(),
+        east_west: t.east_west,
         longest_s: g.longest,
         error_bound_s: g.error_bound,
         total_s: g.total + t.dropped_total_s,
@@ -453,8 +454,13 @@ pub fn over_budget(g: &TargetGap, b: Budget) -> Option<(Reason, String)> {
         return Some((
             Reason::GapOverBudget,
             format!(
-                "{} longest outage {:.0}ms > max_gap {:.0}ms",
+                "{}{} longest outage {:.0}ms > max_gap {:.0}ms",
                 g.target,
+                if g.east_west {
+                    " (east-west: another node through the overlay)"
+                } else {
+                    ""
+                },
                 g.longest_s * 1e3,
                 b.longest_s * 1e3
             ),

@@ -226,7 +226,11 @@ impl StepView {
                 out.push_str(&format!(
                     "  {:<14} {:<6} {:>14} {:>10} {:>8} {:>10}",
                     g.target,
-                    g.kind,
+                    if g.east_west {
+                        format!("{}/ew", g.kind)
+                    } else {
+                        g.kind.clone()
+                    },
                     format!("{:.0}±{:.0}ms", g.longest_s * 1e3, g.error_bound_s * 1e3),
                     format!("{:.0}ms", g.total_s * 1e3),
                     g.count,
@@ -242,6 +246,9 @@ impl StepView {
                     out.push_str(&format!(" {cell:>16}"));
                 }
                 out.push('\n');
+            }
+            if self.gaps.iter().any(|g| g.east_west) {
+                out.push_str("  (PROBE x/ew: an east-west target, another node reached through the overlay or the routes to other nodes)\n");
             }
             if !witnesses.is_empty() {
                 out.push_str("  (LONGEST GAP is the node's own view: with kube-proxy replacement its probes never cross the wire and cannot see an L2-announcement lease move; WITNESS columns are LAN clients)\n");

@@ -132,6 +132,11 @@ pub struct LanSpec {
     pub profile: crate::Profile,
     pub attach: crate::AttachMode,
     pub lease: LeaseTimings,
+    /// The nodes reach each other's pods over the overlay (`cilium_vxlan`), each has a
+    /// health endpoint, and every node's agent probes the other nodes' health endpoints as
+    /// east-west targets.
+    #[serde(default)]
+    pub east_west: bool,
 }
 
 impl LanSpec {
@@ -142,6 +147,7 @@ impl LanSpec {
             profile: crate::Profile::V1_18,
             attach: crate::AttachMode::Tcx,
             lease: LeaseTimings::default(),
+            east_west: false,
         }
     }
 }
@@ -336,6 +342,11 @@ impl LanLab {
             spec.lan = Some(crate::LanPort {
                 ns: lan.clone(),
                 index: i,
+                peers: if s.east_west {
+                    (0..s.nodes).filter(|j| *j != i).collect()
+                } else {
+                    vec![]
+                },
             });
             Lab::up(spec)?;
         }
@@ -440,7 +451,12 @@ impl LanLab {
             bpffs = node.state.bpffs.display(),
             cfg = node.state.cilium_config.display(),
             api = node.agent_socket().display(),
-            targets = targets_yaml(),
+            targets = targets_yaml()
+                + &if self.state.spec.east_west {
+                    east_west_yaml(i, self.state.spec.nodes)
+                } else {
+                    String::new()
+                },
         );
         std::fs::write(self.node_config(i), yaml).context("write a node's stepguard config")
     }
@@ -718,6 +734,20 @@ fn targets_yaml() -> String {
                 v.name, v.addr, v.port
             )),
         }
+    }
+    out
+}
+
+/// Node `i`'s east-west targets: every other node's health endpoint (HTTP on 4240, as
+/// cilium-health probes it), reached through the overlay.
+fn east_west_yaml(i: u8, nodes: u8) -> String {
+    let mut out = String::new();
+    for j in (0..nodes).filter(|j| *j != i) {
+        out.push_str(&format!(
+            "  - name: health-n{j}\n    address: {}\n    port: {}\n    probe: http\n    path: /hello\n    expect: 200\n    timeout: 200ms\n    east_west: true\n",
+            crate::health_ip(j),
+            crate::HEALTH_PORT
+        ));
     }
     out
 }

@@ -65,6 +65,30 @@ pub struct LanPort {
     pub ns: String,
     /// The node's index on the segment: port `n<index>`, address `203.0.113.<1 + index>`.
     pub index: u8,
+    /// The other nodes this node reaches over the overlay (their indexes): `cilium_vxlan`
+    /// carries pod traffic to their pod CIDRs, and this node has a health endpoint (see
+    /// [`health_ip`]). Empty: no overlay between the nodes.
+    #[serde(default)]
+    pub peers: Vec<u8>,
+}
+
+/// Node `index`'s pod CIDR is `169.254.<101 + 20 * index>.0/24` (a single-node lab is node 0).
+pub fn pod_cidr(index: u8) -> String {
+    format!("169.254.{}.0/24", 101 + 20 * index as u32)
+}
+
+/// Node `index`'s health endpoint (Cilium's `cilium-health` endpoint: an address from the
+/// node's pod CIDR, answering HTTP on 4240), the first address of its pod CIDR.
+pub fn health_ip(index: u8) -> Ipv4Addr {
+    Ipv4Addr::new(169, 254, 101 + 20 * index, 1)
+}
+
+/// The port Cilium's health endpoint answers on (`/hello`).
+pub const HEALTH_PORT: u16 = 4240;
+
+/// Node `index`'s address on the overlay device (the peers' routes point at it).
+fn overlay_ip(index: u8) -> Ipv4Addr {
+    Ipv4Addr::new(169, 254, 200, 1 + index)
 }
 
 impl LabSpec {
@@ -196,8 +220,13 @@ fn lxc_name(prefix: &str, i: u32) -> String {
     format!("lxc{:011x}", h & 0xfff_ffff_ffff)
 }
 
-fn pod_ip(i: u32) -> [u8; 4] {
-    [169, 254, 101 + (i / 250) as u8, (i % 250 + 2) as u8]
+fn pod_ip(node: u8, i: u32) -> [u8; 4] {
+    [
+        169,
+        254,
+        (101 + 20 * node as u32 + i / 250) as u8,
+        (i % 250 + 2) as u8,
+    ]
 }
 
 pub fn check_root() -> Result<()> {
@@ -404,15 +433,45 @@ impl Lab {
             ],
         )?;
         netns::ip(&node, &["link", "set", "cilium_host", "up"])?;
+        let peers = self.overlay_peers();
         if self.state.spec.features.tunnel {
             // The overlay device, as Cilium creates it in tunnel mode (VXLAN, port 8472).
-            netns::ip(
-                &node,
-                &[
-                    "link", "add", OVERLAY, "type", "vxlan", "external", "dstport", "8472",
-                ],
-            )?;
+            // Cilium's is `external` (its programs set the tunnel key per packet); a LAN lab
+            // whose nodes reach each other's pods uses the kernel's own VXLAN forwarding
+            // instead (a VNI, the node's LAN address, one flood entry per peer), since the
+            // lab's programs do not route.
+            if peers.is_empty() {
+                netns::ip(
+                    &node,
+                    &[
+                        "link", "add", OVERLAY, "type", "vxlan", "external", "dstport", "8472",
+                    ],
+                )?;
+            } else {
+                let local = lan::node_addr(self.node_index()).to_string();
+                netns::ip(
+                    &node,
+                    &[
+                        "link",
+                        "add",
+                        OVERLAY,
+                        "type",
+                        "vxlan",
+                        "id",
+                        "2",
+                        "dstport",
+                        "8472",
+                        "local",
+                        &local,
+                        "dev",
+                        "eth1",
+                        "nolearning",
+                    ],
+                )?;
+            }
             netns::ip(&node, &["link", "set", OVERLAY, "up"])?;
+        } else if !peers.is_empty() {
+            bail!("an overlay between LAN nodes needs tunnel routing");
         }
         netns::ip(&node, &["link", "set", "cilium_net", "up"])?;
         netns::add_addr(&node, "cilium_host", &format!("{CILIUM_HOST_IP}/32"))?;
@@ -422,13 +481,31 @@ impl Lab {
         let mut lxc = Vec::new();
         for (i, ns) in pods.iter().enumerate() {
             let name = lxc_name(&p, i as u32);
-            let ip = Ipv4Addr::from(pod_ip(i as u32));
+            let ip = Ipv4Addr::from(pod_ip(self.node_index(), i as u32));
             node_batch.push_str(&format!("link add {name} type veth peer name eth0 netns {ns}\nlink set {name} up\nroute add {ip}/32 dev {name}\n"));
             lxc.push((name, 1000 + i as u16));
         }
+        if !peers.is_empty() {
+            // Cilium's health endpoint (`lxc_health`, an address from the pod CIDR).
+            let health = self.health_ns();
+            self.state.netns.push(health.clone());
+            self.save()?;
+            netns::add_netns(&health)?;
+            let ip = health_ip(self.node_index());
+            node_batch.push_str(&format!(
+                "link add lxc_health type veth peer name eth0 netns {health}
+link set lxc_health up
+route add {ip}/32 dev lxc_health
+"
+            ));
+            lxc.push(("lxc_health".to_string(), HEALTH_ENDPOINT_ID));
+        }
         self.ip_batch(Some(&node), &node_batch)?;
+        if !peers.is_empty() {
+            self.build_overlay(&peers)?;
+        }
         for (i, ns) in pods.iter().enumerate() {
-            let ip = Ipv4Addr::from(pod_ip(i as u32));
+            let ip = Ipv4Addr::from(pod_ip(self.node_index(), i as u32));
             self.ip_batch(
                 Some(ns),
                 &format!("link set eth0 up\naddr add {ip}/32 dev eth0\n"),
@@ -458,9 +535,132 @@ impl Lab {
         self.save()?;
 
         self.start_services()?;
+        if !peers.is_empty() {
+            let dir = self.state.run_dir.join("services-health");
+            std::fs::create_dir_all(&dir)?;
+            let ip = health_ip(self.node_index()).to_string();
+            let p = services::start_nginx(&self.health_ns(), &dir, &ip, HEALTH_PORT)?;
+            self.state.procs.push(p);
+            self.save()?;
+        }
         self.write_stepguard_config()?;
         self.state.ready = true;
         self.save()
+    }
+
+    /// This node's index on a LAN (0 for a single-node lab).
+    fn node_index(&self) -> u8 {
+        self.state.spec.lan.as_ref().map_or(0, |l| l.index)
+    }
+
+    fn overlay_peers(&self) -> Vec<u8> {
+        self.state
+            .spec
+            .lan
+            .as_ref()
+            .map(|l| l.peers.clone())
+            .unwrap_or_default()
+    }
+
+    /// The namespace of this node's health endpoint (LAN labs with an overlay).
+    pub fn health_ns(&self) -> String {
+        format!("{}-health", self.state.spec.prefix)
+    }
+
+    /// The overlay between LAN nodes: an address on `cilium_vxlan`, a flood entry and a route
+    /// to the pod CIDR of every peer; the node forwards; the health endpoint's namespace
+    /// routes through `cilium_host`'s address (a permanent neighbour: the host side's MAC).
+    fn build_overlay(&self, peers: &[u8]) -> Result<()> {
+        let node = self.node_ns();
+        let me = self.node_index();
+        netns::add_addr(&node, OVERLAY, &format!("{}/24", overlay_ip(me)))?;
+        for j in peers {
+            netns::run(
+                "bridge",
+                &[
+                    "-n",
+                    &node,
+                    "fdb",
+                    "append",
+                    "00:00:00:00:00:00",
+                    "dev",
+                    OVERLAY,
+                    "dst",
+                    &lan::node_addr(*j).to_string(),
+                ],
+            )?;
+            netns::ip(
+                &node,
+                &[
+                    "route",
+                    "add",
+                    &pod_cidr(*j),
+                    "via",
+                    &overlay_ip(*j).to_string(),
+                    "dev",
+                    OVERLAY,
+                ],
+            )?;
+        }
+        netns::run(
+            "nsenter",
+            &[
+                &format!("--net={}", netns::netns_path(&node).display()),
+                "--",
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ],
+        )?;
+        let health = self.health_ns();
+        let mac = netns::ip(&node, &["-o", "link", "show", "dev", "lxc_health"])?;
+        let mac = mac
+            .split("link/ether ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .context("lxc_health has no MAC address")?
+            .to_string();
+        self.ip_batch(
+            Some(&health),
+            &format!(
+                "link set lo up
+link set eth0 up
+addr add {ip}/32 dev eth0
+route add {CILIUM_HOST_IP} dev eth0 scope link
+route add default via {CILIUM_HOST_IP} dev eth0
+neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
+",
+                ip = health_ip(me)
+            ),
+        )
+    }
+
+    /// The overlay fault: this node's tunnel entries to its peers are gone (as when the
+    /// agent comes back without the other nodes' tunnel endpoints), so nothing reaches
+    /// another node's pods from here, nor their answers back.
+    fn break_overlay(&self) -> Result<()> {
+        let peers = self.overlay_peers();
+        if peers.is_empty() {
+            bail!("--break-overlay: this lab has no overlay between nodes (a LAN lab with --east-west)");
+        }
+        let node = self.node_ns();
+        for j in peers {
+            netns::run(
+                "bridge",
+                &[
+                    "-n",
+                    &node,
+                    "fdb",
+                    "del",
+                    "00:00:00:00:00:00",
+                    "dev",
+                    OVERLAY,
+                    "dst",
+                    &lan::node_addr(j).to_string(),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     fn plan_opts(&self, host: bool) -> datapath::PlanOpts {
@@ -492,7 +692,9 @@ impl Lab {
     #[allow(clippy::type_complexity)]
     fn fact_data(&self) -> (Vec<[u8; 4]>, [[u8; 4]; 2], [([u8; 4], u16); 2]) {
         (
-            (0..self.state.spec.pods).map(pod_ip).collect(),
+            (0..self.state.spec.pods)
+                .map(|i| pod_ip(self.node_index(), i))
+                .collect(),
             [[192, 0, 2, 1], [203, 0, 113, 1]],
             [
                 (GATEWAY_VIP.octets(), GATEWAY_PORT),
@@ -1092,6 +1294,9 @@ impl Lab {
             // holds some back.
             self.regenerate_endpoints(o)?;
         }
+        if o.break_overlay {
+            self.break_overlay()?;
+        }
         let new = self.state.attachments.clone();
         if let Some(p) = o.loss {
             self.random_loss(p, o.loss_for)?;
@@ -1414,6 +1619,9 @@ pub struct RestartOpts {
     /// Fault: endpoint regeneration stalls for this many endpoints (the first ones; all
     /// with the lab's pod count): they keep their old programs after the restart.
     pub stall_endpoints: Option<u32>,
+    /// Fault (a LAN lab with an overlay): after the reload this node's tunnel entries to
+    /// the other nodes are gone: pods on other nodes are unreachable from here.
+    pub break_overlay: bool,
     /// A pause between batches of endpoint regenerations ([`ENDPOINT_BATCH`] each): a
     /// regeneration that takes this long per batch.
     pub regenerate_every: Duration,
@@ -1421,6 +1629,9 @@ pub struct RestartOpts {
 
 /// Endpoints regenerated (loaded and swapped in) per batch.
 pub const ENDPOINT_BATCH: usize = 50;
+
+/// The lab's health endpoint's id.
+const HEALTH_ENDPOINT_ID: u16 = 4094;
 
 /// What really happened, for tests to compare against.
 #[derive(Clone, Debug, Serialize, Deserialize)]

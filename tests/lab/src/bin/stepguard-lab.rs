@@ -76,6 +76,11 @@ enum Cmd {
         /// LAN lab: l2-announcements-retry-period.
         #[arg(long, default_value = "2s", value_parser = parse_duration)]
         lease_retry: std::time::Duration,
+        /// LAN lab: the nodes reach each other's pods over the overlay (cilium_vxlan); each
+        /// has a health endpoint (HTTP on 4240), which the other nodes' agents probe as
+        /// east-west targets.
+        #[arg(long)]
+        east_west: bool,
     },
     /// Show a lab (or all labs) as text or JSON.
     Status {
@@ -117,6 +122,10 @@ enum Cmd {
         /// programs they had before the restart.
         #[arg(long, value_name = "N|all", value_parser = parse_stall)]
         stall_endpoints: Option<u32>,
+        /// Fault (a LAN lab with --east-west): after the reload this node's tunnel entries
+        /// to the other nodes are gone: their pods are unreachable from it.
+        #[arg(long)]
+        break_overlay: bool,
         /// How long each batch of 50 endpoint regenerations takes (after the host
         /// programs are replaced), e.g. 200ms: a slow regeneration.
         #[arg(long, default_value = "0s", value_parser = parse_duration)]
@@ -277,13 +286,18 @@ fn real_main() -> Result<()> {
             lease_duration,
             lease_renew,
             lease_retry,
+            east_west,
         } => {
             stepguard_lab::check_root()?;
+            if east_west && nodes < 2 {
+                bail!("--east-west needs a LAN lab: --nodes 2 to 4");
+            }
             if nodes > 1 {
                 let mut spec = stepguard_lab::lan::LanSpec::new(
                     prefix.unwrap_or_else(stepguard_lab::unique_prefix),
                 );
                 spec.nodes = nodes;
+                spec.east_west = east_west;
                 spec.profile = cilium;
                 spec.attach = attach;
                 spec.lease = stepguard_lab::lan::LeaseTimings {
@@ -350,6 +364,7 @@ fn real_main() -> Result<()> {
             ignore_override,
             stall_endpoints,
             regenerate_every,
+            break_overlay,
             no_reload,
             drop_device,
             lose_map,
@@ -373,6 +388,7 @@ fn real_main() -> Result<()> {
                 ignore_override,
                 stall_endpoints,
                 regenerate_every,
+                break_overlay,
                 no_reload,
                 drop_device,
                 lose_map,
