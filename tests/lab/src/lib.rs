@@ -1250,7 +1250,8 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         let on = now_ns();
         on_down(start);
         let mut recreated_at = None;
-        let result = self.come_back(o, prepared, &old, &mut recreated_at);
+        let mut phases = Phases::default();
+        let result = self.come_back(o, prepared, &old, &mut recreated_at, &mut phases);
         // Whatever happened, the blackhole is lifted.
         let off = now_ns();
         let lift = if o.blackhole {
@@ -1293,6 +1294,7 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
             // regeneration of restored endpoints, after the host endpoint's); the fault
             // holds some back.
             self.regenerate_endpoints(o)?;
+            phases.endpoints_regenerated_ns = now_ns();
         }
         if o.break_overlay {
             self.break_overlay()?;
@@ -1315,6 +1317,7 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
             flush_map: o.flush_map.clone(),
             old_programs: old,
             new_programs: new,
+            phases,
         })
     }
 
@@ -1329,6 +1332,7 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         prepared: Option<datapath::Prepared>,
         old: &[Attachment],
         recreated_at: &mut Option<std::time::Instant>,
+        phases: &mut Phases,
     ) -> Result<Vec<Attachment>> {
         let globals = maps::globals_dir(&self.state.bpffs);
         std::thread::sleep(o.down);
@@ -1362,13 +1366,17 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         // agent's state over `refill_after` (the fault leaves it empty).
         self.recreate_ipcache()?;
         *recreated_at = Some(std::time::Instant::now());
+        phases.ipcache_recreated_ns = now_ns();
         // The agent loaded its config at its start, before it serves its API again: an
         // answer never carries the previous start's settings.
         if !o.keep_config {
             self.load_agent_config()?;
         }
         self.start_agent_api()?;
-        datapath::replace(&self.node_ns(), old, prepared, o.drop_device.as_deref())
+        phases.api_serving_ns = now_ns();
+        let new = datapath::replace(&self.node_ns(), old, prepared, o.drop_device.as_deref());
+        phases.host_replaced_ns = now_ns();
+        new
     }
 
     /// Every endpoint gets new programs after the host's, in batches (as Cilium's
@@ -1660,6 +1668,20 @@ pub struct RestartReport {
     pub flush_map: Option<String>,
     pub old_programs: Vec<Attachment>,
     pub new_programs: Vec<Attachment>,
+    /// When each part of the agent's start happened (wall clock ns; 0: did not happen).
+    #[serde(default)]
+    pub phases: Phases,
+}
+
+/// The instants of a restart's start-up, in Cilium's order (docs/cilium-fidelity.md,
+/// "Restart order"): ipcache recreated, the API serving, the host programs replaced, every
+/// endpoint regenerated.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Phases {
+    pub ipcache_recreated_ns: u128,
+    pub api_serving_ns: u128,
+    pub host_replaced_ns: u128,
+    pub endpoints_regenerated_ns: u128,
 }
 
 /// Parses `500ms`, `2s`, `1.5s`, `300us`, `1m`.

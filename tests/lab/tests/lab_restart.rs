@@ -380,3 +380,78 @@ fn a_restart_without_a_fault_breaks_no_traffic_tcx() {
 fn a_restart_without_a_fault_breaks_no_traffic_tc() {
     a_restart_without_a_fault_breaks_no_traffic(AttachMode::Tc);
 }
+
+/// The lab's restart follows Cilium's order (docs/cilium-fidelity.md, "Restart order"):
+/// ipcache is recreated before the API serves — seen from outside: when the agent's socket
+/// appears, the pinned ipcache already has a new id —, the host programs are replaced after
+/// that, and the endpoints get new programs after the host's; every program has a new id.
+#[test]
+fn the_restart_recreates_ipcache_before_the_api_serves_then_the_host_then_the_endpoints() {
+    let mut lab = lab(|s| s.pods = 60);
+    let ipcache = lab.state.bpffs.join("tc/globals/cilium_ipcache_v2");
+    let map_id = |p: &std::path::Path| {
+        stepguard_lab::sys::obj_get(p)
+            .and_then(|fd| stepguard_lab::sys::obj_id(&fd))
+            .ok()
+    };
+    let before = map_id(&ipcache).expect("ipcache pinned");
+    let sock = lab.agent_socket();
+    let ipc = ipcache.clone();
+    let watcher = std::thread::spawn(move || {
+        // The socket goes at the stop; the first sight of it again is the API serving.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while sock.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        while !sock.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        map_id(&ipc)
+    });
+    let old = lab.state.attachments.clone();
+    let r = lab
+        .restart(&RestartOpts {
+            down: Duration::from_millis(300),
+            regenerate_every: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .unwrap();
+    let at_api = watcher
+        .join()
+        .unwrap()
+        .expect("ipcache pinned when the API served");
+    assert_ne!(
+        at_api, before,
+        "ipcache was recreated before the API served"
+    );
+    let p = &r.phases;
+    assert!(
+        r.blackhole_start_ns < p.ipcache_recreated_ns
+            && p.ipcache_recreated_ns < p.api_serving_ns
+            && p.api_serving_ns < p.host_replaced_ns
+            && p.host_replaced_ns < p.endpoints_regenerated_ns,
+        "{p:?}"
+    );
+    // Two batches of 50 with a pause between: the endpoints came well after the host.
+    assert!(
+        p.endpoints_regenerated_ns - p.host_replaced_ns > 50_000_000,
+        "{p:?}"
+    );
+    let endpoints = r
+        .new_programs
+        .iter()
+        .filter(|a| a.endpoint.is_some())
+        .count();
+    assert_eq!(endpoints, 60, "every endpoint has its program");
+    for a in &r.new_programs {
+        let o = old
+            .iter()
+            .find(|o| o.device == a.device && o.program == a.program)
+            .unwrap_or_else(|| panic!("{} {} was not there before", a.device, a.program));
+        assert_ne!(
+            o.prog_id, a.prog_id,
+            "{} {} got a new program",
+            a.device, a.program
+        );
+    }
+}
