@@ -575,20 +575,7 @@ route add {ip}/32 dev lxc_health
         let me = self.node_index();
         netns::add_addr(&node, OVERLAY, &format!("{}/24", overlay_ip(me)))?;
         for j in peers {
-            netns::run(
-                "bridge",
-                &[
-                    "-n",
-                    &node,
-                    "fdb",
-                    "append",
-                    "00:00:00:00:00:00",
-                    "dev",
-                    OVERLAY,
-                    "dst",
-                    &lan::node_addr(*j).to_string(),
-                ],
-            )?;
+            self.tunnel_entry("append", *j)?;
             netns::ip(
                 &node,
                 &[
@@ -643,24 +630,30 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         if peers.is_empty() {
             bail!("--break-overlay: this lab has no overlay between nodes (a LAN lab with --east-west)");
         }
-        let node = self.node_ns();
         for j in peers {
-            netns::run(
-                "bridge",
-                &[
-                    "-n",
-                    &node,
-                    "fdb",
-                    "del",
-                    "00:00:00:00:00:00",
-                    "dev",
-                    OVERLAY,
-                    "dst",
-                    &lan::node_addr(j).to_string(),
-                ],
-            )?;
+            self.tunnel_entry("del", j)?;
         }
         Ok(())
+    }
+
+    /// Adds (`append`) or deletes (`del`) the overlay's flood entry towards node `peer`.
+    fn tunnel_entry(&self, op: &str, peer: u8) -> Result<()> {
+        let dst = lan::node_addr(peer).to_string();
+        netns::run(
+            "bridge",
+            &[
+                "-n",
+                &self.node_ns(),
+                "fdb",
+                op,
+                "00:00:00:00:00:00",
+                "dev",
+                OVERLAY,
+                "dst",
+                &dst,
+            ],
+        )
+        .map(|_| ())
     }
 
     fn plan_opts(&self, host: bool) -> datapath::PlanOpts {

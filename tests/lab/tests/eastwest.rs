@@ -16,17 +16,6 @@ fn lan(nodes: u8) -> LanGuard {
     LanGuard(LanLab::up(spec).expect("LAN lab up"))
 }
 
-fn agent_on(lan: &LanLab, i: u8) -> Daemon {
-    let node = lan.node(i).unwrap();
-    Daemon::start_with(
-        node.node_ns(),
-        lan.node_config(i),
-        lan.state.run_dir.join(format!("agent-state-n{i}")),
-        free_port(),
-        &[],
-    )
-}
-
 fn gap<'a>(v: &'a Value, target: &str) -> &'a Value {
     v["gaps"]
         .as_array()

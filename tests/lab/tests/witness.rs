@@ -100,18 +100,6 @@ impl Drop for Witness {
     }
 }
 
-/// The agent on node `i` with its LAN config (targets: the LAN VIPs, reached locally).
-fn agent_on(lan: &LanLab, i: u8) -> Daemon {
-    let node = lan.node(i).unwrap();
-    Daemon::start_with(
-        node.node_ns(),
-        lan.node_config(i),
-        lan.state.run_dir.join(format!("agent-state-n{i}")),
-        free_port(),
-        &[],
-    )
-}
-
 fn witness_gaps<'a>(v: &'a Value, w: &Witness) -> &'a Vec<Value> {
     v["witnesses"][&w.url]["report"]["gaps"]
         .as_array()

@@ -686,3 +686,15 @@ pub fn wait_for_blackhole(bpffs: &std::path::Path) {
     }
     panic!("the blackhole never became active");
 }
+
+/// The agent on node `i` of a LAN lab, with the lab's config for that node.
+pub fn agent_on(lan: &stepguard_lab::lan::LanLab, i: u8) -> Daemon {
+    let node = lan.node(i).unwrap();
+    Daemon::start_with(
+        node.node_ns(),
+        lan.node_config(i),
+        lan.state.run_dir.join(format!("agent-state-n{i}")),
+        free_port(),
+        &[],
+    )
+}
