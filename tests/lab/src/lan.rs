@@ -739,7 +739,7 @@ fn targets_yaml() -> String {
 }
 
 /// Node `i`'s east-west targets: every other node's health endpoint (HTTP on 4240, as
-/// cilium-health probes it), reached through the overlay.
+/// cilium-health probes it) and its first pod (ICMP), reached through the overlay.
 fn east_west_yaml(i: u8, nodes: u8) -> String {
     let mut out = String::new();
     for j in (0..nodes).filter(|j| *j != i) {
@@ -747,6 +747,10 @@ fn east_west_yaml(i: u8, nodes: u8) -> String {
             "  - name: health-n{j}\n    address: {}\n    port: {}\n    probe: http\n    path: /hello\n    expect: 200\n    timeout: 200ms\n    east_west: true\n",
             crate::health_ip(j),
             crate::HEALTH_PORT
+        ));
+        out.push_str(&format!(
+            "  - name: pod0-n{j}\n    address: {}\n    probe: icmp\n    timeout: 200ms\n    east_west: true\n",
+            crate::pod_addr(j, 0)
         ));
     }
     out

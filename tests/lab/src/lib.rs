@@ -83,6 +83,11 @@ pub fn health_ip(index: u8) -> Ipv4Addr {
     Ipv4Addr::new(169, 254, 101 + 20 * index, 1)
 }
 
+/// Pod `i`'s address on node `index`.
+pub fn pod_addr(index: u8, i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(pod_ip(index, i))
+}
+
 /// The port Cilium's health endpoint answers on (`/hello`).
 pub const HEALTH_PORT: u16 = 4240;
 
@@ -506,10 +511,15 @@ route add {ip}/32 dev lxc_health
         }
         for (i, ns) in pods.iter().enumerate() {
             let ip = Ipv4Addr::from(pod_ip(self.node_index(), i as u32));
-            self.ip_batch(
-                Some(ns),
-                &format!("link set eth0 up\naddr add {ip}/32 dev eth0\n"),
-            )?;
+            if peers.is_empty() {
+                self.ip_batch(
+                    Some(ns),
+                    &format!("link set eth0 up\naddr add {ip}/32 dev eth0\n"),
+                )?;
+            } else {
+                // Reachable from the other nodes' pods over the overlay.
+                self.endpoint_routes(ns, &lxc_name(&p, i as u32), ip)?;
+            }
         }
         self.state.lxc = lxc;
         self.save()?;
@@ -599,16 +609,22 @@ route add {ip}/32 dev lxc_health
                 "net.ipv4.ip_forward=1",
             ],
         )?;
-        let health = self.health_ns();
-        let mac = netns::ip(&node, &["-o", "link", "show", "dev", "lxc_health"])?;
-        let mac = mac
+        self.endpoint_routes(&self.health_ns(), "lxc_health", health_ip(me))
+    }
+
+    /// An endpoint namespace's `eth0` with its address and a default route through
+    /// `cilium_host`'s address, a permanent neighbour for it (the host side's MAC: Cilium's
+    /// datapath answers that ARP), so the endpoint answers traffic from other nodes.
+    fn endpoint_routes(&self, ns: &str, host_dev: &str, ip: Ipv4Addr) -> Result<()> {
+        let link = netns::ip(&self.node_ns(), &["-o", "link", "show", "dev", host_dev])?;
+        let mac = link
             .split("link/ether ")
             .nth(1)
             .and_then(|s| s.split_whitespace().next())
-            .context("lxc_health has no MAC address")?
+            .with_context(|| format!("{host_dev} has no MAC address"))?
             .to_string();
         self.ip_batch(
-            Some(&health),
+            Some(ns),
             &format!(
                 "link set lo up
 link set eth0 up
@@ -616,8 +632,7 @@ addr add {ip}/32 dev eth0
 route add {CILIUM_HOST_IP} dev eth0 scope link
 route add default via {CILIUM_HOST_IP} dev eth0
 neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
-",
-                ip = health_ip(me)
+"
             ),
         )
     }

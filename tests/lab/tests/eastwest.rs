@@ -57,9 +57,11 @@ fn an_overlay_broken_by_the_restart_fails_the_east_west_target_while_the_vips_an
         summary.contains("health-n1 (east-west"),
         "the east-west target named: {summary}"
     );
-    let ew = gap(&v, "health-n1");
-    assert_eq!(ew["east_west"], true, "{ew}");
-    assert!(ew["longest_s"].as_f64().unwrap() > 1.0, "{ew}");
+    for t in ["health-n1", "pod0-n1"] {
+        let ew = gap(&v, t);
+        assert_eq!(ew["east_west"], true, "{ew}");
+        assert!(ew["longest_s"].as_f64().unwrap() > 1.0, "{t}: {ew}");
+    }
     for vip in ["gateway", "dns-a", "dns-b"] {
         let g = gap(&v, vip);
         assert_eq!(
@@ -84,7 +86,8 @@ fn an_overlay_broken_by_the_restart_fails_the_east_west_target_while_the_vips_an
 }
 
 /// A healthy restart of one node of three: every east-west target (the two other nodes'
-/// health endpoints) and every VIP keeps answering, and the step passes.
+/// health endpoints, HTTP, and their first pods, ICMP) and every VIP keeps answering, and
+/// the step passes.
 #[test]
 fn a_healthy_multi_node_restart_passes_with_its_east_west_targets() {
     let mut lab = lan(3);
@@ -101,7 +104,7 @@ fn a_healthy_multi_node_restart_passes_with_its_east_west_targets() {
     .unwrap();
     let v = agent.verdict(&id);
     assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
-    for t in ["health-n0", "health-n2"] {
+    for t in ["health-n0", "health-n2", "pod0-n0", "pod0-n2"] {
         let g = gap(&v, t);
         assert_eq!(g["east_west"], true, "{g}");
         assert_eq!(g["longest_s"].as_f64(), Some(0.0), "{t}: {g}");
