@@ -263,6 +263,16 @@ fn ip6(b: &[u8]) -> Option<std::net::Ipv6Addr> {
     ))
 }
 
+/// The address of a `cilium_lxc` key (`struct endpoint_key`: 16 address bytes, the family
+/// at byte 16: 1 IPv4, 2 IPv6).
+pub fn endpoint_ip(key: &[u8]) -> Option<std::net::IpAddr> {
+    match key.get(16)? {
+        1 => ip4(key).map(Into::into),
+        2 => ip6(key).map(Into::into),
+        _ => None,
+    }
+}
+
 fn be16(b: &[u8]) -> Option<u16> {
     Some(u16::from_be_bytes(b.get(..2)?.try_into().ok()?))
 }
@@ -318,10 +328,9 @@ pub fn describe_entry(map: &str, key: &[u8], value: &[u8]) -> Option<String> {
             ip6(value)?,
             be16(value.get(16..)?)?
         )),
-        ("cilium_lxc", 20) => match key[16] {
-            1 => Some(format!("endpoint {}", ip4(key)?)),
-            2 => Some(format!("endpoint {}", ip6(key)?)),
-            f => Some(format!("endpoint key family {f}")),
+        ("cilium_lxc", 20) => match endpoint_ip(key) {
+            Some(ip) => Some(format!("endpoint {ip}")),
+            None => Some(format!("endpoint key family {}", key[16])),
         },
         _ => None,
     }

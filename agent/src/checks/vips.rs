@@ -8,7 +8,7 @@ use serde_json::json;
 
 pub const CHECK: &str = "vips";
 
-pub async fn run(targets: &[Target]) -> CheckResult {
+pub async fn run(targets: &[Target], bpffs: &std::path::Path) -> CheckResult {
     if targets.is_empty() {
         return CheckResult::unknown(
             CHECK,
@@ -18,7 +18,7 @@ pub async fn run(targets: &[Target]) -> CheckResult {
         );
     }
     let outcomes = futures_util::future::join_all(targets.iter().map(probe::probe)).await;
-    let ew = east_west_routes(targets).await;
+    let ew = east_west_routes(targets, bpffs).await;
     evaluate(targets, &outcomes, &ew)
 }
 
@@ -27,14 +27,49 @@ pub async fn run(targets: &[Target]) -> CheckResult {
 /// confirmed. By target name.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EastWest {
+    /// The routes were looked up (false: not yet, every east-west target unconfirmed).
+    pub looked_up: bool,
     pub local: std::collections::BTreeMap<String, String>,
     pub unconfirmed: std::collections::BTreeMap<String, String>,
 }
 
-/// Looks up the route of every east-west target (in this network namespace).
-pub async fn east_west_routes(targets: &[Target]) -> EastWest {
-    let mut ew = EastWest::default();
-    for t in targets.iter().filter(|t| t.east_west) {
+/// Looks up every east-west target (in this network namespace): an address of one of this
+/// node's endpoints (Cilium's `cilium_lxc`, read-only; Cilium routes its own pod CIDR
+/// through `cilium_host` like the others, so the route alone cannot tell), or a route that
+/// ends here (a local address, an `lxc*` device).
+pub async fn east_west_routes(targets: &[Target], bpffs: &std::path::Path) -> EastWest {
+    let mut ew = EastWest {
+        looked_up: true,
+        ..Default::default()
+    };
+    let wanted: Vec<&Target> = targets.iter().filter(|t| t.east_west).collect();
+    if wanted.is_empty() {
+        return ew;
+    }
+    let mut endpoints = std::collections::BTreeSet::new();
+    let read = crate::kernel::bpffs::read_entries(bpffs, "cilium_lxc", 1 << 20, |k, _| {
+        if let Some(ip) = crate::profile::endpoint_ip(k) {
+            endpoints.insert(ip);
+        }
+    });
+    for t in wanted {
+        match &read {
+            Ok(_) if endpoints.contains(&t.address) => {
+                ew.local.insert(
+                    t.name.clone(),
+                    "an endpoint of this node (in cilium_lxc)".to_string(),
+                );
+                continue;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                ew.unconfirmed.insert(
+                    t.name.clone(),
+                    format!("read cilium_lxc (this node's endpoints): {e}"),
+                );
+                continue;
+            }
+        }
         match crate::kernel::links::route_ends_here(t.address).await {
             Ok(Some(why)) => {
                 ew.local.insert(t.name.clone(), why);
@@ -82,6 +117,14 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
                 targets.len(),
                 failed.join("; ")
             ),
+            evidence,
+        );
+    }
+    if !ew.looked_up && targets.iter().any(|t| t.east_west) {
+        return CheckResult::unknown(
+            CHECK,
+            "east_west_unconfirmed",
+            "the east-west targets' routes were not looked up yet",
             evidence,
         );
     }
@@ -139,7 +182,7 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
         maps: false,
     },
     from_probes: true,
-    evaluate: |i| Box::pin(run(&i.cfg.targets)),
+    evaluate: |i| Box::pin(run(&i.cfg.targets, &i.cfg.bpffs)),
     render,
 };
 
@@ -196,10 +239,17 @@ mod tests {
         ];
         assert!(ts[1].east_west && !ts[0].east_west);
         let outcomes = [ok(), ok()];
+        let looked_up = EastWest {
+            looked_up: true,
+            ..Default::default()
+        };
+        // Not looked up yet: unknown, never a pass.
         let r = evaluate(&ts, &outcomes, &EastWest::default());
+        assert_eq!(r.status, crate::checks::Status::Unknown);
+        let r = evaluate(&ts, &outcomes, &looked_up);
         assert_eq!(r.status, crate::checks::Status::Pass);
         assert_eq!(r.evidence["targets"][1]["east_west"], true);
-        let mut ew = EastWest::default();
+        let mut ew = looked_up.clone();
         ew.local.insert(
             "health-n1".into(),
             "routed to the local endpoint lxc_health".into(),
@@ -213,7 +263,7 @@ mod tests {
             "{}",
             r.reason
         );
-        let mut ew = EastWest::default();
+        let mut ew = looked_up.clone();
         ew.unconfirmed
             .insert("health-n1".into(), "route lookup: EPERM".into());
         let r = evaluate(&ts, &outcomes, &ew);
@@ -222,7 +272,7 @@ mod tests {
         let mut bad = ok();
         bad.ok = false;
         bad.detail = "timeout after 200ms".into();
-        let r = evaluate(&ts, &[ok(), bad], &EastWest::default());
+        let r = evaluate(&ts, &[ok(), bad], &looked_up);
         assert!(
             r.reason
                 .contains("health-n1 (timeout after 200ms, east-west)"),

@@ -485,7 +485,7 @@ impl Daemon {
         };
         let (results, obs) = node::run(&self.cfg, &opts, &only).await;
         if self.cfg.targets.iter().any(|t| t.east_west) {
-            let ew = vips_check::east_west_routes(&self.cfg.targets).await;
+            let ew = vips_check::east_west_routes(&self.cfg.targets, &self.cfg.bpffs).await;
             *lock(&self.east_west) = ew;
         }
         let vips = self.vips_result();

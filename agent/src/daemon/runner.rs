@@ -386,10 +386,8 @@ impl Runner {
                 .await
                 .ok()
                 .and_then(|r| r.ok());
-            self.last_endpoints = obs
-                .as_ref()
-                .filter(|o| o.endpoint_problems.is_empty())
-                .map(watch::endpoint_programs);
+            // Endpoints read only in part are marked so (`raced`) and judged next time.
+            self.last_endpoints = obs.as_ref().map(watch::endpoint_programs);
             self.last_programs = obs
                 .filter(|o| !o.prog_details_unreadable)
                 .map(|o| current_programs(&o, &tracked));

@@ -83,16 +83,32 @@ pub fn endpoint_baseline(
 ) -> (
     BTreeMap<String, crate::step::EndpointPrograms>,
     crate::step::EndpointsFollowed,
+    usize,
 ) {
     use crate::step::EndpointsFollowed;
     if let Some(p) = obs.endpoint_problems.first() {
-        return (BTreeMap::new(), EndpointsFollowed::Unknown(p.clone()));
+        return (BTreeMap::new(), EndpointsFollowed::Unknown(p.clone()), 0);
     }
-    let eps = endpoint_programs(obs)
-        .into_iter()
+    let all = endpoint_programs(obs);
+    let eps: BTreeMap<_, _> = all
+        .iter()
         .filter(|(_, e)| e.from_container.is_some() && !e.raced)
+        .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    (eps, EndpointsFollowed::Followed)
+    let excluded = all.len() - eps.len();
+    // Cilium attaches cil_from_container to every endpoint: endpoint devices of which none
+    // carries it were not read as they are (a hook or kind not understood).
+    if eps.is_empty() && !all.is_empty() {
+        return (
+            eps,
+            EndpointsFollowed::Unknown(format!(
+                "{} endpoint devices, none carrying cil_from_container where Cilium attaches it",
+                all.len()
+            )),
+            excluded,
+        );
+    }
+    (eps, EndpointsFollowed::Followed, excluded)
 }
 
 /// The keys a step follows for the reload: the selected host devices, `cilium_host`, the
@@ -355,10 +371,11 @@ pub fn baseline_from(
         .map(|r| (r.check.to_string(), r.status.as_str().to_string()))
         .collect();
     let (kernel_drops, cilium_drops) = (d.kernel_drops_now(), d.cilium_drops_now());
-    let (endpoints, endpoints_followed) = endpoint_baseline(obs);
+    let (endpoints, endpoints_followed, endpoints_excluded) = endpoint_baseline(obs);
     Ok(Baseline {
         endpoints,
         endpoints_followed,
+        endpoints_excluded,
         cilium,
         cilium_from,
         endpoint_maps,

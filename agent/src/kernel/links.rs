@@ -218,7 +218,13 @@ impl TopologyCache {
             Some(fd) => {
                 let c = super::rtevents::host_changes(fd, &endpoints);
                 if let Some((t, _)) = &mut self.topology {
-                    t.endpoints.extend(c.endpoints_added.clone());
+                    for (i, mut link) in c.endpoints_added.clone() {
+                        // A notification without IFLA_INFO_KIND keeps the kind known.
+                        if link.kind.is_none() {
+                            link.kind = t.endpoints.get(&i).and_then(|l| l.kind.clone());
+                        }
+                        t.endpoints.insert(i, link);
+                    }
                     t.endpoints.retain(|i, _| !c.endpoints_removed.contains(i));
                 }
                 c.host
@@ -253,6 +259,8 @@ impl TopologyCache {
                     "programs kept changing during {RACE_RETRIES} observations in a row (a reload in progress)"
                 ));
             }
+            // Endpoints once per observation, after the host devices' retries.
+            scan_endpoints(handle, &t, o, &mut self.names).await;
         }
         r
     }
@@ -420,19 +428,24 @@ pub async fn observe(bpffs: &Path) -> Result<Observation, LinkError> {
     let mut r = observe_with(&handle, bpffs).await;
     for _ in 1..RACE_RETRIES {
         match &r {
-            Ok(o) if o.raced => r = observe_with(&handle, bpffs).await,
+            Ok((o, _)) if o.raced => r = observe_with(&handle, bpffs).await,
             _ => break,
         }
     }
-    task.abort();
-    if let Ok(o) = &mut r {
-        if o.raced {
-            o.prog_details_unreadable = true;
-            o.problems.push(format!(
-                "programs kept changing during {RACE_RETRIES} observations in a row (a reload in progress)"
-            ));
+    let r = match r {
+        Ok((mut o, t)) => {
+            if o.raced {
+                o.prog_details_unreadable = true;
+                o.problems.push(format!(
+                    "programs kept changing during {RACE_RETRIES} observations in a row (a reload in progress)"
+                ));
+            }
+            scan_endpoints(&handle, &t, &mut o, &mut ProgNames::default()).await;
+            Ok(o)
         }
-    }
+        Err(e) => Err(e),
+    };
+    task.abort();
     r
 }
 
@@ -579,9 +592,13 @@ async fn topology(handle: &rtnetlink::Handle) -> Result<Topology, LinkError> {
     Ok(t)
 }
 
-async fn observe_with(handle: &rtnetlink::Handle, bpffs: &Path) -> Result<Observation, LinkError> {
+async fn observe_with(
+    handle: &rtnetlink::Handle,
+    bpffs: &Path,
+) -> Result<(Observation, Topology), LinkError> {
     let t = topology(handle).await?;
-    programs(handle, bpffs, &t, &mut ProgNames::default()).await
+    let o = programs(handle, bpffs, &t, &mut ProgNames::default()).await?;
+    Ok((o, t))
 }
 
 /// The observation from a topology: each host device's tc/tcx programs queried now.
@@ -631,7 +648,11 @@ async fn programs(
         }
         for hook in ["ingress", "egress"] {
             match tc_filters(handle, d.ifindex, hook).await {
-                Ok(mut p) => d.programs.append(&mut p),
+                Ok(Some(mut p)) => d.programs.append(&mut p),
+                Ok(None) => obs.problems.push(format!(
+                    "tc filter dump on {} {hook}: the device went away",
+                    d.name
+                )),
                 Err(e) => obs
                     .problems
                     .push(format!("tc filter dump on {} {hook}: {e}", d.name)),
@@ -642,13 +663,22 @@ async fn programs(
         }
     }
     obs.devices = devices;
+    Ok(obs)
+}
+
+/// Every endpoint device's programs into `obs` (once per observation).
+async fn scan_endpoints(
+    handle: &rtnetlink::Handle,
+    t: &Topology,
+    obs: &mut Observation,
+    names: &mut ProgNames,
+) {
     for (ifindex, link) in &t.endpoints {
-        if let Some(ep) = endpoint_programs(handle, *ifindex, link, &mut obs, names).await {
+        if let Some(ep) = endpoint_programs(handle, *ifindex, link, obs, names).await {
             obs.endpoints.push(ep);
         }
     }
     names.prune();
-    Ok(obs)
 }
 
 /// At most this many endpoint problems are kept (a node has thousands of endpoints).
@@ -708,7 +738,9 @@ async fn endpoint_programs(
     if link.kind.as_deref() != Some("netkit") && programs.is_empty() {
         for hook in ["ingress", "egress"] {
             match tc_filters(handle, ifindex, hook).await {
-                Ok(mut p) => programs.append(&mut p),
+                Ok(Some(mut p)) => programs.append(&mut p),
+                // Deleted since it was listed (a pod deleted): gone, not a problem.
+                Ok(None) => return None,
                 Err(e) => problems.push(format!(
                     "tc filter dump on endpoint {} {hook}: {e}",
                     link.name
@@ -721,6 +753,8 @@ async fn endpoint_programs(
         names.lookup(id)
     });
     problems.extend(scratch.problems);
+    // An endpoint read only in part is not a consistent snapshot either: judged next time.
+    let raced = raced || !problems.is_empty();
     for line in problems {
         if obs.endpoint_problems.len() < ENDPOINT_PROBLEMS_MAX {
             obs.endpoint_problems.push(line);
@@ -735,12 +769,13 @@ async fn endpoint_programs(
     })
 }
 
-/// The legacy clsact filters of one hook: (name, program id) each. No qdisc: none.
+/// The legacy clsact filters of one hook: (name, program id) each. No qdisc: none; the
+/// device gone (ENODEV): None.
 async fn tc_filters(
     handle: &rtnetlink::Handle,
     ifindex: u32,
     hook: &'static str,
-) -> Result<Vec<AttachedProgram>, String> {
+) -> Result<Option<Vec<AttachedProgram>>, String> {
     let req = handle.traffic_filter(ifindex as i32).get();
     let req = if hook == "ingress" {
         req.ingress()
@@ -778,12 +813,15 @@ async fn tc_filters(
                     });
                 }
             }
-            Ok(None) => return Ok(out),
+            Ok(None) => return Ok(Some(out)),
             // No clsact qdisc on this device: no filters.
             Err(rtnetlink::Error::NetlinkError(e))
                 if matches!(e.raw_code().abs(), libc::EINVAL | libc::ENOENT) =>
             {
-                return Ok(out)
+                return Ok(Some(out))
+            }
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == libc::ENODEV => {
+                return Ok(None)
             }
             Err(e) => return Err(e.to_string()),
         }
@@ -824,13 +862,11 @@ pub async fn route_ends_here(addr: IpAddr) -> Result<Option<String>, String> {
             return Ok(None);
         };
         let mut links = handle.link().get().match_index(oif).execute();
-        let name = links
-            .try_next()
-            .await
-            .ok()
-            .flatten()
-            .map(|m| device_of(&m).name)
-            .unwrap_or_default();
+        let name = match links.try_next().await {
+            Ok(Some(m)) => device_of(&m).name,
+            Ok(None) => return Err(format!("route lookup of {addr}: no device {oif}")),
+            Err(e) => return Err(format!("route lookup of {addr}: device {oif}: {e}")),
+        };
         Ok(is_endpoint_device(&name).then(|| format!("routed to the local endpoint {name}")))
     }
     .await;

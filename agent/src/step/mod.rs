@@ -405,6 +405,14 @@ pub struct Baseline {
     /// Whether the endpoints could be followed (see [`EndpointsFollowed`]).
     #[serde(default)]
     pub endpoints_followed: EndpointsFollowed,
+    /// Endpoint devices at the start that are not followed: without `cil_from_container`
+    /// (being created) or read while a program was replaced.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub endpoints_excluded: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// Cilium's programs on one endpoint device (Cilium's loader: `cil_from_container` on the
@@ -445,6 +453,10 @@ pub struct EndpointProgress {
     /// not failures.
     #[serde(default)]
     pub gone: std::collections::BTreeSet<String>,
+    /// Endpoints not regenerated yet: when each was last read, consistently, still running
+    /// its baseline programs (the evidence for `endpoints_not_regenerated`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub old_seen_at: BTreeMap<String, f64>,
 }
 
 /// How a global map fared across the step, by what Cilium does with it (see

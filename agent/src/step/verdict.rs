@@ -129,9 +129,11 @@ pub fn update_endpoints(
         match now_eps.get(name) {
             None => {
                 progress.gone.insert(name.clone());
+                progress.old_seen_at.remove(name);
             }
             Some(e) if e.ifindex != base.ifindex => {
                 progress.gone.insert(name.clone());
+                progress.old_seen_at.remove(name);
             }
             Some(e) if e.raced => {}
             Some(e) => {
@@ -140,6 +142,9 @@ pub fn update_endpoints(
                 let to_ok = e.to_container.is_none() || e.to_container != base.to_container;
                 if from_new && to_ok {
                     progress.regenerated.insert(name.clone(), now);
+                    progress.old_seen_at.remove(name);
+                } else {
+                    progress.old_seen_at.insert(name.clone(), now);
                 }
             }
         }
@@ -149,19 +154,19 @@ pub fn update_endpoints(
 /// At most this many endpoints are named in a verdict or a check's reason.
 pub const ENDPOINTS_NAMED: usize = 10;
 
-/// `a, b, c and 7 more`.
-pub fn name_some<'a>(names: impl IntoIterator<Item = &'a String>, total: usize) -> String {
-    let shown: Vec<&str> = names
-        .into_iter()
-        .take(ENDPOINTS_NAMED)
-        .map(|s| s.as_str())
-        .collect();
-    let rest = total.saturating_sub(shown.len());
-    if rest > 0 {
-        format!("{} and {rest} more", shown.join(", "))
-    } else {
-        shown.join(", ")
+/// The first `shown` of `items`, comma-separated, and how many more: `a, b (+7 more)`.
+pub fn first_of(items: &[&String], shown: usize) -> String {
+    let mut s = items
+        .iter()
+        .take(shown)
+        .map(|e| e.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let more = items.len().saturating_sub(shown);
+    if more > 0 {
+        s.push_str(&format!(" (+{more} more)"));
     }
+    s
 }
 
 /// The endpoint that regenerated last and how long after the host datapath's first new
@@ -237,16 +242,37 @@ pub fn check_endpoints(step: &Step, now: f64) -> Judged {
             p.regenerated.len()
         ));
     }
-    let names = name_some(pending.iter().copied(), pending.len());
+    let names = first_of(&pending, ENDPOINTS_NAMED);
     match step.reload.complete_at {
-        Some(at) if now >= at + step.params.settle.as_secs_f64() => Judged::fatal(
-            Reason::EndpointsNotRegenerated,
-            format!(
-                "{} of {of} endpoints still ran the programs they had before the restart {:.0}s after the host datapath reloaded (the end of settle): {names}{gone}",
-                pending.len(),
-                step.params.settle.as_secs_f64()
-            ),
-        ),
+        Some(at) if now >= at + step.params.settle.as_secs_f64() => {
+            let deadline = at + step.params.settle.as_secs_f64();
+            // Only an endpoint read after the deadline, still on its old programs, is
+            // evidence of a stalled regeneration; one not readable since is unknown.
+            let stale: Vec<&String> = pending
+                .iter()
+                .copied()
+                .filter(|n| p.old_seen_at.get(*n).is_some_and(|t| *t >= deadline))
+                .collect();
+            if stale.is_empty() {
+                return Judged::not_yet(
+                    CheckStatus::Unknown,
+                    format!(
+                        "{} endpoints not read consistently since the end of settle: {names}",
+                        pending.len()
+                    ),
+                    Some(Reason::EvidenceIncomplete),
+                );
+            }
+            Judged::fatal(
+                Reason::EndpointsNotRegenerated,
+                format!(
+                    "{} of {of} endpoints still ran the programs they had before the restart {:.0}s after the host datapath reloaded (the end of settle): {}{gone}",
+                    stale.len(),
+                    step.params.settle.as_secs_f64(),
+                    first_of(&stale, ENDPOINTS_NAMED)
+                ),
+            )
+        }
         _ => Judged::not_yet(
             CheckStatus::Fail,
             format!(
@@ -880,20 +906,7 @@ fn lost_entries(before: Option<&Vec<String>>, now: Option<&Vec<String>>) -> Stri
     if lost.is_empty() {
         return String::new();
     }
-    const SHOWN: usize = 8;
-    let more = lost.len().saturating_sub(SHOWN);
-    let mut s = format!(
-        "; lost: {}",
-        lost.iter()
-            .take(SHOWN)
-            .map(|e| e.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    if more > 0 {
-        s.push_str(&format!(" (+{more} more)"));
-    }
-    s
+    format!("; lost: {}", first_of(&lost, 8))
 }
 
 /// The per-endpoint policy maps of the returning version's prefix, judged like a recreated
@@ -1715,6 +1728,27 @@ mod tests {
         assert!(j.green(), "{j:?}");
         let r = &j.shown.unwrap().reason;
         assert!(r.contains("3 of 3 endpoints regenerated (slowest lxc3, 2.3s after the host datapath); 1 deleted meanwhile"), "{r}");
+        // Pending endpoints not read consistently since the end of settle (every read
+        // raced, or failed): no evidence either way, unknown, never a confident failure.
+        let mut s = with_endpoints();
+        s.reload.complete_at = Some(1.0);
+        s.endpoints.old_seen_at.insert("lxc0".into(), 5.5);
+        let j = check_endpoints(&s, 6.5);
+        assert!(j.fatal.is_none(), "{j:?}");
+        assert_eq!(j.shown.as_ref().unwrap().status, CheckStatus::Unknown);
+        assert_eq!(
+            j.at_timeout.as_ref().unwrap().0,
+            Some(Reason::EvidenceIncomplete)
+        );
+        // Read again after the deadline, still old: now it is evidence.
+        s.endpoints.old_seen_at.insert("lxc0".into(), 6.1);
+        let j = check_endpoints(&s, 6.5);
+        let (code, why) = j.fatal.expect("fatal");
+        assert_eq!(code, Reason::EndpointsNotRegenerated);
+        assert!(
+            why.starts_with("1 of 4 endpoints") && why.contains(": lxc0"),
+            "{why}"
+        );
         // No endpoints at the start, or a record of an older agent: nothing to wait for;
         // endpoint programs unreadable at the start: unknown, never a pass.
         let mut s = step();

@@ -26,6 +26,10 @@ pub struct EndpointsView {
     /// Neither regenerated nor deleted: the first few, and how many.
     pub pending: Vec<String>,
     pub pending_count: usize,
+    /// Endpoint devices at the baseline not followed (no `cil_from_container` yet, or
+    /// read mid-replacement).
+    #[serde(default)]
+    pub excluded: usize,
     /// The endpoint that regenerated last, and how long after the host datapath's first new
     /// program (seconds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -48,6 +52,7 @@ impl EndpointsView {
             followed: s.baseline.endpoints.len(),
             regenerated: s.endpoints.regenerated.len(),
             deleted: s.endpoints.gone.len(),
+            excluded: s.baseline.endpoints_excluded,
             pending_count: pending.len(),
             pending: pending
                 .into_iter()

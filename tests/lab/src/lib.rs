@@ -702,6 +702,11 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         (
             (0..self.state.spec.pods)
                 .map(|i| pod_ip(self.node_index(), i))
+                // The health endpoint is an endpoint like the pods (in cilium_lxc).
+                .chain(
+                    (!self.overlay_peers().is_empty())
+                        .then(|| health_ip(self.node_index()).octets()),
+                )
                 .collect(),
             [[192, 0, 2, 1], [203, 0, 113, 1]],
             [
@@ -1359,16 +1364,16 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
                 bail!("--lose-entries {m}:{n}: the map had only {deleted} entries");
             }
         }
-        let Some(prepared) = prepared else {
-            self.start_agent_api()?;
-            return Ok(old.to_vec());
-        };
         if let Some(to) = o.to.filter(|t| *t != self.state.spec.profile) {
             self.upgrade_maps(to)?;
         }
         if let Some(m) = &o.resize_map {
             self.resize_map(m)?;
         }
+        let Some(prepared) = prepared else {
+            self.start_agent_api()?;
+            return Ok(old.to_vec());
+        };
         // ipcache is unpinned and created anew (new id) before the API serves; the old
         // programs keep the old map until they are replaced; it is refilled from the
         // agent's state over `refill_after` (the fault leaves it empty).

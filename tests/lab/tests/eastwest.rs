@@ -117,3 +117,44 @@ fn a_healthy_multi_node_restart_passes_with_its_east_west_targets() {
     let text = agent.get(&format!("/v1/steps/{id}?format=text")).1;
     assert!(text.contains("http/ew"), "{text}");
 }
+
+/// An east-west target that is this node's own endpoint — its own health endpoint, in its
+/// `cilium_lxc` — cannot see the overlay: the vips check fails it, naming why, although it
+/// answers; the other nodes' targets pass.
+#[test]
+fn an_east_west_target_on_this_node_fails_the_vips_check() {
+    let lab = lan(2);
+    let node = lab.node(0).unwrap();
+    let own = stepguard_lab::health_ip(0).to_string();
+    let cfg = std::fs::read_to_string(lab.node_config(0))
+        .unwrap()
+        .replace(&stepguard_lab::health_ip(1).to_string(), &own);
+    let path = lab.state.run_dir.join("node0-own-health.yaml");
+    std::fs::write(&path, cfg).unwrap();
+    let (code, v, err) = check(
+        &node,
+        &["--only", "vips", "--config", &path.to_string_lossy()],
+    );
+    assert_eq!(code, 1, "{v:#} {err}");
+    let r = result(&v, "vips");
+    assert_eq!(r["code"], "east_west_target_local", "{r:#}");
+    assert!(
+        r["reason"]
+            .as_str()
+            .unwrap()
+            .contains("health-n1 is an endpoint of this node (in cilium_lxc)"),
+        "{r:#}"
+    );
+    // It did answer: only where it answered from is wrong.
+    let t = r["evidence"]["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "health-n1")
+        .unwrap();
+    assert_eq!(
+        (t["ok"].clone(), t["east_west"].clone()),
+        (true.into(), true.into()),
+        "{t}"
+    );
+}

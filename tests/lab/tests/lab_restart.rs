@@ -120,8 +120,12 @@ fn gap_is_measured_within_the_probe_interval(attach: AttachMode) {
     );
     // New program IDs everywhere, and the kernel agrees.
     assert_eq!(r.old_programs.len(), r.new_programs.len());
-    for (o, n) in r.old_programs.iter().zip(&r.new_programs) {
-        assert_eq!((&o.device, &o.program), (&n.device, &n.program));
+    for o in &r.old_programs {
+        let n = r
+            .new_programs
+            .iter()
+            .find(|n| n.device == o.device && n.program == o.program && n.hook == o.hook)
+            .unwrap_or_else(|| panic!("{} on {} is still attached", o.program, o.device));
         assert_ne!(
             o.prog_id, n.prog_id,
             "{} on {} was replaced",
@@ -351,7 +355,13 @@ fn a_restart_without_a_fault_breaks_no_traffic(attach: AttachMode) {
         "{} probes failed: {failed:?}",
         failed.len()
     );
-    for (o, n) in r.old_programs.iter().zip(&r.new_programs) {
+    assert_eq!(r.old_programs.len(), r.new_programs.len());
+    for o in &r.old_programs {
+        let n = r
+            .new_programs
+            .iter()
+            .find(|n| n.device == o.device && n.program == o.program && n.hook == o.hook)
+            .unwrap_or_else(|| panic!("{} on {} is still attached", o.program, o.device));
         assert_ne!(
             o.prog_id, n.prog_id,
             "{} on {} reloaded",
