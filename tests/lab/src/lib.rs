@@ -387,13 +387,9 @@ impl Lab {
                 netns::add_veth(&node, "eth1", &port.ns, &peer)?;
                 netns::ip(&port.ns, &["link", "set", &peer, "master", "br0"])?;
                 netns::add_addr(&node, "eth1", &format!("{}/24", lan::node_addr(port.index)))?;
-                netns::run(
-                    "nsenter",
+                netns::sysctl(
+                    &node,
                     &[
-                        &format!("--net={}", netns::netns_path(&node).display()),
-                        "--",
-                        "sysctl",
-                        "-qw",
                         "net.ipv4.conf.all.arp_ignore=1",
                         "net.ipv4.conf.eth1.arp_ignore=1",
                     ],
@@ -599,16 +595,7 @@ route add {ip}/32 dev lxc_health
                 ],
             )?;
         }
-        netns::run(
-            "nsenter",
-            &[
-                &format!("--net={}", netns::netns_path(&node).display()),
-                "--",
-                "sysctl",
-                "-qw",
-                "net.ipv4.ip_forward=1",
-            ],
-        )?;
+        netns::sysctl(&node, &["net.ipv4.ip_forward=1"])?;
         self.endpoint_routes(&self.health_ns(), "lxc_health", health_ip(me))
     }
 

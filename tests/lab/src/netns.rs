@@ -40,6 +40,14 @@ pub fn ip(ns: &str, args: &[&str]) -> Result<String> {
     run("ip", &a)
 }
 
+/// `sysctl -qw` of these settings in namespace `ns` (nsenter keeps the host's /sys).
+pub fn sysctl(ns: &str, settings: &[&str]) -> Result<String> {
+    let net = format!("--net={}", netns_path(ns).display());
+    let mut args = vec![net.as_str(), "--", "sysctl", "-qw"];
+    args.extend_from_slice(settings);
+    run("nsenter", &args)
+}
+
 pub fn netns_path(name: &str) -> PathBuf {
     Path::new("/run/netns").join(name)
 }

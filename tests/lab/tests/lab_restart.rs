@@ -8,6 +8,24 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 use stepguard_lab::{AttachMode, Lab, RestartOpts, RestartReport};
 
+/// Every program attached before the restart is attached afterwards with a new id (the
+/// report lists them in the order they were swapped, the endpoints last).
+fn assert_every_program_replaced(r: &RestartReport) {
+    assert_eq!(r.old_programs.len(), r.new_programs.len());
+    for o in &r.old_programs {
+        let n = r
+            .new_programs
+            .iter()
+            .find(|n| n.device == o.device && n.program == o.program && n.hook == o.hook)
+            .unwrap_or_else(|| panic!("{} on {} is still attached", o.program, o.device));
+        assert_ne!(
+            o.prog_id, n.prog_id,
+            "{} on {} was replaced",
+            o.program, o.device
+        );
+    }
+}
+
 /// Probes the gateway VIP every ~2 ms while `restart` runs; returns (report, probes).
 fn restart_while_probing(lab: &mut Lab, opts: RestartOpts) -> (RestartReport, Vec<(u128, bool)>) {
     let ns = lab.node_ns();
@@ -119,19 +137,7 @@ fn gap_is_measured_within_the_probe_interval(attach: AttachMode) {
         eb / 1_000_000
     );
     // New program IDs everywhere, and the kernel agrees.
-    assert_eq!(r.old_programs.len(), r.new_programs.len());
-    for o in &r.old_programs {
-        let n = r
-            .new_programs
-            .iter()
-            .find(|n| n.device == o.device && n.program == o.program && n.hook == o.hook)
-            .unwrap_or_else(|| panic!("{} on {} is still attached", o.program, o.device));
-        assert_ne!(
-            o.prog_id, n.prog_id,
-            "{} on {} was replaced",
-            o.program, o.device
-        );
-    }
+    assert_every_program_replaced(&r);
     let eth0 = r
         .new_programs
         .iter()
@@ -355,19 +361,7 @@ fn a_restart_without_a_fault_breaks_no_traffic(attach: AttachMode) {
         "{} probes failed: {failed:?}",
         failed.len()
     );
-    assert_eq!(r.old_programs.len(), r.new_programs.len());
-    for o in &r.old_programs {
-        let n = r
-            .new_programs
-            .iter()
-            .find(|n| n.device == o.device && n.program == o.program && n.hook == o.hook)
-            .unwrap_or_else(|| panic!("{} on {} is still attached", o.program, o.device));
-        assert_ne!(
-            o.prog_id, n.prog_id,
-            "{} on {} reloaded",
-            o.program, o.device
-        );
-    }
+    assert_every_program_replaced(&r);
     let after = bpftool_json(&["map", "show", "pinned", &ipcache.to_string_lossy()]);
     assert_ne!(
         after["id"].as_u64().unwrap(),
