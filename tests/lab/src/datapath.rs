@@ -383,6 +383,63 @@ pub fn replace(
     })
 }
 
+/// Swaps one new instance of a program into every attachment `which` selects (all of one
+/// program and hook: a batch of endpoints regenerated at once). Each endpoint gets a program
+/// id other than its old one; the batch shares it (Cilium compiles one per endpoint: the lab
+/// loads one object per batch, which makes regenerating 1,000 endpoints take well under a
+/// second instead of ~16 s). Returns the attachments as they are afterwards.
+pub fn replace_shared(
+    ns: &str,
+    bpffs: &Path,
+    atts: &[Attachment],
+    which: impl Fn(&Attachment) -> bool,
+) -> Result<Vec<Attachment>> {
+    let chosen: Vec<usize> = (0..atts.len()).filter(|i| which(&atts[*i])).collect();
+    let Some(first) = chosen.first().map(|i| &atts[*i]) else {
+        return Ok(atts.to_vec());
+    };
+    if chosen
+        .iter()
+        .any(|i| atts[*i].program != first.program || atts[*i].hook != first.hook)
+    {
+        bail!("a shared replacement must be of one program and hook");
+    }
+    let loaded = load_entry(
+        bpffs,
+        &(
+            first.device.clone(),
+            program_static(&first.program)?,
+            first.hook,
+            first.endpoint,
+        ),
+    )?;
+    let atts = atts.to_vec();
+    in_netns(ns, move || {
+        let prog_fd = loaded.prog_fd()?;
+        let new_id = sys::obj_id(&prog_fd)?;
+        let mut out = atts.clone();
+        for i in &chosen {
+            let old = &atts[*i];
+            match &old.link_pin {
+                Some(pin) => {
+                    let link = sys::obj_get(pin)
+                        .with_context(|| format!("open pinned link {}", pin.display()))?;
+                    sys::link_update(&link, &prog_fd)
+                        .with_context(|| format!("update link {}", pin.display()))?;
+                }
+                None => tc_set(
+                    &old.device,
+                    old.hook,
+                    Some((&prog_fd, &old.tc_filter_name())),
+                )?,
+            }
+            out[*i].prog_id = new_id;
+        }
+        drop(loaded);
+        Ok(out)
+    })
+}
+
 /// Detaches these attachments, in the calling thread's network namespace.
 fn detach_here(atts: &[&Attachment]) -> Result<()> {
     for a in atts {

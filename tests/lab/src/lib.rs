@@ -1406,12 +1406,10 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
                 .iter()
                 .map(|a| (a.device.as_str(), a.program.as_str()))
                 .collect();
-            let prepared =
-                datapath::prepare(&node, &self.state.bpffs, &self.state.attachments, |a| {
-                    !names.contains(&(a.device.as_str(), a.program.as_str()))
-                })?;
             self.state.attachments =
-                datapath::replace(&node, &self.state.attachments, prepared, None)?;
+                datapath::replace_shared(&node, &self.state.bpffs, &self.state.attachments, |a| {
+                    names.contains(&(a.device.as_str(), a.program.as_str()))
+                })?;
             if !o.regenerate_every.is_zero() {
                 std::thread::sleep(o.regenerate_every);
             }

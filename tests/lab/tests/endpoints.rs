@@ -68,18 +68,19 @@ fn a_stalled_regeneration_of_some_endpoints_fails_naming_only_them() {
     assert_fails_naming(&v, &names[..1], &names[1..]);
 }
 
-/// A healthy restart of a node with 1,000 endpoints, regenerated in batches after the host
-/// programs (as Cilium does, taking seconds: the lab needs ~18 s for 1,000): passes within
-/// the settle the README documents for such a node (30 s), with progress and the slowest
-/// endpoint in the view and the metrics.
+/// A healthy restart of a node with 1,000 endpoints, regenerated in batches of 50 after the
+/// host programs, 200 ms a batch (as Cilium's regeneration takes seconds: ~4 s here): passes
+/// within the settle the README documents for such a node (10 s), with progress and the
+/// slowest endpoint in the view and the metrics.
 #[test]
 fn a_healthy_regeneration_of_1000_endpoints_passes() {
     let mut lab = lab(|s| s.pods = 1000);
     let agent = Daemon::start(&lab, &[]);
-    let id = agent.begin_probing(r#"{"settle": "30s", "timeout": "120s"}"#);
+    let id = agent.begin_probing(r#"{"settle": "10s", "timeout": "90s"}"#);
     let t = Instant::now();
     lab.restart(&RestartOpts {
         down: Duration::from_millis(200),
+        regenerate_every: Duration::from_millis(200),
         ..Default::default()
     })
     .unwrap();
@@ -98,7 +99,7 @@ fn a_healthy_regeneration_of_1000_endpoints_passes() {
     );
     let slowest = e["slowest_s"].as_f64().expect("slowest endpoint time");
     assert!(
-        slowest > 0.5 && slowest < regen.as_secs_f64() + 1.0,
+        slowest > 2.0 && slowest < regen.as_secs_f64() + 1.0,
         "slowest {slowest}s, the lab's restart took {regen:?}"
     );
     assert!(
