@@ -237,7 +237,9 @@ pub struct Witness {
     /// MAC last seen per target address, for the change counter.
     last_mac: Mutex<BTreeMap<String, Option<String>>>,
     /// Continuous samples (send time, ok) per target.
-    ring: Mutex<BTreeMap<String, VecDeque<(f64, bool)>>>,
+    ring: Mutex<BTreeMap<String, VecDeque<crate::step::gaps::Sample>>>,
+    /// Each target's usual round trip lately (see `step::gaps`: held answers).
+    rtt_floors: Mutex<BTreeMap<String, crate::step::gaps::RttFloor>>,
     moves: Mutex<VecDeque<Move>>,
     metrics: Mutex<WitnessMetrics>,
     changed: tokio::sync::watch::Sender<u64>,
@@ -282,6 +284,7 @@ impl Witness {
             neigh,
             last_mac: Mutex::new(BTreeMap::new()),
             ring: Mutex::new(BTreeMap::new()),
+            rtt_floors: Mutex::new(BTreeMap::new()),
             moves: Mutex::new(VecDeque::new()),
             metrics: Mutex::new(WitnessMetrics::new()),
             changed: tokio::sync::watch::Sender::new(0),
@@ -339,13 +342,25 @@ impl Witness {
             }
             return;
         }
+        let sample = {
+            let rtt = o.latency.as_secs_f64();
+            let floor = if o.ok {
+                lock(&self.rtt_floors)
+                    .entry(target.name.clone())
+                    .or_default()
+                    .observe(o.sent_at, rtt)
+            } else {
+                rtt
+            };
+            crate::step::gaps::Sample::of(o.sent_at, o.ok, rtt, floor)
+        };
         {
             let mut ring = lock(&self.ring);
             let q = ring.entry(target.name.clone()).or_default();
-            while q.len() >= RING_MAX || q.front().is_some_and(|x| x.0 < o.sent_at - RING_S) {
+            while q.len() >= RING_MAX || q.front().is_some_and(|x| x.sent < o.sent_at - RING_S) {
                 q.pop_front();
             }
-            q.push_back((o.sent_at, o.ok));
+            q.push_back(sample);
         }
         let lat = (o.sent_at, (o.latency.as_secs_f64() * 1e3) as f32);
         if o.ok {
@@ -362,7 +377,7 @@ impl Witness {
                 continue;
             }
             if let Some(t) = s.targets.get_mut(&target.name) {
-                t.samples.push((o.sent_at, o.ok));
+                t.samples.push(sample);
                 t.probes += 1;
                 t.failures += u64::from(!o.ok);
             }
@@ -479,12 +494,12 @@ impl Witness {
             Some(t) if t.is_finite() && t < now && t >= now - RING_S => {
                 let ring = lock(&self.ring);
                 for (name, tl) in targets.iter_mut() {
-                    let seeded: Vec<(f64, bool)> = ring
+                    let seeded: Vec<crate::step::gaps::Sample> = ring
                         .get(name)
-                        .map(|q| q.iter().filter(|x| x.0 >= t).copied().collect())
+                        .map(|q| q.iter().filter(|x| x.sent >= t).copied().collect())
                         .unwrap_or_default();
                     tl.probes = seeded.len() as u64;
-                    tl.failures = seeded.iter().filter(|x| !x.1).count() as u64;
+                    tl.failures = seeded.iter().filter(|x| !x.ok).count() as u64;
                     tl.samples = seeded;
                 }
                 t
@@ -523,11 +538,11 @@ impl Witness {
         lock(&self.moves)
             .iter()
             .map(|m| {
-                let samples: Vec<(f64, bool)> = ring
+                let samples: Vec<crate::step::gaps::Sample> = ring
                     .get(&m.target)
                     .map(|q| {
                         q.iter()
-                            .filter(|x| x.0 >= m.at - 60.0 && x.0 <= m.at + 60.0)
+                            .filter(|x| x.sent >= m.at - 60.0 && x.sent <= m.at + 60.0)
                             .copied()
                             .collect()
                     })

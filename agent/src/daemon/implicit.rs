@@ -91,15 +91,15 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
     {
         let recent = lock(&d.recent);
         for (name, t) in targets.iter_mut() {
-            let samples: Vec<(f64, bool)> = recent
+            let samples: Vec<crate::step::gaps::Sample> = recent
                 .get(name)
-                .map(|q| q.iter().filter(|s| s.0 >= steady.at).copied().collect())
+                .map(|q| q.iter().filter(|s| s.sent >= steady.at).copied().collect())
                 .unwrap_or_default();
-            if samples.last().is_some_and(|s| !s.1) {
+            if samples.last().is_some_and(|s| !s.ok) {
                 running.push(name.clone());
             }
             t.probes = samples.len() as u64;
-            t.failures = samples.iter().filter(|s| !s.1).count() as u64;
+            t.failures = samples.iter().filter(|s| !s.ok).count() as u64;
             t.samples = samples;
         }
     }

@@ -92,7 +92,9 @@ pub struct Daemon {
     pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
     /// Steady probe samples (send time, ok) of the last minute per target: the evidence an
     /// implicit step has from before it was detected.
-    pub recent: Mutex<BTreeMap<String, VecDeque<(f64, bool)>>>,
+    pub recent: Mutex<BTreeMap<String, VecDeque<crate::step::gaps::Sample>>>,
+    /// Each target's usual round trip lately (what a held answer is measured against).
+    pub rtt_floors: Mutex<BTreeMap<String, crate::step::gaps::RttFloor>>,
     /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
     /// map counts), so they never hold up the probes' send times on the main workers.
     pub kernel: tokio::runtime::Handle,
@@ -187,6 +189,7 @@ impl Daemon {
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
             recent: Mutex::new(BTreeMap::new()),
+            rtt_floors: Mutex::new(BTreeMap::new()),
             kernel: kernel_runtime()?,
             engine: std::sync::OnceLock::new(),
             topology: Arc::new(tokio::sync::Mutex::new(links::TopologyCache::new())),
@@ -299,19 +302,20 @@ impl Daemon {
         // Into the active step's timeline (the runner owns it). A probe that could not run
         // is no sample: the gap it leaves is judged as a stall. A full buffer drops samples
         // the same way (never silently into a pass).
+        let sample = self.sample_of(&target.name, o);
         if o.ran && !self.step_active.load(Ordering::SeqCst) {
             let mut r = lock(&self.recent);
             let q = r.entry(target.name.clone()).or_default();
-            while q.len() >= RECENT_MAX || q.front().is_some_and(|s| s.0 < o.sent_at - RECENT_S) {
+            while q.len() >= RECENT_MAX || q.front().is_some_and(|s| s.sent < o.sent_at - RECENT_S)
+            {
                 q.pop_front();
             }
-            q.push_back((o.sent_at, o.ok));
+            q.push_back(sample);
         }
         if self.step_active.load(Ordering::SeqCst) {
             let _ = self.ports.samples.try_send(runner::Sample {
                 target: target.name.clone(),
-                sent_at: o.sent_at,
-                ok: o.ok,
+                sample,
                 ran: o.ran,
                 detail: if o.ran {
                     String::new()
@@ -320,6 +324,21 @@ impl Daemon {
                 },
             });
         }
+    }
+
+    /// A probe's evidence for the gap arithmetic: an answer is judged against the target's
+    /// usual round trip (a held answer counts when it was released, see `step::gaps`).
+    fn sample_of(&self, target: &str, o: &ProbeOutcome) -> crate::step::gaps::Sample {
+        let rtt = o.latency.as_secs_f64();
+        let floor = if o.ok && o.ran {
+            lock(&self.rtt_floors)
+                .entry(target.to_string())
+                .or_default()
+                .observe(o.sent_at, rtt)
+        } else {
+            rtt
+        };
+        crate::step::gaps::Sample::of(o.sent_at, o.ok, rtt, floor)
     }
 
     /// The `vips` check from the latest probe of every target.

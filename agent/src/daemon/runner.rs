@@ -18,8 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 #[derive(Clone, Debug)]
 pub struct Sample {
     pub target: String,
-    pub sent_at: f64,
-    pub ok: bool,
+    /// The gap arithmetic's evidence (its round trip judged against the target's usual).
+    pub sample: crate::step::gaps::Sample,
     /// False: the probe could not even be sent (no socket, no permission); `detail` says why.
     pub ran: bool,
     pub detail: String,
@@ -327,7 +327,7 @@ impl Runner {
         let Some(s) = self.step.as_mut().filter(|s| !s.is_final()) else {
             return;
         };
-        if x.sent_at < s.created_at {
+        if x.sample.sent < s.created_at {
             return;
         }
         if let Some(t) = s.targets.get_mut(&x.target) {
@@ -336,9 +336,9 @@ impl Runner {
                 t.not_run_detail.get_or_insert(x.detail);
                 return;
             }
-            t.samples.push((x.sent_at, x.ok));
+            t.samples.push(x.sample);
             t.probes += 1;
-            if !x.ok {
+            if !x.sample.ok {
                 t.failures += 1;
             }
         }
@@ -611,10 +611,10 @@ fn judge_first_samples_after_a_hole(s: &mut Step) {
         let first = t
             .samples
             .iter()
-            .filter(|x| x.0 >= hole_end)
-            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .filter(|x| x.sent >= hole_end)
+            .min_by(|a, b| a.sent.total_cmp(&b.sent))
             .copied();
-        if let Some((_, ok)) = first {
+        if let Some(crate::step::gaps::Sample { ok, .. }) = first {
             t.hole_judged = true;
             if !ok {
                 incomplete = Some(format!(

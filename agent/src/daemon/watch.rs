@@ -404,13 +404,13 @@ fn persistable(s: &Step) -> Step {
     let mut c = s.clone();
     for t in c.targets.values_mut() {
         let mut samples = t.samples.clone();
-        samples.sort_by(|a, b| a.0.total_cmp(&b.0));
+        samples.sort_by(|a, b| a.sent.total_cmp(&b.sent));
         t.prior = t.outages();
         if let Some(last) = samples.last() {
-            t.persisted_through = Some(*last);
+            t.persisted_through = Some((last.sent, last.ok));
         }
-        if let Some(ok) = samples.iter().rev().find(|s| s.1) {
-            t.last_ok = Some(ok.0);
+        if let Some(ok) = samples.iter().rev().find(|s| s.ok) {
+            t.last_ok = Some(ok.sent);
         }
         t.samples.clear();
     }

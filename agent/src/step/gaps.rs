@@ -1,11 +1,24 @@
-//! Gap arithmetic: from a target's probe timeline (send time, success) to its outages.
-//! An outage runs from the send time of the first failed probe to the send time of the next
-//! successful one. Its edges are only known to within the probe intervals that bracket them:
-//! the outage began after the last successful probe before it was sent and the first failed
-//! one was sent at or after that; it ended after the last failed probe was sent. The error
-//! bound of a measured outage is the larger of those two intervals — the cadence when probes
-//! went out on time, wider when they were late (a stalled loop, a busy machine, an agent
-//! restart in between).
+//! Gap arithmetic: from a target's probe timeline to its outages.
+//! An outage runs from the send time of the first failed probe to the moment the next answer
+//! shows the path working again. Its edges are only known to within what brackets them: the
+//! outage began after the last successful probe before it was sent and the first failed one
+//! was sent at or after that; it ended after the last failed probe was sent and, at the
+//! latest, when the first answer after it shows the path working. The error bound of a
+//! measured outage is the larger of those two intervals — the cadence when probes went out on
+//! time, wider when they were late (a stalled loop, a busy machine, an agent restart in
+//! between) or when the answers that ended it were held back.
+//!
+//! Held answers (issue 26): a probe sent into an outage is not always lost. The client's
+//! kernel queues packets for a neighbour entry that is resolving (INCOMPLETE: up to
+//! `unres_qlen_bytes`, for up to ~3 s of ARP probes) and sends them the moment an answer or a
+//! gratuitous ARP resolves it; a probe sent up to its timeout before the path came back is
+//! then answered in time. Counting it at its send time would end the outage up to a timeout
+//! early while claiming the cadence as the bound. So an answer counts at the latest moment it
+//! allows for the path to have come back: its send time plus whatever its round trip took
+//! beyond the target's usual one ([`RttFloor`]), i.e. when the held packet was released. An
+//! answer that was only slow (a busy server) is counted late the same way: the gap may come
+//! out longer, never shorter, and the bound reaches back to the last failed probe, because
+//! from the outside a held probe and a slow answer look the same.
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -23,6 +36,123 @@ pub struct Outage {
     /// Failed probes in it (0 in records from before it was counted).
     #[serde(default)]
     pub failed: u64,
+    /// How long the answer that ended it was held beyond the target's usual round trip
+    /// (seconds), when more than the usual jitter: the probe was queued (a resolving
+    /// neighbour entry) or the answer slow, so the end is the answer's, not the send time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<f64>,
+}
+
+/// An answer held less than this beyond the usual round trip is ordinary jitter (not shown as
+/// held; it still counts at its release time).
+pub const HELD_MIN_S: f64 = 0.002;
+
+/// One probe's evidence for the gap arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// Send time (unix seconds).
+    pub sent: f64,
+    pub ok: bool,
+    /// Answered: the latest moment the answer allows for the path to have come back (the send
+    /// time plus the round trip beyond the target's usual one). Failed: the send time.
+    pub up_by: f64,
+}
+
+impl Sample {
+    /// A probe that failed (or was judged failed), sent at `sent`.
+    pub fn failed(sent: f64) -> Sample {
+        Sample {
+            sent,
+            ok: false,
+            up_by: sent,
+        }
+    }
+
+    /// A probe answered after `rtt` seconds, when the target usually answers in `floor`.
+    pub fn answered(sent: f64, rtt: f64, floor: f64) -> Sample {
+        Sample {
+            sent,
+            ok: true,
+            up_by: sent + (rtt - floor).max(0.0),
+        }
+    }
+
+    /// A probe's sample from its outcome, its round trip judged against `floor` (which must
+    /// already include this answer, see [`RttFloor::observe`]).
+    pub fn of(sent: f64, ok: bool, rtt: f64, floor: f64) -> Sample {
+        if ok {
+            Sample::answered(sent, rtt, floor)
+        } else {
+            Sample::failed(sent)
+        }
+    }
+
+    /// Held beyond the usual round trip (seconds).
+    pub fn held(&self) -> f64 {
+        (self.up_by - self.sent).max(0.0)
+    }
+}
+
+/// `(send time, ok)`, answered in the usual time (tests, and evidence without round trips).
+impl From<(f64, bool)> for Sample {
+    fn from((sent, ok): (f64, bool)) -> Sample {
+        Sample {
+            sent,
+            ok,
+            up_by: sent,
+        }
+    }
+}
+
+/// The fastest round trip a target answered in lately: the minimum over the last
+/// [`RttFloor::WINDOW_S`] seconds, kept per second (bounded memory). A held answer cannot
+/// lower it, and a path that became slower for good raises it within the window.
+#[derive(Clone, Debug, Default)]
+pub struct RttFloor {
+    /// (whole second, fastest round trip answered in it).
+    buckets: std::collections::VecDeque<(i64, f64)>,
+}
+
+impl RttFloor {
+    pub const WINDOW_S: f64 = 60.0;
+
+    /// Takes in an answer sent at `at` with round trip `rtt`; returns the floor, this answer
+    /// included.
+    pub fn observe(&mut self, at: f64, rtt: f64) -> f64 {
+        let sec = at.floor() as i64;
+        // Probes finish out of order: an answer may belong to an older second (kept in the
+        // newest bucket when its own is gone).
+        let newest = self.buckets.back().map(|b| b.0);
+        match newest {
+            Some(n) if n < sec => self.buckets.push_back((sec, rtt)),
+            None => self.buckets.push_back((sec, rtt)),
+            Some(_) => {
+                let b = self
+                    .buckets
+                    .iter_mut()
+                    .rev()
+                    .find(|b| b.0 <= sec)
+                    .filter(|b| b.0 == sec);
+                match b {
+                    Some(b) => b.1 = b.1.min(rtt),
+                    None => {
+                        if let Some(b) = self.buckets.back_mut() {
+                            b.1 = b.1.min(rtt);
+                        }
+                    }
+                }
+            }
+        }
+        let oldest = sec - Self::WINDOW_S as i64;
+        while self.buckets.front().is_some_and(|b| b.0 < oldest) {
+            self.buckets.pop_front();
+        }
+        self.floor().unwrap_or(rtt)
+    }
+
+    pub fn floor(&self) -> Option<f64> {
+        self.buckets.iter().map(|b| b.1).reduce(f64::min)
+    }
 }
 
 impl Outage {
@@ -34,7 +164,18 @@ impl Outage {
             after_ok,
             last_failed: Some(start),
             failed: 1,
+            held: None,
         }
+    }
+
+    /// Ends it with the answer `s` (the first after it, or one sent before its end that shows
+    /// the path working earlier).
+    fn close_with(&mut self, s: &Sample) {
+        if self.end.is_some_and(|e| e <= s.up_by) {
+            return;
+        }
+        self.end = Some(s.up_by.max(self.last_failed.unwrap_or(self.start)));
+        self.held = Some(s.held()).filter(|h| *h >= HELD_MIN_S);
     }
 
     pub fn duration(&self, now: f64) -> f64 {
@@ -74,30 +215,49 @@ pub struct GapSummary {
     pub open: bool,
 }
 
-/// Outages in a timeline of `(send time, ok)`; samples need not be sorted.
-pub fn outages(samples: &[(f64, bool)]) -> Vec<Outage> {
+/// Outages in a timeline; samples need not be sorted.
+pub fn outages<S: Copy + Into<Sample>>(samples: &[S]) -> Vec<Outage> {
     outages_after(samples, None)
 }
 
 /// As [`outages`], knowing the send time of the last successful probe before `samples`.
-pub fn outages_after(samples: &[(f64, bool)], mut last_ok: Option<f64>) -> Vec<Outage> {
-    let mut s: Vec<(f64, bool)> = samples.to_vec();
-    s.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut out = Vec::new();
+pub fn outages_after<S: Copy + Into<Sample>>(
+    samples: &[S],
+    mut last_ok: Option<f64>,
+) -> Vec<Outage> {
+    let mut s: Vec<Sample> = samples.iter().map(|x| (*x).into()).collect();
+    s.sort_by(|a, b| a.sent.total_cmp(&b.sent));
+    let mut out: Vec<Outage> = Vec::new();
     let mut open: Option<Outage> = None;
-    for (t, ok) in s {
-        match (ok, open.as_mut()) {
-            (false, None) => open = Some(Outage::begin(t, last_ok)),
+    for x in s {
+        // A probe sent before the last outage's end (the answer that ended it was held):
+        // a failure reopens it, an answer may show the path working earlier.
+        let before_last_end =
+            open.is_none() && out.last().and_then(|o| o.end).is_some_and(|e| x.sent < e);
+        match (x.ok, open.as_mut()) {
             (false, Some(o)) => {
-                o.last_failed = Some(t);
+                o.last_failed = Some(x.sent);
                 o.failed += 1;
             }
+            (false, None) if before_last_end => {
+                let mut o = out.pop().expect("checked above");
+                o.end = None;
+                o.held = None;
+                o.last_failed = Some(x.sent);
+                o.failed += 1;
+                open = Some(o);
+            }
+            (false, None) => open = Some(Outage::begin(x.sent, last_ok)),
             (true, _) => {
                 if let Some(mut o) = open.take() {
-                    o.end = Some(t);
+                    o.close_with(&x);
                     out.push(o);
+                } else if before_last_end {
+                    if let Some(o) = out.last_mut() {
+                        o.close_with(&x);
+                    }
                 }
-                last_ok = Some(t);
+                last_ok = Some(x.sent);
             }
         }
     }
@@ -174,6 +334,7 @@ mod tests {
                 after_ok: Some(0.0),
                 last_failed: Some(1.5),
                 failed: 2,
+                held: None,
             }]
         );
         let g = summarize(&o, 0.01, 3.0);
@@ -204,5 +365,113 @@ mod tests {
     fn no_failures_no_gap() {
         let g = summarize(&outages(&[(0.0, true), (0.1, true)]), 0.01, 1.0);
         assert_eq!((g.longest, g.count), (0.0, 0));
+    }
+
+    /// Issue 26, item 1: a client's neighbour entry is INCOMPLETE while the path is down
+    /// (probes every 10 ms, timeout 200 ms, usual round trip 1 ms). The packets queue; the
+    /// gratuitous ARP at 2.0 releases them, so every probe sent in [1.8, 2.0) is answered in
+    /// time — held until 2.0. Counted at their send times the outage would end at 1.8, 200 ms
+    /// early, with a 10 ms bound; counted when released it ends at 2.0, and the bound reaches
+    /// back to the last probe that failed.
+    #[test]
+    fn answers_held_in_a_neighbour_queue_end_the_outage_when_released() {
+        let (down, up, rtt) = (1.0, 2.0, 0.001);
+        let mut floor = RttFloor::default();
+        let mut samples = Vec::new();
+        for i in 0..300 {
+            let sent = i as f64 * 0.01;
+            let s = if sent < down || sent >= up {
+                Sample::answered(sent, rtt, floor.observe(sent, rtt))
+            } else if sent >= up - 0.2 + 1e-9 {
+                // Released at `up`, answered one usual round trip later.
+                let r = up - sent + rtt;
+                Sample::answered(sent, r, floor.observe(sent, r))
+            } else {
+                Sample::failed(sent)
+            };
+            samples.push(s);
+        }
+        let o = outages(&samples);
+        assert_eq!(o.len(), 1, "{o:?}");
+        let g = summarize(&o, 0.01, 3.0);
+        let truth = up - down;
+        assert!((g.longest - truth).abs() < 1e-6, "{g:?}");
+        assert!(
+            g.error_bound >= 0.19 && g.error_bound <= 0.21,
+            "the bound reaches back to the last failure: {g:?}"
+        );
+        assert!(o[0].held.is_some_and(|h| (h - 0.19).abs() < 0.011), "{o:?}");
+        // The arithmetic before this issue: the same probes counted at their send times.
+        let naive: Vec<(f64, bool)> = samples.iter().map(|s| (s.sent, s.ok)).collect();
+        let n = summarize(&outages(&naive), 0.01, 3.0);
+        assert!(
+            truth - n.longest > n.error_bound + 0.1,
+            "counted at send time the outage is short beyond its bound: {n:?}"
+        );
+    }
+
+    /// Answers in the usual time (jitter under a millisecond) change nothing: the end is the
+    /// first answer's send time within the jitter, the bound the cadence.
+    #[test]
+    fn answers_in_the_usual_time_keep_the_cadence_bound() {
+        let mut floor = RttFloor::default();
+        let samples: Vec<Sample> = timeline((0.3, 0.6))
+            .into_iter()
+            .enumerate()
+            .map(|(i, (t, ok))| {
+                let rtt = 0.001 + (i % 3) as f64 * 0.0002;
+                Sample::of(t, ok, rtt, floor.observe(t, rtt))
+            })
+            .collect();
+        let o = outages(&samples);
+        let g = summarize(&o, 0.01, 1.0);
+        assert!((g.longest - 0.3).abs() <= 0.0005, "{g:?}");
+        assert!(g.error_bound <= 0.0105, "{g:?}");
+        assert_eq!(o[0].held, None);
+    }
+
+    /// A slow answer sent before the end of an outage closed by a held one shows the path
+    /// working earlier; a failure sent before that end reopens the outage.
+    #[test]
+    fn answers_and_failures_sent_before_a_held_end() {
+        // Outage from 1.0; the probe sent at 1.1 was held until 1.5; one sent at 1.2 was
+        // answered promptly (the path worked by 1.2).
+        let s = vec![
+            Sample::answered(0.9, 0.001, 0.001),
+            Sample::failed(1.0),
+            Sample::answered(1.1, 0.401, 0.001),
+            Sample::answered(1.2, 0.001, 0.001),
+        ];
+        let o = outages(&s);
+        assert_eq!(o.len(), 1);
+        assert!((o[0].end.unwrap() - 1.2).abs() < 1e-9, "{o:?}");
+        // A failure sent at 1.3, before the held end at 1.5: the outage goes on.
+        let s = vec![
+            Sample::answered(0.9, 0.001, 0.001),
+            Sample::failed(1.0),
+            Sample::answered(1.1, 0.401, 0.001),
+            Sample::failed(1.3),
+            Sample::answered(1.4, 0.001, 0.001),
+        ];
+        let o = outages(&s);
+        assert_eq!(o.len(), 1, "{o:?}");
+        assert_eq!((o[0].last_failed, o[0].failed), (Some(1.3), 2));
+        assert!((o[0].end.unwrap() - 1.4).abs() < 1e-9, "{o:?}");
+    }
+
+    #[test]
+    fn the_rtt_floor_is_the_fastest_answer_of_the_last_minute() {
+        let mut f = RttFloor::default();
+        assert_eq!(f.observe(10.2, 0.005), 0.005);
+        assert_eq!(f.observe(10.5, 0.002), 0.002);
+        assert_eq!(
+            f.observe(11.0, 0.300),
+            0.002,
+            "a held answer does not raise it"
+        );
+        assert_eq!(f.observe(10.9, 0.001), 0.001, "out of order, same second");
+        // A minute later the old seconds are gone: a slower path is the new usual.
+        assert_eq!(f.observe(72.0, 0.004), 0.004);
+        assert!(f.buckets.len() <= 62);
     }
 }

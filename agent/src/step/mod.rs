@@ -532,9 +532,9 @@ pub struct TargetTimeline {
     /// The target's own finer cadence during a step (`targets[].burst_interval`), seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cadence_s: Option<f64>,
-    /// This run's samples (send time, ok); not persisted, summarized into `prior` on save.
+    /// This run's samples; not persisted, summarized into `prior` on save.
     #[serde(skip)]
-    pub samples: Vec<(f64, bool)>,
+    pub samples: Vec<gaps::Sample>,
 }
 
 impl TargetTimeline {
@@ -546,15 +546,19 @@ impl TargetTimeline {
     pub fn outages(&self) -> Vec<Outage> {
         let mut o = self.prior.clone();
         let mut s = self.samples.clone();
-        s.sort_by(|a, b| a.0.total_cmp(&b.0));
+        s.sort_by(|a, b| a.sent.total_cmp(&b.sent));
         let mut cur = gaps::outages_after(&s, self.last_ok);
         // An outage still open when the agent went down (or when older samples were folded)
         // continues into this run.
         if let Some(last) = o.last_mut().filter(|l| l.end.is_none()) {
             match s.first() {
-                Some((t, true)) => last.end = Some(*t),
-                Some((t, false)) if cur.first().is_some_and(|c| c.start == *t) => {
+                Some(x) if x.ok => {
+                    last.end = Some(x.up_by);
+                    last.held = Some(x.held()).filter(|h| *h >= gaps::HELD_MIN_S);
+                }
+                Some(x) if cur.first().is_some_and(|c| c.start == x.sent) => {
                     last.end = cur[0].end;
+                    last.held = cur[0].held;
                     last.last_failed = cur[0].last_failed;
                     last.failed += cur[0].failed;
                     cur.remove(0);
@@ -623,8 +627,7 @@ impl TargetTimeline {
     }
 }
 
-/// Probe samples: (send time, ok).
-type Samples = Vec<(f64, bool)>;
+type Samples = Vec<gaps::Sample>;
 
 /// Outages kept per target in a step's record (a target flapping at 25 outages/s for a
 /// 10-minute step would otherwise rewrite 15,000 of them every 500 ms).
@@ -634,14 +637,14 @@ impl TargetTimeline {
     /// Folds samples sent before `cutoff` into `prior` outages, keeping memory bounded during
     /// long steps. Only call with a cutoff older than every probe still in flight.
     pub fn compact(&mut self, cutoff: f64) {
-        if !self.samples.iter().any(|s| s.0 < cutoff) {
+        if !self.samples.iter().any(|s| s.sent < cutoff) {
             return;
         }
-        let (old, keep): (Samples, Samples) = self.samples.iter().partition(|s| s.0 < cutoff);
+        let (old, keep): (Samples, Samples) = self.samples.iter().partition(|s| s.sent < cutoff);
         let last_ok = old
             .iter()
-            .filter(|s| s.1)
-            .map(|s| s.0)
+            .filter(|s| s.ok)
+            .map(|s| s.sent)
             .fold(self.last_ok, |a, t| Some(a.map_or(t, |a: f64| a.max(t))));
         let folded = TargetTimeline {
             prior: std::mem::take(&mut self.prior),
@@ -1335,6 +1338,7 @@ mod tests {
                 )
             })
             .collect();
+        let samples: Vec<gaps::Sample> = samples.into_iter().map(Into::into).collect();
         let full = TargetTimeline {
             samples: samples.clone(),
             ..Default::default()
@@ -1343,7 +1347,7 @@ mod tests {
         let mut t = TargetTimeline::default();
         for chunk in samples.chunks(500) {
             t.samples.extend_from_slice(chunk);
-            t.compact(chunk[0].0);
+            t.compact(chunk[0].sent);
         }
         t.compact(1e9);
         assert!(t.prior.len() <= MAX_OUTAGES, "{}", t.prior.len());
@@ -1363,6 +1367,7 @@ mod tests {
         let samples: Vec<(f64, bool)> = (0..1000)
             .map(|i| (i as f64 * 0.01, !(300..600).contains(&i) && i != 800))
             .collect();
+        let samples: Vec<gaps::Sample> = samples.into_iter().map(Into::into).collect();
         let full = TargetTimeline {
             samples: samples.clone(),
             ..Default::default()
@@ -1370,7 +1375,7 @@ mod tests {
         let mut compacted = TargetTimeline::default();
         for chunk in samples.chunks(37) {
             compacted.samples.extend_from_slice(chunk);
-            let cutoff = chunk[0].0;
+            let cutoff = chunk[0].sent;
             compacted.compact(cutoff);
         }
         assert_eq!(compacted.outages(), full.outages());
@@ -1383,7 +1388,7 @@ mod tests {
             prior: vec![Outage::begin(1.0, None)],
             ..Default::default()
         };
-        t.samples = vec![(5.0, false), (6.0, true)];
+        t.samples = vec![(5.0, false).into(), (6.0, true).into()];
         let o = t.outages();
         assert_eq!((o.len(), o[0].start, o[0].end), (1, 1.0, Some(6.0)));
         assert_eq!(o[0].last_failed, Some(5.0));
@@ -1394,10 +1399,11 @@ mod tests {
                 after_ok: None,
                 last_failed: Some(1.5),
                 failed: 2,
+                held: None,
             }],
             ..Default::default()
         };
-        t.samples = vec![(5.0, true), (6.0, false), (7.0, true)];
+        t.samples = vec![(5.0, true).into(), (6.0, false).into(), (7.0, true).into()];
         assert_eq!(t.outages().len(), 2);
     }
 }

@@ -63,7 +63,7 @@ pub fn stalls(step: &mut Step, complete_until: f64) -> Option<(String, f64, f64)
         let mut sent: Vec<f64> = t
             .samples
             .iter()
-            .map(|s| s.0)
+            .map(|s| s.sent)
             .filter(|s| *s > prev && *s <= complete_until)
             .collect();
         sent.sort_by(|a, b| a.total_cmp(b));
@@ -1761,10 +1761,12 @@ mod tests {
     }
 
     /// Sets a target's samples and its counts, as the runner records them.
-    fn record(s: &mut Step, samples: Vec<(f64, bool)>) {
+    fn record<S: Into<super::super::gaps::Sample>>(s: &mut Step, samples: Vec<S>) {
+        let samples: Vec<super::super::gaps::Sample> =
+            samples.into_iter().map(Into::into).collect();
         let t = s.targets.get_mut("gw").unwrap();
         t.probes = samples.len() as u64;
-        t.failures = samples.iter().filter(|x| !x.1).count() as u64;
+        t.failures = samples.iter().filter(|x| !x.ok).count() as u64;
         t.samples = samples;
     }
 
@@ -1819,8 +1821,8 @@ mod tests {
         // Green since ~3.0 (reload at 1.0 + 1 s quiet... ); a probe sent at 5.0 failed and is
         // recorded only now.
         let t = s.targets.get_mut("gw").unwrap();
-        for x in t.samples.iter_mut().filter(|x| (x.0 - 5.0).abs() < 1e-6) {
-            x.1 = false;
+        for x in t.samples.iter_mut().filter(|x| (x.sent - 5.0).abs() < 1e-6) {
+            x.ok = false;
         }
         t.failures = 1;
         let since = s.green_since.unwrap();
@@ -1847,10 +1849,10 @@ mod tests {
         )
     }
     /// Probes every 10 ms from 0 to `until`, failing inside `down`.
-    fn timeline(until: f64, down: Option<(f64, f64)>) -> Vec<(f64, bool)> {
+    fn timeline(until: f64, down: Option<(f64, f64)>) -> Vec<super::super::gaps::Sample> {
         (0..=(until * 100.0) as usize)
             .map(|i| i as f64 * 0.01)
-            .map(|t| (t, !down.is_some_and(|(a, b)| t >= a - 1e-9 && t < b - 1e-9)))
+            .map(|t| (t, !down.is_some_and(|(a, b)| t >= a - 1e-9 && t < b - 1e-9)).into())
             .collect()
     }
     fn obs(now: f64, p: Option<BTreeMap<String, Option<u32>>>) -> Observed {
@@ -2263,9 +2265,9 @@ mod tests {
     #[test]
     fn a_stalled_probe_loop_is_a_hole_in_the_evidence() {
         let mut s = step();
-        let samples: Vec<(f64, bool)> = timeline(70.0, None)
+        let samples: Vec<super::super::gaps::Sample> = timeline(70.0, None)
             .into_iter()
-            .filter(|(t, _)| !(*t > 3.0 && *t < 3.4))
+            .filter(|x| !(x.sent > 3.0 && x.sent < 3.4))
             .collect();
         s.targets.get_mut("gw").unwrap().samples = samples;
         for t in [1.0, 2.5, 5.0, 9.0] {
@@ -2282,7 +2284,7 @@ mod tests {
         let mut s = step();
         s.targets.get_mut("gw").unwrap().samples = timeline(70.0, None)
             .into_iter()
-            .filter(|(t, _)| !(*t > 3.0 && *t < 3.15))
+            .filter(|x| !(x.sent > 3.0 && x.sent < 3.15))
             .collect();
         for t in [1.0, 2.5, 5.0, 9.0] {
             decide(&mut s, &obs(t, progs(Some(20), Some(21))));
