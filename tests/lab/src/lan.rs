@@ -16,8 +16,21 @@
 //!   its next retry (`retry` after the release), adds the responder entry and sends a
 //!   gratuitous ARP; after a crash the lease must expire first (`duration`, then `retry`);
 //! - the stopped holder's responder keeps answering ARP until its agent's liveness stamp is
-//!   older than the lease duration, so two nodes answer during a move; the restarted agent
-//!   removes the entries of leases it no longer holds.
+//!   older than the lease duration, so two nodes answer during a move; its entries stay in
+//!   the pinned map and answer again once the new agent heartbeats;
+//! - the restarted agent's L2 responder reconciles the pinned map against a still-empty table
+//!   at its start ([`ResponderFlush`]): Cilium means to delete every entry, but through a
+//!   reused key pointer deletes only the one iterated last (cilium/cilium#45068, in every
+//!   version read; fixed by #45197); once its leases are (re)acquired
+//!   ([`LanRestartOpts::reacquire_after`]) it re-adds the entries that are missing, each with
+//!   a gratuitous ARP, and none for an entry still there (`garpOnNewEntry`); a taker with a
+//!   stale entry of its own sends no gratuitous ARP either;
+//! - a `kubectl delete pod` gives the agent the Helm chart's 1 s grace
+//!   (`terminationGracePeriodSeconds`, preStop hook included): a release that takes longer
+//!   never happens, and the leases expire as after a crash ([`LanRestartOpts::release_takes`]);
+//! - the LAN client's (or a node's) neighbour entries can be forgotten mid-restart
+//!   ([`Forget`]): its kernel then queues packets on an INCOMPLETE entry until something
+//!   answers; the lab watches the neighbour table (rtnetlink) for when it resolved.
 //!
 //! Not imitated: the API server (the lab decides the lease moves itself, with Cilium's
 //! timings, deterministically: the taker acts exactly `retry` after the lease became free,
@@ -32,8 +45,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The LAN's router address (nothing answers there; the nodes' second default route).
@@ -162,6 +173,11 @@ pub struct LanState {
     pub nodes: Vec<String>,
     /// VIP name → index of the node holding its lease.
     pub holders: BTreeMap<String, u8>,
+    /// Node index → the VIPs in its L2 responder map (`cilium_l2_responder_v4`): held ones,
+    /// and stale ones its reconciliation has not deleted. Empty in state files from before
+    /// issue 26: the holders' VIPs.
+    #[serde(default)]
+    pub entries: BTreeMap<u8, std::collections::BTreeSet<String>>,
     pub procs: Vec<Proc>,
     pub ready: bool,
 }
@@ -183,8 +199,140 @@ pub struct VipTruth {
     /// When the VIP stopped answering for the LAN client (the ARP entry the client uses points
     /// at a node whose datapath drops): the instant lies in [.0, .1]. None: it never stopped.
     pub stopped: Option<(u128, u128)>,
-    /// When it answered again (the datapath back, or the client moved by the gratuitous ARP).
+    /// When it answered again (the datapath back, the client moved by the gratuitous ARP, or
+    /// the client's kernel resolved the VIP again after forgetting it).
     pub resumed: Option<(u128, u128)>,
+    /// The taker had no entry of its own and sent a gratuitous ARP (false: a stale entry of
+    /// its own was there, so it sent none and the client was not moved).
+    #[serde(default)]
+    pub takeover_garp: bool,
+    /// The restarted node's responder reconciliation deleted its entry at the agent's start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flushed: Option<(u128, u128)>,
+    /// The restarted node, still the holder, re-added the entry with a gratuitous ARP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reannounced: Option<(u128, u128)>,
+    /// The LAN client's kernel resolved the VIP again after forgetting it (rtnetlink).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_resolved_ns: Option<u128>,
+}
+
+/// How the restarted agent's L2 responder reconciles `cilium_l2_responder_v4` at its start,
+/// against an `l2-announce` table nothing has filled yet (docs/cilium-fidelity.md, "L2
+/// responder at start").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponderFlush {
+    /// Cilium 1.16 to 1.19.0-dev as read: every undesired key is collected through one
+    /// reused pointer, so only the entry iterated last is deleted (cilium/cilium#45068).
+    /// The lab's iteration order is its VIP order (the real one is the hash map's).
+    #[default]
+    Last,
+    /// After cilium/cilium#45197: every entry is deleted.
+    All,
+    /// Nothing is deleted (the lab before issue 26).
+    None,
+}
+
+impl std::str::FromStr for ResponderFlush {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "last" => Ok(Self::Last),
+            "all" => Ok(Self::All),
+            "none" => Ok(Self::None),
+            _ => bail!("responder flush {s:?}: expected last, all or none"),
+        }
+    }
+}
+
+/// Whose neighbour entries are forgotten during a restart, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Forget {
+    /// None: the LAN client's (`eth0`: the VIPs); `Some(i)`: node `i`'s on `eth1` (the
+    /// other nodes, its overlay peers).
+    pub on: Option<u8>,
+    /// After the agent went down; None: right after its responder's reconciliation at start.
+    #[serde(default, with = "opt_ms")]
+    pub after: Option<Duration>,
+}
+
+mod opt_ms {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&(d.as_millis() as u64)),
+            None => s.serialize_none(),
+        }
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
+    }
+}
+
+/// A LAN restart's lease and responder behaviour (Cilium's, by default).
+#[derive(Clone, Debug)]
+pub struct LanRestartOpts {
+    /// The agent crashes: nothing is released; the leases expire.
+    pub crash: bool,
+    /// The pod's termination grace (Helm `terminationGracePeriodSeconds`: 1 s in 1.16 to
+    /// 1.19, the preStop hook included).
+    pub grace: Duration,
+    /// From the pod's termination to its lease releases reaching the API server (the preStop
+    /// hook, the agent's shutdown up to its leader elections, one Update per lease). Not
+    /// under `grace`: the agent is killed first and nothing is released.
+    pub release_takes: Duration,
+    pub flush: ResponderFlush,
+    /// From the new agent's start to its leases (re)acquired and the table filled (its
+    /// informers synced, a lease round trip): when missing entries are re-added. Not
+    /// measured on a real agent; 1 s by default.
+    pub reacquire_after: Duration,
+    pub forget: Option<Forget>,
+}
+
+impl Default for LanRestartOpts {
+    fn default() -> Self {
+        Self {
+            crash: false,
+            grace: Duration::from_secs(1),
+            release_takes: Duration::ZERO,
+            flush: ResponderFlush::Last,
+            reacquire_after: Duration::from_secs(1),
+            forget: None,
+        }
+    }
+}
+
+/// The neighbour entries a restart forgot, and what the kernel did with them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Forgotten {
+    /// The namespace whose entries were flushed, and the device.
+    pub netns: String,
+    pub dev: String,
+    /// Wall clock ns just before and after `ip neigh flush dev DEV`.
+    pub at: (u128, u128),
+    /// Every change of the namespace's neighbour table while the lab watched (rtnetlink).
+    pub events: Vec<sys::NeighEvent>,
+}
+
+impl Forgotten {
+    /// When `addr` had a usable entry again after it was forgotten: the first valid state
+    /// after its deletion (the kernel sends the packets it queued at that moment).
+    pub fn resolved(&self, addr: Ipv4Addr) -> Option<u128> {
+        let mine = self
+            .events
+            .iter()
+            .filter(|e| e.addr == addr && e.at_ns >= self.at.0);
+        let deleted_at = mine
+            .clone()
+            .filter(|e| e.deleted && e.at_ns <= self.at.1 + 5_000_000)
+            .map(|e| e.at_ns)
+            .max();
+        mine.filter(|e| e.valid() && deleted_at.is_none_or(|d| e.at_ns > d))
+            .map(|e| e.at_ns)
+            .next()
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -192,6 +340,14 @@ pub struct LanRestartReport {
     pub node: u8,
     pub crash: bool,
     pub lease: LeaseTimings,
+    /// A graceful stop: whether the leases were released within the grace (None: a crash).
+    #[serde(default)]
+    pub released: Option<bool>,
+    #[serde(default)]
+    pub flush: ResponderFlush,
+    /// The neighbour entries forgotten during the restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forgot: Option<Forgotten>,
     pub vips: Vec<VipTruth>,
     /// The node's own restart, as [`Lab::restart`] reports it.
     pub restart: RestartReport,
@@ -199,17 +355,6 @@ pub struct LanRestartReport {
 
 fn state_file(run_dir: &Path) -> PathBuf {
     run_dir.join("lan.json")
-}
-
-/// A VIP's lease move, run on the lease thread.
-struct Move {
-    vip: LanVip,
-    from: u8,
-    to: u8,
-    /// After the agent went down: the taker acts at this offset.
-    takeover_after: Duration,
-    /// After the agent went down: the old holder's responder goes quiet (liveness stale).
-    quiet_after: Duration,
 }
 
 impl LanLab {
@@ -237,6 +382,7 @@ impl LanLab {
                 netns: vec![],
                 nodes: vec![],
                 holders: BTreeMap::new(),
+                entries: BTreeMap::new(),
                 procs: vec![],
                 ready: false,
                 spec: LanSpec {
@@ -381,6 +527,11 @@ impl LanLab {
             let holder = if k == 2 { 1 } else { 0 };
             self.announce(holder, v)?;
             self.state.holders.insert(v.name.clone(), holder);
+            self.state
+                .entries
+                .entry(holder)
+                .or_default()
+                .insert(v.name.clone());
             self.save()?;
         }
         self.write_witness_config()?;
@@ -408,7 +559,7 @@ impl LanLab {
     /// ARP. Returns the wall clock just before and after the ARP went out.
     fn announce(&self, i: u8, v: &LanVip) -> Result<(u128, u128)> {
         let ns = self.node(i)?.node_ns();
-        netns::add_addr(&ns, "eth1", &format!("{}/32", v.addr))?;
+        self.answer(i, v)?;
         let mac = mac_of(&ns, "eth1")?;
         let ifindex = netns::ifindex(&ns, "eth1")?;
         let ip = v.addr;
@@ -421,6 +572,27 @@ impl LanLab {
             drop(sock);
             Ok((before, after))
         })
+    }
+
+    /// Node `i`'s responder answers ARP for the VIP (idempotent; no gratuitous ARP).
+    fn answer(&self, i: u8, v: &LanVip) -> Result<()> {
+        let ns = self.node(i)?.node_ns();
+        let have = netns::ip(&ns, &["-o", "addr", "show", "dev", "eth1"])?;
+        if !have.contains(&format!("{}/32", v.addr)) {
+            netns::add_addr(&ns, "eth1", &format!("{}/32", v.addr))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the neighbour entries of `f` (the client's, or a node's), timed.
+    fn forget(&self, f: &Forget) -> Result<(String, &'static str, (u128, u128))> {
+        let (ns, dev) = match f.on {
+            None => (self.client_ns(), "eth0"),
+            Some(i) => (self.node(i)?.node_ns(), "eth1"),
+        };
+        let before = now_ns();
+        netns::ip(&ns, &["neigh", "flush", "dev", dev])?;
+        Ok((ns, dev, (before, now_ns())))
     }
 
     /// Node `i`'s responder stops answering ARP for the VIP.
@@ -471,11 +643,32 @@ impl LanLab {
         std::fs::write(self.witness_config(), yaml).context("write the witness config")
     }
 
-    /// Restarts the agent on node `i` (see [`Lab::restart`]) while the lease of every VIP it
-    /// holds moves as Cilium moves it: released at a graceful stop (`crash`: not released,
-    /// it expires), taken by the next node at its retry, announced with a gratuitous ARP; the
-    /// old holder's responder answers until its liveness is older than the lease duration.
+    /// Restarts the agent on node `i` (see [`Lab::restart`]) with Cilium's lease and
+    /// responder behaviour ([`LanRestartOpts::default`]); `crash`: nothing is released.
     pub fn restart(&mut self, i: u8, o: &RestartOpts, crash: bool) -> Result<LanRestartReport> {
+        self.restart_lan(
+            i,
+            o,
+            &LanRestartOpts {
+                crash,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Restarts the agent on node `i` (see [`Lab::restart`]) while the lease of every VIP it
+    /// holds moves as Cilium moves it: released at a graceful stop within the grace (else,
+    /// and after a crash, it expires), taken by the next node at its retry, announced with a
+    /// gratuitous ARP when the taker had no entry; the old holder's responder answers until
+    /// its liveness is older than the lease duration; the new agent's responder reconciles
+    /// at its start and re-adds what it still holds once its leases are acquired (see the
+    /// module's documentation).
+    pub fn restart_lan(
+        &mut self,
+        i: u8,
+        o: &RestartOpts,
+        lo: &LanRestartOpts,
+    ) -> Result<LanRestartReport> {
         check_root()?;
         if !self.state.ready {
             bail!("LAN lab {} is not ready", self.state.spec.prefix);
@@ -488,110 +681,101 @@ impl LanLab {
                 n - 1
             );
         }
-        let lease = self.state.spec.lease;
-        let moves: Vec<Move> = vips()
-            .into_iter()
-            .filter(|v| self.state.holders.get(&v.name) == Some(&i))
-            .map(|vip| Move {
-                vip,
-                from: i,
-                to: (i + 1) % n,
-                takeover_after: if crash {
-                    lease.duration + lease.retry
-                } else {
-                    lease.retry
-                },
-                quiet_after: lease.duration,
-            })
-            .collect();
+        if let Some(j) = lo.forget.and_then(|f| f.on).filter(|j| *j >= n) {
+            bail!("--forget-neighbours node{j}: LAN lab has nodes 0 to {}", n - 1);
+        }
+        if self.state.entries.is_empty() {
+            for (v, h) in &self.state.holders {
+                self.state.entries.entry(*h).or_default().insert(v.clone());
+            }
+        }
+        let holders_before = self.state.holders.clone();
+        // The neighbour table the restart forgets is watched from before it.
+        let watch = match lo.forget {
+            Some(f) => {
+                let ns = match f.on {
+                    None => self.client_ns(),
+                    Some(j) => self.node(j)?.node_ns(),
+                };
+                Some(
+                    sys::NeighWatch::start(&netns::netns_path(&ns))
+                        .with_context(|| format!("watch the neighbour table of {ns}"))?,
+                )
+            }
+            None => None,
+        };
         let mut node = self.node(i)?;
-        let back = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = std::sync::mpsc::channel::<Instant>();
+        let (tx, rx) = std::sync::mpsc::channel::<(crate::AgentEvent, Instant)>();
         let lease_thread = {
             let me = LanLab {
                 state: self.state.clone(),
             };
-            let back = back.clone();
-            let moves: Vec<(LanVip, u8, u8, Duration, Duration)> = moves
-                .iter()
-                .map(|m| (m.vip.clone(), m.from, m.to, m.takeover_after, m.quiet_after))
-                .collect();
-            std::thread::spawn(move || -> Result<BTreeMap<String, (u128, u128)>> {
-                let mut taken = BTreeMap::new();
-                let Ok(down_at) = rx.recv() else {
-                    return Ok(taken);
-                };
-                // Events in time order: (offset, vip index, takeover?).
-                let mut events: Vec<(Duration, usize, bool)> = Vec::new();
-                for (k, m) in moves.iter().enumerate() {
-                    events.push((m.3, k, true));
-                    events.push((m.4, k, false));
-                }
-                events.sort_by_key(|e| e.0);
-                'events: for (at, k, takeover) in events {
-                    let deadline = down_at + at;
-                    // Sleep in slices: once the agent is back, a crashed holder keeps its
-                    // lease (it renews before the lease expires) and a responder it still
-                    // runs never goes quiet; only a released lease is still taken.
-                    while Instant::now() < deadline {
-                        if back.load(Ordering::SeqCst) && (crash || !takeover) {
-                            continue 'events;
-                        }
-                        std::thread::sleep(
-                            deadline
-                                .saturating_duration_since(Instant::now())
-                                .min(Duration::from_millis(2)),
-                        );
-                    }
-                    let (vip, from, to, _, _) = &moves[k];
-                    if takeover {
-                        if crash && back.load(Ordering::SeqCst) {
-                            continue;
-                        }
-                        let t = me.announce(*to, vip)?;
-                        taken.insert(vip.name.clone(), t);
-                    } else if !back.load(Ordering::SeqCst) {
-                        // The stopped agent's liveness stamp is older than the lease: its
-                        // responder goes quiet.
-                        me.withdraw(*from, vip)?;
-                    }
-                }
-                Ok(taken)
-            })
+            let lo = lo.clone();
+            std::thread::spawn(move || me.lease_clock(i, &lo, rx))
         };
-        let mut tx = Some(tx);
-        let restarted = node.restart_with(o, &mut |_| {
-            if let Some(tx) = tx.take() {
-                let _ = tx.send(Instant::now());
-            }
+        let restarted = node.restart_with(o, &mut |e| {
+            let _ = tx.send((e, Instant::now()));
         });
-        back.store(true, Ordering::SeqCst);
         drop(tx);
-        let taken = lease_thread
+        let clock = lease_thread
             .join()
             .map_err(|_| anyhow::anyhow!("the lease thread panicked"))??;
         let r = restarted?;
-        // The restarted agent reconciles its responder map: entries of leases it no longer
-        // holds are removed.
-        let mut vips_out = Vec::new();
-        for m in &moves {
-            let took = taken.get(&m.vip.name).copied();
-            if took.is_some() {
-                self.state.holders.insert(m.vip.name.clone(), m.to);
-                self.withdraw(m.from, &m.vip)?;
-            } else {
-                // Still the holder (a crash shorter than the lease): the agent recreates a
-                // responder entry that went quiet, with a gratuitous ARP.
-                let ns = self.node(m.from)?.node_ns();
-                let have = netns::ip(&ns, &["-o", "addr", "show", "dev", "eth1"])?;
-                if !have.contains(&format!("{}/32", m.vip.addr)) {
-                    self.announce(m.from, &m.vip)?;
+        self.state.holders = clock.holders.clone();
+        self.state.entries = clock.entries.clone();
+        self.save()?;
+        // The forgotten entries resolve when something answers (a gratuitous ARP, an ARP
+        // reply to a retransmitted request): watched until each has, or 5 s.
+        let forgot = match (watch, clock.forgot) {
+            (Some(w), Some((ns, dev, at))) => {
+                let addrs: Vec<Ipv4Addr> = match lo.forget.and_then(|f| f.on) {
+                    None => vips().iter().map(|v| v.addr).collect(),
+                    Some(j) => (0..n).filter(|k| *k != j).map(node_addr).collect(),
+                };
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let mut f = Forgotten {
+                    netns: ns,
+                    dev: dev.into(),
+                    at,
+                    events: vec![],
+                };
+                // The watcher's events are only read when it stops: peek by polling the
+                // kernel's table, then stop it.
+                while Instant::now() < deadline && !self.all_resolved(&f, &addrs)? {
+                    std::thread::sleep(Duration::from_millis(20));
                 }
+                f.events = w.stop().context("the neighbour watcher")?;
+                Some(f)
             }
-            let (stopped, resumed) = if r.blackhole {
+            (Some(w), None) => {
+                let _ = w.stop();
+                None
+            }
+            _ => None,
+        };
+        let resolved = |addr: Ipv4Addr| forgot.as_ref().and_then(|f| f.resolved(addr));
+        let client_forgot = forgot
+            .as_ref()
+            .filter(|_| lo.forget.is_some_and(|f| f.on.is_none()));
+        let mut vips_out = Vec::new();
+        for v in vips() {
+            let before = holders_before.get(&v.name).copied().unwrap_or(0);
+            let after = self.state.holders.get(&v.name).copied().unwrap_or(before);
+            let took = clock.taken.get(&v.name).copied();
+            let flushed = clock
+                .flushed
+                .get(&v.name)
+                .copied()
+                .filter(|_| clock.held_at_start.contains(&v.name));
+            let reannounced = clock.reannounced.get(&v.name).copied();
+            let client_resolved_ns = client_forgot.and_then(|_| resolved(v.addr));
+            // The client's entry points at the holder; while that node's datapath drops,
+            // the VIP is down for it, until the gratuitous ARP of a taker without an entry
+            // moves it, or the datapath is back.
+            let (mut stopped, mut resumed) = if r.blackhole && before == i {
                 let back = (r.blackhole_off_ns, r.blackhole_end_ns);
                 let resumed = match took {
-                    Some(t) if t.0 < back.0 => t,
+                    Some((t0, t1, true)) if t0 < back.0 => (t0, t1),
                     _ => back,
                 };
                 (
@@ -601,39 +785,224 @@ impl LanLab {
             } else {
                 (None, None)
             };
-            vips_out.push(VipTruth {
-                name: m.vip.name.clone(),
-                addr: m.vip.addr,
-                holder_before: m.from,
-                holder_after: if took.is_some() { m.to } else { m.from },
-                takeover: took,
-                stopped,
-                resumed,
-            });
-        }
-        for v in vips()
-            .iter()
-            .filter(|v| !moves.iter().any(|m| m.vip == **v))
-        {
-            let h = self.state.holders.get(&v.name).copied().unwrap_or(0);
+            if let Some(f) = client_forgot {
+                match (stopped, resumed) {
+                    // Forgotten during that outage: the client's kernel queues for the VIP
+                    // until something answers its ARP, whatever the datapath does.
+                    (Some(st), Some(res)) if f.at.1 >= st.0 && f.at.0 <= res.1 => {
+                        resumed = client_resolved_ns.map(|t| (t, t));
+                    }
+                    // Forgotten while the holder's responder, flushed at its start, answers
+                    // nothing for the VIP (until it re-adds the entry): down for the client
+                    // from the moment it forgot until its kernel resolved the VIP again.
+                    (None, _) if flushed.is_some_and(|fl| f.at.0 >= fl.0) => {
+                        let silent_until = reannounced
+                            .map(|x| x.0)
+                            .or(took.filter(|t| t.2).map(|t| t.0));
+                        if silent_until.is_none_or(|u| f.at.1 <= u) {
+                            stopped = Some(f.at);
+                            resumed = client_resolved_ns.map(|t| (t, t));
+                        }
+                    }
+                    _ => {}
+                }
+            }
             vips_out.push(VipTruth {
                 name: v.name.clone(),
                 addr: v.addr,
-                holder_before: h,
-                holder_after: h,
-                takeover: None,
-                stopped: None,
-                resumed: None,
+                holder_before: before,
+                holder_after: after,
+                takeover: took.map(|t| (t.0, t.1)),
+                takeover_garp: took.is_some_and(|t| t.2),
+                stopped,
+                resumed,
+                flushed,
+                reannounced,
+                client_resolved_ns,
             });
         }
-        self.save()?;
         Ok(LanRestartReport {
             node: i,
-            crash,
-            lease,
+            crash: lo.crash,
+            lease: self.state.spec.lease,
+            released: clock.released,
+            flush: lo.flush,
+            forgot,
             vips: vips_out,
             restart: r,
         })
+    }
+
+    /// Whether every address in `addrs` has a usable entry in the forgotten table now.
+    fn all_resolved(&self, f: &Forgotten, addrs: &[Ipv4Addr]) -> Result<bool> {
+        let out = netns::ip(&f.netns, &["-4", "neigh", "show", "dev", &f.dev])?;
+        Ok(addrs.iter().all(|a| {
+            out.lines().any(|l| {
+                l.split_whitespace().next() == Some(&a.to_string())
+                    && ["REACHABLE", "STALE", "DELAY", "PROBE", "PERMANENT"]
+                        .iter()
+                        .any(|s| l.contains(s))
+            })
+        }))
+    }
+
+    /// The lease thread of a restart of node `i`: Cilium's lease and responder timeline from
+    /// the agent's stop (see [`LanLab::restart_lan`]). Ends when every scheduled move has
+    /// happened and the restart is over.
+    fn lease_clock(
+        &self,
+        i: u8,
+        lo: &LanRestartOpts,
+        rx: std::sync::mpsc::Receiver<(crate::AgentEvent, Instant)>,
+    ) -> Result<LeaseClock> {
+        let lease = self.state.spec.lease;
+        let n = self.state.spec.nodes;
+        let to = (i + 1) % n;
+        let mut c = LeaseClock {
+            holders: self.state.holders.clone(),
+            entries: self.state.entries.clone(),
+            ..Default::default()
+        };
+        let down = loop {
+            match rx.recv() {
+                Ok((crate::AgentEvent::Down(_), at)) => break at,
+                Ok(_) => continue,
+                Err(_) => return Ok(c),
+            }
+        };
+        let held: Vec<LanVip> = vips()
+            .into_iter()
+            .filter(|v| c.holders.get(&v.name) == Some(&i))
+            .collect();
+        c.held_at_start = held.iter().map(|v| v.name.clone()).collect();
+        let released = !lo.crash && lo.release_takes < lo.grace;
+        c.released = (!lo.crash).then_some(released);
+        let mut sched: Vec<(Instant, Act)> = Vec::new();
+        for v in &held {
+            let at = if released {
+                down + lo.release_takes + lease.retry
+            } else {
+                down + lease.duration + lease.retry
+            };
+            sched.push((at, Act::Takeover(v.clone())));
+        }
+        sched.push((down + lease.duration, Act::Quiet));
+        if let Some(f) = lo.forget {
+            if let Some(d) = f.after {
+                sched.push((down + d, Act::Forget(f)));
+            }
+        }
+        let mut started = false;
+        let mut renewed = false;
+        let mut back = false;
+        loop {
+            sched.sort_by_key(|x| x.0);
+            let next = sched.first().map(|x| x.0);
+            if back {
+                match next {
+                    None => break,
+                    Some(t) => std::thread::sleep(
+                        t.saturating_duration_since(Instant::now())
+                            .min(Duration::from_millis(2)),
+                    ),
+                }
+            } else {
+                let got = match next {
+                    Some(t) => rx
+                        .recv_timeout(t.saturating_duration_since(Instant::now()))
+                        .map_err(|e| e == std::sync::mpsc::RecvTimeoutError::Disconnected),
+                    None => rx.recv().map_err(|_| true),
+                };
+                match got {
+                    Ok((crate::AgentEvent::Started(ns), at)) => {
+                        started = true;
+                        c.started = Some(ns);
+                        // Its liveness stamp is fresh again: the entries that survive the
+                        // reconciliation answer again; the reconciliation runs against an
+                        // empty table.
+                        let present: Vec<LanVip> = vips()
+                            .into_iter()
+                            .filter(|v| c.entries.get(&i).is_some_and(|e| e.contains(&v.name)))
+                            .collect();
+                        let gone: Vec<LanVip> = match lo.flush {
+                            ResponderFlush::Last => present.last().cloned().into_iter().collect(),
+                            ResponderFlush::All => present.clone(),
+                            ResponderFlush::None => vec![],
+                        };
+                        for v in &present {
+                            if gone.contains(v) {
+                                let t0 = now_ns();
+                                self.withdraw(i, v)?;
+                                c.flushed.insert(v.name.clone(), (t0, now_ns()));
+                                if let Some(e) = c.entries.get_mut(&i) {
+                                    e.remove(&v.name);
+                                }
+                            } else {
+                                self.answer(i, v)?;
+                            }
+                        }
+                        if let Some(f) = lo.forget.filter(|f| f.after.is_none()) {
+                            c.forgot = Some(self.forget(&f)?);
+                        }
+                        sched.retain(|x| !matches!(x.1, Act::Quiet));
+                        sched.push((at + lo.reacquire_after, Act::Reacquire));
+                    }
+                    Ok(_) => {}
+                    Err(false) => {}
+                    Err(true) => back = true,
+                }
+            }
+            let now = Instant::now();
+            while sched.first().is_some_and(|x| x.0 <= now) {
+                let (_, act) = sched.remove(0);
+                match act {
+                    Act::Quiet => {
+                        // The stopped agent's liveness stamp is older than the lease: its
+                        // responder goes quiet (its entries stay in the map).
+                        if !started {
+                            for v in vips() {
+                                self.withdraw(i, &v)?;
+                            }
+                        }
+                    }
+                    Act::Forget(f) => c.forgot = Some(self.forget(&f)?),
+                    Act::Takeover(v) => {
+                        // Renewed (an unexpired lease of its own) or re-acquired (a free
+                        // one) by the restarted agent first: it stays.
+                        if renewed || c.holders.get(&v.name) != Some(&i) {
+                            continue;
+                        }
+                        c.holders.insert(v.name.clone(), to);
+                        let taker = c.entries.entry(to).or_default();
+                        let had = !taker.insert(v.name.clone());
+                        if had {
+                            // `garpOnNewEntry` finds the stale entry: no gratuitous ARP.
+                            self.answer(to, &v)?;
+                            let t = now_ns();
+                            c.taken.insert(v.name.clone(), (t, t, false));
+                        } else {
+                            let (t0, t1) = self.announce(to, &v)?;
+                            c.taken.insert(v.name.clone(), (t0, t1, true));
+                        }
+                    }
+                    Act::Reacquire => {
+                        renewed = true;
+                        sched.retain(|x| !matches!(x.1, Act::Takeover(_)));
+                        for v in vips()
+                            .into_iter()
+                            .filter(|v| c.holders.get(&v.name) == Some(&i))
+                        {
+                            let mine = c.entries.entry(i).or_default();
+                            if mine.insert(v.name.clone()) {
+                                let t = self.announce(i, &v)?;
+                                c.reannounced.insert(v.name.clone(), t);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(c)
     }
 
     pub fn status(&self) -> serde_json::Value {
@@ -719,6 +1088,30 @@ impl std::ops::DerefMut for LanGuard {
     fn deref_mut(&mut self) -> &mut LanLab {
         &mut self.0
     }
+}
+
+/// What a restart's lease thread did.
+#[derive(Default)]
+struct LeaseClock {
+    holders: BTreeMap<String, u8>,
+    entries: BTreeMap<u8, std::collections::BTreeSet<String>>,
+    /// The VIPs the restarted node held when its agent went down.
+    held_at_start: std::collections::BTreeSet<String>,
+    released: Option<bool>,
+    started: Option<u128>,
+    /// VIP → (before, after, gratuitous ARP sent) of its takeover.
+    taken: BTreeMap<String, (u128, u128, bool)>,
+    flushed: BTreeMap<String, (u128, u128)>,
+    reannounced: BTreeMap<String, (u128, u128)>,
+    forgot: Option<(String, &'static str, (u128, u128))>,
+}
+
+/// A lease thread's scheduled actions.
+enum Act {
+    Takeover(LanVip),
+    Quiet,
+    Forget(Forget),
+    Reacquire,
 }
 
 fn targets_yaml() -> String {

@@ -209,7 +209,7 @@ impl std::ops::DerefMut for LabGuard {
     }
 }
 
-fn now_ns() -> u128 {
+pub fn now_ns() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -1185,12 +1185,13 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         self.restart_with(o, &mut |_| {})
     }
 
-    /// [`Lab::restart`], calling `on_down` the moment the agent went down (with that instant,
-    /// wall clock ns): a LAN lab starts its lease clock there.
+    /// [`Lab::restart`], calling `on_event` the moment the agent went down and the moment the
+    /// new agent started (with that instant, wall clock ns): a LAN lab starts its lease clock
+    /// at the first and reconciles the node's L2 responder at the second.
     pub fn restart_with(
         &mut self,
         o: &RestartOpts,
-        on_down: &mut dyn FnMut(u128),
+        on_event: &mut dyn FnMut(AgentEvent),
     ) -> Result<RestartReport> {
         check_root()?;
         if !self.state.ready {
@@ -1248,10 +1249,10 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
             datapath::set_blackhole(&bpffs, true)?;
         }
         let on = now_ns();
-        on_down(start);
+        on_event(AgentEvent::Down(start));
         let mut recreated_at = None;
         let mut phases = Phases::default();
-        let result = self.come_back(o, prepared, &old, &mut recreated_at, &mut phases);
+        let result = self.come_back(o, prepared, &old, &mut recreated_at, &mut phases, on_event);
         // Whatever happened, the blackhole is lifted.
         let off = now_ns();
         let lift = if o.blackhole {
@@ -1333,9 +1334,14 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         old: &[Attachment],
         recreated_at: &mut Option<std::time::Instant>,
         phases: &mut Phases,
+        on_event: &mut dyn FnMut(AgentEvent),
     ) -> Result<Vec<Attachment>> {
         let globals = maps::globals_dir(&self.state.bpffs);
         std::thread::sleep(o.down);
+        // The new agent process starts: its hive's cells start (the L2 responder's first
+        // full reconciliation among them), then the maps are opened, and so on below.
+        phases.agent_started_ns = now_ns();
+        on_event(AgentEvent::Started(phases.agent_started_ns));
         if let Some(m) = &o.lose_map {
             std::fs::remove_file(globals.join(m))
                 .with_context(|| format!("remove pinned map {m}"))?;
@@ -1676,10 +1682,22 @@ pub struct RestartReport {
 /// endpoint regenerated.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Phases {
+    /// The new agent process started (after `down`).
+    #[serde(default)]
+    pub agent_started_ns: u128,
     pub ipcache_recreated_ns: u128,
     pub api_serving_ns: u128,
     pub host_replaced_ns: u128,
     pub endpoints_regenerated_ns: u128,
+}
+
+/// What [`Lab::restart_with`] reports while it runs (wall clock ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentEvent {
+    /// The agent went down (its API stopped answering; the blackhole, if any, is set).
+    Down(u128),
+    /// The new agent process started.
+    Started(u128),
 }
 
 /// Parses `500ms`, `2s`, `1.5s`, `300us`, `1m`.

@@ -136,6 +136,30 @@ enum Cmd {
         /// LAN lab: the agent crashes (its leases are not released; they expire).
         #[arg(long, requires = "node")]
         crash: bool,
+        /// LAN lab: the pod's termination grace (the Helm chart's 1 s, preStop included).
+        #[arg(long, requires = "node", default_value = "1s", value_parser = parse_duration)]
+        grace: std::time::Duration,
+        /// LAN lab: how long a graceful stop takes to release the leases; not under
+        /// --grace: killed first, nothing released (the leases expire as after a crash).
+        #[arg(long, requires = "node", default_value = "0s", value_parser = parse_duration)]
+        release_takes: std::time::Duration,
+        /// LAN lab: how the new agent's L2 responder reconciles its map at start: `last`
+        /// (Cilium 1.16 to 1.19.0-dev: only the entry iterated last is deleted,
+        /// cilium/cilium#45068), `all` (after #45197), `none`.
+        #[arg(long, requires = "node", default_value = "last")]
+        responder_flush: stepguard_lab::lan::ResponderFlush,
+        /// LAN lab: from the new agent's start to its leases re-acquired, when it re-adds
+        /// missing responder entries with a gratuitous ARP.
+        #[arg(long, requires = "node", default_value = "1s", value_parser = parse_duration)]
+        reacquire_after: std::time::Duration,
+        /// LAN lab: forget neighbour entries during the restart: `client` (the LAN client's,
+        /// for the VIPs) or `node<i>` (node i's, for the other nodes); see --forget-at.
+        #[arg(long, requires = "node", value_name = "client|node<i>")]
+        forget_neighbours: Option<String>,
+        /// When to forget them: `flush` (right after the responder's reconciliation at the
+        /// agent's start) or a time after the agent went down (e.g. 500ms).
+        #[arg(long, requires = "forget_neighbours", value_name = "flush|DURATION", default_value = "flush")]
+        forget_at: String,
         /// Fault: nothing is replaced (same program IDs afterwards).
         #[arg(long)]
         no_reload: bool,
@@ -377,6 +401,12 @@ fn real_main() -> Result<()> {
             resize_map,
             node,
             crash,
+            grace,
+            release_takes,
+            responder_flush,
+            reacquire_after,
+            forget_neighbours,
+            forget_at,
         } => {
             let opts = RestartOpts {
                 down,
@@ -413,7 +443,21 @@ fn real_main() -> Result<()> {
                     },
                 };
                 let mut lan = stepguard_lab::lan::LanLab::open(&p)?;
-                let r = lan.restart(i, &opts, crash)?;
+                let lo = stepguard_lab::lan::LanRestartOpts {
+                    crash,
+                    grace,
+                    release_takes,
+                    flush: responder_flush,
+                    reacquire_after,
+                    forget: match forget_neighbours {
+                        Some(on) => Some(stepguard_lab::lan::Forget {
+                            on: parse_forget_on(&on)?,
+                            after: parse_forget_at(&forget_at)?,
+                        }),
+                        None => None,
+                    },
+                };
+                let r = lan.restart_lan(i, &opts, &lo)?;
                 println!("{}", serde_json::to_string_pretty(&r)?);
                 return Ok(());
             }
@@ -512,4 +556,24 @@ fn parse_lose_entries(s: &str) -> Result<(String, u32), String> {
         return Err(format!("{s:?}: expected MAP:N with N ≥ 1"));
     }
     Ok((m.to_string(), n))
+}
+
+/// `client` → None; `node1` → Some(1).
+fn parse_forget_on(s: &str) -> Result<Option<u8>> {
+    match s {
+        "client" => Ok(None),
+        _ => match s.strip_prefix("node").map(str::parse::<u8>) {
+            Some(Ok(i)) => Ok(Some(i)),
+            _ => bail!("--forget-neighbours {s:?}: expected client or node<i> (e.g. node0)"),
+        },
+    }
+}
+
+/// `flush` → None; a duration → Some.
+fn parse_forget_at(s: &str) -> Result<Option<std::time::Duration>> {
+    if s == "flush" {
+        Ok(None)
+    } else {
+        parse_duration(s).map(Some)
+    }
 }
