@@ -710,11 +710,18 @@ pub struct TargetGap {
     pub loss_budget: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_budget_s: Option<f64>,
-    /// The longest outage's edges (send times, unix seconds), for comparison with other clocks.
+    /// The longest outage's edges (unix seconds), for comparison with other clocks: the send
+    /// time of its first failed probe, and when the answer that ended it shows the path
+    /// working (see `gaps`: a held answer counts when it was released).
     #[serde(default)]
     pub longest_start: Option<f64>,
     #[serde(default)]
     pub longest_end: Option<f64>,
+    /// The answer that ended the longest outage was held this long beyond the target's usual
+    /// round trip (queued while a neighbour entry resolved, or slow): its end is that answer's
+    /// release, and the bound reaches back to the last failed probe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub longest_held_s: Option<f64>,
 }
 
 /// Where a step is: waiting for the reload, settling after it, decided.

@@ -382,6 +382,7 @@ pub fn gap_row(name: &str, t: &super::TargetTimeline, cadence: f64, now: f64) ->
         open: g.open,
         longest_start: longest.map(|o| o.start),
         longest_end: longest.and_then(|o| o.end),
+        longest_held_s: longest.and_then(|o| o.held),
         loss: if t.probes > 0 {
             lost_outside_longest as f64 / t.probes as f64
         } else {
@@ -1784,6 +1785,35 @@ mod tests {
         assert_eq!(v.status, Status::Failed);
         assert_eq!(v.reasons, vec![Reason::LossOverBudget], "{v:?}");
         assert!(v.summary.contains("max_loss"), "{}", v.summary);
+    }
+
+    /// Issue 26: probes held in a neighbour queue until 2.0 end the outage there, and the row
+    /// says how long the answer that ended it was held.
+    #[test]
+    fn a_gap_row_ends_at_the_release_of_held_answers_and_says_so() {
+        use super::super::gaps::Sample;
+        let t = super::super::TargetTimeline {
+            samples: (0..300)
+                .map(|i| {
+                    let sent = i as f64 * 0.01;
+                    if !(1.0..2.0).contains(&sent) {
+                        Sample::answered(sent, 0.001, 0.001)
+                    } else if sent > 1.8 + 1e-9 {
+                        Sample::answered(sent, 2.0 - sent + 0.001, 0.001)
+                    } else {
+                        Sample::failed(sent)
+                    }
+                })
+                .collect(),
+            failures: 81,
+            probes: 300,
+            ..Default::default()
+        };
+        let g = gap_row("gw", &t, 0.01, 3.0);
+        assert!((g.longest_s - 1.0).abs() < 1e-6, "{g:?}");
+        assert!(g.error_bound_s > 0.19, "{g:?}");
+        assert!(g.longest_held_s.is_some_and(|h| h > 0.18), "{g:?}");
+        assert_eq!(g.longest_end.map(|e| (e * 1e3).round()), Some(2000.0));
     }
 
     /// Many short outages within max_gap add up over max_total_gap.

@@ -252,6 +252,18 @@ impl StepView {
                 }
                 out.push('\n');
             }
+            let held: Vec<String> = self
+                .gaps
+                .iter()
+                .filter_map(|g| g.longest_held_s.map(|h| (g, h)))
+                .map(|(g, h)| format!("{} {:.0}ms", g.target, h * 1e3))
+                .collect();
+            if !held.is_empty() {
+                out.push_str(&format!(
+                    "  (answers that ended an outage were held: {}; queued while a neighbour entry resolved, or slow: the outage ends when they were released, and its bound reaches back to the last failed probe)\n",
+                    held.join(", ")
+                ));
+            }
             if self.gaps.iter().any(|g| g.east_west) {
                 out.push_str("  (PROBE x/ew: an east-west target, another node reached through the overlay or the routes to other nodes)\n");
             }

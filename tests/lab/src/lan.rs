@@ -682,7 +682,10 @@ impl LanLab {
             );
         }
         if let Some(j) = lo.forget.and_then(|f| f.on).filter(|j| *j >= n) {
-            bail!("--forget-neighbours node{j}: LAN lab has nodes 0 to {}", n - 1);
+            bail!(
+                "--forget-neighbours node{j}: LAN lab has nodes 0 to {}",
+                n - 1
+            );
         }
         if self.state.entries.is_empty() {
             for (v, h) in &self.state.holders {

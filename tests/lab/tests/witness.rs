@@ -485,7 +485,12 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
 
 /// Issue 26: the measured gap lies within its *reported* bound of the lab's truth (the lab's
 /// recording windows and 5 ms of clock reads aside).
-fn assert_within_reported_bound(g: &Value, stopped: (u128, u128), resumed: (u128, u128), what: &str) {
+fn assert_within_reported_bound(
+    g: &Value,
+    stopped: (u128, u128),
+    resumed: (u128, u128),
+    what: &str,
+) {
     let s = |ns: u128| ns as f64 / 1e9;
     let longest = g["longest_s"].as_f64().unwrap();
     let bound = g["error_bound_s"].as_f64().unwrap();
@@ -531,7 +536,10 @@ fn restart_lan(
 /// for over 100 ms while the witness kept probing (rtnetlink does not report the INCOMPLETE
 /// state a send creates, only the resolution).
 fn assert_client_queued(r: &LanRestartReport, vip: &stepguard_lab::lan::VipTruth) {
-    let f = r.forgot.as_ref().expect("the lab forgot the client's entries");
+    let f = r
+        .forgot
+        .as_ref()
+        .expect("the lab forgot the client's entries");
     let resolved = vip
         .client_resolved_ns
         .unwrap_or_else(|| panic!("{}: never resolved again: {:?}", vip.name, f.events));
@@ -676,10 +684,16 @@ fn a_holders_responder_flush_at_start_is_a_lan_gap_measured_within_bound() {
         let gaps = witness_gaps(&v, &w);
         for t in &r.vips {
             let what = format!("{flush:?}, {}", t.name);
-            assert_eq!(t.holder_after, t.holder_before, "{what}: no lease moved: {r:?}");
+            assert_eq!(
+                t.holder_after, t.holder_before,
+                "{what}: no lease moved: {r:?}"
+            );
             let g = gap_of(gaps, &t.name);
             if want.contains(&t.name.as_str()) {
-                assert!(t.flushed.is_some() && t.reannounced.is_some(), "{what}: {t:?}");
+                assert!(
+                    t.flushed.is_some() && t.reannounced.is_some(),
+                    "{what}: {t:?}"
+                );
                 let (stopped, resumed) = (
                     t.stopped.expect("silent for the client"),
                     t.resumed.expect("resolved"),

@@ -15,6 +15,8 @@ struct Cli {
     cmd: Cmd,
 }
 
+// Parsed once per run: the size of `Restart`'s flags costs nothing worth boxing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// (internal) Serve the lab agent's API on a unix socket, as `lab up` starts it.
@@ -158,7 +160,12 @@ enum Cmd {
         forget_neighbours: Option<String>,
         /// When to forget them: `flush` (right after the responder's reconciliation at the
         /// agent's start) or a time after the agent went down (e.g. 500ms).
-        #[arg(long, requires = "forget_neighbours", value_name = "flush|DURATION", default_value = "flush")]
+        #[arg(
+            long,
+            requires = "forget_neighbours",
+            value_name = "flush|DURATION",
+            default_value = "flush"
+        )]
         forget_at: String,
         /// Fault: nothing is replaced (same program IDs afterwards).
         #[arg(long)]
