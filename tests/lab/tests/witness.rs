@@ -145,16 +145,16 @@ fn restart(
     blackhole: bool,
     crash: bool,
 ) -> LanRestartReport {
-    lan.restart(
+    restart_lan(
+        lan,
         node,
-        &RestartOpts {
-            down: Duration::from_millis(down_ms),
-            blackhole,
+        down_ms,
+        blackhole,
+        &stepguard_lab::lan::LanRestartOpts {
+            crash,
             ..Default::default()
         },
-        crash,
     )
-    .unwrap()
 }
 
 fn step_body(w: &Witness, extra: &str) -> String {
