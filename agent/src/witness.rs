@@ -236,7 +236,7 @@ pub struct Witness {
     neigh: Option<Arc<NeighLog>>,
     /// MAC last seen per target address, for the change counter.
     last_mac: Mutex<BTreeMap<String, Option<String>>>,
-    /// Continuous samples (send time, ok) per target.
+    /// Continuous samples per target (see `step::gaps::Sample`).
     ring: Mutex<BTreeMap<String, VecDeque<crate::step::gaps::Sample>>>,
     /// Each target's usual round trip lately (see `step::gaps`: held answers).
     rtt_floors: Mutex<BTreeMap<String, crate::step::gaps::RttFloor>>,

@@ -90,7 +90,7 @@ pub struct Daemon {
     pub shutting_down: tokio::sync::watch::Sender<bool>,
     /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
     pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
-    /// Steady probe samples (send time, ok) of the last minute per target: the evidence an
+    /// Steady probe samples of the last minute per target: the evidence an
     /// implicit step has from before it was detected.
     pub recent: Mutex<BTreeMap<String, VecDeque<crate::step::gaps::Sample>>>,
     /// Each target's usual round trip lately (what a held answer is measured against).

@@ -25,7 +25,8 @@ use serde::{Deserialize, Serialize};
 pub struct Outage {
     /// Send time of the first failed probe (unix seconds).
     pub start: f64,
-    /// Send time of the next successful probe; None while still failing.
+    /// When the answer that ended it shows the path working again (its send time plus its
+    /// round trip beyond the target's usual one); None while still failing.
     pub end: Option<f64>,
     /// Send time of the last successful probe before the outage, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -117,11 +118,13 @@ impl RttFloor {
     pub const WINDOW_S: f64 = 60.0;
 
     /// Takes in an answer sent at `at` with round trip `rtt`; returns the floor, this answer
-    /// included.
+    /// included. After a minute without answers (a long outage) the last floor known stays
+    /// for the second that ends it, so the held answers that end the outage are judged
+    /// against the usual round trip, not against each other.
     pub fn observe(&mut self, at: f64, rtt: f64) -> f64 {
         let sec = at.floor() as i64;
         // Probes finish out of order: an answer may belong to an older second (kept in the
-        // newest bucket when its own is gone).
+        // newest bucket when that second has none).
         let newest = self.buckets.back().map(|b| b.0);
         match newest {
             Some(n) if n < sec => self.buckets.push_back((sec, rtt)),
@@ -144,8 +147,13 @@ impl RttFloor {
             }
         }
         let oldest = sec - Self::WINDOW_S as i64;
-        while self.buckets.front().is_some_and(|b| b.0 < oldest) {
+        let mut pruned: Option<f64> = None;
+        while let Some(b) = self.buckets.front().filter(|b| b.0 < oldest).copied() {
+            pruned = Some(pruned.map_or(b.1, |p: f64| p.min(b.1)));
             self.buckets.pop_front();
+        }
+        if let Some(p) = pruned.filter(|_| self.buckets.len() == 1) {
+            self.buckets.push_front((oldest, p));
         }
         self.floor().unwrap_or(rtt)
     }
@@ -221,7 +229,17 @@ pub fn outages<S: Copy + Into<Sample>>(samples: &[S]) -> Vec<Outage> {
 }
 
 /// As [`outages`], knowing the send time of the last successful probe before `samples`.
-pub fn outages_after<S: Copy + Into<Sample>>(
+pub fn outages_after<S: Copy + Into<Sample>>(samples: &[S], last_ok: Option<f64>) -> Vec<Outage> {
+    outages_continuing(None, samples, last_ok)
+}
+
+/// As [`outages_after`], continuing from `prev`, the last outage of the samples before these
+/// (folded into a record, or from before an agent restart): an open one goes on or ends, a
+/// closed one whose end comes after some of these samples' send times is reopened or ended
+/// earlier by them, exactly as if the samples had never been split. Returns `prev` (as it
+/// ends up) first, then the outages that follow.
+pub fn outages_continuing<S: Copy + Into<Sample>>(
+    prev: Option<Outage>,
     samples: &[S],
     mut last_ok: Option<f64>,
 ) -> Vec<Outage> {
@@ -229,6 +247,11 @@ pub fn outages_after<S: Copy + Into<Sample>>(
     s.sort_by(|a, b| a.sent.total_cmp(&b.sent));
     let mut out: Vec<Outage> = Vec::new();
     let mut open: Option<Outage> = None;
+    match prev {
+        Some(p) if p.end.is_none() => open = Some(p),
+        Some(p) => out.push(p),
+        None => {}
+    }
     for x in s {
         // A probe sent before the last outage's end (the answer that ended it was held):
         // a failure reopens it, an answer may show the path working earlier.
@@ -470,8 +493,15 @@ mod tests {
             "a held answer does not raise it"
         );
         assert_eq!(f.observe(10.9, 0.001), 0.001, "out of order, same second");
-        // A minute later the old seconds are gone: a slower path is the new usual.
-        assert_eq!(f.observe(72.0, 0.004), 0.004);
+        // A minute later the old seconds are gone: a slower path is the new usual, once the
+        // second that ends a minute without answers is over.
+        assert_eq!(
+            f.observe(72.0, 0.150),
+            0.001,
+            "after a long silence, held answers"
+        );
+        assert_eq!(f.observe(72.5, 0.004), 0.001);
+        assert_eq!(f.observe(73.0, 0.004), 0.004);
         assert!(f.buckets.len() <= 62);
     }
 }

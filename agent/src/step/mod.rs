@@ -544,29 +544,12 @@ impl TargetTimeline {
     }
 
     pub fn outages(&self) -> Vec<Outage> {
+        // The last outage recorded (when older samples were folded, or before the agent
+        // went down) continues into these samples: still open, or ended by an answer held
+        // past some of them.
         let mut o = self.prior.clone();
-        let mut s = self.samples.clone();
-        s.sort_by(|a, b| a.sent.total_cmp(&b.sent));
-        let mut cur = gaps::outages_after(&s, self.last_ok);
-        // An outage still open when the agent went down (or when older samples were folded)
-        // continues into this run.
-        if let Some(last) = o.last_mut().filter(|l| l.end.is_none()) {
-            match s.first() {
-                Some(x) if x.ok => {
-                    last.end = Some(x.up_by);
-                    last.held = Some(x.held()).filter(|h| *h >= gaps::HELD_MIN_S);
-                }
-                Some(x) if cur.first().is_some_and(|c| c.start == x.sent) => {
-                    last.end = cur[0].end;
-                    last.held = cur[0].held;
-                    last.last_failed = cur[0].last_failed;
-                    last.failed += cur[0].failed;
-                    cur.remove(0);
-                }
-                _ => {}
-            }
-        }
-        o.extend(cur);
+        let prev = o.pop();
+        o.extend(gaps::outages_continuing(prev, &self.samples, self.last_ok));
         o
     }
 }
@@ -1387,6 +1370,48 @@ mod tests {
         }
         assert_eq!(compacted.outages(), full.outages());
         assert!(compacted.samples.len() < 100, "memory stays bounded");
+    }
+
+    /// Held answers across a compaction cutoff: an outage whose end (the release of the held
+    /// answers) lies after the cutoff, with a failure and a prompt answer sent before that end
+    /// among the kept samples, comes out as if nothing had been folded, wherever the cutoffs
+    /// fall.
+    #[test]
+    fn compacting_through_held_answers_keeps_the_outages() {
+        let mut samples: Vec<gaps::Sample> = Vec::new();
+        for i in 0..600 {
+            let sent = i as f64 * 0.01;
+            samples.push(if (100..200).contains(&i) || i == 215 {
+                gaps::Sample::failed(sent)
+            } else if (200..215).contains(&i) {
+                // Held until 2.3 (answered one usual round trip after).
+                gaps::Sample::answered(sent, 2.3 - sent + 0.001, 0.001)
+            } else if (300..400).contains(&i) {
+                gaps::Sample::failed(sent)
+            } else if (400..420).contains(&i) {
+                gaps::Sample::answered(sent, 4.25 - sent + 0.001, 0.001)
+            } else {
+                gaps::Sample::answered(sent, 0.001, 0.001)
+            });
+        }
+        let full = TargetTimeline {
+            samples: samples.clone(),
+            ..Default::default()
+        }
+        .outages();
+        assert_eq!(full.len(), 2, "{full:?}");
+        assert!(
+            (full[1].end.unwrap() - 4.2).abs() < 1e-6,
+            "a prompt answer at 4.20: {full:?}"
+        );
+        for chunk in [1, 7, 13, 37, 101] {
+            let mut t = TargetTimeline::default();
+            for c in samples.chunks(chunk) {
+                t.samples.extend_from_slice(c);
+                t.compact(c[0].sent);
+            }
+            assert_eq!(t.outages(), full, "chunks of {chunk}");
+        }
     }
 
     #[test]

@@ -1298,8 +1298,8 @@ pub fn check_witnesses(step: &Step, o: &Observed) -> Judged {
     Judged::pass(format!("LAN-side gaps within budget ({})", seen.join("; ")))
 }
 
-/// The latest moment a node target was failing: the send time of the success that ended its
-/// last outage (or the last failure's, for an outage still open).
+/// The latest moment a node target was failing: the end of its last outage (when the answer
+/// that ended it shows the path working), or the last failure's send time while still open.
 fn last_outage_end(step: &Step) -> Option<f64> {
     step.targets
         .values()

@@ -319,19 +319,18 @@ pub struct Forgotten {
 impl Forgotten {
     /// When `addr` had a usable entry again after it was forgotten: the first valid state
     /// after its deletion (the kernel sends the packets it queued at that moment).
+    /// Events are taken in the order the kernel sent them: the first valid one after the
+    /// flush's deletion of `addr` (after the flush began, when there was nothing to delete).
     pub fn resolved(&self, addr: Ipv4Addr) -> Option<u128> {
-        let mine = self
-            .events
-            .iter()
-            .filter(|e| e.addr == addr && e.at_ns >= self.at.0);
-        let deleted_at = mine
-            .clone()
-            .filter(|e| e.deleted && e.at_ns <= self.at.1 + 5_000_000)
-            .map(|e| e.at_ns)
-            .max();
-        mine.filter(|e| e.valid() && deleted_at.is_none_or(|d| e.at_ns > d))
-            .map(|e| e.at_ns)
-            .next()
+        let mine: Vec<&sys::NeighEvent> = self.events.iter().filter(|e| e.addr == addr).collect();
+        let from = match mine.iter().position(|e| e.deleted && e.at_ns >= self.at.0) {
+            Some(d) => d + 1,
+            None => mine
+                .iter()
+                .position(|e| e.at_ns > self.at.1)
+                .unwrap_or(mine.len()),
+        };
+        mine[from..].iter().find(|e| e.valid()).map(|e| e.at_ns)
     }
 }
 
@@ -563,10 +562,15 @@ impl LanLab {
         let mac = mac_of(&ns, "eth1")?;
         let ifindex = netns::ifindex(&ns, "eth1")?;
         let ip = v.addr;
+        // The frame Cilium of this profile sends (docs/cilium-fidelity.md).
+        let reply = matches!(
+            self.state.spec.profile,
+            crate::Profile::V1_16 | crate::Profile::V1_17 | crate::Profile::V1_18
+        );
         netns::in_netns(&ns, move || {
             let sock = sys::GarpSocket::open().context("open a packet socket")?;
             let before = now_ns();
-            sock.send(ifindex, mac, ip)
+            sock.send(ifindex, mac, ip, reply)
                 .context("send a gratuitous ARP")?;
             let after = now_ns();
             drop(sock);
@@ -720,13 +724,16 @@ impl LanLab {
             let _ = tx.send((e, Instant::now()));
         });
         drop(tx);
-        let clock = lease_thread
+        let (clock, clock_result) = lease_thread
             .join()
-            .map_err(|_| anyhow::anyhow!("the lease thread panicked"))??;
-        let r = restarted?;
+            .map_err(|_| anyhow::anyhow!("the lease thread panicked"))?;
+        // Who holds and who answers is recorded whatever else failed (the state must match
+        // the namespaces).
         self.state.holders = clock.holders.clone();
         self.state.entries = clock.entries.clone();
         self.save()?;
+        clock_result.context("the lease clock")?;
+        let r = restarted?;
         // The forgotten entries resolve when something answers (a gratuitous ARP, an ARP
         // reply to a retransmitted request): watched until each has, or 5 s.
         let forgot = match (watch, clock.forgot) {
@@ -852,25 +859,38 @@ impl LanLab {
     /// The lease thread of a restart of node `i`: Cilium's lease and responder timeline from
     /// the agent's stop (see [`LanLab::restart_lan`]). Ends when every scheduled move has
     /// happened and the restart is over.
+    /// Returns what it did, and the error that stopped it early, if any (what it did until
+    /// then is still what the namespaces show).
     fn lease_clock(
         &self,
         i: u8,
         lo: &LanRestartOpts,
         rx: std::sync::mpsc::Receiver<(crate::AgentEvent, Instant)>,
-    ) -> Result<LeaseClock> {
-        let lease = self.state.spec.lease;
-        let n = self.state.spec.nodes;
-        let to = (i + 1) % n;
+    ) -> (LeaseClock, Result<()>) {
         let mut c = LeaseClock {
             holders: self.state.holders.clone(),
             entries: self.state.entries.clone(),
             ..Default::default()
         };
+        let r = self.run_lease_clock(i, lo, rx, &mut c);
+        (c, r)
+    }
+
+    fn run_lease_clock(
+        &self,
+        i: u8,
+        lo: &LanRestartOpts,
+        rx: std::sync::mpsc::Receiver<(crate::AgentEvent, Instant)>,
+        c: &mut LeaseClock,
+    ) -> Result<()> {
+        let lease = self.state.spec.lease;
+        let n = self.state.spec.nodes;
+        let to = (i + 1) % n;
         let down = loop {
             match rx.recv() {
                 Ok((crate::AgentEvent::Down(_), at)) => break at,
                 Ok(_) => continue,
-                Err(_) => return Ok(c),
+                Err(_) => return Ok(()),
             }
         };
         let held: Vec<LanVip> = vips()
@@ -1005,7 +1025,7 @@ impl LanLab {
                 }
             }
         }
-        Ok(c)
+        Ok(())
     }
 
     pub fn status(&self) -> serde_json::Value {

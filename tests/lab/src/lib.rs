@@ -6,6 +6,7 @@
 //! created, so `down` removes exactly that, even after the creating process crashed.
 pub mod ciliumconfig;
 pub mod datapath;
+pub mod kube;
 pub mod lan;
 pub mod maps;
 pub mod netns;

@@ -355,11 +355,18 @@ impl GarpSocket {
         Ok(GarpSocket(fd_result(fd as libc::c_long)))
     }
 
-    /// Sends one gratuitous ARP (an ARP *request* with sender and target both `ip`, from
-    /// `mac`, to the broadcast address) on interface `ifindex` of the socket's network
-    /// namespace, as Cilium's L2 responder reconciler does when it takes over a VIP
-    /// (`garp.SendOnInterfaceIdx`, an `arp.Client.Request`).
-    pub fn send(&self, ifindex: u32, mac: [u8; 6], ip: std::net::Ipv4Addr) -> io::Result<()> {
+    /// Sends one gratuitous ARP from `mac` for `ip` to the broadcast address on interface
+    /// `ifindex` of the socket's network namespace, as Cilium's L2 responder reconciler does
+    /// when it adds a VIP's entry: `reply` (Cilium 1.16–1.18, `garp.SendOnInterfaceIdx`): an
+    /// ARP *reply* with sender and target IP `ip` and target MAC broadcast; otherwise (1.19+,
+    /// `gneigh`, commit 128aab97fd): an ARP *request* with sender = target = `ip`.
+    pub fn send(
+        &self,
+        ifindex: u32,
+        mac: [u8; 6],
+        ip: std::net::Ipv4Addr,
+        reply: bool,
+    ) -> io::Result<()> {
         let mut frame = Vec::with_capacity(42);
         frame.extend_from_slice(&[0xff; 6]);
         frame.extend_from_slice(&mac);
@@ -367,10 +374,10 @@ impl GarpSocket {
         frame.extend_from_slice(&1u16.to_be_bytes()); // Ethernet
         frame.extend_from_slice(&0x0800u16.to_be_bytes()); // IPv4
         frame.extend_from_slice(&[6, 4]);
-        frame.extend_from_slice(&1u16.to_be_bytes()); // request
+        frame.extend_from_slice(&(if reply { 2u16 } else { 1 }).to_be_bytes());
         frame.extend_from_slice(&mac);
         frame.extend_from_slice(&ip.octets());
-        frame.extend_from_slice(&[0; 6]);
+        frame.extend_from_slice(&if reply { [0xff; 6] } else { [0; 6] });
         frame.extend_from_slice(&ip.octets());
         // SAFETY: sockaddr_ll is plain data; zeroed is a valid value.
         let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };

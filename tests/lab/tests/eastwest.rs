@@ -174,46 +174,28 @@ fn east_west_probes_held_by_a_resolving_neighbour_are_measured_within_the_bound(
     let mut lab = lan(2);
     let agent = agent_on(&lab, 0);
     let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "40s", "max_gap": "10s"}"#);
-    let n0 = lab.node(0).unwrap().node_ns();
-    let watch =
-        stepguard_lab::sys::NeighWatch::start(&stepguard_lab::netns::netns_path(&n0)).unwrap();
-    let forget = {
-        let n0 = n0.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(500));
-            let t0 = stepguard_lab::now_ns();
-            stepguard_lab::netns::ip(&n0, &["neigh", "flush", "dev", "eth1"]).unwrap();
-            (t0, stepguard_lab::now_ns())
-        })
-    };
-    let r1 = lab
-        .node(1)
-        .unwrap()
-        .restart(&RestartOpts {
-            down: std::time::Duration::from_millis(1500),
-            blackhole: true,
-            ..Default::default()
-        })
+    // Node 1's restart, its datapath down; node 0 forgets its entries 500 ms after node 1's
+    // agent went down (the lab watches until node 0 has node 1 again).
+    let r = lab
+        .restart_lan(
+            1,
+            &RestartOpts {
+                down: std::time::Duration::from_millis(1500),
+                blackhole: true,
+                ..Default::default()
+            },
+            &stepguard_lab::lan::LanRestartOpts {
+                forget: Some(stepguard_lab::lan::Forget {
+                    on: Some(0),
+                    after: Some(std::time::Duration::from_millis(500)),
+                }),
+                ..Default::default()
+            },
+        )
         .unwrap();
-    let at = forget.join().unwrap();
-    // Until node 0 has node 1 again (bounded), then node 0's own restart ends the step.
-    let peer = stepguard_lab::lan::node_addr(1).to_string();
-    for _ in 0..100 {
-        let out = stepguard_lab::netns::ip(&n0, &["-4", "neigh", "show", &peer]).unwrap();
-        if ["REACHABLE", "STALE", "DELAY", "PROBE"]
-            .iter()
-            .any(|s| out.contains(s))
-        {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let f = stepguard_lab::lan::Forgotten {
-        netns: n0,
-        dev: "eth1".into(),
-        at,
-        events: watch.stop().unwrap(),
-    };
+    let (r1, f) = (&r.restart, r.forgot.as_ref().expect("node 0 forgot"));
+    let at = f.at;
+    // Node 0's own restart ends the step.
     lab.restart(
         0,
         &RestartOpts {
@@ -262,8 +244,14 @@ fn east_west_probes_held_by_a_resolving_neighbour_are_measured_within_the_bound(
             hi * 1e3
         );
         assert!(
-            bound > 0.1,
-            "{t}: answers were held in node 0's queue until the entry resolved, the bound says so: {g}"
+            bound > 0.1 && g["longest_held_s"].as_f64().is_some_and(|h| h > 0.05),
+            "{t}: answers were held in node 0's queue until the entry resolved, the row says so: {g}"
+        );
+        let end = g["longest_end"].as_f64().unwrap();
+        assert!(
+            (end - s(resolved)).abs() < 0.02,
+            "{t}: the outage ends when node 1 resolved: {:.1} ms apart",
+            (end - s(resolved)) * 1e3
         );
     }
 }

@@ -552,6 +552,23 @@ fn assert_client_queued(r: &LanRestartReport, vip: &stepguard_lab::lan::VipTruth
     );
 }
 
+/// The outage ended with held answers (the row says so, the bound widened to what cannot be
+/// known), and it ends when the client's kernel resolved the VIP, within 20 ms.
+fn assert_ends_at_release(g: &Value, t: &stepguard_lab::lan::VipTruth, what: &str) {
+    let resolved = t.client_resolved_ns.expect("resolved") as f64 / 1e9;
+    let end = g["longest_end"].as_f64().unwrap();
+    assert!(
+        g["longest_held_s"].as_f64().is_some_and(|h| h > 0.05)
+            && g["error_bound_s"].as_f64().unwrap() > 0.1,
+        "{what}: the answers that ended it were held, and the row says so: {g}"
+    );
+    assert!(
+        (end - resolved).abs() < 0.02,
+        "{what}: the outage ends {:.1} ms from the client's resolution: {g}",
+        (end - resolved) * 1e3
+    );
+}
+
 /// Issue 26, item 1, in the witness: the LAN client's neighbour entries are forgotten
 /// mid-outage (`ip neigh flush`), so its kernel queues the witness's probes on an INCOMPLETE
 /// entry until the taker's gratuitous ARP resolves it, and sends them then: probes sent up to
@@ -630,10 +647,8 @@ fn held_probes_are_measured_within_the_reported_bound() {
                 assert_within_reported_bound(g, stopped, resumed, &what);
                 if t.takeover_garp {
                     assert_client_queued(&r, t);
-                    // The held probes widen the bound to what cannot be known.
-                    if g["error_bound_s"].as_f64().unwrap() > 0.1 {
-                        held += 1;
-                    }
+                    assert_ends_at_release(g, t, &what);
+                    held += 1;
                 }
             }
             assert!(
@@ -702,6 +717,7 @@ fn a_holders_responder_flush_at_start_is_a_lan_gap_measured_within_bound() {
                 assert!(truth > 0.8, "{what}: the silence lasted {truth:.3}s");
                 assert_client_queued(&r, t);
                 assert_within_reported_bound(g, stopped, resumed, &what);
+                assert_ends_at_release(g, t, &what);
             } else {
                 assert!(t.flushed.is_none(), "{what}: {t:?}");
                 assert_eq!(g["count"], 0, "{what}: its entry answered throughout: {g}");
