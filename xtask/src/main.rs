@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod image;
+mod kube;
 mod setup;
 mod testrun;
 
@@ -45,6 +46,11 @@ enum Cmd {
     },
     /// The demo on a simulated node.
     Demo,
+    /// Build the real Kubernetes control plane for the tests (kube-apiserver,
+    /// kube-controller-manager, kube-scheduler, kubectl, etcd) from the Go module proxy, into
+    /// a cache by version outside the clone (`$STEPGUARD_CACHE`, default /var/cache/stepguard);
+    /// only what is missing. Prints the binaries' directory.
+    Kube,
     /// Drive the lab (a simulated Cilium node): up | status | restart | config | down. See `cargo xtask lab --help`.
     #[command(disable_help_flag = true)]
     Lab {
@@ -290,6 +296,7 @@ fn main() {
         Cmd::Build { release } => build(release),
         Cmd::Test { unit, filter } => test(unit, filter),
         Cmd::Demo => demo(),
+        Cmd::Kube => kube::ensure().map(|d| println!("{}", d.display())),
         Cmd::Lab { args } => lab(args),
         Cmd::Bench { quick, only } => {
             if !is_root() {

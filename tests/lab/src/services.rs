@@ -36,6 +36,19 @@ fn spawn_in(ns: &str, what: &str, program: &str, args: &[String], log: &Path) ->
     spawn_detached(cmd, what, log)
 }
 
+/// Starts `program args` in the host's namespaces, detached, output to `log` (see
+/// [`spawn_detached`]).
+pub fn spawn_logged(
+    what: &str,
+    program: &std::ffi::OsStr,
+    args: &[String],
+    log: &Path,
+) -> Result<Proc> {
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    spawn_detached(cmd, what, log)
+}
+
 /// Starts `cmd` detached (own session, so it outlives `lab up`), output to `log`; records its
 /// pid and start time.
 fn spawn_detached(mut cmd: Command, what: &str, log: &Path) -> Result<Proc> {
