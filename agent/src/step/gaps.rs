@@ -44,6 +44,13 @@ pub struct Outage {
     pub held: Option<f64>,
 }
 
+fn longer(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// An answer held less than this beyond the usual round trip is ordinary jitter (not shown as
 /// held; it still counts at its release time).
 pub const HELD_MIN_S: f64 = 0.002;
@@ -177,13 +184,20 @@ impl Outage {
     }
 
     /// Ends it with the answer `s` (the first after it, or one sent before its end that shows
-    /// the path working earlier).
+    /// the path working earlier). `held` is the longest hold among the answers that ended it:
+    /// answers released together come back in any order, so the earliest release may be one
+    /// sent just before it, held only a moment.
     fn close_with(&mut self, s: &Sample) {
+        let held = Some(s.held()).filter(|h| *h >= HELD_MIN_S);
         if self.end.is_some_and(|e| e <= s.up_by) {
+            // Released together with the answer that ended it (within the jitter).
+            if self.end.is_some_and(|e| s.up_by - e < HELD_MIN_S) {
+                self.held = longer(self.held, held);
+            }
             return;
         }
         self.end = Some(s.up_by.max(self.last_failed.unwrap_or(self.start)));
-        self.held = Some(s.held()).filter(|h| *h >= HELD_MIN_S);
+        self.held = longer(self.held, held);
     }
 
     pub fn duration(&self, now: f64) -> f64 {
@@ -451,6 +465,29 @@ mod tests {
         assert!((g.longest - 0.3).abs() <= 0.0005, "{g:?}");
         assert!(g.error_bound <= 0.0105, "{g:?}");
         assert_eq!(o[0].held, None);
+    }
+
+    /// Answers released together end the outage at the earliest release, whichever was sent
+    /// last; the row still says they were held.
+    #[test]
+    fn answers_released_together_keep_the_hold() {
+        // Held from 1.8 to 2.0; the one sent at 1.999 comes back a hair before the others.
+        let s = vec![
+            Sample::answered(0.9, 0.001, 0.001),
+            Sample::failed(1.0),
+            Sample::failed(1.7),
+            Sample::answered(1.8, 0.2015, 0.001),
+            Sample::answered(1.9, 0.1015, 0.001),
+            Sample::answered(1.999, 0.0015, 0.001),
+        ];
+        let o = outages(&s);
+        assert_eq!(o.len(), 1);
+        assert!((o[0].end.unwrap() - 1.9995).abs() < 1e-9, "{o:?}");
+        assert!(
+            o[0].held.is_some_and(|h| (h - 0.2005).abs() < 1e-6),
+            "{o:?}"
+        );
+        assert!(o[0].error_bound(0.01) > 0.29, "{o:?}");
     }
 
     /// A slow answer sent before the end of an outage closed by a held one shows the path
