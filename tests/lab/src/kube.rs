@@ -143,6 +143,10 @@ impl ControlPlane {
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
+                // v1.37 refuses a loopback advertise address with the endpoint reconciler
+                // ("may not be in the loopback range"): nothing here needs the `kubernetes`
+                // Service's endpoints.
+                "--endpoint-reconciler-type=none".into(),
                 format!("--secure-port={api}"),
                 format!("--cert-dir={}", s(&d.join("certs"))),
                 format!("--token-auth-file={}", s(&d.join("tokens.csv"))),
