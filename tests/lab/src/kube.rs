@@ -1,17 +1,28 @@
-//! A real Kubernetes control plane for the lab (issue 27, in progress): etcd, kube-apiserver
-//! (token authentication, RBAC, Pod Security admission), kube-controller-manager (the
-//! DaemonSet, garbage-collector, namespace and service-account controllers) and
-//! kube-scheduler, all on 127.0.0.1, from the binaries `cargo xtask kube` builds (Go module
-//! proxy, cached by version outside the clone).
+//! A real Kubernetes control plane for the lab (issue 27): etcd, kube-apiserver (token
+//! authentication, RBAC, Pod Security admission, an audit log of the stepper's requests),
+//! kube-controller-manager (the DaemonSet, garbage-collector, namespace and service-account
+//! controllers) and kube-scheduler, all on 127.0.0.1, from the binaries `cargo xtask kube`
+//! builds (Go module proxy, cached by version outside the clone). The lab's nodes become Node
+//! objects; a Cilium DaemonSet with the chart's labels, selector, image and grace period is
+//! created OnDelete, and the real controller makes its ControllerRevisions and pods. Pods
+//! bound to lab nodes are run by the lab kubelet ([`crate::kubelet`]).
 //!
 //! Users (a token file, as `--token-auth-file` reads it): `admin` (group `system:masters`),
 //! the controller manager and the scheduler as their bootstrap RBAC users, and the stepper as
 //! the ServiceAccount `deploy/rollout/rbac.yaml` binds, so the shipped RBAC is what the
 //! stepper is tested with.
+//!
+//! The stepper runs in the LAN client's network namespace (it must reach the agents on the lab
+//! nodes); [`Forward`] carries its connections from a lab address there to the API server on
+//! the host's loopback, byte for byte (TLS end to end).
 use crate::services::{self, Proc};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The stepper's ServiceAccount (namespace, name), as `deploy/rollout/rbac.yaml` names it.
@@ -25,6 +36,17 @@ pub struct ControlPlane {
     pub admin_token: String,
     pub stepper_token: String,
     pub procs: Vec<Proc>,
+    /// The binaries' directory, and the API server's arguments (for a restart).
+    pub bin: PathBuf,
+    pub apiserver_args: Vec<String>,
+}
+
+/// The stepper's user name, as authenticated.
+pub fn stepper_user() -> String {
+    format!(
+        "system:serviceaccount:{}:{}",
+        STEPPER_SA.0, STEPPER_SA.1
+    )
 }
 
 fn free_port() -> Result<u16> {
@@ -77,6 +99,8 @@ impl ControlPlane {
             admin_token: token()?,
             stepper_token: token()?,
             procs: vec![],
+            bin: bin.to_path_buf(),
+            apiserver_args: vec![],
         };
         match cp.start(bin) {
             Ok(()) => Ok(cp),
@@ -136,10 +160,16 @@ impl ControlPlane {
         )?;
         self.server = format!("https://127.0.0.1:{api}");
         let s = |p: &Path| p.display().to_string();
-        self.procs.push(services::spawn_logged(
-            "kube-apiserver",
-            bin.join("kube-apiserver").as_os_str(),
-            &[
+        // Every request of the stepper's user is audited (metadata: verb, resource, code), so
+        // a test can assert the shipped RBAC let every call through.
+        std::fs::write(
+            d.join("audit-policy.yaml"),
+            format!(
+                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [\"RequestReceived\"]\nrules:\n- level: Metadata\n  users: [\"{}\"]\n- level: None\n",
+                stepper_user()
+            ),
+        )?;
+        self.apiserver_args = vec![
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
@@ -158,23 +188,11 @@ impl ControlPlane {
                 "--service-account-issuer=https://kubernetes.default.svc".into(),
                 // Documentation range: allocated, never routed.
                 "--service-cluster-ip-range=198.51.100.0/24".into(),
-            ],
-            &d.join("kube-apiserver.log"),
-        )?);
-        let ready = self.server.clone() + "/readyz";
-        let tok = self.admin_token.clone();
-        services::wait_until("kube-apiserver", Duration::from_secs(90), || {
-            let o = std::process::Command::new("curl")
-                .args(["-sk", "-m", "2", "-H"])
-                .arg(format!("Authorization: Bearer {tok}"))
-                .arg(&ready)
-                .output()?;
-            if String::from_utf8_lossy(&o.stdout).trim() == "ok" {
-                Ok(())
-            } else {
-                bail!("{}", String::from_utf8_lossy(&o.stdout))
-            }
-        })?;
+                format!("--audit-policy-file={}", s(&d.join("audit-policy.yaml"))),
+                format!("--audit-log-path={}", s(&self.audit_log())),
+                "--audit-log-mode=blocking".into(),
+            ];
+        self.start_apiserver()?;
         kubeconfig(&d.join("kcm.kubeconfig"), &self.server, &cm_token)?;
         kubeconfig(&d.join("scheduler.kubeconfig"), &self.server, &sched_token)?;
         kubeconfig(&d.join("admin.kubeconfig"), &self.server, &self.admin_token)?;
@@ -188,8 +206,11 @@ impl ControlPlane {
             bin.join("kube-controller-manager").as_os_str(),
             &[
                 format!("--kubeconfig={}", s(&d.join("kcm.kubeconfig"))),
-                "--controllers=daemonset-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller".into(),
+                "--controllers=daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller".into(),
                 "--leader-elect=false".into(),
+                // Each controller as its own ServiceAccount with its bootstrap RBAC role, as
+                // kubeadm runs it (the manager's own user may not write ControllerRevisions).
+                "--use-service-account-credentials=true".into(),
                 "--bind-address=127.0.0.1".into(),
                 "--secure-port=0".into(),
                 format!("--service-account-private-key-file={}", s(&sa_key)),
@@ -211,10 +232,362 @@ impl ControlPlane {
         Ok(())
     }
 
+    fn start_apiserver(&mut self) -> Result<()> {
+        let p = services::spawn_logged(
+            "kube-apiserver",
+            self.bin.join("kube-apiserver").as_os_str(),
+            &self.apiserver_args,
+            &self.dir.join(format!("kube-apiserver.{}.log", self.procs.len())),
+        )?;
+        self.procs.push(p);
+        self.wait_ready()
+    }
+
+    fn wait_ready(&self) -> Result<()> {
+        let ready = self.server.clone() + "/readyz";
+        let tok = self.admin_token.clone();
+        services::wait_until("kube-apiserver", Duration::from_secs(90), || {
+            let o = std::process::Command::new("curl")
+                .args(["-sk", "-m", "2", "-H"])
+                .arg(format!("Authorization: Bearer {tok}"))
+                .arg(&ready)
+                .output()?;
+            if String::from_utf8_lossy(&o.stdout).trim() == "ok" {
+                Ok(())
+            } else {
+                bail!("{}", String::from_utf8_lossy(&o.stdout))
+            }
+        })
+    }
+
+    /// The audit log (JSON lines) of the stepper's requests.
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("audit.log")
+    }
+
+    /// The stepper's audited requests that were answered (ResponseComplete), as JSON.
+    pub fn stepper_requests(&self) -> Result<Vec<Value>> {
+        let text = std::fs::read_to_string(self.audit_log())
+            .with_context(|| format!("read {}", self.audit_log().display()))?;
+        Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["user"]["username"] == stepper_user().as_str())
+            .collect())
+    }
+
+    fn proc(&self, what: &str) -> Result<&Proc> {
+        self.procs
+            .iter()
+            .rev()
+            .find(|p| p.what == what)
+            .with_context(|| format!("no {what} in this control plane"))
+    }
+
+    fn signal(&self, what: &str, sig: i32) -> Result<()> {
+        let p = self.proc(what)?;
+        if services::start_ticks(p.pid) != Some(p.start_ticks) {
+            bail!("{what} (pid {}) is not running", p.pid);
+        }
+        // SAFETY: kill(2) on a pid verified to be the process we started.
+        if unsafe { libc::kill(p.pid, sig) } != 0 {
+            bail!("signal {what}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Freezes a component (SIGSTOP): `kube-controller-manager`, `kube-scheduler`, ….
+    pub fn pause(&self, what: &str) -> Result<()> {
+        self.signal(what, libc::SIGSTOP)
+    }
+
+    pub fn resume(&self, what: &str) -> Result<()> {
+        self.signal(what, libc::SIGCONT)
+    }
+
+    /// Stops the API server and starts it again on the same port, etcd and certificates (an
+    /// apiserver upgrade as clients see it: refused connections, then the same cluster).
+    /// Returns once it is ready again.
+    pub fn restart_apiserver(&mut self, down_for: Duration) -> Result<()> {
+        let p = self.proc("kube-apiserver")?.clone();
+        services::stop(&p);
+        self.procs.retain(|q| q.pid != p.pid);
+        std::thread::sleep(down_for);
+        self.start_apiserver()
+    }
+
+    /// `kubectl` (the one built beside the control plane) as admin.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String> {
+        let out = std::process::Command::new(self.bin.join("kubectl"))
+            .arg(format!(
+                "--kubeconfig={}",
+                self.dir.join("admin.kubeconfig").display()
+            ))
+            .args(args)
+            .output()
+            .context("run kubectl")?;
+        if !out.status.success() {
+            bail!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    pub fn admin_kubeconfig(&self) -> PathBuf {
+        self.dir.join("admin.kubeconfig")
+    }
+
+    /// A kubeconfig for the stepper's ServiceAccount token, reaching the API server at
+    /// `server` (e.g. a [`Forward`]'s address).
+    pub fn stepper_kubeconfig(&self, server: &str) -> Result<PathBuf> {
+        let p = self.dir.join("stepper-forwarded.kubeconfig");
+        kubeconfig(&p, server, &self.stepper_token)?;
+        Ok(p)
+    }
+
     /// Stops every process it started (recorded by pid and start time).
     pub fn down(&mut self) {
+        for p in &self.procs {
+            // A paused component cannot take its SIGTERM.
+            if services::start_ticks(p.pid) == Some(p.start_ticks) {
+                unsafe { libc::kill(p.pid, libc::SIGCONT) };
+            }
+        }
         for p in self.procs.drain(..).rev() {
             services::stop(&p);
         }
     }
+}
+
+/// A TCP forwarder: listens on `ip` inside network namespace `netns` and carries each
+/// connection, byte for byte, to `target` in the host's namespace. Stops (and cuts its
+/// connections) when dropped.
+pub struct Forward {
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<TcpStream>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Forward {
+    pub fn start(netns: &str, ip: &str, target: SocketAddr) -> Result<Forward> {
+        let ip = ip.to_string();
+        let listener = crate::netns::in_netns(netns, move || {
+            Ok(TcpListener::bind((ip.as_str(), 0))?)
+        })
+        .with_context(|| format!("listen in {netns}"))?;
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<std::sync::Mutex<Vec<TcpStream>>> = Arc::default();
+        let (st, cs) = (stop.clone(), conns.clone());
+        let thread = std::thread::spawn(move || {
+            while !st.load(Ordering::Relaxed) {
+                let (client, _) = match listener.accept() {
+                    Ok(c) => c,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                    Err(_) => continue,
+                };
+                let _ = client.set_nonblocking(false);
+                let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(2))
+                else {
+                    continue; // the client sees its connection closed, as with no server
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                {
+                    let mut cs = cs.lock().unwrap_or_else(|e| e.into_inner());
+                    cs.retain(|c| c.peer_addr().is_ok());
+                    cs.extend(client.try_clone().ok());
+                    cs.extend(server.try_clone().ok());
+                }
+                for (mut from, mut to) in [
+                    (client.try_clone(), server.try_clone()),
+                    (server.try_clone(), client.try_clone()),
+                ]
+                .into_iter()
+                .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Ok(Forward {
+            addr,
+            stop,
+            conns,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A blocking handle on the API server for the lab and the tests (the kube crate on a
+/// runtime of its own).
+pub struct Kube {
+    rt: tokio::runtime::Runtime,
+    pub client: ::kube::Client,
+}
+
+impl Kube {
+    pub fn connect(kubeconfig: &Path) -> Result<Kube> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let kc = ::kube::config::Kubeconfig::read_from(kubeconfig)
+            .with_context(|| format!("read {}", kubeconfig.display()))?;
+        let client = rt.block_on(async {
+            let cfg = ::kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+            anyhow::Ok(::kube::Client::try_from(cfg)?)
+        })?;
+        Ok(Kube { rt, client })
+    }
+
+    pub fn block<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    pub fn all<K>(&self) -> ::kube::Api<K>
+    where
+        K: ::kube::Resource<Scope = k8s_openapi::ClusterResourceScope>,
+        <K as ::kube::Resource>::DynamicType: Default,
+    {
+        ::kube::Api::all(self.client.clone())
+    }
+
+    pub fn ns<K>(&self, ns: &str) -> ::kube::Api<K>
+    where
+        K: ::kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as ::kube::Resource>::DynamicType: Default,
+    {
+        ::kube::Api::namespaced(self.client.clone(), ns)
+    }
+
+    /// Creates the object given as JSON.
+    pub fn create<K>(&self, api: &::kube::Api<K>, obj: Value) -> Result<K>
+    where
+        K: ::kube::Resource + Clone + serde::de::DeserializeOwned + Serialize + std::fmt::Debug,
+    {
+        let o: K = serde_json::from_value(obj).context("object JSON")?;
+        self.block(api.create(&Default::default(), &o))
+            .context("create")
+    }
+
+    /// A JSON merge patch (`status`: on the status subresource).
+    pub fn merge<K>(&self, api: &::kube::Api<K>, name: &str, patch: Value, status: bool) -> Result<K>
+    where
+        K: ::kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let pp = ::kube::api::PatchParams::default();
+        let p = ::kube::api::Patch::Merge(&patch);
+        if status {
+            self.block(api.patch_status(name, &pp, &p))
+        } else {
+            self.block(api.patch(name, &pp, &p))
+        }
+        .with_context(|| format!("patch {name}"))
+    }
+}
+
+/// The Cilium chart's labels on the agent's DaemonSet and pods (`k8s-app: cilium` is the
+/// selector), per the rendered chart (`templates/cilium-agent/daemonset.yaml`).
+pub fn cilium_labels() -> Value {
+    json!({"k8s-app": "cilium", "app.kubernetes.io/name": "cilium-agent",
+           "app.kubernetes.io/part-of": "cilium"})
+}
+
+/// The Cilium agent DaemonSet as the chart renders it in what the stepper and the controller
+/// read (labels, selector, image, grace period 1 s, host network, node-critical priority,
+/// tolerate everything, one per node by anti-affinity), with `updateStrategy: OnDelete`.
+pub fn cilium_daemonset(image: &str, revision_history_limit: Option<i32>) -> Value {
+    let mut ds = json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "cilium", "namespace": "kube-system", "labels": cilium_labels()},
+        "spec": {
+            "selector": {"matchLabels": {"k8s-app": "cilium"}},
+            "updateStrategy": {"type": "OnDelete"},
+            "template": {
+                "metadata": {"labels": cilium_labels(),
+                             "annotations": {"cilium.io/cilium-configmap-checksum": "0"}},
+                "spec": {
+                    "containers": [{"name": "cilium-agent", "image": image,
+                                    "imagePullPolicy": "IfNotPresent",
+                                    "command": ["cilium-agent"],
+                                    "args": ["--config-dir=/tmp/cilium/config-map"]}],
+                    "restartPolicy": "Always",
+                    "priorityClassName": "system-node-critical",
+                    "serviceAccountName": "cilium",
+                    "automountServiceAccountToken": true,
+                    "terminationGracePeriodSeconds": 1,
+                    "hostNetwork": true,
+                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                        {"labelSelector": {"matchLabels": {"k8s-app": "cilium"}},
+                         "topologyKey": "kubernetes.io/hostname"}]}},
+                    "nodeSelector": {"kubernetes.io/os": "linux"},
+                    "tolerations": [{"operator": "Exists"}]
+                }
+            }
+        }
+    });
+    if let Some(n) = revision_history_limit {
+        ds["spec"]["revisionHistoryLimit"] = json!(n);
+    }
+    ds
+}
+
+/// The lab's nodes as Node objects (name → InternalIP), Ready, with room for pods.
+pub fn create_nodes(k: &Kube, nodes: &[(String, String)]) -> Result<()> {
+    let api = k.all::<k8s_openapi::api::core::v1::Node>();
+    for (name, ip) in nodes {
+        k.create(
+            &api,
+            json!({"apiVersion": "v1", "kind": "Node",
+                   "metadata": {"name": name, "labels": {
+                       "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                       "kubernetes.io/arch": "amd64"}}}),
+        )
+        .with_context(|| format!("create Node {name}"))?;
+        set_node_ready(k, name, ip, true)?;
+    }
+    Ok(())
+}
+
+/// Sets a Node's status: Ready (or not), its address and capacity.
+pub fn set_node_ready(k: &Kube, name: &str, ip: &str, ready: bool) -> Result<()> {
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let cap = json!({"cpu": "4", "memory": "8Gi", "pods": "110"});
+    k.merge(
+        &k.all::<k8s_openapi::api::core::v1::Node>(),
+        name,
+        json!({"status": {
+            "capacity": cap, "allocatable": cap,
+            "addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name}],
+            "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" },
+                            "reason": if ready { "KubeletReady" } else { "KubeletNotReady" },
+                            "lastHeartbeatTime": now, "lastTransitionTime": now}]}}),
+        true,
+    )
+    .with_context(|| format!("set Node {name} status"))?;
+    Ok(())
 }

@@ -7,6 +7,7 @@
 pub mod ciliumconfig;
 pub mod datapath;
 pub mod kube;
+pub mod kubelet;
 pub mod lan;
 pub mod maps;
 pub mod netns;

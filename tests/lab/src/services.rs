@@ -36,8 +36,9 @@ fn spawn_in(ns: &str, what: &str, program: &str, args: &[String], log: &Path) ->
     spawn_detached(cmd, what, log)
 }
 
-/// Starts `program args` in the host's namespaces, detached, output to `log` (see
-/// [`spawn_detached`]).
+/// Starts `program args` in the host's namespaces, output to `log`, in a session of its own
+/// (see [`spawn_detached`]) but tied to the calling thread: it is killed when that thread ends,
+/// so a test killed mid-run leaves no control plane behind.
 pub fn spawn_logged(
     what: &str,
     program: &std::ffi::OsStr,
@@ -46,6 +47,13 @@ pub fn spawn_logged(
 ) -> Result<Proc> {
     let mut cmd = Command::new(program);
     cmd.args(args);
+    // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
     spawn_detached(cmd, what, log)
 }
 

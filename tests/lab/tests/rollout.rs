@@ -5,13 +5,19 @@
 //! as a process in the LAN client namespace. Each test is one promise: the stepper never walks
 //! past a node whose verdict it did not read as passed.
 mod common;
-use common::fakekube::{Bump, FakeKube, FakePod, Moment, World};
 use common::*;
-use serde_json::Value;
-use std::collections::BTreeMap;
+use common::webhook;
+use k8s_openapi::api::apps::v1::{ControllerRevision, DaemonSet};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use stepguard_lab::kube::{ControlPlane, Forward, Kube};
+use stepguard_lab::kubelet::{Kubelet, Moment};
 use stepguard_lab::lan::{LanGuard, LanLab, LanSpec, LeaseTimings};
 use stepguard_lab::RestartOpts;
 
@@ -19,34 +25,135 @@ fn node_name(i: u8) -> String {
     format!("node-{i}")
 }
 
-struct Env {
-    // Dropped in this order: the agents, then the API server, then the lab.
-    _agents: Vec<Daemon>,
-    kube: FakeKube,
-    kubeconfig: std::path::PathBuf,
-    client_ns: String,
-    run_dir: std::path::PathBuf,
-    _lan: Arc<Mutex<LanGuard>>,
-    /// When set, the restart for this many-th deletion (1-based, over the world's life)
-    /// empties the node's endpoint map.
-    fault_at: Arc<Mutex<Option<usize>>>,
+const KS: &str = "kube-system";
+const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.18.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// A template change at the n-th cilium pod deletion (1-based, over the kubelet's life) and
+/// moment; `approve`: the DaemonSet's approval annotation follows it.
+#[derive(Clone, Copy, Debug)]
+struct Bump {
+    deletion: usize,
+    at: Moment,
+    approve: bool,
 }
 
-/// Cilium's L2 leases in the fake API, as the lab's holders are now.
-fn sync_leases(w: &mut World, lan: &LanLab) {
+struct Env {
+    _agents: Vec<Daemon>,
+    kubelet: Option<Kubelet>,
+    _forward: Forward,
+    k: Arc<Kube>,
+    cp: Arc<Mutex<ControlPlane>>,
+    kubeconfig: PathBuf,
+    client_ns: String,
+    run_dir: PathBuf,
+    lan: Arc<Mutex<LanGuard>>,
+    /// When set, the restart for this many-th deletion (1-based, over the kubelet's life)
+    /// empties the node's endpoint map.
+    fault_at: Arc<Mutex<Option<usize>>>,
+    bumps: Arc<Mutex<Vec<Bump>>>,
+    /// How many template changes the test made (the bump annotation's value).
+    bumped: Arc<Mutex<u32>>,
+}
+
+/// Cilium's L2-announcement Leases in kube-system, as the lab's holders are now (the lab plays
+/// the cilium-agent's part in them).
+fn sync_leases(k: &Kube, lan: &LanLab) {
+    let api = k.ns::<Lease>(KS);
     for (vip, holder) in &lan.state.holders {
         let name = format!("cilium-l2announce-default-{vip}");
-        w.leases.insert(
-            ("kube-system".into(), name.clone()),
-            serde_json::json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": name, "namespace": "kube-system", "resourceVersion": "1"},
-                "spec": {"holderIdentity": node_name(*holder), "leaseDurationSeconds": 2}}),
-        );
+        let spec = json!({"holderIdentity": node_name(*holder), "leaseDurationSeconds": 2});
+        let have = k.block(api.get_opt(&name)).expect("get an L2 Lease");
+        let r = if have.is_some() {
+            k.merge(&api, &name, json!({"spec": spec}), false).map(|_| ())
+        } else {
+            k.create(
+                &api,
+                json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                       "metadata": {"name": name, "namespace": KS}, "spec": spec}),
+            )
+            .map(|_| ())
+        };
+        r.expect("write an L2 Lease");
     }
 }
 
+/// The DaemonSet's newest revision (hash, number), once the controller has observed the
+/// template.
+fn current_revision(k: &Kube) -> (String, i64) {
+    revision_now(k).expect("the DaemonSet has a revision")
+}
+
+fn revision_now(k: &Kube) -> Option<(String, i64)> {
+    let ds = k.block(k.ns::<DaemonSet>(KS).get("cilium")).unwrap();
+    let uid = ds.metadata.uid.clone().unwrap();
+    let revs = k
+        .block(k.ns::<ControllerRevision>(KS).list(&Default::default()))
+        .unwrap();
+    revs.items
+        .iter()
+        .filter(|r| {
+            r.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == uid)
+        })
+        .max_by_key(|r| r.revision)
+        .map(|r| {
+            (
+                r.metadata.labels.as_ref().unwrap()["controller-revision-hash"].clone(),
+                r.revision,
+            )
+        })
+}
+
+fn observed(k: &Kube) -> bool {
+    let ds = k.block(k.ns::<DaemonSet>(KS).get("cilium")).unwrap();
+    ds.status.and_then(|s| s.observed_generation) == ds.metadata.generation
+}
+
+/// Sets the template's bump annotation (a new template, or back to an old one); returns the
+/// revision the controller made or reused for it, once observed.
+fn set_template(k: &Kube, bump: u32, approve: bool) -> String {
+    k.merge(
+        &k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"spec": {"template": {"metadata": {"annotations": {"stepguard.test/bump": bump.to_string()}}}}}),
+        false,
+    )
+    .expect("change the template");
+    wait_until(
+        "the controller observes the template",
+        Duration::from_secs(20),
+        || observed(k),
+        String::new,
+    );
+    let (hash, _) = current_revision(k);
+    if approve {
+        approve_revision(k, &hash);
+    }
+    hash
+}
+
+fn approve_revision(k: &Kube, hash: &str) {
+    k.merge(
+        &k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"metadata": {"annotations": {"stepguard.io/approve-revision": hash}}}),
+        false,
+    )
+    .expect("approve");
+}
+
 fn env() -> Env {
+    env_with(None)
+}
+
+fn env_with(revision_history_limit: Option<i32>) -> Env {
     require_root();
+    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
+        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
+    ));
     let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
     spec.nodes = 3;
     spec.lease = LeaseTimings {
@@ -55,49 +162,63 @@ fn env() -> Env {
         retry: Duration::from_millis(500),
     };
     let lan = LanGuard(LanLab::up(spec).expect("LAN lab up"));
-    let mut agents = Vec::new();
-    let mut world = World {
-        revision: ("rev2".into(), 2),
-        generation: 2,
-        observed_generation: 2,
-        image: "quay.io/cilium/cilium:v1.18.2@sha256:0123".into(),
-        grace: Duration::from_millis(1000),
-        create_after: Duration::from_millis(300),
-        bind_after: Duration::from_millis(300),
-        ..Default::default()
-    };
-    for i in 0..3u8 {
-        let node = lan.node(i).unwrap();
-        let addr = std::net::SocketAddr::new(stepguard_lab::lan::node_addr(i).into(), 9969);
-        agents.push(Daemon::start_at(
-            node.node_ns(),
-            lan.node_config(i),
-            lan.state.run_dir.join(format!("agent-state-n{i}")),
-            addr,
-            &[],
-            &[],
-        ));
-        world.nodes.insert(node_name(i), true);
-        world.pods.insert(
-            format!("cilium-{i}"),
-            FakePod::running(&format!("uid-{i}"), &node_name(i), "rev1"),
-        );
-        world
-            .agents
-            .insert(node_name(i), stepguard_lab::lan::node_addr(i).to_string());
-    }
-    sync_leases(&mut world, &lan);
-    let client_ns = lan.client_ns();
     let run_dir = lan.state.run_dir.clone();
+    let client_ns = lan.client_ns();
+    let cp = ControlPlane::up(&run_dir.join("kube"), &kube_bin).expect("control plane up");
+    let cp = Arc::new(Mutex::new(cp));
     let lan = Arc::new(Mutex::new(lan));
+    // From here on a failure still takes the control plane and the lab down.
+    struct Partial(Arc<Mutex<ControlPlane>>, Arc<Mutex<LanGuard>>);
+    impl Drop for Partial {
+        fn drop(&mut self) {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).down();
+            let _ = self.1.lock().unwrap_or_else(|e| e.into_inner()).0.down();
+        }
+    }
+    let partial = Partial(cp.clone(), lan.clone());
+    let (admin, server) = {
+        let c = cp.lock().unwrap();
+        (c.admin_kubeconfig(), c.server.clone())
+    };
+    let k = Arc::new(Kube::connect(&admin).expect("admin client"));
+
+    // The manifests as shipped (server-side apply): the namespace, the agents' DaemonSet and
+    // the stepper's ServiceAccount and RBAC.
+    {
+        let c = cp.lock().unwrap();
+        let root = repo_root();
+        for crd in ["monitoring.coreos.com_servicemonitors.yaml", "monitoring.coreos.com_prometheusrules.yaml"] {
+            let f = root.join("third_party/prometheus-operator-v0.93.0").join(crd);
+            c.kubectl(&["apply", "--server-side", "-f", f.to_str().unwrap()]).expect("CRD");
+        }
+        c.kubectl(&["wait", "--for=condition=Established", "--timeout=30s", "crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com"]).expect("CRDs established");
+        for d in ["deploy/base", "deploy/rollout"] {
+            c.kubectl(&["apply", "--server-side", "-k", root.join(d).to_str().unwrap()])
+                .unwrap_or_else(|e| panic!("apply {d}: {e:#}"));
+        }
+    }
+    let nodes: Vec<(String, String)> = (0..3u8)
+        .map(|i| (node_name(i), stepguard_lab::lan::node_addr(i).to_string()))
+        .collect();
+    stepguard_lab::kube::create_nodes(&k, &nodes).expect("Nodes");
+    k.create(
+        &k.ns::<k8s_openapi::api::core::v1::ServiceAccount>(KS),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "cilium", "namespace": KS}}),
+    )
+    .expect("cilium ServiceAccount");
+    k.create(
+        &k.ns::<DaemonSet>(KS),
+        stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, revision_history_limit),
+    )
+    .expect("the Cilium DaemonSet");
+
     let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
-    let world_cell: Arc<Mutex<Option<Arc<Mutex<World>>>>> = Arc::new(Mutex::new(None));
-    let hook = {
-        let (lan, fault_at, world_cell) = (lan.clone(), fault_at.clone(), world_cell.clone());
-        Arc::new(move |node: &str| {
+    let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
+    let bumped: Arc<Mutex<u32>> = Arc::new(Mutex::new(0));
+    let restart = {
+        let (lan, fault_at, k) = (lan.clone(), fault_at.clone(), Kube::connect(&admin).unwrap());
+        Arc::new(move |node: &str, nth: usize| {
             let i: u8 = node.trim_start_matches("node-").parse().unwrap();
-            let w = world_cell.lock().unwrap().clone().unwrap();
-            let nth = w.lock().unwrap().deletions.len();
             let mut opts = RestartOpts {
                 down: Duration::from_millis(300),
                 ..Default::default()
@@ -107,45 +228,162 @@ fn env() -> Env {
             }
             eprintln!(
                 "the lab restarts {node} for deletion {nth}{}",
-                if opts.flush_map.is_some() {
-                    ", emptying cilium_lxc"
-                } else {
-                    ""
-                }
+                if opts.flush_map.is_some() { ", emptying cilium_lxc" } else { "" }
             );
             let mut l = lan.lock().unwrap();
             l.restart(i, &opts, false).expect("lab restart");
-            sync_leases(&mut w.lock().unwrap(), &l);
+            sync_leases(&k, &l);
         })
     };
-    let kube = FakeKube::start(
+    let moment = {
+        let (bumps, bumped, k) = (bumps.clone(), bumped.clone(), Kube::connect(&admin).unwrap());
+        Arc::new(move |m: Moment, node: &str, nth: usize| {
+            let due: Vec<Bump> = bumps
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|b| b.deletion == nth && b.at == m)
+                .copied()
+                .collect();
+            for b in due {
+                let n = {
+                    let mut c = bumped.lock().unwrap();
+                    *c += 1;
+                    *c
+                };
+                let h = set_template(&k, n, b.approve);
+                eprintln!("the test changes the template at {m:?} of deletion {nth} ({node}): revision {h}{}", if b.approve { ", approved" } else { "" });
+            }
+        })
+    };
+    let kubelet = Kubelet::start(&admin, nodes.into_iter().collect(), restart, Some(moment))
+        .expect("lab kubelet");
+
+    let mut agents = Vec::new();
+    {
+        let l = lan.lock().unwrap();
+        for i in 0..3u8 {
+            let node = l.node(i).unwrap();
+            let addr = std::net::SocketAddr::new(stepguard_lab::lan::node_addr(i).into(), 9969);
+            agents.push(Daemon::start_at(
+                node.node_ns(),
+                l.node_config(i),
+                l.state.run_dir.join(format!("agent-state-n{i}")),
+                addr,
+                &[],
+                &[],
+            ));
+        }
+        sync_leases(&k, &l);
+    }
+    let target: std::net::SocketAddr = server.trim_start_matches("https://").parse().unwrap();
+    let forward = Forward::start(
         &client_ns,
         &stepguard_lab::lan::CLIENT_ADDR.to_string(),
-        world,
-        hook,
-    );
-    *world_cell.lock().unwrap() = Some(kube.world.clone());
-    let kubeconfig = kube.kubeconfig(&run_dir);
-    Env {
-        _lan: lan,
+        target,
+    )
+    .expect("forward the API server into the LAN");
+    let kubeconfig = cp
+        .lock()
+        .unwrap()
+        .stepper_kubeconfig(&format!("https://{}", forward.addr))
+        .unwrap();
+    std::mem::forget(partial);
+    let e = Env {
         _agents: agents,
-        kube,
+        kubelet: Some(kubelet),
+        _forward: forward,
+        k,
+        cp,
         kubeconfig,
         client_ns,
         run_dir,
+        lan,
         fault_at,
-    }
+        bumps,
+        bumped,
+    };
+    // Every node runs a Ready cilium pod of the first revision, and a stepguard agent pod;
+    // then the template changes (unapproved), so the first rollout has work.
+    wait_until(
+        "the controller's first revision",
+        Duration::from_secs(30),
+        || observed(&e.k) && revision_now(&e.k).is_some(),
+        || control_plane_logs(&e),
+    );
+    let first = current_revision(&e.k).0;
+    wait_until(
+        "the controller's pods Ready on every node",
+        Duration::from_secs(60),
+        || all_on(&e, &first) && agents_running(&e) == 3,
+        || format!("{:?}", cilium_pods(&e)),
+    );
+    bump(&e, false);
+    e
 }
 
-/// The API server's hook holds the lab too, so the guard alone would never drop: take the
-/// lab down when the test ends (also on a panic).
+/// Changes the template now; returns the new revision's hash.
+fn bump(e: &Env, approve: bool) -> String {
+    let n = {
+        let mut c = e.bumped.lock().unwrap();
+        *c += 1;
+        *c
+    };
+    set_template(&e.k, n, approve)
+}
+
 impl Drop for Env {
     fn drop(&mut self) {
-        let mut lan = self._lan.lock().unwrap_or_else(|e| e.into_inner());
+        self.kubelet.take();
+        self.cp.lock().unwrap_or_else(|e| e.into_inner()).down();
+        let mut lan = self.lan.lock().unwrap_or_else(|e| e.into_inner());
         if let Err(e) = lan.0.down() {
             eprintln!("LAN lab down: {e:#}");
         }
     }
+}
+
+/// The cilium pods: name → (node it is for, revision hash, Ready, Terminating).
+fn cilium_pods(e: &Env) -> BTreeMap<String, (String, String, bool, bool)> {
+    let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
+    let pods = e.k.block(e.k.ns::<Pod>(KS).list(&lp)).unwrap();
+    pods.items
+        .into_iter()
+        .map(|p| {
+            let ready = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                .is_some_and(|c| c.status == "True");
+            (
+                p.metadata.name.clone().unwrap(),
+                (
+                    stepguard_lab::kubelet::target_node(&p).unwrap_or_default(),
+                    p.metadata.labels.as_ref().and_then(|l| l.get("controller-revision-hash").cloned()).unwrap_or_default(),
+                    ready,
+                    p.metadata.deletion_timestamp.is_some(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// A cilium pod is bound to its node.
+fn bound(e: &Env, name: &str) -> bool {
+    e.k.block(e.k.ns::<Pod>(KS).get_opt(name))
+        .unwrap()
+        .and_then(|p| p.spec?.node_name)
+        .is_some()
+}
+
+fn agents_running(e: &Env) -> usize {
+    let lp = kube::api::ListParams::default().labels("app.kubernetes.io/name=stepguard");
+    let pods = e.k.block(e.k.ns::<Pod>("stepguard").list(&lp)).unwrap();
+    pods.items
+        .iter()
+        .filter(|p| p.status.as_ref().and_then(|s| s.pod_ip.as_ref()).is_some())
+        .count()
 }
 
 fn rollout_cmd(e: &Env, extra: &[&str]) -> Command {
@@ -217,8 +455,28 @@ impl Drop for Stepper {
     }
 }
 
+/// The tails of the control plane's logs, for a failure message.
+fn control_plane_logs(e: &Env) -> String {
+    let dir = e.cp.lock().unwrap().dir.clone();
+    let mut out = String::new();
+    for f in ["kube-controller-manager.log", "kube-scheduler.log"] {
+        let t = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        let lines: Vec<&str> = t.lines().collect();
+        out += &format!("--- {f} (last 30 lines)\n{}\n", lines[lines.len().saturating_sub(30)..].join("\n"));
+    }
+    out
+}
+
+fn repo_root() -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn deletions(e: &Env) -> Vec<String> {
+    e.kubelet.as_ref().unwrap().state.lock().unwrap().deletions.clone()
+}
+
 fn deletions_since(e: &Env, from: usize) -> Vec<String> {
-    e.kube.world.lock().unwrap().deletions[from..].to_vec()
+    deletions(e)[from..].to_vec()
 }
 
 fn counts(v: &[String]) -> BTreeMap<String, usize> {
@@ -231,50 +489,73 @@ fn counts(v: &[String]) -> BTreeMap<String, usize> {
 
 /// Every node runs one Ready cilium pod on `rev`, none being deleted.
 fn all_on(e: &Env, rev: &str) -> bool {
-    let w = e.kube.world.lock().unwrap();
-    w.pods.len() == 3
-        && w.pods
-            .values()
-            .all(|p| p.revision == rev && p.ready && !p.terminating)
+    let pods = cilium_pods(e);
+    pods.len() == 3
+        && pods.values().all(|(_, r, ready, term)| r == rev && *ready && !*term)
 }
 
-fn events(e: &Env) -> usize {
-    e.kube.world.lock().unwrap().events.len()
-}
-
-/// The nodes of the Events with `reason` since the `from`-th Event.
-fn event_nodes(e: &Env, from: usize, reason: &str) -> Vec<String> {
-    e.kube.world.lock().unwrap().events[from..]
-        .iter()
-        .filter(|v| v["reason"] == reason)
-        .filter_map(|v| {
-            let m = v["message"].as_str()?;
-            Some(m.strip_prefix("node ")?.split(':').next()?.to_string())
+/// The Events in kube-system: (uid, reason, message), oldest first.
+fn all_events(e: &Env) -> Vec<(String, String, String)> {
+    let mut ev = e.k.block(e.k.ns::<Event>(KS).list(&Default::default())).unwrap().items;
+    ev.sort_by_key(|v| v.metadata.creation_timestamp.clone().map(|t| t.0));
+    ev.into_iter()
+        .map(|v| {
+            (
+                v.metadata.uid.unwrap_or_default(),
+                v.reason.unwrap_or_default(),
+                v.message.unwrap_or_default(),
+            )
         })
         .collect()
 }
 
-fn reasons_since(e: &Env, from: usize) -> Vec<String> {
-    e.kube.world.lock().unwrap().events[from..]
-        .iter()
-        .filter_map(|v| v["reason"].as_str().map(String::from))
+/// The Events seen so far (a later call's "since").
+fn events(e: &Env) -> BTreeSet<String> {
+    all_events(e).into_iter().map(|(u, _, _)| u).collect()
+}
+
+fn events_since(e: &Env, before: &BTreeSet<String>) -> Vec<(String, String)> {
+    all_events(e)
+        .into_iter()
+        .filter(|(u, _, _)| !before.contains(u))
+        .map(|(_, r, m)| (r, m))
         .collect()
 }
 
-/// The rollout lock, if any.
-fn lock(e: &Env) -> Option<Value> {
-    e.kube
-        .world
-        .lock()
-        .unwrap()
-        .leases
+/// The nodes of the Events with `reason` since `before`.
+fn event_nodes(e: &Env, before: &BTreeSet<String>, reason: &str) -> Vec<String> {
+    events_since(e, before)
         .iter()
-        .find(|((ns, _), _)| ns == "stepguard")
-        .map(|(_, l)| l.clone())
+        .filter(|(r, _)| r == reason)
+        .filter_map(|(_, m)| Some(m.strip_prefix("node ")?.split(':').next()?.to_string()))
+        .collect()
+}
+
+fn reasons_since(e: &Env, before: &BTreeSet<String>) -> Vec<String> {
+    events_since(e, before).into_iter().map(|(r, _)| r).collect()
+}
+
+/// The rollout lock, if any (the only Lease in stepguard's namespace).
+fn lock(e: &Env) -> Option<Value> {
+    let l = e.k.block(e.k.ns::<Lease>("stepguard").list(&Default::default())).unwrap();
+    l.items.into_iter().next().map(|l| serde_json::to_value(l).unwrap())
 }
 
 fn lock_annotation(e: &Env, key: &str) -> Option<String> {
     lock(e).and_then(|l| l["metadata"]["annotations"][key].as_str().map(String::from))
+}
+
+/// Every request the stepper made was allowed by the shipped RBAC (the API server's audit
+/// log of its user: no 401 or 403), and there were requests.
+fn assert_rbac_sufficed(e: &Env) {
+    let reqs = e.cp.lock().unwrap().stepper_requests().expect("the audit log");
+    assert!(reqs.len() > 10, "the stepper's requests are audited: {}", reqs.len());
+    let denied: Vec<String> = reqs
+        .iter()
+        .filter(|r| matches!(r["responseStatus"]["code"].as_i64(), Some(401 | 403)))
+        .map(|r| format!("{} {} → {}", r["verb"], r["requestURI"], r["responseStatus"]["code"]))
+        .collect();
+    assert!(denied.is_empty(), "the shipped RBAC denied the stepper: {denied:#?}");
 }
 
 /// Waits (bounded) until `ok`; panics with `what` and `context()` otherwise.
@@ -295,7 +576,7 @@ fn wait_until(what: &str, limit: Duration, ok: impl Fn() -> bool, context: impl 
 fn each_node_once_every_verdict_read(
     e: &Env,
     from_del: usize,
-    from_ev: usize,
+    from_ev: &BTreeSet<String>,
     rev: &str,
     out: &str,
 ) {
@@ -313,7 +594,7 @@ fn each_node_once_every_verdict_read(
         "every node's verdict read, once: {:?}\n{out}",
         reasons_since(e, from_ev)
     );
-    assert!(all_on(e, rev), "{:?}", e.kube.world.lock().unwrap().pods);
+    wait_until("all on the revision", Duration::from_secs(10), || all_on(e, rev), || format!("{:?}", cilium_pods(e)));
 }
 
 #[test]
@@ -327,13 +608,42 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
         out.contains("3 of 3 nodes to step") && out.contains("moves L2 VIPs"),
         "{out}"
     );
-    {
-        let mut w = e.kube.world.lock().unwrap();
-        w.nodes.insert(node_name(1), false);
-        w.agents.remove(&node_name(2));
-        w.observed_generation = 1;
-    }
+    // node-2's agent gone (its replacement never started), node-1 NotReady, and the
+    // DaemonSet's status stale (the controller frozen across a template change).
+    e.kubelet
+        .as_ref()
+        .unwrap()
+        .state
+        .lock()
+        .unwrap()
+        .hold
+        .insert(("stepguard".into(), node_name(2)));
+    let lp = kube::api::ListParams::default().labels("app.kubernetes.io/name=stepguard");
+    let agent2 = e
+        .k
+        .block(e.k.ns::<Pod>("stepguard").list(&lp))
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.spec.as_ref().unwrap().node_name.as_deref() == Some("node-2"))
+        .expect("node-2's agent pod");
+    e.k.block(e.k.ns::<Pod>("stepguard").delete(
+        &agent2.metadata.name.unwrap(),
+        &kube::api::DeleteParams::default(),
+    ))
+    .unwrap();
+    wait_until("node-2's agent gone", Duration::from_secs(30), || agents_running(&e) == 2, String::new);
+    stepguard_lab::kube::set_node_ready(&e.k, "node-1", &stepguard_lab::lan::node_addr(1).to_string(), false).unwrap();
+    e.cp.lock().unwrap().pause("kube-controller-manager").unwrap();
+    e.k.merge(
+        &e.k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"spec": {"template": {"metadata": {"annotations": {"stepguard.test/stale": "1"}}}}}),
+        false,
+    )
+    .unwrap();
     let (code, out) = rollout(&e, &["--dry-run"]);
+    e.cp.lock().unwrap().resume("kube-controller-manager").unwrap();
     assert_eq!(code, 2, "{out}");
     let (a, b, c) = (
         out.find("status is stale").expect(&out),
@@ -341,54 +651,69 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
         out.find("no stepguard agent on node node-2").expect(&out),
     );
     assert!(a < b && b < c, "refusals in order: {out}");
-    {
-        let mut w = e.kube.world.lock().unwrap();
-        w.nodes.insert(node_name(1), true);
-        w.agents
-            .insert(node_name(2), stepguard_lab::lan::node_addr(2).to_string());
-        w.observed_generation = w.generation;
-    }
+    stepguard_lab::kube::set_node_ready(&e.k, "node-1", &stepguard_lab::lan::node_addr(1).to_string(), true).unwrap();
+    e.kubelet.as_ref().unwrap().state.lock().unwrap().hold.clear();
+    wait_until(
+        "the controller caught up and node-2's agent is back",
+        Duration::from_secs(30),
+        || observed(&e.k) && agents_running(&e) == 3,
+        String::new,
+    );
+    let target = current_revision(&e.k).0;
 
     // A three-node rollout passes: each node stepped once, verified, the lock released.
+    let ev = events(&e);
     let (code, out) = rollout(&e, &[]);
     assert_eq!(code, 0, "{out}");
-    each_node_once_every_verdict_read(&e, 0, 0, "rev2", &out);
+    each_node_once_every_verdict_read(&e, 0, &ev, &target, &out);
     assert!(out.contains("3 nodes stepped and verified"), "{out}");
     assert!(lock(&e).is_none(), "the lock is released: {:?}", lock(&e));
 
     // An approved revision change mid-rollout: the node already stepped to the superseded
     // revision is stepped again.
-    let from = e.kube.world.lock().unwrap().deletions.len();
-    {
-        let mut w = e.kube.world.lock().unwrap();
-        w.bump_revision(); // rev3
-        w.bumps.push(Bump {
-            deletion: from + 1,
-            at: Moment::Ready,
-            approve: true,
-        }); // rev4, approved, right after the first replacement
-    }
+    eprintln!("test: the second rollout, a revision approved mid-way");
+    let from = deletions(&e).len();
+    let old = target;
+    let old_n = *e.bumped.lock().unwrap();
+    let superseded = bump(&e, false);
+    e.bumps.lock().unwrap().push(Bump {
+        deletion: from + 1,
+        at: Moment::Ready,
+        approve: true,
+    }); // approved, right after the first replacement turned Ready
     let (code, out) = rollout(&e, &[]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("moved to approved revision rev4"), "{out}");
+    let newest = current_revision(&e.k).0;
+    assert_ne!(newest, superseded);
+    assert!(out.contains(&format!("moved to approved revision {newest}")), "{out}");
     let d = deletions_since(&e, from);
     assert_eq!(d.len(), 4, "{d:?}\n{out}");
-    assert_eq!(
-        counts(&d)[&d[0]],
-        2,
-        "the first node is stepped again: {d:?}"
-    );
-    assert!(all_on(&e, "rev4"));
+    assert_eq!(counts(&d)[&d[0]], 2, "the first node is stepped again: {d:?}");
+    assert!(all_on(&e, &newest));
+
+    eprintln!("test: a rollback");
+    // A rollback: the template as it was two revisions ago. The controller reuses that
+    // ControllerRevision and renumbers it; the stepper steps every node back to it.
+    let before = current_revision(&e.k).1;
+    let back = set_template(&e.k, old_n, true);
+    assert_eq!(back, old, "the controller reuses the old revision's hash");
+    assert!(current_revision(&e.k).1 > before, "renumbered: {:?}", current_revision(&e.k));
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    let (code, out) = rollout(&e, &[]);
+    assert_eq!(code, 0, "{out}");
+    each_node_once_every_verdict_read(&e, from, &ev, &old, &out);
+    assert_rbac_sufficed(&e);
 }
 
 /// Where the stepper is killed.
 #[derive(Clone, Copy, Debug)]
 enum KillAt {
-    /// The step begun on the agent and recorded; the pod not deleted yet.
+    /// The step begun on the agent and recorded; the pod not deleted yet (the stepper's
+    /// StepguardStepBegun Event held by a slow admission webhook).
     BeforeDelete,
-    /// The old pod Terminating, no replacement yet.
+    /// The old pod Terminating (its grace period), no replacement yet.
     Terminating,
-    /// The replacement Pending, unbound.
+    /// The replacement Pending, unbound (the scheduler frozen).
     Pending,
     /// The replacement Ready, its verdict not read.
     ReadyBeforeVerdict,
@@ -397,25 +722,28 @@ enum KillAt {
 #[test]
 fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice() {
     let e = env();
+    let hook = webhook::Webhook::start(&e.run_dir);
+    e.k.create(
+        &e.k.all::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>(),
+        hook.configuration("StepguardStepBegun"),
+    )
+    .expect("the webhook configuration");
     for at in [
         KillAt::BeforeDelete,
         KillAt::Terminating,
         KillAt::Pending,
         KillAt::ReadyBeforeVerdict,
     ] {
-        let (from_del, from_ev, rev) = {
-            let mut w = e.kube.world.lock().unwrap();
-            w.bump_revision();
-            match at {
-                KillAt::BeforeDelete => {
-                    w.slow_event = Some(("StepguardStepBegun".into(), Duration::from_secs(5)))
-                }
-                KillAt::Terminating => w.create_after = Duration::from_secs(3),
-                KillAt::Pending => w.bind_after = Duration::from_secs(3),
-                KillAt::ReadyBeforeVerdict => {}
+        let rev = bump(&e, false);
+        let (from_del, from_ev) = (deletions(&e).len(), events(&e));
+        match at {
+            KillAt::BeforeDelete => {
+                hook.hold.lock().unwrap().next =
+                    Some(("StepguardStepBegun".into(), Duration::from_secs(5)))
             }
-            (w.deletions.len(), w.events.len(), w.revision.0.clone())
-        };
+            KillAt::Pending => e.cp.lock().unwrap().pause("kube-scheduler").unwrap(),
+            KillAt::Terminating | KillAt::ReadyBeforeVerdict => {}
+        }
         let mut s = Stepper::spawn(&e, &format!("kill-{at:?}"), &[]);
         let in_flight = || lock_annotation(&e, "stepguard.io/node");
         wait_until(
@@ -425,36 +753,34 @@ fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice()
                 let Some(node) = in_flight() else {
                     return false;
                 };
-                let w = e.kube.world.lock().unwrap();
-                let deleted = w.deletions.len() > from_del;
-                let old_terminating = w.pods.values().any(|p| p.node == node && p.terminating);
-                let fresh: Vec<&FakePod> = w
-                    .pods
-                    .values()
-                    .filter(|p| p.node == node && !p.terminating && p.revision == rev)
+                let deleted = deletions(&e).len() > from_del;
+                let pods = cilium_pods(&e);
+                let old_terminating = pods.values().any(|p| p.0 == node && p.3);
+                let fresh: Vec<(&String, bool)> = pods
+                    .iter()
+                    .filter(|(_, p)| p.0 == node && !p.3 && p.1 == rev)
+                    .map(|(n, p)| (n, p.2))
                     .collect();
                 match at {
-                    KillAt::BeforeDelete => w.holding_event && !deleted,
+                    KillAt::BeforeDelete => hook.hold.lock().unwrap().holding && !deleted,
                     KillAt::Terminating => deleted && old_terminating && fresh.is_empty(),
-                    KillAt::Pending => fresh.iter().any(|p| !p.bound),
-                    KillAt::ReadyBeforeVerdict => fresh.iter().any(|p| p.ready),
+                    KillAt::Pending => fresh.iter().any(|(n, _)| !bound(&e, n)),
+                    KillAt::ReadyBeforeVerdict => fresh.iter().any(|(_, ready)| *ready),
                 }
             },
             || s.output(),
         );
         if let KillAt::ReadyBeforeVerdict = at {
             assert!(
-                event_nodes(&e, from_ev, "StepguardStepPassed").is_empty(),
+                event_nodes(&e, &from_ev, "StepguardStepPassed").is_empty(),
                 "killed before the verdict was read"
             );
         }
         s.kill9();
-        let killed_at = in_flight().expect("the lock records the step in flight");
-        {
-            let mut w = e.kube.world.lock().unwrap();
-            w.create_after = Duration::from_millis(300);
-            w.bind_after = Duration::from_millis(300);
+        if let KillAt::Pending = at {
+            e.cp.lock().unwrap().resume("kube-scheduler").unwrap();
         }
+        let killed_at = in_flight().expect("the lock records the step in flight");
         // The lock expires (3 s); the next run finishes the interrupted node first.
         std::thread::sleep(Duration::from_millis(3500));
         let (code, out) = rollout(&e, &[]);
@@ -474,267 +800,9 @@ fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice()
             first.contains(&killed_at),
             "{at:?}: the interrupted node comes first: {out}"
         );
-        each_node_once_every_verdict_read(&e, from_del, from_ev, &rev, &format!("{at:?}: {out}"));
+        each_node_once_every_verdict_read(&e, from_del, &from_ev, &rev, &format!("{at:?}: {out}"));
     }
+    assert_eq!(hook.hold.lock().unwrap().held, 1, "the webhook held one Event");
+    assert_rbac_sufficed(&e);
 }
 
-#[test]
-fn a_failed_step_halts_every_later_run_until_a_person_lifts_it() {
-    let e = env();
-    // A fault on the second node (its endpoint map comes back empty): the rollout halts there,
-    // exit 1, and the third node is untouched.
-    let from = e.kube.world.lock().unwrap().deletions.len();
-    *e.fault_at.lock().unwrap() = Some(from + 2);
-    let (code, out) = rollout(&e, &[]);
-    assert_eq!(code, 1, "{out}");
-    assert!(out.contains("map_emptied"), "{out}");
-    let d = deletions_since(&e, from);
-    assert_eq!(d.len(), 2, "halted at the second node: {d:?}\n{out}");
-    let failed = d[1].clone();
-    let halt = lock_annotation(&e, "stepguard.io/halt").expect("the halt is on the lock");
-    assert!(
-        halt.contains(&failed) && halt.contains("map_emptied"),
-        "{halt}"
-    );
-    assert!(reasons_since(&e, 0)
-        .iter()
-        .any(|r| r == "StepguardRolloutHalted"));
-
-    // The next run refuses, and so does --dry-run, naming the halt and how to lift it.
-    let (code, out) = rollout(&e, &[]);
-    assert_eq!(code, 2, "{out}");
-    assert!(
-        out.contains("halted") && out.contains(&format!("--retry {failed}")),
-        "{out}"
-    );
-    let (code, out) = rollout(&e, &["--dry-run"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(out.contains("halted") && out.contains(&failed), "{out}");
-    assert_eq!(deletions_since(&e, from).len(), 2, "nothing stepped");
-
-    // `--watch` on an approved revision does not step either while the halt stands.
-    e.kube.world.lock().unwrap().approve_current();
-    let mut watch = Stepper::spawn(&e, "watch-halted", &["--watch", "--watch-interval", "1s"]);
-    std::thread::sleep(Duration::from_secs(4));
-    assert!(watch.running(), "{}", watch.output());
-    assert_eq!(
-        deletions_since(&e, from).len(),
-        2,
-        "the watch steps nothing while halted: {}",
-        watch.output()
-    );
-    assert!(watch.output().contains("halted"), "{}", watch.output());
-
-    // Only the failed node's halt can be lifted, with a reason; the decision is recorded.
-    let other = (0..3).map(node_name).find(|n| *n != failed).unwrap();
-    let (code, out) = rollout(&e, &["--retry", &other, "--reason", "wrong node"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(
-        out.contains(&format!("the halt is at node {failed}")),
-        "{out}"
-    );
-    let (code, out) = rollout(&e, &["--retry", &failed]);
-    assert_ne!(code, 0, "a decision needs a reason: {out}");
-    let ev = events(&e);
-    let (code, out) = rollout(
-        &e,
-        &["--retry", &failed, "--reason", "flushed by hand, fixed"],
-    );
-    assert_eq!(code, 0, "{out}");
-    let decisions = lock_annotation(&e, "stepguard.io/decisions").unwrap_or_default();
-    assert!(
-        decisions.contains("fake-stepper") && decisions.contains("flushed by hand, fixed"),
-        "who and why: {decisions}"
-    );
-    assert!(reasons_since(&e, ev)
-        .iter()
-        .any(|r| r == "StepguardHaltLifted"));
-
-    // The watch goes on: the failed node stepped again first, then the third.
-    wait_until(
-        "the watch finishes the rollout after the retry",
-        Duration::from_secs(90),
-        || deletions_since(&e, from).len() >= 4 && all_on(&e, "rev2"),
-        || watch.output(),
-    );
-    let d = deletions_since(&e, from);
-    assert_eq!(d[2], failed, "the retried node first: {d:?}");
-    assert_eq!(counts(&d)[&failed], 2, "{d:?}");
-    wait_until(
-        "the watch's rollout ends (lock released)",
-        Duration::from_secs(60),
-        || {
-            lock(&e).is_some_and(|l| {
-                l["spec"]["holderIdentity"]
-                    .as_str()
-                    .unwrap_or("")
-                    .is_empty()
-            })
-        },
-        || watch.output(),
-    );
-    assert!(
-        event_nodes(&e, ev, "StepguardStepPassed").contains(&failed),
-        "the retried step's verdict read: {}",
-        watch.output()
-    );
-    watch.kill9();
-
-    // `--skip`: a halt on a new revision lifted by leaving the node as it is.
-    let from = e.kube.world.lock().unwrap().deletions.len();
-    e.kube.world.lock().unwrap().bump_approved(); // rev3
-                                                  // The fault on the run's second node: the first is the node emptied above, whose map the
-                                                  // lab leaves empty (it does not regenerate endpoints), so emptying it again changes nothing.
-    let emptied = failed;
-    *e.fault_at.lock().unwrap() = Some(from + 2);
-    let (code, out) = rollout(&e, &[]);
-    assert_eq!(code, 1, "{out}");
-    let failed = deletions_since(&e, from)[1].clone();
-    assert_ne!(failed, emptied, "{out}");
-    let (code, out) = rollout(&e, &["--skip", &failed, "--reason", "known bad NIC"]);
-    assert_eq!(code, 0, "{out}");
-    let (code, out) = rollout(&e, &[]);
-    assert_eq!(code, 0, "{out}");
-    let d = deletions_since(&e, from);
-    assert_eq!(
-        counts(&d).get(&failed),
-        Some(&1),
-        "the skipped node is not stepped again: {d:?}"
-    );
-    assert_eq!(d.len(), 3, "{d:?}");
-}
-
-#[test]
-fn a_template_change_before_the_replacement_is_judged_by_the_revision_it_carries() {
-    let e = env();
-    // The template changes (approved) while the first old pod is Terminating: its replacement
-    // carries the newer revision, and that is a replacement, not a timeout.
-    let (from, ev) = {
-        let mut w = e.kube.world.lock().unwrap();
-        w.approve_current();
-        w.bumps.push(Bump {
-            deletion: 1,
-            at: Moment::Terminating,
-            approve: true,
-        }); // rev3
-        (w.deletions.len(), w.events.len())
-    };
-    let (code, out) = rollout(&e, &["--replace-timeout", "20s"]);
-    assert_eq!(code, 0, "{out}");
-    assert!(out.contains("carries revision rev3"), "{out}");
-    assert!(
-        !reasons_since(&e, ev)
-            .iter()
-            .any(|r| r == "StepguardStepFailed"),
-        "{out}"
-    );
-    each_node_once_every_verdict_read(&e, from, ev, "rev3", &out);
-
-    // Unapproved, by hand: the step is finished and its verdict read, then the run stops
-    // (exit 2) instead of going on to a revision nobody approved.
-    let (from, ev) = {
-        let mut w = e.kube.world.lock().unwrap();
-        w.bump_approved(); // rev4
-        let n = w.deletions.len();
-        w.bumps.push(Bump {
-            deletion: n + 1,
-            at: Moment::Pending,
-            approve: false,
-        }); // rev5
-        (n, w.events.len())
-    };
-    let (code, out) = rollout(&e, &["--replace-timeout", "20s"]);
-    assert_eq!(code, 2, "{out}");
-    assert!(
-        out.contains("revision rev5 of the DaemonSet is not approved"),
-        "{out}"
-    );
-    let d = deletions_since(&e, from);
-    assert_eq!(d.len(), 1, "{d:?}\n{out}");
-    assert_eq!(event_nodes(&e, ev, "StepguardStepPassed"), d, "{out}");
-}
-
-#[test]
-fn watch_pauses_at_an_unapproved_revision_until_it_is_approved() {
-    let e = env();
-    let ev = {
-        let mut w = e.kube.world.lock().unwrap();
-        w.approve_current(); // rev2
-        w.bumps.push(Bump {
-            deletion: 1,
-            at: Moment::Ready,
-            approve: false,
-        }); // rev3, not approved, as the first replacement turns Ready
-        w.events.len()
-    };
-    let mut watch = Stepper::spawn(&e, "watch-pause", &["--watch", "--watch-interval", "1s"]);
-    wait_until(
-        "the watch pauses with an Event",
-        Duration::from_secs(60),
-        || {
-            reasons_since(&e, ev)
-                .iter()
-                .any(|r| r == "StepguardRolloutPaused")
-        },
-        || watch.output(),
-    );
-    std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(
-        deletions_since(&e, 0).len(),
-        1,
-        "paused: {}",
-        watch.output()
-    );
-    assert!(watch.running());
-    assert!(
-        watch.output().contains("rev3"),
-        "a log line: {}",
-        watch.output()
-    );
-    e.kube.world.lock().unwrap().approve_current();
-    wait_until(
-        "the watch goes on once rev3 is approved",
-        Duration::from_secs(90),
-        || all_on(&e, "rev3"),
-        || watch.output(),
-    );
-    let d = deletions_since(&e, 0);
-    assert_eq!(d.len(), 4, "{d:?}");
-    assert_eq!(
-        counts(&d)[&d[0]],
-        2,
-        "the first node again, for rev3: {d:?}"
-    );
-}
-
-#[test]
-fn transient_api_errors_mid_rollout_are_waited_out() {
-    let e = env();
-    let mut s = Stepper::spawn(&e, "flaky", &["--lock-duration", "10s"]);
-    wait_until(
-        "the first pod deleted",
-        Duration::from_secs(60),
-        || !deletions_since(&e, 0).is_empty(),
-        || s.output(),
-    );
-    e.kube.world.lock().unwrap().fail_until = Some(Instant::now() + Duration::from_secs(4));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(st) = s.child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the rollout ends: {}",
-            s.output()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let out = s.output();
-    assert_eq!(status.code(), Some(0), "{out}");
-    assert!(
-        e.kube.world.lock().unwrap().failed_requests > 0,
-        "the server failed"
-    );
-    each_node_once_every_verdict_read(&e, 0, 0, "rev2", &out);
-}
