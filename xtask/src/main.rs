@@ -177,7 +177,11 @@ pub fn is_root() -> bool {
 fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
     let started = std::time::Instant::now();
     // Set-up is idempotent and takes seconds on a machine that has everything.
-    setup::setup(false)?;
+    setup::setup_with(false, false)?;
+    // The real control plane for the rollout tests (Go, from the module proxy; cached by
+    // version) builds in the background, at a lower priority, while the workspace builds and
+    // the unprivileged tests run: the Rust build leaves cores idle that the Go build fills.
+    let kube_build = (!unit_only).then(|| std::thread::spawn(kube::ensure));
     build(false)?;
     let packages = testrun::discover(&root())?;
     let all: Vec<testrun::Target> = packages
@@ -224,6 +228,18 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
         }
         println!("== the OCI image (static binary, FROM scratch, buildah)");
         let archive = image::image()?;
+        let waited = std::time::Instant::now();
+        let kube_bin = kube_build
+            .expect("started unless unit-only")
+            .join()
+            .map_err(|_| anyhow::anyhow!("the control plane's build panicked"))??;
+        println!(
+            "== the control plane (Kubernetes {}, etcd {}) in {}; waited {:.0}s for it",
+            kube::KUBERNETES,
+            kube::ETCD,
+            kube_bin.display(),
+            waited.elapsed().as_secs_f64()
+        );
         let bin = root().join("target/debug");
         let mut test_args = vec!["--test-threads=1".to_string()];
         if let Some(f) = &filter {
@@ -235,6 +251,7 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
                 ("STEPGUARD_BIN".into(), bin.join("stepguard")),
                 ("STEPGUARD_LAB_BIN".into(), bin.join("stepguard-lab")),
                 ("STEPGUARD_IMAGE".into(), archive),
+                ("STEPGUARD_KUBE_BIN".into(), kube_bin.clone()),
             ],
             test_args,
         };
@@ -303,7 +320,7 @@ fn main() {
                 eprintln!("xtask: the benchmarks build labs: run as root");
                 std::process::exit(1);
             }
-            setup::setup(false)
+            setup::setup_with(false, false)
                 .and_then(|_| build(true))
                 .and_then(|_| bench::bench(quick, &only))
         }
@@ -319,7 +336,7 @@ fn demo() -> Result<()> {
     if !is_root() {
         bail!("the demo needs root (it builds a simulated node in network namespaces): run `sudo -E cargo xtask demo`");
     }
-    setup::setup(false)?;
+    setup::setup_with(false, false)?;
     build(false)?;
     demo::demo()
 }

@@ -1702,6 +1702,10 @@ async fn step_node(
         .collect::<String>();
     let mut carried: Option<String> = None;
     loop {
+        // Decided (also by a lost lock, which turns every phase into Done): nothing more to do.
+        if matches!(phase, Phase::Done(_)) {
+            break;
+        }
         let shown = match &phase {
             Phase::Begin => "beginning the step".to_string(),
             Phase::Delete { step } => format!("deleting pod {} (step {step})", st.pod),

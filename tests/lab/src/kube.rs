@@ -39,14 +39,22 @@ pub struct ControlPlane {
     /// The binaries' directory, and the API server's arguments (for a restart).
     pub bin: PathBuf,
     pub apiserver_args: Vec<String>,
+    /// When the API server was restarted and when it was ready again (Unix seconds): it
+    /// serves before its authorization caches are filled, refusing (403) what RBAC allows.
+    #[serde(default)]
+    pub unready: Vec<(f64, f64)>,
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// The stepper's user name, as authenticated.
 pub fn stepper_user() -> String {
-    format!(
-        "system:serviceaccount:{}:{}",
-        STEPPER_SA.0, STEPPER_SA.1
-    )
+    format!("system:serviceaccount:{}:{}", STEPPER_SA.0, STEPPER_SA.1)
 }
 
 fn free_port() -> Result<u16> {
@@ -101,6 +109,7 @@ impl ControlPlane {
             procs: vec![],
             bin: bin.to_path_buf(),
             apiserver_args: vec![],
+            unready: vec![],
         };
         match cp.start(bin) {
             Ok(()) => Ok(cp),
@@ -170,28 +179,28 @@ impl ControlPlane {
             ),
         )?;
         self.apiserver_args = vec![
-                format!("--etcd-servers={etcd_url}"),
-                "--bind-address=127.0.0.1".into(),
-                "--advertise-address=127.0.0.1".into(),
-                // v1.37 refuses a loopback advertise address with the endpoint reconciler
-                // ("may not be in the loopback range"): nothing here needs the `kubernetes`
-                // Service's endpoints.
-                "--endpoint-reconciler-type=none".into(),
-                format!("--secure-port={api}"),
-                format!("--cert-dir={}", s(&d.join("certs"))),
-                format!("--token-auth-file={}", s(&d.join("tokens.csv"))),
-                "--authorization-mode=RBAC".into(),
-                "--anonymous-auth=false".into(),
-                "--enable-admission-plugins=PodSecurity".into(),
-                format!("--service-account-key-file={}", s(&sa_key)),
-                format!("--service-account-signing-key-file={}", s(&sa_key)),
-                "--service-account-issuer=https://kubernetes.default.svc".into(),
-                // Documentation range: allocated, never routed.
-                "--service-cluster-ip-range=198.51.100.0/24".into(),
-                format!("--audit-policy-file={}", s(&d.join("audit-policy.yaml"))),
-                format!("--audit-log-path={}", s(&self.audit_log())),
-                "--audit-log-mode=blocking".into(),
-            ];
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            // v1.37 refuses a loopback advertise address with the endpoint reconciler
+            // ("may not be in the loopback range"): nothing here needs the `kubernetes`
+            // Service's endpoints.
+            "--endpoint-reconciler-type=none".into(),
+            format!("--secure-port={api}"),
+            format!("--cert-dir={}", s(&d.join("certs"))),
+            format!("--token-auth-file={}", s(&d.join("tokens.csv"))),
+            "--authorization-mode=RBAC".into(),
+            "--anonymous-auth=false".into(),
+            "--enable-admission-plugins=PodSecurity".into(),
+            format!("--service-account-key-file={}", s(&sa_key)),
+            format!("--service-account-signing-key-file={}", s(&sa_key)),
+            "--service-account-issuer=https://kubernetes.default.svc".into(),
+            // Documentation range: allocated, never routed.
+            "--service-cluster-ip-range=198.51.100.0/24".into(),
+            format!("--audit-policy-file={}", s(&d.join("audit-policy.yaml"))),
+            format!("--audit-log-path={}", s(&self.audit_log())),
+            "--audit-log-mode=blocking".into(),
+        ];
         self.start_apiserver()?;
         kubeconfig(&d.join("kcm.kubeconfig"), &self.server, &cm_token)?;
         kubeconfig(&d.join("scheduler.kubeconfig"), &self.server, &sched_token)?;
@@ -237,7 +246,9 @@ impl ControlPlane {
             "kube-apiserver",
             self.bin.join("kube-apiserver").as_os_str(),
             &self.apiserver_args,
-            &self.dir.join(format!("kube-apiserver.{}.log", self.procs.len())),
+            &self
+                .dir
+                .join(format!("kube-apiserver.{}.log", self.procs.len())),
         )?;
         self.procs.push(p);
         self.wait_ready()
@@ -310,10 +321,26 @@ impl ControlPlane {
     /// Returns once it is ready again.
     pub fn restart_apiserver(&mut self, down_for: Duration) -> Result<()> {
         let p = self.proc("kube-apiserver")?.clone();
+        let from = unix_now();
         services::stop(&p);
         self.procs.retain(|q| q.pid != p.pid);
         std::thread::sleep(down_for);
-        self.start_apiserver()
+        let r = self.start_apiserver();
+        self.unready.push((from, unix_now()));
+        r
+    }
+
+    /// Whether an audited request was received while the API server was restarting (see
+    /// `unready`).
+    pub fn while_restarting(&self, audit_event: &Value) -> bool {
+        let Some(t) = audit_event["requestReceivedTimestamp"]
+            .as_str()
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+        else {
+            return false;
+        };
+        let t = t.as_microsecond() as f64 / 1e6;
+        self.unready.iter().any(|(a, b)| *a <= t && t <= *b)
     }
 
     /// `kubectl` (the one built beside the control plane) as admin.
@@ -375,10 +402,9 @@ pub struct Forward {
 impl Forward {
     pub fn start(netns: &str, ip: &str, target: SocketAddr) -> Result<Forward> {
         let ip = ip.to_string();
-        let listener = crate::netns::in_netns(netns, move || {
-            Ok(TcpListener::bind((ip.as_str(), 0))?)
-        })
-        .with_context(|| format!("listen in {netns}"))?;
+        let listener =
+            crate::netns::in_netns(netns, move || Ok(TcpListener::bind((ip.as_str(), 0))?))
+                .with_context(|| format!("listen in {netns}"))?;
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -395,8 +421,7 @@ impl Forward {
                     Err(_) => continue,
                 };
                 let _ = client.set_nonblocking(false);
-                let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(2))
-                else {
+                let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
                     continue; // the client sees its connection closed, as with no server
                 };
                 let _ = client.set_nodelay(true);
@@ -495,7 +520,13 @@ impl Kube {
     }
 
     /// A JSON merge patch (`status`: on the status subresource).
-    pub fn merge<K>(&self, api: &::kube::Api<K>, name: &str, patch: Value, status: bool) -> Result<K>
+    pub fn merge<K>(
+        &self,
+        api: &::kube::Api<K>,
+        name: &str,
+        patch: Value,
+        status: bool,
+    ) -> Result<K>
     where
         K: ::kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
     {

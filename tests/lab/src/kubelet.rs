@@ -59,6 +59,8 @@ pub struct KubeletState {
     restarting: BTreeMap<String, usize>,
     /// API errors seen (the kubelet retries on its next pass).
     pub errors: usize,
+    /// Restart hooks that panicked.
+    pub hook_failures: usize,
 }
 
 /// What the kubelet reported for a pod last, so it patches only on a change.
@@ -129,7 +131,9 @@ struct Loop {
 impl Loop {
     fn moment(&self, m: Moment, node: &str, nth: usize) {
         if let Some(h) = &self.moment {
-            h(m, node, nth);
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(m, node, nth))).is_err() {
+                self.state.lock().unwrap().hook_failures += 1;
+            }
         }
     }
 
@@ -168,7 +172,14 @@ impl Loop {
                 }
             }
             let bound = p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
-            if !bound || self.state.lock().unwrap().hold.contains(&(ns.clone(), node.clone())) {
+            if !bound
+                || self
+                    .state
+                    .lock()
+                    .unwrap()
+                    .hold
+                    .contains(&(ns.clone(), node.clone()))
+            {
                 continue;
             }
             let want = self.desired(&uid, &node, cilium);
@@ -280,10 +291,16 @@ impl Loop {
                 self.awaiting.insert(node.to_string(), nth);
                 let (hook, state, n) = (self.restart.clone(), self.state.clone(), node.to_string());
                 std::thread::spawn(move || {
-                    hook(&n, nth);
-                    let mut st = state.lock().unwrap();
+                    // The agent counts as back even when the hook failed (the failure is the
+                    // test's to report; a kubelet waiting forever would hide it).
+                    let r =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&n, nth)));
+                    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(c) = st.restarting.get_mut(&n) {
                         *c = c.saturating_sub(1);
+                    }
+                    if r.is_err() {
+                        st.hook_failures += 1;
                     }
                 });
                 self.moment(Moment::Terminating, node, nth);

@@ -32,7 +32,9 @@ fn base64(data: &[u8]) -> String {
     const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for c in data.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
         for i in 0..4 {
             if i <= c.len() {
                 out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
@@ -47,7 +49,10 @@ fn base64(data: &[u8]) -> String {
 async fn review(hold: Arc<Mutex<Hold>>, body: Bytes) -> Value {
     let v: Value = serde_json::from_slice(&body).unwrap_or_default();
     let uid = v["request"]["uid"].clone();
-    let reason = v["request"]["object"]["reason"].as_str().unwrap_or("").to_string();
+    let reason = v["request"]["object"]["reason"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
     let wait = {
         let mut h = hold.lock().unwrap();
         h.reviews += 1;
@@ -74,13 +79,30 @@ impl Webhook {
     pub fn start(dir: &Path) -> Webhook {
         let (cert, key) = (dir.join("webhook.crt"), dir.join("webhook.key"));
         let out = std::process::Command::new("openssl")
-            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout"])
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+                "-keyout",
+            ])
             .arg(&key)
             .arg("-out")
             .arg(&cert)
             .output()
             .expect("run openssl");
-        assert!(out.status.success(), "openssl req: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "openssl req: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         use tokio_rustls::rustls::pki_types::pem::PemObject;
         use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert)
@@ -103,27 +125,41 @@ impl Webhook {
         let hold: Arc<Mutex<Hold>> = Arc::default();
         let h = hold.clone();
         let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(async move {
                 let l = tokio::net::TcpListener::from_std(listener).unwrap();
                 loop {
-                    let Ok((tcp, _)) = l.accept().await else { continue };
+                    let Ok((tcp, _)) = l.accept().await else {
+                        continue;
+                    };
                     let (acceptor, h) = (acceptor.clone(), h.clone());
                     tokio::spawn(async move {
-                        let Ok(tls) = acceptor.accept(tcp).await else { return };
-                        let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                            let h = h.clone();
-                            async move {
-                                let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                                let v = review(h, body).await;
-                                Ok::<_, std::convert::Infallible>(
-                                    hyper::Response::builder()
-                                        .header("content-type", "application/json")
-                                        .body(Full::new(Bytes::from(v.to_string())))
-                                        .unwrap(),
-                                )
-                            }
-                        });
+                        let Ok(tls) = acceptor.accept(tcp).await else {
+                            return;
+                        };
+                        let svc = hyper::service::service_fn(
+                            move |req: hyper::Request<hyper::body::Incoming>| {
+                                let h = h.clone();
+                                async move {
+                                    let body = req
+                                        .into_body()
+                                        .collect()
+                                        .await
+                                        .map(|b| b.to_bytes())
+                                        .unwrap_or_default();
+                                    let v = review(h, body).await;
+                                    Ok::<_, std::convert::Infallible>(
+                                        hyper::Response::builder()
+                                            .header("content-type", "application/json")
+                                            .body(Full::new(Bytes::from(v.to_string())))
+                                            .unwrap(),
+                                    )
+                                }
+                            },
+                        );
                         let _ = hyper::server::conn::http1::Builder::new()
                             .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
                             .await;
