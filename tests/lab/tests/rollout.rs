@@ -884,6 +884,37 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
     assert_rbac_sufficed(&e);
 }
 
+/// Once the interrupted run's lock expired (3 s), the next run finishes the interrupted node
+/// first, then the others: every node stepped once since `from_del`, every verdict read.
+fn the_next_run_finishes(
+    e: &Env,
+    interrupted: &str,
+    from_del: usize,
+    from_ev: &BTreeSet<String>,
+    rev: &str,
+    case: &str,
+) {
+    std::thread::sleep(Duration::from_millis(3500));
+    let (code, out) = rollout(e, &[]);
+    assert_eq!(code, 0, "{case}: {out}");
+    assert!(
+        out.contains(&format!(
+            "resuming the rollout interrupted at node {interrupted}"
+        )),
+        "{case}: {out}"
+    );
+    let first = out
+        .lines()
+        .find(|l| l.starts_with("[ 1]"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        first.contains(interrupted),
+        "{case}: the interrupted node comes first: {out}"
+    );
+    each_node_once_every_verdict_read(e, from_del, from_ev, rev, &format!("{case}: {out}"));
+}
+
 /// Where the stepper is killed.
 #[derive(Clone, Copy, Debug)]
 enum KillAt {
@@ -960,26 +991,7 @@ fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice()
             e.cp.lock().unwrap().resume("kube-scheduler").unwrap();
         }
         let killed_at = in_flight().expect("the lock records the step in flight");
-        // The lock expires (3 s); the next run finishes the interrupted node first.
-        std::thread::sleep(Duration::from_millis(3500));
-        let (code, out) = rollout(&e, &[]);
-        assert_eq!(code, 0, "{at:?}: {out}");
-        assert!(
-            out.contains(&format!(
-                "resuming the rollout interrupted at node {killed_at}"
-            )),
-            "{at:?}: {out}"
-        );
-        let first = out
-            .lines()
-            .find(|l| l.starts_with("[ 1]"))
-            .unwrap_or_default()
-            .to_string();
-        assert!(
-            first.contains(&killed_at),
-            "{at:?}: the interrupted node comes first: {out}"
-        );
-        each_node_once_every_verdict_read(&e, from_del, &from_ev, &rev, &format!("{at:?}: {out}"));
+        the_next_run_finishes(&e, &killed_at, from_del, &from_ev, &rev, &format!("{at:?}"));
     }
     assert_eq!(
         hook.hold.lock().unwrap().held,
@@ -1295,16 +1307,7 @@ fn an_api_server_restart_mid_rollout_is_waited_out_or_stops_on_a_lost_lock() {
         "nothing more touched: {out}"
     );
     let interrupted = deletions_since(&e, from)[0].clone();
-    std::thread::sleep(Duration::from_millis(3500));
-    let (code, out) = rollout(&e, &[]);
-    assert_eq!(code, 0, "{out}");
-    assert!(
-        out.contains(&format!(
-            "resuming the rollout interrupted at node {interrupted}"
-        )),
-        "{out}"
-    );
-    each_node_once_every_verdict_read(&e, from, &ev, &rev, &out);
+    the_next_run_finishes(&e, &interrupted, from, &ev, &rev, "lock lost");
     assert_rbac_sufficed(&e);
 }
 
