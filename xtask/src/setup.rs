@@ -50,6 +50,10 @@ const PACKAGES: &[(&str, &str)] = &[
         "the lab's lossy-datapath fault (random drops with -m statistic)",
     ),
     ("file", "tells a static binary in the image test"),
+    (
+        "openssl",
+        "keys and certificates for the tests' control plane and admission webhook",
+    ),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -122,6 +126,10 @@ pub fn setup_with(check_only: bool, kube: bool) -> Result<()> {
         }
         return Ok(());
     }
+    // The control plane builds (Go, from the module proxy, at a lower priority) while the
+    // Debian packages, the Python tools and bpf-linker install: it needs none of them.
+    let kube_cached = !kube || crate::kube::built();
+    let kube_build = (kube && !kube_cached).then(|| std::thread::spawn(crate::kube::ensure));
     if !missing.is_empty() {
         install_packages(&missing)?;
     }
@@ -147,9 +155,9 @@ pub fn setup_with(check_only: bool, kube: bool) -> Result<()> {
     }
     // The real control plane for the rollout tests: built from the Go module proxy once per
     // version, cached outside the clone (about 11 minutes cold on 2 cores; instant when cached).
-    let kube_cached = !kube || crate::kube::built();
-    if kube {
-        crate::kube::ensure()?;
+    if let Some(b) = kube_build {
+        b.join()
+            .map_err(|_| anyhow::anyhow!("the control plane's build panicked"))??;
     }
     if missing.is_empty() && linker && py_tools_ok() && kube_cached {
         println!("setup: everything is installed");

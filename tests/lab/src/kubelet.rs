@@ -12,7 +12,7 @@
 //!   (`pkg/controller/daemon/daemon_controller.go`, `podsShouldBeOnNode`, v1.37.2).
 //! - Faults: a node whose replacement never turns Ready; a node whose cilium pod crash-loops
 //!   (Running, not Ready, restart count climbing, `CrashLoopBackOff`); pods of a namespace held
-//!   Pending on a node (never started); everything frozen (a hung kubelet).
+//!   Pending on a node (never started).
 //!
 //! Moments of a replacement are reported to a [`MomentHook`], run while the kubelet waits, so a
 //! test can change the DaemonSet's template exactly then.
@@ -53,8 +53,6 @@ pub struct KubeletState {
     pub crash_loop: BTreeSet<String>,
     /// (namespace, node): pods there are never started (Pending, no IP).
     pub hold: BTreeSet<(String, String)>,
-    /// Nothing moves (a hung kubelet).
-    pub frozen: bool,
     /// Restarts in flight per node.
     restarting: BTreeMap<String, usize>,
     /// API errors seen (the kubelet retries on its next pass).
@@ -138,9 +136,6 @@ impl Loop {
     }
 
     fn pass(&mut self) -> Result<()> {
-        if self.state.lock().unwrap().frozen {
-            return Ok(());
-        }
         let pods = self
             .k
             .block(::kube::Api::<Pod>::all(self.k.client.clone()).list(&Default::default()))
