@@ -55,7 +55,9 @@ fn go() -> Command {
     c.args(["-n", "10", "go"]);
     // The proxy, never a VCS; a module needing a newer Go fails rather than downloading one
     // unasked (the README says how to allow it).
-    c.env("GOFLAGS", "-mod=mod").env("CGO_ENABLED", "0");
+    c.env("GOFLAGS", "-mod=mod")
+        .env("CGO_ENABLED", "0")
+        .env("GOTOOLCHAIN", "local");
     c
 }
 

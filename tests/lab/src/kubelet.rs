@@ -140,6 +140,9 @@ impl Loop {
             .k
             .block(::kube::Api::<Pod>::all(self.k.client.clone()).list(&Default::default()))
             .context("list pods")?;
+        // One pod's failed call does not starve the others: the first error is returned
+        // after the pass.
+        let mut first_err: Option<anyhow::Error> = None;
         for p in pods.items {
             let Some(node) = target_node(&p) else {
                 continue;
@@ -156,7 +159,9 @@ impl Loop {
             };
             let cilium = is_cilium(&p);
             if p.metadata.deletion_timestamp.is_some() {
-                self.terminate(&p, &ns, &name, &uid, &node, cilium)?;
+                if let Err(e) = self.terminate(&p, &ns, &name, &uid, &node, cilium) {
+                    first_err.get_or_insert(e);
+                }
                 continue;
             }
             if cilium && !self.replaced.contains(&uid) {
@@ -179,7 +184,10 @@ impl Loop {
             }
             let want = self.desired(&uid, &node, cilium);
             if self.reported.get(&uid) != Some(&want) {
-                self.report(&p, &ns, &name, &ip, &want)?;
+                if let Err(e) = self.report(&p, &ns, &name, &ip, &want) {
+                    first_err.get_or_insert(e);
+                    continue;
+                }
                 self.reported.insert(uid.clone(), want.clone());
             }
             if want.ready {
@@ -188,7 +196,7 @@ impl Loop {
                 }
             }
         }
-        Ok(())
+        first_err.map_or(Ok(()), Err)
     }
 
     fn desired(&mut self, uid: &str, node: &str, cilium: bool) -> Reported {
@@ -370,6 +378,27 @@ impl Kubelet {
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// Waits (at most `limit`) until no restart hook is running; whether none is.
+    pub fn wait_idle(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            let busy = self
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .restarting
+                .values()
+                .any(|n| *n > 0);
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// The selector of the cilium pods (the chart's).
