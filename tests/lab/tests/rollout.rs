@@ -1267,6 +1267,26 @@ fn exit_code(s: &mut Stepper, limit: Duration) -> i32 {
     }
 }
 
+/// A stepper (lock of `lock`) in the background; once it deleted its first pod, the API
+/// server is stopped and started again `down_s` seconds later. The stepper's exit code and
+/// output.
+fn restart_during_a_step(e: &Env, name: &str, lock: &str, down_s: u64) -> (i32, String) {
+    let from = deletions(e).len();
+    let mut s = Stepper::spawn(e, name, &["--lock-duration", lock]);
+    wait_until(
+        "the first pod deleted",
+        Duration::from_secs(60),
+        || deletions(e).len() > from,
+        || s.output(),
+    );
+    e.cp.lock()
+        .unwrap()
+        .restart_apiserver(Duration::from_secs(down_s))
+        .expect("restart the API server");
+    let code = exit_code(&mut s, Duration::from_secs(120));
+    (code, s.output())
+}
+
 #[test]
 fn an_api_server_restart_mid_rollout_is_waited_out_or_stops_on_a_lost_lock() {
     let e = env();
@@ -1276,19 +1296,7 @@ fn an_api_server_restart_mid_rollout_is_waited_out_or_stops_on_a_lost_lock() {
     // the lock (60 s) outlasts it, so the stepper waits it out. (Until its authorization
     // caches are filled a restarted API server refuses what RBAC allows: on a loaded machine
     // that took over 13 s, longer than a 20 s lock tolerates.)
-    let mut s = Stepper::spawn(&e, "apiserver-restart", &["--lock-duration", "60s"]);
-    wait_until(
-        "the first pod deleted",
-        Duration::from_secs(60),
-        || !deletions(&e).is_empty(),
-        || s.output(),
-    );
-    e.cp.lock()
-        .unwrap()
-        .restart_apiserver(Duration::from_secs(2))
-        .expect("restart the API server");
-    let code = exit_code(&mut s, Duration::from_secs(120));
-    let out = s.output();
+    let (code, out) = restart_during_a_step(&e, "apiserver-restart", "60s", 2);
     assert_eq!(code, 0, "{out}");
     assert!(
         e.kubelet.as_ref().unwrap().state.lock().unwrap().errors > 0,
@@ -1300,19 +1308,7 @@ fn an_api_server_restart_mid_rollout_is_waited_out_or_stops_on_a_lost_lock() {
     // touching nothing more (exit 2), and the next run finishes the interrupted node first.
     let rev = bump(&e, false);
     let (from, ev) = (deletions(&e).len(), events(&e));
-    let mut s = Stepper::spawn(&e, "lock-lost", &["--lock-duration", "3s"]);
-    wait_until(
-        "the first pod deleted",
-        Duration::from_secs(60),
-        || deletions(&e).len() > from,
-        || s.output(),
-    );
-    e.cp.lock()
-        .unwrap()
-        .restart_apiserver(Duration::from_secs(4))
-        .expect("restart the API server");
-    let code = exit_code(&mut s, Duration::from_secs(60));
-    let out = s.output();
+    let (code, out) = restart_during_a_step(&e, "lock-lost", "3s", 4);
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("the rollout lock was lost"), "{out}");
     assert_eq!(
