@@ -54,6 +54,10 @@ const PACKAGES: &[(&str, &str)] = &[
         "openssl",
         "keys and certificates for the tests' control plane and admission webhook",
     ),
+    (
+        "faketime",
+        "a stepper whose clock is minutes off, in the rollout lock's tests",
+    ),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

@@ -33,6 +33,14 @@ use std::time::{Duration, Instant};
 
 /// On the DaemonSet: `--watch` starts a rollout when this equals the current revision's hash.
 pub const ANN_APPROVE: &str = "stepguard.io/approve-revision";
+/// Approval from Git, in the commit that changes the template (before its revision exists):
+/// the cilium-agent image the template must carry ...
+pub const ANN_APPROVE_IMAGE: &str = "stepguard.io/approve-image";
+/// ... and the cilium-config checksum the chart puts on it (`rollOutCiliumPods`), so a
+/// config-only revision cannot ride an older approval.
+pub const ANN_APPROVE_CONFIG: &str = "stepguard.io/approve-config-checksum";
+/// The chart's annotation on the pod template: the sha256 of the rendered cilium-config.
+pub const CONFIG_CHECKSUM: &str = "cilium.io/cilium-configmap-checksum";
 const L2_PREFIX: &str = "cilium-l2announce-";
 
 #[derive(clap::Args, Clone, Debug)]
@@ -84,6 +92,14 @@ pub struct RolloutArgs {
     /// revision changes them on purpose).
     #[arg(long, value_delimiter = ',')]
     pub expect_devices: Option<Vec<String>>,
+    /// The cilium-operator Deployment, NAMESPACE/NAME, that must be Ready before a step
+    /// (`''`: Cilium runs without one here).
+    #[arg(long, default_value = "kube-system/cilium-operator")]
+    pub operator: String,
+    /// Allow a revision more than one Cilium minor version from a node's (Cilium supports
+    /// upgrading and downgrading one minor version at a time).
+    #[arg(long)]
+    pub allow_minor_skip: bool,
     /// The lock: a Lease in this namespace (never kube-system's leases).
     #[arg(long, default_value = "stepguard")]
     pub lock_namespace: String,
@@ -106,6 +122,11 @@ pub struct RolloutArgs {
     /// decided, and told in an Event.
     #[arg(long, value_name = "TEXT")]
     pub reason: Option<String>,
+    /// Print the rollout's record and exit: who holds the lock, the step in flight, a halt
+    /// (with the failed node's verdict), skips, decisions, and what the rollouts told (their
+    /// Events, kept on the lock beyond the Events' one-hour TTL).
+    #[arg(long, conflicts_with_all = ["watch", "dry_run", "abort", "retry", "skip"])]
+    pub status: bool,
     /// Keep running: start a rollout whenever a new revision appears whose hash the
     /// DaemonSet's `stepguard.io/approve-revision` annotation names. A revision that appears
     /// mid-rollout pauses it until approved; a halt stops it until a person lifts it.
@@ -126,6 +147,8 @@ pub struct Cluster {
     args: RolloutArgs,
     token: Option<String>,
     identity: String,
+    /// While this run holds the lock: its record, where every Event is also kept.
+    told: Mutex<Option<Arc<Mutex<Record>>>>,
 }
 
 fn api_code(e: &kube::Error) -> Option<u16> {
@@ -173,6 +196,7 @@ impl Cluster {
             identity: format!("{host}-{}", std::process::id()),
             args,
             token,
+            told: Mutex::new(None),
         })
     }
 
@@ -187,15 +211,13 @@ impl Cluster {
             .with_context(|| format!("get DaemonSet {}/{}", self.ns, self.ds))
     }
 
+    /// The DaemonSet's whole selector (matchLabels and matchExpressions) as a label selector
+    /// string; pods are then claimed by owner reference too (`owned`).
     fn selector(ds: &DaemonSet) -> String {
         ds.spec
             .as_ref()
-            .and_then(|s| s.selector.match_labels.clone())
+            .map(|s| selector_string(&s.selector))
             .unwrap_or_default()
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",")
     }
 
     /// The DaemonSet's revisions: hash → number.
@@ -240,18 +262,8 @@ impl Cluster {
             .iter()
             .max_by_key(|(_, n)| **n)
             .map(|(h, n)| (h.clone(), *n));
-        let image = ds
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .and_then(|p| {
-                p.containers
-                    .iter()
-                    .find(|c| c.name == "cilium-agent")
-                    .or(p.containers.first())
-            })
-            .and_then(|c| c.image.clone())
-            .unwrap_or_default();
+        let image = agent_image(ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()));
+        let ds_uid = ds.metadata.uid.clone().unwrap_or_default();
         let nodes: Vec<NodeInfo> = Api::<Node>::all(self.client.clone())
             .list(&ListParams::default())
             .await
@@ -274,24 +286,45 @@ impl Cluster {
                 }
             })
             .collect();
-        let pods: Vec<CiliumPod> = self
+        let listed = self
             .pods()
             .list(&ListParams::default().labels(&sel))
             .await
             .context("list the cilium pods")?
-            .items
-            .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-            .filter_map(|p| {
-                Some(CiliumPod {
-                    name: p.metadata.name.clone()?,
-                    uid: p.metadata.uid.clone()?,
-                    node: target_node(&p)?,
-                    revision: pod_revision(&p)?,
-                    ready: pod_ready(&p),
-                })
-            })
-            .collect();
+            .items;
+        let mut foreign = Vec::new();
+        let mut pods: Vec<CiliumPod> = Vec::new();
+        for p in listed {
+            if p.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let name = p.metadata.name.clone().unwrap_or_default();
+            if !owned(&p, &ds_uid) {
+                foreign.push(name);
+                continue;
+            }
+            // A pod of the DaemonSet for no node it names, or without a revision label, is
+            // the controller's business (it deletes or relabels it); it is shown, never lost.
+            let (Some(node), Some(revision)) = (target_node(&p), pod_revision(&p)) else {
+                foreign.push(format!("{name} (no node or revision)"));
+                continue;
+            };
+            pods.push(CiliumPod {
+                name,
+                uid: p.metadata.uid.clone().unwrap_or_default(),
+                node,
+                revision,
+                ready: pod_ready(&p),
+                image: agent_image(p.spec.as_ref()),
+                bound: p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_deref())
+                    .is_some_and(|n| !n.is_empty()),
+                crash_looping: crash_looping(&p),
+            });
+        }
+        let operator = self.operator().await;
         let agent_pods = Api::<Pod>::namespaced(self.client.clone(), &self.args.agents_namespace)
             .list(&ListParams::default().labels(&self.args.agents_selector))
             .await
@@ -334,8 +367,18 @@ impl Cluster {
                 })
             })
             .collect();
+        let status = ds.status.clone().unwrap_or_default();
         let view = ClusterView {
             daemonset: format!("{}/{}", self.ns, self.ds),
+            update_strategy: ds
+                .spec
+                .as_ref()
+                .and_then(|s| s.update_strategy.as_ref())
+                .and_then(|u| u.type_.clone())
+                .unwrap_or_else(|| "RollingUpdate".into()),
+            number_unavailable: status.number_unavailable.unwrap_or(0),
+            operator,
+            foreign,
             generation: ds.metadata.generation.unwrap_or(0),
             observed_generation: ds
                 .status
@@ -351,6 +394,36 @@ impl Cluster {
             leases,
         };
         Ok((view, ds))
+    }
+
+    /// The cilium-operator Deployment's readiness (`--operator`).
+    async fn operator(&self) -> plan::Operator {
+        let Some((ns, name)) = self.args.operator.split_once('/') else {
+            return plan::Operator::NotChecked;
+        };
+        let full = self.args.operator.clone();
+        match Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(self.client.clone(), ns)
+            .get_opt(name)
+            .await
+        {
+            Ok(Some(d)) => plan::Operator::Found {
+                name: full,
+                ready: d
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.ready_replicas)
+                    .unwrap_or(0),
+                desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+            },
+            Ok(None) => plan::Operator::Unknown {
+                name: full,
+                problem: "no such Deployment".into(),
+            },
+            Err(e) => plan::Operator::Unknown {
+                name: full,
+                problem: format!("cannot read it: {e}"),
+            },
+        }
     }
 
     fn agent(&self, url: &str) -> Result<crate::client::Agent> {
@@ -412,11 +485,13 @@ impl Cluster {
         target: (&str, i64),
     ) -> Result<Option<String>> {
         let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
+        let uid = ds.metadata.uid.clone().unwrap_or_default();
         let ready: Vec<String> = pods
             .items
             .iter()
             .filter(|p| {
-                target_node(p).as_deref() == Some(node)
+                owned(p, &uid)
+                    && target_node(p).as_deref() == Some(node)
                     && p.metadata.uid.as_deref() != Some(old_uid)
                     && p.metadata.deletion_timestamp.is_none()
                     && pod_ready(p)
@@ -474,6 +549,12 @@ impl Cluster {
     }
 
     async fn event(&self, ds: &DaemonSet, warning: bool, reason: &str, message: &str) {
+        let sink = self.told.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(rec) = sink {
+            rec.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .tell(&stamp(), warning, reason, message);
+        }
         let t = Time(k8s_openapi::jiff::Timestamp::now());
         let ev = KEvent {
             metadata: ObjectMeta {
@@ -518,6 +599,70 @@ impl Cluster {
     fn lock_name(&self) -> String {
         format!("stepguard-rollout-{}-{}", self.ns, self.ds)
     }
+}
+
+/// A LabelSelector as the API's label selector syntax (`k=v,k in (a,b),!k,k`).
+pub fn selector_string(
+    sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+) -> String {
+    let mut parts: Vec<String> = sel
+        .match_labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for e in sel.match_expressions.iter().flatten() {
+        let vals = e.values.clone().unwrap_or_default().join(",");
+        parts.push(match e.operator.as_str() {
+            "In" => format!("{} in ({vals})", e.key),
+            "NotIn" => format!("{} notin ({vals})", e.key),
+            "Exists" => e.key.clone(),
+            "DoesNotExist" => format!("!{}", e.key),
+            // An operator the API does not know selects nothing rather than everything.
+            other => format!("{} in (stepguard-unknown-operator-{other})", e.key),
+        });
+    }
+    parts.join(",")
+}
+
+/// Whether the DaemonSet with `uid` is the pod's controller (as the controller claims pods:
+/// a pod the selector matches that another controller owns is not the DaemonSet's).
+fn owned(p: &Pod, uid: &str) -> bool {
+    p.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.uid == uid)
+}
+
+/// A container or init container waiting in CrashLoopBackOff: the highest restart count.
+fn crash_looping(p: &Pod) -> Option<i32> {
+    let st = p.status.as_ref()?;
+    st.container_statuses
+        .iter()
+        .flatten()
+        .chain(st.init_container_statuses.iter().flatten())
+        .filter(|c| {
+            c.state
+                .as_ref()
+                .and_then(|s| s.waiting.as_ref())
+                .and_then(|w| w.reason.as_deref())
+                == Some("CrashLoopBackOff")
+        })
+        .map(|c| c.restart_count)
+        .max()
+}
+
+/// The cilium-agent container's image (or the first container's).
+fn agent_image(spec: Option<&k8s_openapi::api::core::v1::PodSpec>) -> String {
+    spec.and_then(|p| {
+        p.containers
+            .iter()
+            .find(|c| c.name == "cilium-agent")
+            .or(p.containers.first())
+    })
+    .and_then(|c| c.image.clone())
+    .unwrap_or_default()
 }
 
 fn pod_ready(p: &Pod) -> bool {
@@ -603,18 +748,6 @@ where
     }
 }
 
-fn lease_expired(l: &Lease, now: f64) -> bool {
-    let spec = l.spec.clone().unwrap_or_default();
-    if spec.holder_identity.as_deref().unwrap_or("").is_empty() {
-        return true;
-    }
-    let renew = spec
-        .renew_time
-        .map(|t| t.0.as_second() as f64)
-        .unwrap_or(0.0);
-    renew + spec.lease_duration_seconds.unwrap_or(0) as f64 <= now
-}
-
 fn annotations(meta: &ObjectMeta) -> BTreeMap<String, String> {
     meta.annotations
         .clone()
@@ -623,8 +756,65 @@ fn annotations(meta: &ObjectMeta) -> BTreeMap<String, String> {
         .collect()
 }
 
-fn approval(ds: &DaemonSet) -> Option<String> {
-    annotations(&ds.metadata).get(ANN_APPROVE).cloned()
+/// What a person approved, as a revision hash: the one `stepguard.io/approve-revision`
+/// names, or the current revision (`current`) when its template carries the image and the
+/// config checksum the Git approval names.
+fn approval(ds: &DaemonSet, current: &str) -> Option<String> {
+    let named = annotations(&ds.metadata).get(ANN_APPROVE).cloned();
+    if named.as_deref() != Some(current) && !current.is_empty() && template_approved(ds).is_ok() {
+        return Some(current.to_string());
+    }
+    named
+}
+
+/// Whether the DaemonSet's template (the current revision, once the controller observed it)
+/// carries what `stepguard.io/approve-image` and `stepguard.io/approve-config-checksum`
+/// name; why not.
+fn template_approved(ds: &DaemonSet) -> Result<(), String> {
+    let ann = annotations(&ds.metadata);
+    let Some(want) = ann.get(ANN_APPROVE_IMAGE) else {
+        return Err(format!("{ANN_APPROVE_IMAGE} is not set"));
+    };
+    let observed = ds.status.as_ref().and_then(|s| s.observed_generation) >= ds.metadata.generation;
+    if !observed {
+        return Err("the DaemonSet controller has not observed the template yet".into());
+    }
+    let tmpl = ds.spec.as_ref().map(|s| &s.template);
+    let have = agent_image(tmpl.and_then(|t| t.spec.as_ref()));
+    if &have != want {
+        return Err(format!(
+            "the template's image is {have}, {ANN_APPROVE_IMAGE} names {want}"
+        ));
+    }
+    let sum = tmpl
+        .and_then(|t| t.metadata.as_ref())
+        .map(annotations)
+        .and_then(|a| a.get(CONFIG_CHECKSUM).cloned());
+    match (sum, ann.get(ANN_APPROVE_CONFIG)) {
+        // Without the chart's checksum a config change makes no revision at all.
+        (None, _) => Ok(()),
+        (Some(s), Some(a)) if &s == a => Ok(()),
+        (Some(s), Some(a)) => Err(format!(
+            "the template's config checksum is {s}, {ANN_APPROVE_CONFIG} names {a}"
+        )),
+        (Some(s), None) => Err(format!(
+            "the template carries config checksum {s} and {ANN_APPROVE_CONFIG} is not set"
+        )),
+    }
+}
+
+/// Why the current revision is not approved, for people.
+fn unapproved_why(ds: &DaemonSet) -> String {
+    let named = annotations(&ds.metadata)
+        .get(ANN_APPROVE)
+        .cloned()
+        .unwrap_or_else(|| "not set".into());
+    match template_approved(ds) {
+        Err(e) if annotations(&ds.metadata).contains_key(ANN_APPROVE_IMAGE) => {
+            format!("stepguard.io/approve-revision is {named}; {e}")
+        }
+        _ => format!("stepguard.io/approve-revision is {named}"),
+    }
 }
 
 fn stamp() -> String {
@@ -651,35 +841,137 @@ async fn read_lock(c: &Cluster) -> Result<(Option<Lease>, Record)> {
     Ok((l, rec))
 }
 
-/// Takes the lock when free or expired; a live lock of another stepper refuses. `admit` sees
-/// the record under the lock (it may change it, or refuse: a halt recorded meanwhile).
+/// The lock's timings, as client-go's leader election derives them (its defaults: a 15 s
+/// lease, a 10 s renew deadline, a 2 s retry period): the holder renews every retry period
+/// and gives the lock up once it has not renewed for the renew deadline; a candidate takes
+/// the lock only after it observed the same record for a full lease duration.
+#[derive(Clone, Copy, Debug)]
+struct LockTimes {
+    duration: Duration,
+    renew_deadline: Duration,
+    retry: Duration,
+}
+
+fn lock_times(c: &Cluster) -> LockTimes {
+    let duration = c.args.lock_duration.max(Duration::from_secs(1));
+    LockTimes {
+        duration,
+        renew_deadline: duration * 2 / 3,
+        retry: (duration * 2 / 15).max(Duration::from_millis(100)),
+    }
+}
+
+/// What identifies a lock record: a holder that renews changes it (its renewTime), so an
+/// unchanged record for a lease duration means the holder is gone — judged by the local
+/// monotonic clock, never by comparing the holder's timestamps with ours (client-go,
+/// `tools/leaderelection/leaderelection.go`, `tryAcquireOrRenew` and `isLeaseValid`).
+fn lock_record(l: &Lease) -> (String, Duration) {
+    let spec = l.spec.clone().unwrap_or_default();
+    let raw = serde_json::to_string(&spec).unwrap_or_default();
+    let secs = spec.lease_duration_seconds.unwrap_or(0).max(0) as u64;
+    (raw, Duration::from_secs(secs))
+}
+
+fn holder(l: &Lease) -> String {
+    l.spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.clone())
+        .unwrap_or_default()
+}
+
+/// Watches a lock another stepper holds: `Ok(Ok(lease))` once its record stayed the same for
+/// a full lease duration (its holder is gone; the lease as read, for the takeover), or
+/// `Ok(Err(why))` as soon as it changed (its holder renews it, or let it go).
+async fn observe(c: &Cluster, first: Lease, quiet: bool) -> Result<Result<Lease, String>> {
+    let (raw, dur) = lock_record(&first);
+    let who = holder(&first);
+    if !quiet {
+        eprintln!(
+            "the rollout lock is held by {who}: watching it for up to {}s to see whether its holder still renews it",
+            dur.as_secs()
+        );
+    }
+    let t0 = Instant::now();
+    let retry = lock_times(c).retry;
+    loop {
+        if t0.elapsed() >= dur {
+            return Ok(Ok(first));
+        }
+        tokio::time::sleep(retry.min(dur.saturating_sub(t0.elapsed()))).await;
+        let now = patient(
+            "read the rollout lock",
+            Duration::from_secs(30),
+            None,
+            || async { Ok(c.leases().get_opt(&c.lock_name()).await?) },
+        )
+        .await?;
+        match now {
+            None => {
+                return Ok(Err(
+                    "the lock was deleted while watching it: run again".into()
+                ))
+            }
+            Some(l) if lock_record(&l).0 != raw => {
+                let h = holder(&l);
+                return Ok(Err(if h.is_empty() {
+                    format!("{who} released the lock while watching it: run again")
+                } else {
+                    h
+                }));
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+/// Takes the lock when free, or held by a stepper that stopped renewing it (observed for a
+/// lease duration); a live lock of another stepper refuses. `admit` sees the record under the
+/// lock (it may change it, or refuse: a halt recorded meanwhile).
 async fn acquire(
     c: &Cluster,
     admit: impl Fn(&mut Record) -> Result<(), String>,
 ) -> Result<Result<Record, String>> {
     let api = c.leases();
     let name = c.lock_name();
-    let dur = c.args.lock_duration.as_secs().max(1) as i32;
-    let (lease, mut rec) = read_lock(c).await?;
-    if let Some(l) = &lease {
-        let holder = l
-            .spec
-            .as_ref()
-            .and_then(|s| s.holder_identity.clone())
-            .unwrap_or_default();
-        if !lease_expired(l, now_s()) && holder != c.identity {
-            let at = rec.inflight.as_ref();
-            return Ok(Err(format!(
-                "another rollout holds the lock {}/{name}: {holder}, at node {} (step {}); wait for it, or `stepguard rollout --abort` if it is gone",
-                c.args.lock_namespace,
-                at.map(|i| i.node.as_str()).unwrap_or("-"),
-                at.map(|i| i.step.as_str()).unwrap_or("-"),
-            )));
+    let dur = lock_times(c).duration.as_secs().max(1) as i32;
+    let (mut lease, _) = read_lock(c).await?;
+    if let Some(l) = lease.take() {
+        let h = holder(&l);
+        if h.is_empty() || h == c.identity {
+            lease = Some(l);
+        } else {
+            match observe(c, l, false).await? {
+                Ok(stale) => {
+                    tracing::warn!(holder = %h, "the rollout lock was not renewed for a lease duration: taking it over");
+                    eprintln!("{h} did not renew the lock for a lease duration: taking it over");
+                    lease = Some(stale);
+                }
+                Err(live) => {
+                    let (_, rec) = read_lock(c).await?;
+                    let at = rec.inflight.as_ref();
+                    return Ok(Err(format!(
+                        "another rollout holds the lock {}/{name}: {live}, at node {} (step {}); wait for it, or `stepguard rollout --abort` if it is gone",
+                        c.args.lock_namespace,
+                        at.map(|i| i.node.as_str()).unwrap_or("-"),
+                        at.map(|i| i.step.as_str()).unwrap_or("-"),
+                    )));
+                }
+            }
         }
     }
+    let mut rec = match &lease {
+        Some(l) => Record::parse(&annotations(&l.metadata)).map_err(|e| {
+            anyhow::anyhow!(
+                "{e}: fix or remove it (`kubectl -n {} edit lease {name}`), or `stepguard rollout --abort`",
+                c.args.lock_namespace
+            )
+        })?,
+        None => Record::default(),
+    };
     if let Err(why) = admit(&mut rec) {
         return Ok(Err(why));
     }
+    let taken_from = lease.as_ref().map(holder).filter(|h| !h.is_empty());
     let mut l = lease.unwrap_or_else(|| Lease {
         metadata: ObjectMeta {
             name: Some(name.clone()),
@@ -692,10 +984,15 @@ async fn acquire(
     rec.write(&mut ann);
     l.metadata.annotations = Some(ann.into_iter().collect());
     let s = l.spec.get_or_insert_with(Default::default);
+    if taken_from.as_deref() != Some(c.identity.as_str()) {
+        s.lease_transitions = Some(s.lease_transitions.unwrap_or(0) + 1);
+    }
     s.holder_identity = Some(c.identity.clone());
     s.lease_duration_seconds = Some(dur);
     s.acquire_time = Some(micro_now());
     s.renew_time = Some(micro_now());
+    // The replace carries the resourceVersion read (observed): a stepper that changed the
+    // lock meanwhile makes it fail (409) instead of being overwritten.
     let r = if l.metadata.resource_version.is_some() {
         api.replace(&name, &PostParams::default(), &l).await
     } else {
@@ -713,7 +1010,7 @@ async fn acquire(
 enum RenewError {
     /// Someone else holds the lock: stop touching anything now.
     NotOurs(String),
-    /// The API server did not take the renewal; the lock holds until it expires.
+    /// The API server did not take the renewal; the lock holds until the renew deadline.
     Failed(String),
 }
 
@@ -738,18 +1035,14 @@ async fn renew_now(c: &Cluster, shared: &Mutex<Record>) -> Result<(), RenewError
             Some(404) => RenewError::NotOurs("the lock was deleted (`--abort`?)".into()),
             _ => RenewError::Failed(format!("read the lock: {e}")),
         })?;
-        let holder = l
-            .spec
-            .as_ref()
-            .and_then(|s| s.holder_identity.clone())
-            .unwrap_or_default();
-        if holder != c.identity {
+        let h = holder(&l);
+        if h != c.identity {
             return Err(RenewError::NotOurs(format!(
                 "the lock is held by {}",
-                if holder.is_empty() {
+                if h.is_empty() {
                     "nobody (released by `--abort`?)"
                 } else {
-                    &holder
+                    &h
                 }
             )));
         }
@@ -769,43 +1062,82 @@ async fn renew_now(c: &Cluster, shared: &Mutex<Record>) -> Result<(), RenewError
     ))
 }
 
-/// How long a renewal may keep failing before the lock must be taken as lost: another
-/// stepper may take it once it expired.
-fn renew_tolerance(c: &Cluster) -> Duration {
-    c.args
-        .lock_duration
-        .saturating_sub(c.args.lock_duration / 3)
+/// The lock's standing, shared by the renewer and the steps: lost for good, or held as of
+/// the start of the last renewal that succeeded.
+struct Held {
+    lost: AtomicBool,
+    last_ok: Mutex<Instant>,
 }
 
-/// Writes the record now, retrying until it is written or the lock must be taken as lost.
-async fn persist(c: &Cluster, shared: &Mutex<Record>, lost: &AtomicBool) -> bool {
-    let t0 = Instant::now();
-    loop {
-        if lost.load(Ordering::SeqCst) {
-            return false;
+impl Held {
+    fn new() -> Held {
+        Held {
+            lost: AtomicBool::new(false),
+            last_ok: Mutex::new(Instant::now()),
         }
-        match renew(c, shared, renew_tolerance(c).saturating_sub(t0.elapsed())).await {
-            Ok(()) => return true,
-            Err(RenewError::NotOurs(e)) => {
-                tracing::error!(error = %e, "the rollout lock was lost");
-                lost.store(true, Ordering::SeqCst);
-                return false;
+    }
+    fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
+/// One renewal attempt within what is left of the renew deadline; on success the lock is
+/// held as of the attempt's start (the write took effect after that), on a lock no longer
+/// ours, or the deadline passed, it is lost.
+async fn renew_held(c: &Cluster, shared: &Mutex<Record>, held: &Held) -> bool {
+    if held.is_lost() {
+        return false;
+    }
+    let t = lock_times(c);
+    let started = Instant::now();
+    let last = *held.last_ok.lock().unwrap_or_else(|e| e.into_inner());
+    let left = t.renew_deadline.saturating_sub(last.elapsed());
+    match renew(c, shared, left).await {
+        Ok(()) => {
+            *held.last_ok.lock().unwrap_or_else(|e| e.into_inner()) = started;
+            true
+        }
+        Err(RenewError::NotOurs(e)) => {
+            tracing::error!(error = %e, "the rollout lock was lost");
+            eprintln!("the rollout lock was lost: {e}");
+            held.lost.store(true, Ordering::SeqCst);
+            false
+        }
+        Err(RenewError::Failed(e)) => {
+            if last.elapsed() >= t.renew_deadline {
+                tracing::error!(error = %e, "the rollout lock was not renewed within its renew deadline: taken as lost");
+                eprintln!(
+                    "the rollout lock was lost: not renewed within {:.1}s ({e})",
+                    t.renew_deadline.as_secs_f64()
+                );
+                held.lost.store(true, Ordering::SeqCst);
+            } else {
+                tracing::warn!(error = %e, "renewing the rollout lock; retrying");
             }
-            Err(RenewError::Failed(e)) => {
-                if t0.elapsed() >= renew_tolerance(c) {
-                    tracing::error!(error = %e, "the rollout lock could not be renewed before it expires: taken as lost");
-                    lost.store(true, Ordering::SeqCst);
-                    return false;
-                }
-                tracing::warn!(error = %e, "recording the rollout on its lock; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
+            false
         }
     }
 }
 
+/// Writes the record now (renewing the lock), retrying every retry period until it is
+/// written or the lock is lost. Also the check right before a pod is deleted: the lock was
+/// renewed just now, not only some renew period ago.
+async fn persist(c: &Cluster, shared: &Mutex<Record>, held: &Held) -> bool {
+    loop {
+        if renew_held(c, shared, held).await {
+            return true;
+        }
+        if held.is_lost() {
+            return false;
+        }
+        tokio::time::sleep(lock_times(c).retry).await;
+    }
+}
+
 /// Gives the lock up, leaving the record for the next run (the Lease is deleted when there is
-/// nothing to leave). A lock that is no longer ours is not touched.
+/// nothing to leave), as client-go releases: an update of the Lease as last read (its
+/// resourceVersion the precondition) with no holder and a one-second duration, or a delete
+/// with that resourceVersion; a lock that is no longer ours is not touched.
 async fn release(c: &Cluster, rec: &Record) {
     let api = c.leases();
     let name = c.lock_name();
@@ -818,7 +1150,7 @@ async fn release(c: &Cluster, rec: &Record) {
             Err(e) if api_code(&e) == Some(404) => return,
             Err(_) => continue,
         };
-        if l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) != Some(c.identity.as_str()) {
+        if holder(&l) != c.identity {
             return;
         }
         let r = if rec.is_empty() {
@@ -836,6 +1168,7 @@ async fn release(c: &Cluster, rec: &Record) {
             l.metadata.annotations = Some(ann.into_iter().collect());
             let s = l.spec.get_or_insert_with(Default::default);
             s.holder_identity = None;
+            s.lease_duration_seconds = Some(1);
             s.renew_time = Some(micro_now());
             api.replace(&name, &PostParams::default(), &l)
                 .await
@@ -844,6 +1177,8 @@ async fn release(c: &Cluster, rec: &Record) {
         match r {
             Ok(()) => return,
             Err(e) if api_code(&e) == Some(404) => return,
+            // Changed since read: read again (and leave it if it is no longer ours).
+            Err(e) if api_code(&e) == Some(409) => continue,
             Err(e) => tracing::warn!(error = %e, "releasing the rollout lock; retrying"),
         }
     }
@@ -886,11 +1221,173 @@ pub fn run(args: RolloutArgs) -> Result<i32> {
         if let Some(l) = lift {
             return decide(&c, l).await;
         }
+        if args.status {
+            return status(&c).await;
+        }
         if args.watch {
             return watch(&c).await;
         }
         rollout(&c, false).await
     })
+}
+
+/// The failed node's verdict for a halt, read from its agent: the verdict line and each
+/// check that did not pass; or why it cannot be read.
+async fn halt_verdict(c: &Cluster, view: &ClusterView, h: &record::Halt) -> String {
+    let Some(step) = &h.step else {
+        return "no step was begun on the node (nothing to read)".into();
+    };
+    let Some(url) = view.agents.get(&h.node) else {
+        return format!(
+            "no stepguard agent on node {} to ask for step {step}",
+            h.node
+        );
+    };
+    let r = match c.agent(url) {
+        Ok(a) => {
+            a.call(
+                "GET",
+                &format!("/v1/steps/{step}"),
+                None,
+                Duration::from_secs(5),
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    match r {
+        Ok((200 | 202, v)) => {
+            let verdict = &v["verdict"];
+            let mut out = format!(
+                "node {}'s verdict for step {step}: {} — {}",
+                h.node,
+                verdict["status"].as_str().unwrap_or("none yet"),
+                verdict["summary"].as_str().unwrap_or("")
+            );
+            if let Some(checks) = v["checks"].as_object() {
+                for (name, ch) in checks {
+                    if ch["status"] != "pass" {
+                        out.push_str(&format!(
+                            "\n    {name}: {} — {}",
+                            ch["status"].as_str().unwrap_or("?"),
+                            ch["reason"].as_str().unwrap_or("")
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        Ok((404, _)) => format!(
+            "node {}'s agent no longer knows step {step} (restarted without its state?)",
+            h.node
+        ),
+        Ok((code, v)) => format!("node {}'s agent answered {code}: {v}", h.node),
+        Err(e) => format!("cannot ask node {}'s agent for step {step}: {e:#}", h.node),
+    }
+}
+
+/// `--status`: the rollout's record on its lock, for people (or `--output json`).
+async fn status(c: &Cluster) -> Result<i32> {
+    let (lease, rec) = patient(
+        "read the rollout lock",
+        Duration::from_secs(30),
+        None,
+        || read_lock(c),
+    )
+    .await?;
+    let Some(lease) = lease else {
+        println!(
+            "no rollout lock {}/{}: no rollout has run, or its record was removed",
+            c.args.lock_namespace,
+            c.lock_name()
+        );
+        return Ok(0);
+    };
+    let spec = lease.spec.clone().unwrap_or_default();
+    let verdict = match &rec.halt {
+        Some(h) => match c.view().await {
+            Ok((v, _)) => Some(halt_verdict(c, &v, h).await),
+            Err(e) => Some(format!(
+                "cannot read the cluster for the failed node's verdict: {e:#}"
+            )),
+        },
+        None => None,
+    };
+    if c.args.output == "json" {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "holder": spec.holder_identity, "renew_time": spec.renew_time.map(|t| t.0.to_string()),
+                "inflight": rec.inflight, "halt": rec.halt, "halt_verdict": verdict,
+                "retry": rec.retry, "skipped": rec.skipped, "aborted": rec.aborted,
+                "decisions": rec.decisions, "history": rec.history}))?
+        );
+        return Ok(0);
+    }
+    let h = spec.holder_identity.clone().unwrap_or_default();
+    println!(
+        "rollout lock {}/{}: {}",
+        c.args.lock_namespace,
+        c.lock_name(),
+        if h.is_empty() {
+            "free".to_string()
+        } else {
+            format!(
+                "held by {h} (renewed {})",
+                spec.renew_time.map(|t| t.0.to_string()).unwrap_or_default()
+            )
+        }
+    );
+    if let Some(i) = &rec.inflight {
+        println!(
+            "step in flight: node {}, step {}, revision {} ({})",
+            i.node, i.step, i.revision, i.why
+        );
+    }
+    if let Some(halt) = &rec.halt {
+        println!("{}", record::halt_text(halt));
+        if let Some(v) = &verdict {
+            println!("  {v}");
+        }
+    }
+    if let Some(n) = &rec.retry {
+        println!("node {n} is to be stepped again first (--retry)");
+    }
+    for sk in &rec.skipped {
+        println!(
+            "node {} left as it is on revision {} by {}: {}",
+            sk.node, sk.revision, sk.by, sk.why
+        );
+    }
+    if let Some(a) = &rec.aborted {
+        println!("the rollout of revision {a} was aborted");
+    }
+    for d in &rec.decisions {
+        println!(
+            "decision {} {}: {} {} by {}: {}",
+            d.at,
+            d.action,
+            d.node.as_deref().unwrap_or("-"),
+            d.revision.as_deref().unwrap_or(""),
+            d.by,
+            d.why
+        );
+    }
+    if rec.history.is_empty() {
+        println!("no history recorded");
+    } else {
+        println!("history (oldest first, the last {}):", record::HISTORY_KEPT);
+        for t in &rec.history {
+            println!(
+                "  {} {:<26} {}{}",
+                t.at,
+                t.reason,
+                if t.warning { "WARNING " } else { "" },
+                t.message
+            );
+        }
+    }
+    Ok(0)
 }
 
 /// Who takes a decision: the Kubernetes user (SelfSubjectReview) and the local user.
@@ -982,9 +1479,14 @@ async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
                     .map(|h| format!("; lifting the halt at node {}", h.node))
                     .unwrap_or_default()
             );
-        } else if !lease_expired(&lease, now_s()) {
-            eprintln!("a rollout is running ({holder}): decide when it has ended, or `--abort` it");
-            return Ok(2);
+        } else if !holder.is_empty() {
+            // Whether its holder still renews it, observed as client-go does.
+            if let Err(live) = observe(c, lease.clone(), false).await? {
+                eprintln!(
+                    "a rollout is running ({live}): decide when it has ended, or `--abort` it"
+                );
+                return Ok(2);
+            }
         }
         let next = match record::lift(&mut rec, &l, &by, &why, &current, &stamp()) {
             Ok(n) => n,
@@ -1003,8 +1505,21 @@ async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
             record::ANN_SKIPPED,
             record::ANN_ABORTED,
             record::ANN_DECISIONS,
+            record::ANN_HISTORY,
         ] {
             ann.remove(k);
+        }
+        if let Some(d) = rec.decisions.last() {
+            rec.tell(
+                &stamp(),
+                false,
+                if l == Lift::Abort {
+                    "StepguardRolloutAborted"
+                } else {
+                    "StepguardHaltLifted"
+                },
+                &format!("{} by {}: {}", d.action, d.by, d.why),
+            );
         }
         rec.write(&mut ann);
         lease.metadata.annotations = Some(ann.into_iter().collect());
@@ -1046,19 +1561,20 @@ async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
     bail!("the rollout lock kept changing while recording the decision: try again")
 }
 
-/// `--watch`: whether to start now (a revision not all nodes run, approved by annotation).
-pub fn approved(view: &ClusterView, ds_annotations: &BTreeMap<String, String>) -> bool {
+/// `--watch`: whether to start now (a revision not all nodes run, approved).
+pub fn approved(view: &ClusterView, approved: Option<&str>) -> bool {
     let Some((rev, _)) = &view.revision else {
         return false;
     };
-    ds_annotations.get(ANN_APPROVE) == Some(rev) && view.pods.iter().any(|p| &p.revision != rev)
+    approved == Some(rev.as_str()) && view.pods.iter().any(|p| &p.revision != rev)
 }
 
 /// `--watch`: never ends on an error; a line is logged whenever what it waits for changes.
 async fn watch(c: &Cluster) -> Result<i32> {
     let mut last = String::new();
+    let mut announced = String::new();
     loop {
-        let note = match watch_tick(c).await {
+        let note = match watch_tick(c, &mut announced).await {
             Ok(n) => n,
             Err(e) => format!("cannot read the cluster (retrying every tick): {e:#}"),
         };
@@ -1071,19 +1587,15 @@ async fn watch(c: &Cluster) -> Result<i32> {
     }
 }
 
-/// One `--watch` tick: what it is waiting for, or the end of the rollout it ran.
-async fn watch_tick(c: &Cluster) -> Result<String> {
+/// One `--watch` tick: what it is waiting for, or the end of the rollout it ran. A revision
+/// waiting for approval is told once in an Event (`announced`: the revision told last).
+async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<String> {
     let (v, ds) = c.view().await?;
-    let ann = annotations(&ds.metadata);
     let (_, rec) = read_lock(c).await?;
     let cur = v.revision.clone().map(|r| r.0).unwrap_or_default();
+    let approve = approval(&ds, &cur);
     let owed = rec.inflight.is_some() || rec.retry.is_some();
-    if let Gate::Halted(m) = record::gate(
-        &rec,
-        &cur,
-        ann.get(ANN_APPROVE).map(String::as_str),
-        &stamp(),
-    ) {
+    if let Gate::Halted(m) = record::gate(&rec, &cur, approve.as_deref(), &stamp()) {
         return Ok(m);
     }
     if !owed && !v.pods.iter().any(|p| p.revision != cur) {
@@ -1098,23 +1610,27 @@ async fn watch_tick(c: &Cluster) -> Result<String> {
     // retry alone waits for the revision to be approved, instead of a run per tick that
     // pauses at once.
     if let (None, Some(n)) = (&rec.inflight, &rec.retry) {
-        if ann.get(ANN_APPROVE) != Some(&cur) {
+        if approve.as_deref() != Some(cur.as_str()) {
             return Ok(format!(
-                "node {n} is to be stepped again but the DaemonSet's revision {cur} is not approved (stepguard.io/approve-revision is {}): waiting",
-                ann.get(ANN_APPROVE).map(String::as_str).unwrap_or("not set")
+                "node {n} is to be stepped again but the DaemonSet's revision {cur} is not approved ({}): waiting",
+                unapproved_why(&ds)
             ));
         }
     }
-    if owed || approved(&v, &ann) {
+    if owed || approved(&v, approve.as_deref()) {
         let code = rollout(c, true).await?;
         return Ok(format!("rollout ended with exit code {code}"));
     }
-    Ok(format!(
-        "revision {cur} is not approved (stepguard.io/approve-revision is {}): waiting",
-        ann.get(ANN_APPROVE)
-            .map(String::as_str)
-            .unwrap_or("not set")
-    ))
+    let note = format!(
+        "revision {cur} is not approved ({}): waiting",
+        unapproved_why(&ds)
+    );
+    if *announced != cur {
+        c.event(&ds, false, "StepguardApprovalAwaited", &format!("{note}; approve it with stepguard.io/approve-revision: {cur}, or stepguard.io/approve-image and stepguard.io/approve-config-checksum in the commit that changes the template"))
+            .await;
+        *announced = cur;
+    }
+    Ok(note)
 }
 
 fn say(json: bool, line: String) {
@@ -1143,6 +1659,7 @@ fn plan_opts(c: &Cluster) -> PlanOpts {
             .map(|(n, s)| (n.to_string(), s.split(',').map(String::from).collect()))
             .collect(),
         pause_between: c.args.pause_between,
+        allow_minor_skip: c.args.allow_minor_skip,
         ..Default::default()
     }
 }
@@ -1171,15 +1688,22 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let (view, ds) = patient("read the cluster", start, None, || c.view()).await?;
     let (_, rec) = patient("read the rollout lock", start, None, || read_lock(c)).await?;
     let current = view.revision.clone().unwrap_or_default();
-    let approve = approval(&ds);
+    let approve = approval(&ds, &current.0);
     if let Gate::Halted(msg) = record::gate(&rec, &current.0, approve.as_deref(), &stamp()) {
         if json_out {
             println!(
                 "{}",
-                serde_json::to_string_pretty(&json!({"halted": rec.halt, "message": msg}))?
+                serde_json::to_string_pretty(&json!({"halted": rec.halt, "message": msg,
+                "verdict": match &rec.halt {
+                    Some(h) => Some(halt_verdict(c, &view, h).await),
+                    None => None,
+                }}))?
             );
         } else {
             println!("refusing to start the rollout of {}: {msg}", view.daemonset);
+            if let Some(h) = &rec.halt {
+                println!("  {}", halt_verdict(c, &view, h).await);
+            }
         }
         return Ok(2);
     }
@@ -1264,11 +1788,13 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             return Ok(2);
         }
     };
-    // The lock is renewed in the background (with the record); losing it stops everything.
-    let lost = Arc::new(AtomicBool::new(false));
+    // The lock is renewed in the background every retry period (with the record); losing it
+    // stops everything.
+    let held = Arc::new(Held::new());
     let shared = Arc::new(Mutex::new(rec.clone()));
+    *c.told.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared.clone());
     let renewer = {
-        let (lost, shared) = (lost.clone(), shared.clone());
+        let (held, shared) = (held.clone(), shared.clone());
         let c2 = Cluster {
             client: c.client.clone(),
             ns: c.ns.clone(),
@@ -1276,29 +1802,13 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             args: c.args.clone(),
             token: c.token.clone(),
             identity: c.identity.clone(),
+            told: Mutex::new(None),
         };
         tokio::spawn(async move {
-            let every = (c2.args.lock_duration / 3).max(Duration::from_millis(200));
-            let mut last_ok = Instant::now();
-            loop {
+            let every = lock_times(&c2).retry;
+            while !held.is_lost() {
                 tokio::time::sleep(every).await;
-                let left = renew_tolerance(&c2).saturating_sub(last_ok.elapsed());
-                match renew(&c2, &shared, left).await {
-                    Ok(()) => last_ok = Instant::now(),
-                    Err(RenewError::NotOurs(e)) => {
-                        tracing::error!(error = %e, "the rollout lock was lost");
-                        lost.store(true, Ordering::SeqCst);
-                        return;
-                    }
-                    Err(RenewError::Failed(e)) => {
-                        if last_ok.elapsed() >= renew_tolerance(&c2) {
-                            tracing::error!(error = %e, "the rollout lock could not be renewed before it expires: taken as lost");
-                            lost.store(true, Ordering::SeqCst);
-                            return;
-                        }
-                        tracing::warn!(error = %e, "renewing the rollout lock; retrying");
-                    }
-                }
+                renew_held(&c2, &shared, &held).await;
             }
         })
     };
@@ -1352,7 +1862,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let mut ds = ds;
     let mut waiting = Waiting::default();
     loop {
-        if lost.load(Ordering::SeqCst) {
+        if held.is_lost() {
             code = 2;
             ending = Some("the rollout lock was lost: nothing more is touched".into());
             break;
@@ -1391,7 +1901,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 break;
             };
             if cur.0 != run_rev {
-                if record::may_adopt(&run_rev, &cur.0, approval(&ds).as_deref()) {
+                if record::may_adopt(&run_rev, &cur.0, approval(&ds, &cur.0).as_deref()) {
                     say(
                         json_out,
                         format!(
@@ -1407,9 +1917,9 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 } else {
                     code = 2;
                     let why = format!(
-                        "revision {} of the DaemonSet is not approved (stepguard.io/approve-revision is {}): the rollout pauses after node {}; approve it to go on{}",
+                        "revision {} of the DaemonSet is not approved ({}): the rollout pauses after node {}; approve it to go on{}",
                         cur.0,
-                        approval(&ds).unwrap_or_else(|| "not set".into()),
+                        unapproved_why(&ds),
                         results.last().map(|r| r.node.as_str()).unwrap_or("-"),
                         if watched { "" } else { ", or run `stepguard rollout` again" }
                     );
@@ -1455,7 +1965,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         let cx = StepCx {
             c,
             ds: &ds,
-            lost: &lost,
+            held: &held,
             shared: &shared,
             run_id: &run_id,
             n: results.len() + 1,
@@ -1490,7 +2000,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         if let Outcome::Failed { .. } = &r.outcome {
             // The halt is on the lock before anything else happens (release may not get
             // through; a later run must see it).
-            persist(c, &shared, &lost).await;
+            persist(c, &shared, &held).await;
             let h = shared
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -1501,17 +2011,12 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     .await;
             }
         } else if !stop {
-            persist(c, &shared, &lost).await;
+            persist(c, &shared, &held).await;
         }
         results.push(r);
         if stop {
             break;
         }
-    }
-    renewer.abort();
-    let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    if !lost.load(Ordering::SeqCst) {
-        release(c, &rec).await;
     }
     let summary = match code {
         0 => format!(
@@ -1540,6 +2045,13 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         &summary,
     )
     .await;
+    // The rollout's end is on the record too; then the lock is given up.
+    renewer.abort();
+    *c.told.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if !held.is_lost() {
+        release(c, &rec).await;
+    }
     if json_out {
         println!(
             "{}",
@@ -1595,7 +2107,7 @@ impl Waiting {
 struct StepCx<'a> {
     c: &'a Cluster,
     ds: &'a DaemonSet,
-    lost: &'a AtomicBool,
+    held: &'a Held,
     shared: &'a Mutex<Record>,
     run_id: &'a str,
     n: usize,
@@ -1611,7 +2123,8 @@ async fn step_node(
 ) -> NodeResult {
     let t0 = Instant::now();
     let c = cx.c;
-    let (lost, n, json_out) = (cx.lost, cx.n, cx.json_out);
+    let (held, n, json_out) = (cx.held, cx.n, cx.json_out);
+    let lost = &held.lost;
     let mut st = st.clone();
     let result = |st: &PlannedStep, outcome: Outcome| NodeResult {
         node: st.node.clone(),
@@ -1788,7 +2301,7 @@ async fn step_node(
                                 revision_number: target.1,
                                 why: st.why.clone(),
                             });
-                        if persist(c, cx.shared, lost).await {
+                        if persist(c, cx.shared, held).await {
                             c.event(
                                 cx.ds,
                                 false,
@@ -1807,7 +2320,11 @@ async fn step_node(
                     if !record::may_adopt(
                         &target.0,
                         view.revision.as_ref().map(|r| r.0.as_str()).unwrap_or(""),
-                        approval(cx.ds).as_deref(),
+                        approval(
+                            cx.ds,
+                            view.revision.as_ref().map(|r| r.0.as_str()).unwrap_or(""),
+                        )
+                        .as_deref(),
                     ) =>
                 {
                     // A resumed step whose pod is still there, while the DaemonSet moved to a
@@ -1822,14 +2339,24 @@ async fn step_node(
                     continue;
                 }
                 machine::Action::DeletePod => {
+                    // Right before the delete, the lock is renewed (it is ours now, not only
+                    // as of the last renewal: a stepper paused since then may have lost it).
                     let r = patient(
                         "delete the cilium pod",
                         c.args.replace_timeout,
                         Some(lost),
-                        || c.delete_pod(&st.pod, &st.pod_uid),
+                        || async {
+                            if !persist(c, cx.shared, held).await {
+                                bail!("the rollout lock was lost before the delete");
+                            }
+                            c.delete_pod(&st.pod, &st.pod_uid).await
+                        },
                     )
                     .await;
-                    Event::Deleted(r.map_err(|e| format!("{e:#}")))
+                    match r {
+                        Err(_) if held.is_lost() => Event::LockLost,
+                        r => Event::Deleted(r.map_err(|e| format!("{e:#}"))),
+                    }
                 }
                 machine::Action::FindReplacement => {
                     let found = c
@@ -1945,6 +2472,79 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_whole_selector_becomes_a_label_selector() {
+        let sel: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector =
+            serde_json::from_value(json!({
+                "matchLabels": {"k8s-app": "cilium"},
+                "matchExpressions": [
+                    {"key": "pool", "operator": "In", "values": ["a", "b"]},
+                    {"key": "debug", "operator": "NotIn", "values": ["true"]},
+                    {"key": "tier", "operator": "Exists"},
+                    {"key": "legacy", "operator": "DoesNotExist"}]}))
+            .unwrap();
+        assert_eq!(
+            selector_string(&sel),
+            "k8s-app=cilium,pool in (a,b),debug notin (true),tier,!legacy"
+        );
+    }
+
+    fn ds(image: &str, checksum: Option<&str>, ann: Value) -> DaemonSet {
+        let mut tmeta = json!({"labels": {"k8s-app": "cilium"}});
+        if let Some(c) = checksum {
+            tmeta["annotations"] = json!({ CONFIG_CHECKSUM: c });
+        }
+        serde_json::from_value(json!({
+            "metadata": {"name": "cilium", "generation": 4, "annotations": ann},
+            "spec": {"selector": {"matchLabels": {"k8s-app": "cilium"}},
+                     "template": {"metadata": tmeta, "spec": {"containers": [{"name": "cilium-agent", "image": image}]}}},
+            "status": {"observedGeneration": 4, "currentNumberScheduled": 0, "desiredNumberScheduled": 0,
+                       "numberMisscheduled": 0, "numberReady": 0}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn git_approves_the_image_and_config_checksum_a_revision_carries() {
+        let img = "quay.io/cilium/cilium:v1.19.1@sha256:aa";
+        let both = json!({ ANN_APPROVE_IMAGE: img, ANN_APPROVE_CONFIG: "c2" });
+        assert_eq!(
+            approval(&ds(img, Some("c2"), both.clone()), "h2").as_deref(),
+            Some("h2")
+        );
+        // A config-only revision does not ride the approval of the earlier config.
+        assert_eq!(approval(&ds(img, Some("c3"), both.clone()), "h3"), None);
+        assert!(
+            unapproved_why(&ds(img, Some("c3"), both.clone())).contains("config checksum is c3")
+        );
+        // Another image; a checksum the approval does not name.
+        assert_eq!(
+            approval(&ds("cilium:v1.19.2", Some("c2"), both), "h4"),
+            None
+        );
+        let image_only = json!({ ANN_APPROVE_IMAGE: img });
+        assert_eq!(
+            approval(&ds(img, Some("c2"), image_only.clone()), "h5"),
+            None
+        );
+        // Without the chart's checksum, the image alone.
+        assert_eq!(
+            approval(&ds(img, None, image_only), "h6").as_deref(),
+            Some("h6")
+        );
+        // The revision hash, as before; an older one stays what it names.
+        let named = json!({ ANN_APPROVE: "h1" });
+        assert_eq!(
+            approval(&ds(img, None, named.clone()), "h1").as_deref(),
+            Some("h1")
+        );
+        assert_eq!(approval(&ds(img, None, named), "h7").as_deref(), Some("h1"));
+        // Not judged before the controller observed the template.
+        let mut d = ds(img, None, json!({ ANN_APPROVE_IMAGE: img }));
+        d.metadata.generation = Some(5);
+        assert_eq!(approval(&d, "h8"), None);
+    }
+
+    #[test]
     fn the_minor_version_comes_from_the_image_tag() {
         assert_eq!(
             image_minor("quay.io/cilium/cilium:v1.18.2@sha256:abc").as_deref(),
@@ -1967,15 +2567,15 @@ mod tests {
             node: "n".into(),
             revision: "r1".into(),
             ready: true,
+            image: String::new(),
+            bound: true,
+            crash_looping: None,
         });
-        let mut ann = BTreeMap::new();
-        assert!(!approved(&v, &ann));
-        ann.insert(ANN_APPROVE.to_string(), "r1".to_string());
-        assert!(!approved(&v, &ann), "an older approval");
-        ann.insert(ANN_APPROVE.to_string(), "r2".to_string());
-        assert!(approved(&v, &ann));
+        assert!(!approved(&v, None));
+        assert!(!approved(&v, Some("r1")), "an older approval");
+        assert!(approved(&v, Some("r2")));
         v.pods[0].revision = "r2".into();
-        assert!(!approved(&v, &ann), "already everywhere");
+        assert!(!approved(&v, Some("r2")), "already everywhere");
     }
 
     #[test]

@@ -22,6 +22,34 @@ pub struct CiliumPod {
     /// `controller-revision-hash` label.
     pub revision: String,
     pub ready: bool,
+    /// The cilium-agent container's image.
+    pub image: String,
+    /// Bound to its node by the scheduler (`spec.nodeName`); a Pending pod is not yet, and
+    /// belongs to the node its required node affinity names.
+    pub bound: bool,
+    /// A container (or init container) waiting in `CrashLoopBackOff`: its restart count.
+    pub crash_looping: Option<i32>,
+}
+
+/// The cilium-operator Deployment, as read.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum Operator {
+    /// Not looked at (`--operator ''`).
+    NotChecked,
+    Found {
+        name: String,
+        ready: i32,
+        desired: i32,
+    },
+    /// Not found, or could not be read: why.
+    Unknown { name: String, problem: String },
+}
+
+impl Default for Operator {
+    fn default() -> Self {
+        Operator::NotChecked
+    }
 }
 
 /// A Cilium L2-announcement lease (`cilium-l2announce-<ns>-<svc>`).
@@ -37,6 +65,14 @@ pub struct L2Lease {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ClusterView {
     pub daemonset: String,
+    /// `spec.updateStrategy.type` (the API's default is RollingUpdate).
+    pub update_strategy: String,
+    /// `status.numberUnavailable`.
+    pub number_unavailable: i32,
+    pub operator: Operator,
+    /// Pods the DaemonSet's selector matches that it does not own (another controller's, or
+    /// nobody's): never stepped, shown.
+    pub foreign: Vec<String>,
     pub generation: i64,
     pub observed_generation: i64,
     /// The current revision: (hash, number).
@@ -65,6 +101,8 @@ pub struct PlanOpts {
     pub skip: BTreeSet<String>,
     /// A node a person asked to step again (`--retry`): first, whatever its revision.
     pub again: Option<String>,
+    /// A person allows a revision more than one Cilium minor version away (`--allow-minor-skip`).
+    pub allow_minor_skip: bool,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -86,14 +124,51 @@ pub struct PlannedStep {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "refusal", rename_all = "snake_case")]
 pub enum Refusal {
+    /// The controller deletes pods itself (RollingUpdate), at the same time as the stepper.
+    NotOnDelete {
+        strategy: String,
+    },
     /// `status.observedGeneration` has not caught up: the controller's counts are stale.
     NotObserved {
         generation: i64,
         observed: i64,
     },
     NoRevision,
+    /// Cilium upgrades (and downgrades) one minor version at a time.
+    MinorSkip {
+        from: String,
+        to: String,
+        nodes: Vec<String>,
+    },
     NodeNotReady {
         node: String,
+    },
+    PodCrashLooping {
+        node: String,
+        pod: String,
+        restarts: i32,
+    },
+    PodNotReady {
+        node: String,
+        pod: String,
+    },
+    /// A cilium pod Pending, not bound to a node (the node it is for, from its affinity).
+    PodUnbound {
+        pod: String,
+        node: String,
+    },
+    /// `status.numberUnavailable` beyond what the nodes a person skipped explain.
+    Unavailable {
+        unavailable: i32,
+    },
+    OperatorNotReady {
+        name: String,
+        ready: i32,
+        desired: i32,
+    },
+    OperatorUnknown {
+        name: String,
+        problem: String,
     },
     AgentMissing {
         node: String,
@@ -112,9 +187,17 @@ pub enum Refusal {
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Refusal::NotOnDelete { strategy } => write!(f, "the DaemonSet's updateStrategy is {strategy}: the controller deletes pods itself, at the same time as the stepper; set `updateStrategy: OnDelete` (the chart's `updateStrategy.type`)"),
             Refusal::NotObserved { generation, observed } => write!(f, "the DaemonSet's status is stale (generation {generation}, observedGeneration {observed}): its counts cannot be trusted yet"),
             Refusal::NoRevision => write!(f, "no ControllerRevision owned by the DaemonSet: its current revision is unknown"),
+            Refusal::MinorSkip { from, to, nodes } => write!(f, "revision's Cilium {to} is more than one minor version from {from} (on {}): Cilium upgrades one minor version at a time; step through the versions between, or `--allow-minor-skip` if you decided otherwise", nodes.join(", ")),
             Refusal::NodeNotReady { node } => write!(f, "node {node} is NotReady"),
+            Refusal::PodCrashLooping { node, pod, restarts } => write!(f, "cilium pod {pod} on node {node} is crash-looping (CrashLoopBackOff, {restarts} restarts)"),
+            Refusal::PodNotReady { node, pod } => write!(f, "cilium pod {pod} on node {node} is not Ready"),
+            Refusal::PodUnbound { pod, node } => write!(f, "cilium pod {pod} (for node {node}) is Pending, not bound to a node"),
+            Refusal::Unavailable { unavailable } => write!(f, "the DaemonSet reports {unavailable} unavailable pods (status.numberUnavailable)"),
+            Refusal::OperatorNotReady { name, ready, desired } => write!(f, "cilium-operator {name} is not Ready: {ready} of {desired} replicas Ready"),
+            Refusal::OperatorUnknown { name, problem } => write!(f, "cilium-operator {name} is unknown: {problem} (`--operator NAMESPACE/NAME`, or `--operator ''` where Cilium runs without one)"),
             Refusal::AgentMissing { node } => write!(f, "no stepguard agent on node {node}: a step there could not be verified"),
             Refusal::DevicesUnknown { node, problem } => write!(f, "the device set of node {node} is unknown: {problem}"),
             Refusal::DevicesDiffer { revision, sets } => write!(
@@ -129,6 +212,11 @@ impl std::fmt::Display for Refusal {
 /// The nodes to step, in order, or every reason not to start.
 pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refusal>> {
     let mut refusals = Vec::new();
+    if v.update_strategy != "OnDelete" {
+        refusals.push(Refusal::NotOnDelete {
+            strategy: v.update_strategy.clone(),
+        });
+    }
     if v.observed_generation < v.generation {
         refusals.push(Refusal::NotObserved {
             generation: v.generation,
@@ -139,6 +227,25 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
         refusals.push(Refusal::NoRevision);
         return Err(refusals);
     };
+    if !o.allow_minor_skip {
+        if let Some(to) = v.cilium_version.as_deref() {
+            let mut far: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for p in v.pods.iter().filter(|p| &p.revision != rev) {
+                if let Some(from) = crate::rollout::image_minor(&p.image) {
+                    if !adjacent_minors(&from, to) {
+                        far.entry(from).or_default().push(p.node.clone());
+                    }
+                }
+            }
+            for (from, nodes) in far {
+                refusals.push(Refusal::MinorSkip {
+                    from,
+                    to: to.to_string(),
+                    nodes,
+                });
+            }
+        }
+    }
     let with_pod: BTreeSet<&str> = v.pods.iter().map(|p| p.node.as_str()).collect();
     for n in v
         .nodes
@@ -150,6 +257,56 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
                 node: n.name.clone(),
             });
         }
+    }
+    // The other nodes' cilium pods: a node a person left as it is (`--skip`) is known bad.
+    let mut explained = 0;
+    for p in &v.pods {
+        if o.skip.contains(&p.node) {
+            explained += i32::from(!p.ready);
+            continue;
+        }
+        if !p.bound {
+            refusals.push(Refusal::PodUnbound {
+                pod: p.name.clone(),
+                node: p.node.clone(),
+            });
+        } else if let Some(restarts) = p.crash_looping {
+            refusals.push(Refusal::PodCrashLooping {
+                node: p.node.clone(),
+                pod: p.name.clone(),
+                restarts,
+            });
+        } else if !p.ready {
+            refusals.push(Refusal::PodNotReady {
+                node: p.node.clone(),
+                pod: p.name.clone(),
+            });
+        }
+    }
+    if v.number_unavailable > explained {
+        refusals.push(Refusal::Unavailable {
+            unavailable: v.number_unavailable,
+        });
+    }
+    match &v.operator {
+        Operator::NotChecked => {}
+        Operator::Found {
+            name,
+            ready,
+            desired,
+        } => {
+            if ready < desired || *desired == 0 {
+                refusals.push(Refusal::OperatorNotReady {
+                    name: name.clone(),
+                    ready: *ready,
+                    desired: *desired,
+                });
+            }
+        }
+        Operator::Unknown { name, problem } => refusals.push(Refusal::OperatorUnknown {
+            name: name.clone(),
+            problem: problem.clone(),
+        }),
     }
     for n in &with_pod {
         if !v.agents.contains_key(*n) {
@@ -322,6 +479,20 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
     Ok(out)
 }
 
+/// Whether a rollout from Cilium minor `from` to `to` ("1.19", "1.20") is one Cilium supports:
+/// the same minor, or the next or previous one of the same major.
+pub fn adjacent_minors(from: &str, to: &str) -> bool {
+    let parse = |v: &str| -> Option<(u32, u32)> {
+        let (a, b) = v.split_once('.')?;
+        Some((a.parse().ok()?, b.parse().ok()?))
+    };
+    match (parse(from), parse(to)) {
+        (Some((fa, fb)), Some((ta, tb))) => fa == ta && fb.abs_diff(tb) <= 1,
+        // A version that cannot be read is not judged here (the step expects the version).
+        _ => true,
+    }
+}
+
 /// The plan for people: a line per step.
 pub fn render(v: &ClusterView, steps: &[PlannedStep]) -> String {
     let mut s = format!(
@@ -335,6 +506,11 @@ pub fn render(v: &ClusterView, steps: &[PlannedStep]) -> String {
         steps.len(),
         v.pods.len()
     );
+    for f in &v.foreign {
+        s.push_str(&format!(
+            "  (pod {f} matches the DaemonSet's selector but is not its own: never stepped)\n"
+        ));
+    }
     for (i, st) in steps.iter().enumerate() {
         s.push_str(&format!(
             "  {:>2}. {:<20} {:<22} {}{}\n",
@@ -376,6 +552,9 @@ mod tests {
             node: node.into(),
             revision: rev.into(),
             ready: true,
+            image: "quay.io/cilium/cilium:v1.17.3".into(),
+            bound: true,
+            crash_looping: None,
         }
     }
     fn view() -> ClusterView {
@@ -388,6 +567,14 @@ mod tests {
         ];
         ClusterView {
             daemonset: "kube-system/cilium".into(),
+            update_strategy: "OnDelete".into(),
+            number_unavailable: 0,
+            operator: Operator::Found {
+                name: "kube-system/cilium-operator".into(),
+                ready: 2,
+                desired: 2,
+            },
+            foreign: vec![],
             generation: 3,
             observed_generation: 3,
             revision: Some(("new".into(), 3)),
@@ -471,6 +658,26 @@ mod tests {
         assert_eq!(p[0].why, "retry");
     }
 
+    fn kinds(r: &[Refusal]) -> Vec<&'static str> {
+        r.iter()
+            .map(|x| match x {
+                Refusal::NotOnDelete { .. } => "strategy",
+                Refusal::NotObserved { .. } => "stale",
+                Refusal::NoRevision => "norev",
+                Refusal::MinorSkip { .. } => "minor",
+                Refusal::NodeNotReady { .. } => "notready",
+                Refusal::PodCrashLooping { .. } => "crash",
+                Refusal::PodNotReady { .. } => "podnotready",
+                Refusal::PodUnbound { .. } => "unbound",
+                Refusal::Unavailable { .. } => "unavailable",
+                Refusal::OperatorNotReady { .. } | Refusal::OperatorUnknown { .. } => "operator",
+                Refusal::AgentMissing { .. } => "agent",
+                Refusal::DevicesUnknown { .. } => "devunknown",
+                Refusal::DevicesDiffer { .. } => "devices",
+            })
+            .collect()
+    }
+
     #[test]
     fn refusals_come_in_the_documented_order() {
         let mut v = view();
@@ -480,19 +687,56 @@ mod tests {
         v.devices
             .insert("b2".into(), Ok(vec!["eth0".into(), "eth1".into()]));
         let r = plan(&v, &PlanOpts::default()).unwrap_err();
-        let kinds: Vec<&str> = r
-            .iter()
-            .map(|x| match x {
-                Refusal::NotObserved { .. } => "stale",
-                Refusal::NoRevision => "norev",
-                Refusal::NodeNotReady { .. } => "notready",
-                Refusal::AgentMissing { .. } => "agent",
-                Refusal::DevicesUnknown { .. } => "devunknown",
-                Refusal::DevicesDiffer { .. } => "devices",
-            })
-            .collect();
-        assert_eq!(kinds, ["stale", "notready", "agent", "devices"]);
+        assert_eq!(kinds(&r), ["stale", "notready", "agent", "devices"]);
         assert!(r[3].to_string().contains("[eth0,eth1] on b2"), "{}", r[3]);
+        // The cluster's own health, every kind at once.
+        let mut v = view();
+        v.update_strategy = "RollingUpdate".into();
+        v.cilium_version = Some("1.20".into());
+        v.pods[0].crash_looping = Some(7);
+        v.pods[0].ready = false;
+        v.pods[1].ready = false;
+        v.pods[2].bound = false;
+        v.number_unavailable = 3;
+        v.operator = Operator::Found {
+            name: "kube-system/cilium-operator".into(),
+            ready: 0,
+            desired: 1,
+        };
+        let r = plan(&v, &PlanOpts::default()).unwrap_err();
+        assert_eq!(
+            kinds(&r),
+            [
+                "strategy",
+                "minor",
+                "crash",
+                "podnotready",
+                "unbound",
+                "unavailable",
+                "operator"
+            ]
+        );
+        assert!(
+            r[1].to_string()
+                .contains("1.20 is more than one minor version from 1.17"),
+            "{}",
+            r[1]
+        );
+        let o = PlanOpts {
+            allow_minor_skip: true,
+            skip: ["a1".to_string(), "a2".to_string(), "b1".to_string()].into(),
+            ..Default::default()
+        };
+        v.update_strategy = "OnDelete".into();
+        v.operator = Operator::NotChecked;
+        // Skipped nodes' pods (known bad by a person's decision) explain the unavailable count.
+        v.number_unavailable = 2;
+        assert!(plan(&v, &o).is_ok(), "{:?}", plan(&v, &o));
+        v.number_unavailable = 3;
+        assert_eq!(kinds(&plan(&v, &o).unwrap_err()), ["unavailable"]);
+        v.cilium_version = Some("1.18".into());
+        assert!(adjacent_minors("1.17", "1.18") && adjacent_minors("1.18", "1.17"));
+        assert!(!adjacent_minors("1.18", "1.20") && !adjacent_minors("1.18", "2.0"));
         // Mid-rollout, another revision may differ: no refusal.
         let mut v = view();
         v.pods[4].revision = "new".into();

@@ -17,8 +17,12 @@ pub const ANN_RETRY: &str = "stepguard.io/retry";
 pub const ANN_SKIPPED: &str = "stepguard.io/skipped";
 pub const ANN_ABORTED: &str = "stepguard.io/aborted-revision";
 pub const ANN_DECISIONS: &str = "stepguard.io/decisions";
+/// What the rollouts told in Events, kept beyond the Events' TTL (JSON, newest last).
+pub const ANN_HISTORY: &str = "stepguard.io/history";
 /// The decisions kept (newest last).
 pub const DECISIONS_KEPT: usize = 20;
+/// The history kept (newest last): a few rollouts of a dozen nodes.
+pub const HISTORY_KEPT: usize = 60;
 
 /// The step in flight: recorded after the node's agent began it and before the pod is
 /// deleted, so a resumed run finishes exactly this step.
@@ -69,6 +73,16 @@ pub struct Decision {
     pub at: String,
 }
 
+/// One thing a rollout told (an Event's reason and message), when.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Told {
+    pub at: String,
+    pub reason: String,
+    pub message: String,
+    #[serde(default)]
+    pub warning: bool,
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Record {
     pub inflight: Option<InFlight>,
@@ -79,6 +93,7 @@ pub struct Record {
     /// `--watch` does not start this revision again (`--abort`).
     pub aborted: Option<String>,
     pub decisions: Vec<Decision>,
+    pub history: Vec<Told>,
 }
 
 fn json<T: for<'de> Deserialize<'de>>(
@@ -117,6 +132,7 @@ impl Record {
             skipped: json(ann, ANN_SKIPPED)?.unwrap_or_default(),
             aborted: ann.get(ANN_ABORTED).filter(|s| !s.is_empty()).cloned(),
             decisions: json(ann, ANN_DECISIONS)?.unwrap_or_default(),
+            history: json(ann, ANN_HISTORY)?.unwrap_or_default(),
         })
     }
 
@@ -148,6 +164,10 @@ impl Record {
             ANN_DECISIONS,
             (!self.decisions.is_empty()).then(|| to(&self.decisions)),
         );
+        set(
+            ANN_HISTORY,
+            (!self.history.is_empty()).then(|| to(&self.history)),
+        );
     }
 
     /// Nothing for a later run to know: the lock can be deleted on release.
@@ -158,6 +178,26 @@ impl Record {
             && self.skipped.is_empty()
             && self.aborted.is_none()
             && self.decisions.is_empty()
+            && self.history.is_empty()
+    }
+
+    /// Keeps what was told (a long message cut), the newest `HISTORY_KEPT`.
+    pub fn tell(&mut self, at: &str, warning: bool, reason: &str, message: &str) {
+        let message: String = if message.chars().count() > 400 {
+            message.chars().take(399).chain(['…']).collect()
+        } else {
+            message.to_string()
+        };
+        self.history.push(Told {
+            at: at.to_string(),
+            reason: reason.to_string(),
+            message,
+            warning,
+        });
+        let n = self.history.len();
+        if n > HISTORY_KEPT {
+            self.history.drain(..n - HISTORY_KEPT);
+        }
     }
 
     /// The nodes `--skip` left as they are on `revision`.
