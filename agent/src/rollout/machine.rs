@@ -69,6 +69,12 @@ pub enum Event {
     Deleted(Result<bool, String>),
     /// A Ready pod on the current revision replaced the old one.
     Replaced(bool),
+    /// The replacement is there, its image being pulled since `started` (seconds): the time
+    /// a pull takes is `--pull-timeout`'s, not `--replace-timeout`'s, which starts once the
+    /// image is there.
+    Pulling {
+        started: f64,
+    },
     /// `Ok(Some((status, summary)))` decided; `Ok(None)` not yet; `Err` unreachable.
     Verdict(Result<Option<(String, String)>, String>),
     /// Time passes (timeouts).
@@ -81,6 +87,7 @@ pub enum Event {
 pub struct Timeouts {
     pub replace: f64,
     pub verdict: f64,
+    pub pull: f64,
 }
 
 /// The action a phase asks for.
@@ -122,6 +129,19 @@ pub fn advance(p: Phase, ev: Event, now: f64, t: Timeouts) -> Phase {
             failed(Some(&step), format!("could not delete the cilium pod: {e}"))
         }
         (Phase::Replace { step, .. }, Event::Replaced(true)) => Phase::Verdict { step, since: now },
+        (Phase::Replace { step, .. }, Event::Pulling { started }) => {
+            if now - started > t.pull {
+                failed(
+                    Some(&step),
+                    format!(
+                        "the replacement's image was still being pulled after {:.0}s (--pull-timeout)",
+                        t.pull
+                    ),
+                )
+            } else {
+                Phase::Replace { step, since: now }
+            }
+        }
         (Phase::Replace { step, since }, Event::Replaced(false) | Event::Tick) => {
             if now - since > t.replace {
                 failed(
@@ -219,7 +239,45 @@ mod tests {
     const T: Timeouts = Timeouts {
         replace: 60.0,
         verdict: 120.0,
+        pull: 300.0,
     };
+
+    #[test]
+    fn a_slow_image_pull_is_timed_by_the_pull_timeout_not_the_replace_timeout() {
+        let mut p = run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Ok(true)), 1.0),
+        ]);
+        // Pulling from 10 s to 250 s: longer than the replace timeout, within the pull's.
+        for now in (10..=250).step_by(10) {
+            p = advance(p, Event::Pulling { started: 10.0 }, now as f64, T);
+            assert_eq!(action(&p), Action::FindReplacement, "at {now}s");
+        }
+        // The replace timeout counts from the end of the pull.
+        p = advance(p, Event::Replaced(false), 300.0, T);
+        assert_eq!(action(&p), Action::FindReplacement);
+        let late = advance(p.clone(), Event::Replaced(false), 311.0, T);
+        assert!(
+            matches!(late, Phase::Done(Outcome::Failed { .. })),
+            "{late:?}"
+        );
+        assert_eq!(
+            action(&advance(p, Event::Replaced(true), 305.0, T)),
+            Action::WaitVerdict { step: "s".into() }
+        );
+        // A pull past its own timeout fails the step, saying so.
+        let p = run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Ok(true)), 1.0),
+            (Event::Pulling { started: 2.0 }, 303.0),
+        ]);
+        match p {
+            Phase::Done(Outcome::Failed { why, .. }) => {
+                assert!(why.contains("--pull-timeout"), "{why}")
+            }
+            p => panic!("{p:?}"),
+        }
+    }
 
     fn run(events: &[(Event, f64)]) -> Phase {
         let mut p = Phase::Begin;

@@ -85,9 +85,13 @@ pub struct RolloutArgs {
     pub settle: Duration,
     #[arg(long, default_value = "10m", value_parser = crate::duration::parse)]
     pub step_timeout: Duration,
-    /// How long the replacement cilium pod has to be Ready on the current revision.
+    /// How long the replacement cilium pod has to be Ready on the current revision, counted
+    /// once its image is there (a pull is `--pull-timeout`'s).
     #[arg(long, default_value = "10m", value_parser = crate::duration::parse)]
     pub replace_timeout: Duration,
+    /// How long the replacement's image may take to pull (its containers being created).
+    #[arg(long, default_value = "15m", value_parser = crate::duration::parse)]
+    pub pull_timeout: Duration,
     /// The devices every node must carry the datapath on after its restart (when the new
     /// revision changes them on purpose).
     #[arg(long, value_delimiter = ',')]
@@ -508,6 +512,30 @@ impl Cluster {
         Ok(ready
             .into_iter()
             .find(|h| machine::acceptable_revision(h, target, &numbers)))
+    }
+
+    /// The stage of the newest replacement on `node` (a pod of the DaemonSet other than
+    /// `old_uid`, not being deleted), if one exists yet.
+    async fn replacement_stage(
+        &self,
+        ds: &DaemonSet,
+        sel: &str,
+        node: &str,
+        old_uid: &str,
+    ) -> Result<Option<Stage>> {
+        let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
+        let uid = ds.metadata.uid.clone().unwrap_or_default();
+        Ok(pods
+            .items
+            .iter()
+            .filter(|p| {
+                owned(p, &uid)
+                    && target_node(p).as_deref() == Some(node)
+                    && p.metadata.uid.as_deref() != Some(old_uid)
+                    && p.metadata.deletion_timestamp.is_none()
+            })
+            .max_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0))
+            .map(stage))
     }
 
     /// The interrupted step's old pod now, and (for a lock written by an older stepper, which
@@ -1193,6 +1221,104 @@ pub struct NodeResult {
     pub moves: Vec<String>,
     pub outcome: Outcome,
     pub elapsed_s: f64,
+    /// The replacement pod's stages as seen, each with how long it lasted (seconds).
+    pub replacement: Vec<(String, f64)>,
+}
+
+/// Where a replacement cilium pod is on its way to Ready, as its status shows.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stage {
+    /// Created, not bound to the node yet (the scheduler).
+    Unbound,
+    /// Bound; its containers being created: the image pulled (the kubelet reports
+    /// `ContainerCreating` while it pulls, then `ErrImagePull`/`ImagePullBackOff` when a pull
+    /// fails).
+    Pulling(String),
+    /// Its init containers running: `done` of `of` finished.
+    Initializing {
+        done: usize,
+        of: usize,
+    },
+    /// Its containers running, not Ready (the agent starting, or failing its probes).
+    Running,
+    Ready,
+}
+
+impl Stage {
+    fn label(&self) -> String {
+        match self {
+            Stage::Unbound => "Pending, not bound".into(),
+            Stage::Pulling(r) => format!("pulling the image ({r})"),
+            Stage::Initializing { done, of } => format!("init containers ({done} of {of} done)"),
+            Stage::Running => "running, not Ready".into(),
+            Stage::Ready => "Ready".into(),
+        }
+    }
+    /// The stage's name in the timing summary.
+    fn kind(&self) -> &'static str {
+        match self {
+            Stage::Unbound => "Pending",
+            Stage::Pulling(_) => "pulling",
+            Stage::Initializing { .. } => "init containers",
+            Stage::Running => "running until Ready",
+            Stage::Ready => "Ready",
+        }
+    }
+}
+
+/// The stage of a replacement pod from its status.
+pub fn stage(p: &Pod) -> Stage {
+    if pod_ready(p) {
+        return Stage::Ready;
+    }
+    let bound = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .is_some_and(|n| !n.is_empty());
+    if !bound {
+        return Stage::Unbound;
+    }
+    let st = p.status.clone().unwrap_or_default();
+    let waiting = |c: &k8s_openapi::api::core::v1::ContainerStatus| {
+        c.state
+            .as_ref()
+            .and_then(|s| s.waiting.as_ref())
+            .and_then(|w| w.reason.clone())
+    };
+    let pulling = |r: &str| matches!(r, "ContainerCreating" | "ErrImagePull" | "ImagePullBackOff");
+    let inits = st.init_container_statuses.clone().unwrap_or_default();
+    let of = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .map_or(0, |v| v.len());
+    let done = inits
+        .iter()
+        .filter(|c| {
+            c.state
+                .as_ref()
+                .and_then(|s| s.terminated.as_ref())
+                .is_some_and(|t| t.exit_code == 0)
+        })
+        .count();
+    if let Some(r) = inits
+        .iter()
+        .filter_map(waiting)
+        .chain(st.container_statuses.iter().flatten().filter_map(waiting))
+        .find(|r| pulling(r))
+    {
+        return Stage::Pulling(r);
+    }
+    if done < of {
+        return Stage::Initializing { done, of };
+    }
+    if st.container_statuses.as_ref().is_none_or(|c| c.is_empty())
+        && st.phase.as_deref() == Some("Pending")
+    {
+        return Stage::Pulling("ContainerCreating".into());
+    }
+    Stage::Running
 }
 
 /// Runs `stepguard rollout`; the exit code.
@@ -2083,6 +2209,59 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     Ok(code)
 }
 
+/// The stages a replacement went through, each with when it began (unix seconds).
+#[derive(Default)]
+struct Stages(Vec<(Stage, f64)>);
+
+impl Stages {
+    /// Records the stage seen now; true when it is a new one.
+    fn enter(&mut self, s: &Stage, now: f64) -> bool {
+        if self.0.last().is_some_and(|(l, _)| l == s) {
+            return false;
+        }
+        self.0.push((s.clone(), now));
+        true
+    }
+    /// When the current pull began (the first of a run of pulling stages).
+    fn pulling_since(&self) -> Option<f64> {
+        let mut since = None;
+        for (s, t) in &self.0 {
+            match s {
+                Stage::Pulling(_) => {
+                    since.get_or_insert(*t);
+                }
+                _ => since = None,
+            }
+        }
+        since
+    }
+    /// Each stage kind and how long it lasted, in order (Ready last, with no duration).
+    fn durations(&self) -> Vec<(String, f64)> {
+        let mut out: Vec<(String, f64)> = Vec::new();
+        for (i, (s, t)) in self.0.iter().enumerate() {
+            let end = self.0.get(i + 1).map(|(_, e)| *e).unwrap_or(*t);
+            match out.last_mut() {
+                Some((k, d)) if k == s.kind() => *d += end - t,
+                _ => out.push((s.kind().to_string(), end - t)),
+            }
+        }
+        out
+    }
+    fn summary(&self) -> String {
+        let parts: Vec<String> = self
+            .durations()
+            .iter()
+            .filter(|(k, _)| k != "Ready")
+            .map(|(k, d)| format!("{k} {d:.1}s"))
+            .collect();
+        if parts.is_empty() {
+            "at once".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
 /// A rollout waiting out something (a transient failure, a plan that refuses to go on): each
 /// new reason told once, the pause growing from 0.5 s to 15 s.
 #[derive(Default)]
@@ -2126,13 +2305,15 @@ async fn step_node(
     let (held, n, json_out) = (cx.held, cx.n, cx.json_out);
     let lost = &held.lost;
     let mut st = st.clone();
-    let result = |st: &PlannedStep, outcome: Outcome| NodeResult {
+    let result = |st: &PlannedStep, outcome: Outcome, stages: &Stages| NodeResult {
         node: st.node.clone(),
         why: st.why.clone(),
         moves: st.moves.clone(),
         outcome,
         elapsed_s: t0.elapsed().as_secs_f64(),
+        replacement: stages.durations(),
     };
+    let mut stages = Stages::default();
     let sel = Cluster::selector(cx.ds);
     let agent = match view
         .agents
@@ -2148,6 +2329,7 @@ async fn step_node(
                     step: resumed.as_ref().map(|i| i.step.clone()),
                     why: format!("cannot reach the node's agent to verify the step: {e:#}"),
                 },
+                &stages,
             )
         }
     };
@@ -2157,6 +2339,7 @@ async fn step_node(
     let t = Timeouts {
         replace: c.args.replace_timeout.as_secs_f64(),
         verdict: c.args.step_timeout.as_secs_f64() + 60.0,
+        pull: c.args.pull_timeout.as_secs_f64(),
     };
     let forever = Duration::MAX;
     let mut phase = match &resumed {
@@ -2364,6 +2547,32 @@ async fn step_node(
                         .await
                         .ok()
                         .flatten();
+                    // The replacement's stage, shown and timed as it changes.
+                    let now_stage = match &found {
+                        Some(_) => Some(Stage::Ready),
+                        None => c
+                            .replacement_stage(cx.ds, &sel, &st.node, &st.pod_uid)
+                            .await
+                            .ok()
+                            .flatten(),
+                    };
+                    if let Some(stg) = now_stage {
+                        if stages.enter(&stg, now_s()) {
+                            let line = if stg == Stage::Ready {
+                                format!("replacement Ready: {}", stages.summary())
+                            } else {
+                                format!("replacement: {}", stg.label())
+                            };
+                            say(
+                                json_out,
+                                format!(
+                                    "[{n:>2}] {:<20} {line} ({:.1}s)",
+                                    st.node,
+                                    t0.elapsed().as_secs_f64()
+                                ),
+                            );
+                        }
+                    }
                     match &found {
                         None => tokio::time::sleep(Duration::from_millis(500)).await,
                         Some(h) if *h != target.0 && carried.is_none() => {
@@ -2378,7 +2587,10 @@ async fn step_node(
                         }
                         Some(_) => {}
                     }
-                    Event::Replaced(found.is_some())
+                    match stages.pulling_since() {
+                        Some(started) if found.is_none() => Event::Pulling { started },
+                        _ => Event::Replaced(found.is_some()),
+                    }
                 }
                 machine::Action::WaitVerdict { step } => {
                     pace.wait(retry_after.take()).await;
@@ -2464,7 +2676,7 @@ async fn step_node(
             t0.elapsed().as_secs_f64()
         ),
     );
-    result(&st, outcome)
+    result(&st, outcome, &stages)
 }
 
 #[cfg(test)]
@@ -2542,6 +2754,48 @@ mod tests {
         let mut d = ds(img, None, json!({ ANN_APPROVE_IMAGE: img }));
         d.metadata.generation = Some(5);
         assert_eq!(approval(&d, "h8"), None);
+    }
+
+    #[test]
+    fn a_replacement_is_seen_through_its_stages() {
+        let pod = |v: Value| -> Pod { serde_json::from_value(v).unwrap() };
+        let spec = json!({"nodeName": "n1", "initContainers": [{"name": "mount-bpf-fs"}, {"name": "clean-cilium-state"}],
+                          "containers": [{"name": "cilium-agent"}]});
+        assert_eq!(
+            stage(&pod(json!({"spec": {"containers": []}}))),
+            Stage::Unbound
+        );
+        let pulling = pod(json!({"spec": spec, "status": {"phase": "Pending",
+            "initContainerStatuses": [{"name": "mount-bpf-fs", "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"waiting": {"reason": "ErrImagePull"}}}]}}));
+        assert_eq!(stage(&pulling), Stage::Pulling("ErrImagePull".into()));
+        let init = pod(json!({"spec": spec, "status": {"phase": "Pending",
+            "initContainerStatuses": [
+                {"name": "mount-bpf-fs", "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                 "state": {"terminated": {"exitCode": 0}}},
+                {"name": "clean-cilium-state", "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                 "state": {"running": {}}}]}}));
+        assert_eq!(stage(&init), Stage::Initializing { done: 1, of: 2 });
+        let running = pod(
+            json!({"spec": {"nodeName": "n1", "containers": [{"name": "cilium-agent"}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
+                "containerStatuses": [{"name": "cilium-agent", "image": "", "imageID": "", "ready": false,
+                    "restartCount": 0, "state": {"running": {}}}]}}),
+        );
+        assert_eq!(stage(&running), Stage::Running);
+        let mut st = Stages::default();
+        assert!(st.enter(&Stage::Unbound, 0.0));
+        assert!(st.enter(&Stage::Pulling("ContainerCreating".into()), 1.0));
+        assert!(st.enter(&Stage::Pulling("ErrImagePull".into()), 4.0));
+        assert!(!st.enter(&Stage::Pulling("ErrImagePull".into()), 5.0));
+        assert_eq!(st.pulling_since(), Some(1.0));
+        assert!(st.enter(&Stage::Running, 9.0));
+        assert_eq!(st.pulling_since(), None);
+        assert!(st.enter(&Stage::Ready, 10.5));
+        assert_eq!(
+            st.summary(),
+            "Pending 1.0s, pulling 8.0s, running until Ready 1.5s"
+        );
     }
 
     #[test]

@@ -32,10 +32,11 @@ pub struct CiliumPod {
 }
 
 /// The cilium-operator Deployment, as read.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
 #[serde(rename_all = "snake_case")]
 pub enum Operator {
     /// Not looked at (`--operator ''`).
+    #[default]
     NotChecked,
     Found {
         name: String,
@@ -44,12 +45,6 @@ pub enum Operator {
     },
     /// Not found, or could not be read: why.
     Unknown { name: String, problem: String },
-}
-
-impl Default for Operator {
-    fn default() -> Self {
-        Operator::NotChecked
-    }
 }
 
 /// A Cilium L2-announcement lease (`cilium-l2announce-<ns>-<svc>`).
@@ -190,7 +185,7 @@ impl std::fmt::Display for Refusal {
             Refusal::NotOnDelete { strategy } => write!(f, "the DaemonSet's updateStrategy is {strategy}: the controller deletes pods itself, at the same time as the stepper; set `updateStrategy: OnDelete` (the chart's `updateStrategy.type`)"),
             Refusal::NotObserved { generation, observed } => write!(f, "the DaemonSet's status is stale (generation {generation}, observedGeneration {observed}): its counts cannot be trusted yet"),
             Refusal::NoRevision => write!(f, "no ControllerRevision owned by the DaemonSet: its current revision is unknown"),
-            Refusal::MinorSkip { from, to, nodes } => write!(f, "revision's Cilium {to} is more than one minor version from {from} (on {}): Cilium upgrades one minor version at a time; step through the versions between, or `--allow-minor-skip` if you decided otherwise", nodes.join(", ")),
+            Refusal::MinorSkip { from, to, nodes } => write!(f, "the revision's Cilium {to} is more than one minor version from {from} (on {}): Cilium upgrades one minor version at a time; step through the versions between, or `--allow-minor-skip` if you decided otherwise", nodes.join(", ")),
             Refusal::NodeNotReady { node } => write!(f, "node {node} is NotReady"),
             Refusal::PodCrashLooping { node, pod, restarts } => write!(f, "cilium pod {pod} on node {node} is crash-looping (CrashLoopBackOff, {restarts} restarts)"),
             Refusal::PodNotReady { node, pod } => write!(f, "cilium pod {pod} on node {node} is not Ready"),
@@ -233,7 +228,9 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
             for p in v.pods.iter().filter(|p| &p.revision != rev) {
                 if let Some(from) = crate::rollout::image_minor(&p.image) {
                     if !adjacent_minors(&from, to) {
-                        far.entry(from).or_default().push(p.node.clone());
+                        let nodes = far.entry(from).or_default();
+                        nodes.push(p.node.clone());
+                        nodes.sort();
                     }
                 }
             }
@@ -260,29 +257,28 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
     }
     // The other nodes' cilium pods: a node a person left as it is (`--skip`) is known bad.
     let mut explained = 0;
-    for p in &v.pods {
+    let (mut crashing, mut not_ready, mut unbound) = (vec![], vec![], vec![]);
+    let mut by_node: Vec<&CiliumPod> = v.pods.iter().collect();
+    by_node.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
+    for p in by_node {
         if o.skip.contains(&p.node) {
             explained += i32::from(!p.ready);
             continue;
         }
+        let (node, pod) = (p.node.clone(), p.name.clone());
         if !p.bound {
-            refusals.push(Refusal::PodUnbound {
-                pod: p.name.clone(),
-                node: p.node.clone(),
-            });
+            unbound.push(Refusal::PodUnbound { pod, node });
         } else if let Some(restarts) = p.crash_looping {
-            refusals.push(Refusal::PodCrashLooping {
-                node: p.node.clone(),
-                pod: p.name.clone(),
+            crashing.push(Refusal::PodCrashLooping {
+                node,
+                pod,
                 restarts,
             });
         } else if !p.ready {
-            refusals.push(Refusal::PodNotReady {
-                node: p.node.clone(),
-                pod: p.name.clone(),
-            });
+            not_ready.push(Refusal::PodNotReady { node, pod });
         }
     }
+    refusals.extend(crashing.into_iter().chain(not_ready).chain(unbound));
     if v.number_unavailable > explained {
         refusals.push(Refusal::Unavailable {
             unavailable: v.number_unavailable,

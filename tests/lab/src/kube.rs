@@ -587,6 +587,39 @@ pub fn cilium_daemonset(image: &str, revision_history_limit: Option<i32>) -> Val
     ds
 }
 
+/// The cilium-operator Deployment as the chart renders it in outline (its labels and
+/// selector, two replicas on different nodes, host network, the operator image of the same
+/// release); the lab kubelet runs its pods.
+pub fn cilium_operator(image: &str) -> Value {
+    let labels = json!({"io.cilium/app": "operator", "name": "cilium-operator",
+                        "app.kubernetes.io/part-of": "cilium", "app.kubernetes.io/name": "cilium-operator"});
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "cilium-operator", "namespace": "kube-system", "labels": labels},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"io.cilium/app": "operator", "name": "cilium-operator"}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [{"name": "cilium-operator", "image": image,
+                                    "command": ["cilium-operator-generic"],
+                                    "args": ["--config-dir=/tmp/cilium/config-map"]}],
+                    "hostNetwork": true,
+                    "priorityClassName": "system-cluster-critical",
+                    "serviceAccountName": "cilium",
+                    "terminationGracePeriodSeconds": 1,
+                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                        {"labelSelector": {"matchLabels": {"io.cilium/app": "operator"}},
+                         "topologyKey": "kubernetes.io/hostname"}]}},
+                    "nodeSelector": {"kubernetes.io/os": "linux"},
+                    "tolerations": [{"operator": "Exists"}]
+                }
+            }
+        }
+    })
+}
+
 /// The lab's nodes as Node objects (name → InternalIP), Ready, with room for pods.
 pub fn create_nodes(k: &Kube, nodes: &[(String, String)]) -> Result<()> {
     let api = k.all::<k8s_openapi::api::core::v1::Node>();

@@ -12,7 +12,8 @@
 //!   (`pkg/controller/daemon/daemon_controller.go`, `podsShouldBeOnNode`, v1.37.2).
 //! - Faults: a node whose replacement never turns Ready; a node whose cilium pod crash-loops
 //!   (Running, not Ready, restart count climbing, `CrashLoopBackOff`); pods of a namespace held
-//!   Pending on a node (never started).
+//!   Pending on a node (never started); other pods running but not Ready (by name prefix); a
+//!   replacement that first pulls its image for a while.
 //!
 //! Moments of a replacement are reported to a [`MomentHook`], run while the kubelet waits, so a
 //! test can change the DaemonSet's template exactly then.
@@ -53,6 +54,12 @@ pub struct KubeletState {
     pub crash_loop: BTreeSet<String>,
     /// (namespace, node): pods there are never started (Pending, no IP).
     pub hold: BTreeSet<(String, String)>,
+    /// Pods (not cilium's) whose name starts with one of these run but are not Ready (a
+    /// cilium-operator failing its readiness probe).
+    pub unready: BTreeSet<String>,
+    /// A replacement cilium pod on these nodes first pulls its image this long (Pending, its
+    /// container waiting in `ContainerCreating`, as the kubelet reports a pull).
+    pub pull: BTreeMap<String, Duration>,
     /// Restarts in flight per node.
     restarting: BTreeMap<String, usize>,
     /// API errors seen (the kubelet retries on its next pass).
@@ -66,6 +73,7 @@ pub struct KubeletState {
 struct Reported {
     ready: bool,
     restarts: u32,
+    pulling: bool,
 }
 
 pub struct Kubelet {
@@ -124,6 +132,7 @@ struct Loop {
     replaced: BTreeSet<String>,
     reported: BTreeMap<String, Reported>,
     crash_started: BTreeMap<String, Instant>,
+    pull_started: BTreeMap<String, Instant>,
 }
 
 impl Loop {
@@ -182,7 +191,7 @@ impl Loop {
             {
                 continue;
             }
-            let want = self.desired(&uid, &node, cilium);
+            let want = self.desired(&uid, &name, &node, cilium);
             if self.reported.get(&uid) != Some(&want) {
                 if let Err(e) = self.report(&p, &ns, &name, &ip, &want) {
                     first_err.get_or_insert(e);
@@ -199,12 +208,13 @@ impl Loop {
         first_err.map_or(Ok(()), Err)
     }
 
-    fn desired(&mut self, uid: &str, node: &str, cilium: bool) -> Reported {
+    fn desired(&mut self, uid: &str, name: &str, node: &str, cilium: bool) -> Reported {
         let st = self.state.lock().unwrap();
         if !cilium {
             return Reported {
-                ready: true,
+                ready: !st.unready.iter().any(|p| name.starts_with(p.as_str())),
                 restarts: 0,
+                pulling: false,
             };
         }
         if st.crash_loop.contains(node) {
@@ -215,13 +225,36 @@ impl Loop {
             return Reported {
                 ready: false,
                 restarts: 1 + since.elapsed().as_secs() as u32,
+                pulling: false,
             };
+        }
+        // A pull happens once, before the pod first runs: pods already reported are not pulled.
+        let fresh = !self.reported.contains_key(uid) || self.pull_started.contains_key(uid);
+        if let Some(d) = st
+            .pull
+            .get(node)
+            .filter(|_| fresh && self.replaced.contains(uid))
+        {
+            let since = *self
+                .pull_started
+                .entry(uid.to_string())
+                .or_insert_with(Instant::now);
+            if since.elapsed() < *d {
+                return Reported {
+                    ready: false,
+                    restarts: 0,
+                    pulling: true,
+                };
+            }
+            // Pulled: never again for this pod.
+            self.pull_started.remove(uid);
         }
         let back = st.restarting.get(node).copied().unwrap_or(0) == 0;
         let never = st.never_ready.contains(node) && self.replaced.contains(uid);
         Reported {
             ready: back && !never,
             restarts: 0,
+            pulling: false,
         }
     }
 
@@ -235,19 +268,21 @@ impl Loop {
             .unwrap_or_default()
             .iter()
             .map(|c| {
-                let state = if r.restarts > 0 && !r.ready {
+                let state = if r.pulling {
+                    json!({"waiting": {"reason": "ContainerCreating"}})
+                } else if r.restarts > 0 && !r.ready {
                     json!({"waiting": {"reason": "CrashLoopBackOff",
                         "message": format!("back-off restarting failed container {}", c.name)}})
                 } else {
                     json!({"running": {"startedAt": now}})
                 };
                 json!({"name": c.name, "image": c.image, "imageID": "", "ready": r.ready,
-                       "started": r.restarts == 0 || r.ready, "restartCount": r.restarts,
+                       "started": !r.pulling && (r.restarts == 0 || r.ready), "restartCount": r.restarts,
                        "state": state})
             })
             .collect();
         let patch = json!({"status": {
-            "phase": "Running", "hostIP": ip, "hostIPs": [{"ip": ip}],
+            "phase": if r.pulling { "Pending" } else { "Running" }, "hostIP": ip, "hostIPs": [{"ip": ip}],
             "podIP": ip, "podIPs": [{"ip": ip}], "startTime": now,
             "conditions": [
                 {"type": "PodScheduled", "status": "True"},
@@ -359,6 +394,7 @@ impl Kubelet {
                 replaced: BTreeSet::new(),
                 reported: BTreeMap::new(),
                 crash_started: BTreeMap::new(),
+                pull_started: BTreeMap::new(),
             };
             let mut last_err = String::new();
             while !sp.load(Ordering::Relaxed) {

@@ -27,6 +27,7 @@ fn node_name(i: u8) -> String {
 
 const KS: &str = "kube-system";
 const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.18.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+const OPERATOR_IMAGE: &str = "quay.io/cilium/operator-generic:v1.18.2@sha256:fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
 
 /// A template change at the n-th cilium pod deletion (1-based, over the kubelet's life) and
 /// moment; `approve`: the DaemonSet's approval annotation follows it.
@@ -241,6 +242,11 @@ fn env_with(revision_history_limit: Option<i32>) -> Env {
         stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, revision_history_limit),
     )
     .expect("the Cilium DaemonSet");
+    k.create(
+        &k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS),
+        stepguard_lab::kube::cilium_operator(OPERATOR_IMAGE),
+    )
+    .expect("the cilium-operator Deployment");
 
     let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
     let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
@@ -355,9 +361,9 @@ fn env_with(revision_history_limit: Option<i32>) -> Env {
     );
     let first = current_revision(&e.k).0;
     wait_until(
-        "the controller's pods Ready on every node",
+        "the controller's pods Ready on every node, the operator Ready",
         Duration::from_secs(60),
-        || all_on(&e, &first) && agents_running(&e) == 3,
+        || all_on(&e, &first) && agents_running(&e) == 3 && operator_ready(&e) == 2,
         || format!("{:?}", cilium_pods(&e)),
     );
     bump(&e, false);
@@ -426,6 +432,17 @@ fn bound(e: &Env, name: &str) -> bool {
         .unwrap()
         .and_then(|p| p.spec?.node_name)
         .is_some()
+}
+
+/// The cilium-operator Deployment's Ready replicas, as its controller reports them.
+fn operator_ready(e: &Env) -> i32 {
+    e.k.block(
+        e.k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS)
+            .get("cilium-operator"),
+    )
+    .ok()
+    .and_then(|d| d.status?.ready_replicas)
+    .unwrap_or(0)
 }
 
 fn agents_running(e: &Env) -> usize {
@@ -842,7 +859,15 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
     assert_eq!(code, 0, "{out}");
     each_node_once_every_verdict_read(&e, 0, &ev, &target, &out);
     assert!(out.contains("3 nodes stepped and verified"), "{out}");
-    assert!(lock(&e).is_none(), "the lock is released: {:?}", lock(&e));
+    assert_eq!(
+        lock(&e).map(|l| l["spec"]["holderIdentity"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()),
+        Some(String::new()),
+        "the lock is released, its history kept: {:?}",
+        lock(&e)
+    );
 
     // An approved revision change mid-rollout: the node already stepped to the superseded
     // revision is stepped again.
@@ -1383,5 +1408,600 @@ fn a_replacement_that_never_turns_ready_halts_the_rollout_there() {
         },
         || format!("{:?}", crash()),
     );
+    assert_rbac_sufficed(&e);
+}
+
+/// The DaemonSet's status as its controller last wrote it.
+fn ds_status(e: &Env) -> k8s_openapi::api::apps::v1::DaemonSetStatus {
+    e.k.block(e.k.ns::<DaemonSet>(KS).get("cilium"))
+        .unwrap()
+        .status
+        .unwrap_or_default()
+}
+
+/// A pod the DaemonSet's selector matches but another controller owns (a ConfigMap stands in
+/// for it: the garbage collector keeps a pod whose owner exists), bound to `node`.
+fn foreign_pod(e: &Env, node: &str) -> String {
+    let cm =
+        e.k.create(
+            &e.k.ns::<k8s_openapi::api::core::v1::ConfigMap>(KS),
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "foreign-owner", "namespace": KS}}),
+        )
+        .expect("the foreign pod's owner");
+    let name = "cilium-foreign".to_string();
+    e.k.create(
+        &e.k.ns::<Pod>(KS),
+        json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": KS,
+               "labels": {"k8s-app": "cilium", "controller-revision-hash": "foreign"},
+               "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "foreign-owner",
+                                    "uid": cm.metadata.uid.unwrap(), "controller": true}]},
+           "spec": {"nodeName": node, "hostNetwork": true, "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "cilium-agent", "image": CILIUM_IMAGE}],
+                    "tolerations": [{"operator": "Exists"}]}}),
+    )
+    .expect("the foreign pod");
+    name
+}
+
+#[test]
+fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
+    let e = env();
+    let kubelet = e.kubelet.as_ref().unwrap();
+    // A pod the selector matches that the DaemonSet does not own is never planned.
+    let foreign = foreign_pod(&e, &node_name(0));
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("3 of 3 nodes to step")
+            && out.contains(&format!(
+                "pod {foreign} matches the DaemonSet's selector but is not its own"
+            )),
+        "{out}"
+    );
+
+    // Another node's cilium pod crash-looping, the operator not Ready, a cilium pod Pending
+    // and unbound (the scheduler frozen when node-2's pod was deleted), so the controller
+    // counts pods unavailable.
+    kubelet
+        .state
+        .lock()
+        .unwrap()
+        .crash_loop
+        .insert(node_name(1));
+    kubelet
+        .state
+        .lock()
+        .unwrap()
+        .unready
+        .insert("cilium-operator".into());
+    e.cp.lock().unwrap().pause("kube-scheduler").unwrap();
+    let old2 = cilium_pods(&e)
+        .into_iter()
+        .find(|(n, p)| p.0 == node_name(2) && *n != foreign)
+        .map(|(n, _)| n)
+        .unwrap();
+    e.k.block(
+        e.k.ns::<Pod>(KS)
+            .delete(&old2, &kube::api::DeleteParams::default()),
+    )
+    .unwrap();
+    wait_until(
+        "the faults show in the cluster's status",
+        Duration::from_secs(60),
+        || {
+            let unbound = cilium_pods(&e)
+                .iter()
+                .any(|(n, p)| p.0 == node_name(2) && !p.3 && !bound(&e, n));
+            unbound && ds_status(&e).number_unavailable.unwrap_or(0) >= 2 && operator_ready(&e) == 0
+        },
+        || format!("{:?} {:?}", cilium_pods(&e), ds_status(&e)),
+    );
+    // Then, with the controller frozen: RollingUpdate, and an image two minors ahead.
+    e.cp.lock()
+        .unwrap()
+        .pause("kube-controller-manager")
+        .unwrap();
+    let skip_image = CILIUM_IMAGE.replace("v1.18.2", "v1.20.1");
+    e.k.merge(
+        &e.k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"spec": {"updateStrategy": {"type": "RollingUpdate"},
+                        "template": {"spec": {"containers": [{"name": "cilium-agent", "image": skip_image}]}}}}),
+        false,
+    )
+    .unwrap();
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    let (code_run, out_run) = rollout(&e, &[]);
+    let (_, out_allowed) = rollout(&e, &["--dry-run", "--allow-minor-skip"]);
+    e.k.merge(
+        &e.k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"spec": {"updateStrategy": {"type": "OnDelete"},
+                        "template": {"spec": {"containers": [{"name": "cilium-agent", "image": CILIUM_IMAGE}]}}}}),
+        false,
+    )
+    .unwrap();
+    e.cp.lock()
+        .unwrap()
+        .resume("kube-controller-manager")
+        .unwrap();
+    e.cp.lock().unwrap().resume("kube-scheduler").unwrap();
+    assert_eq!(code, 2, "{out}");
+    let order = [
+        "updateStrategy is RollingUpdate",
+        "status is stale",
+        "Cilium 1.20 is more than one minor version from 1.18",
+        &format!(
+            "on node {} is crash-looping (CrashLoopBackOff",
+            node_name(1)
+        ),
+        &format!(
+            "(for node {}) is Pending, not bound to a node",
+            node_name(2)
+        ),
+        "unavailable pods (status.numberUnavailable)",
+        "cilium-operator kube-system/cilium-operator is not Ready: 0 of 2 replicas Ready",
+    ];
+    let at: Vec<usize> = order
+        .iter()
+        .map(|s| out.find(s).unwrap_or_else(|| panic!("{s:?} in:\n{out}")))
+        .collect();
+    assert!(at.windows(2).all(|w| w[0] < w[1]), "in order: {out}");
+    assert_eq!(code_run, 2, "{out_run}");
+    assert!(out_run.contains("refusing to start"), "{out_run}");
+    assert!(
+        !out_allowed.contains("more than one minor version")
+            && out_allowed.contains("crash-looping"),
+        "--allow-minor-skip lifts that refusal alone: {out_allowed}"
+    );
+
+    // Healthy again: the plan goes.
+    {
+        let mut st = kubelet.state.lock().unwrap();
+        st.crash_loop.clear();
+        st.unready.clear();
+    }
+    e.k.block(
+        e.k.ns::<Pod>(KS)
+            .delete(&foreign, &kube::api::DeleteParams::default()),
+    )
+    .unwrap();
+    wait_until(
+        "healthy again",
+        Duration::from_secs(60),
+        || {
+            observed(&e.k)
+                && operator_ready(&e) == 2
+                && ds_status(&e).number_unavailable.unwrap_or(0) == 0
+                && cilium_pods(&e).values().filter(|p| p.2 && !p.3).count() == 3
+        },
+        || format!("{:?} {:?}", cilium_pods(&e), ds_status(&e)),
+    );
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        deletions(&e).len(),
+        2,
+        "only the test's own deletes (node-2's pod, the foreign pod): nothing was stepped while refused"
+    );
+    assert_rbac_sufficed(&e);
+}
+
+/// The lock holder's identity, if any.
+fn lock_holder(e: &Env) -> String {
+    lock(e)
+        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+fn signal(s: &Stepper, sig: i32) {
+    assert_eq!(
+        unsafe { libc::kill(s.child.id() as i32, sig) },
+        0,
+        "signal the stepper"
+    );
+}
+
+/// The shared library that shifts a process's clock (Debian's faketime package).
+const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+#[test]
+fn the_lock_is_held_and_taken_over_as_client_go_does() {
+    let e = env();
+    let hook = webhook::Webhook::start(&e.run_dir);
+    e.k.create(
+        &e.k.all::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>(),
+        hook.configuration("StepguardStepBegun"),
+    )
+    .expect("the webhook configuration");
+
+    eprintln!("test: the API server paused (SIGSTOP) across renewals, within the renew deadline");
+    // A 9 s lock: renewed every 1.2 s, lost after 6 s without a renewal. Paused 2 s.
+    let target = current_revision(&e.k).0;
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    let mut s = Stepper::spawn(&e, "apiserver-paused", &["--lock-duration", "9s"]);
+    wait_until(
+        "the first pod deleted",
+        Duration::from_secs(60),
+        || deletions(&e).len() > from,
+        || s.output(),
+    );
+    e.cp.lock().unwrap().pause("kube-apiserver").unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    e.cp.lock().unwrap().resume("kube-apiserver").unwrap();
+    let code = exit_code(&mut s, Duration::from_secs(120));
+    assert_eq!(code, 0, "{}", s.output());
+    each_node_once_every_verdict_read(&e, from, &ev, &target, &s.output());
+
+    eprintln!("test: the API server paused beyond the renew deadline");
+    // A 3 s lock: lost 2 s after the last renewal. Paused 5 s: the stepper gives the lock up
+    // while the API server is away and touches nothing once it is back.
+    let rev = bump(&e, false);
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    let mut s = Stepper::spawn(&e, "apiserver-paused-long", &[]);
+    wait_until(
+        "the first pod deleted",
+        Duration::from_secs(60),
+        || deletions(&e).len() > from,
+        || s.output(),
+    );
+    e.cp.lock().unwrap().pause("kube-apiserver").unwrap();
+    std::thread::sleep(Duration::from_secs(5));
+    let gone_while_paused = s.running();
+    e.cp.lock().unwrap().resume("kube-apiserver").unwrap();
+    let code = exit_code(&mut s, Duration::from_secs(60));
+    assert_eq!(code, 2, "{}", s.output());
+    assert!(
+        s.output().contains("the rollout lock was lost"),
+        "{}",
+        s.output()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        deletions_since(&e, from).len(),
+        1,
+        "nothing more touched (still running when the API server came back: {gone_while_paused}): {}",
+        s.output()
+    );
+    let interrupted = deletions_since(&e, from)[0].clone();
+    the_next_run_finishes(&e, &interrupted, from, &ev, &rev, "API server paused");
+
+    eprintln!("test: a second stepper whose clock is ten minutes ahead");
+    // Judged by the holder's renewTime against its own clock, the lock would look expired to
+    // it; observed as client-go does (a record that changes is alive) it is not.
+    let rev = bump(&e, false);
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    let mut a = Stepper::spawn(&e, "holder", &[]);
+    wait_until(
+        "the first stepper holds the lock and stepped a node",
+        Duration::from_secs(60),
+        || !lock_holder(&e).is_empty() && deletions(&e).len() > from,
+        || a.output(),
+    );
+    let mut cmd = rollout_cmd(&e, &[]);
+    cmd.env("LD_PRELOAD", FAKETIME_LIB)
+        .env("FAKETIME", "+10m")
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    let out = cmd.output().expect("the skewed stepper");
+    let skewed =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{skewed}");
+    assert!(
+        skewed.contains("another rollout holds the lock"),
+        "{skewed}"
+    );
+    let code = exit_code(&mut a, Duration::from_secs(120));
+    assert_eq!(
+        code,
+        0,
+        "the holder was not disturbed: {}\n{skewed}",
+        a.output()
+    );
+    each_node_once_every_verdict_read(&e, from, &ev, &rev, &a.output());
+
+    eprintln!("test: a stepper paused before its delete, its lock taken over meanwhile");
+    // The first stepper stops (SIGSTOP) right before it deletes its first pod (its
+    // StepguardStepBegun Event held by the webhook); a second one sees the lock unchanged for
+    // a lease duration, takes it over and finishes the rollout. The first, resumed, finds the
+    // lock no longer its own right before the delete and stops.
+    let rev = bump(&e, false);
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    hook.hold.lock().unwrap().next = Some(("StepguardStepBegun".into(), Duration::from_secs(3)));
+    let mut a = Stepper::spawn(&e, "paused-stepper", &[]);
+    wait_until(
+        "the first stepper is about to delete",
+        Duration::from_secs(60),
+        || hook.hold.lock().unwrap().holding,
+        || a.output(),
+    );
+    signal(&a, libc::SIGSTOP);
+    let a_id = lock_holder(&e);
+    let mut b = Stepper::spawn(&e, "taker", &[]);
+    wait_until(
+        "the second stepper takes the lock over",
+        Duration::from_secs(30),
+        || {
+            let h = lock_holder(&e);
+            !h.is_empty() && h != a_id
+        },
+        || b.output(),
+    );
+    signal(&a, libc::SIGCONT);
+    let code_a = exit_code(&mut a, Duration::from_secs(60));
+    let code_b = exit_code(&mut b, Duration::from_secs(120));
+    assert_eq!(code_a, 2, "{}", a.output());
+    assert!(
+        a.output().contains("the rollout lock was lost"),
+        "{}",
+        a.output()
+    );
+    assert_eq!(code_b, 0, "{}", b.output());
+    assert!(
+        b.output().contains("taking it over")
+            && b.output().contains("resuming the rollout interrupted"),
+        "{}",
+        b.output()
+    );
+    each_node_once_every_verdict_read(
+        &e,
+        from,
+        &ev,
+        &rev,
+        &format!("{}\n{}", a.output(), b.output()),
+    );
+    assert_rbac_sufficed(&e);
+}
+
+/// The stepper's `--status` output.
+fn status(e: &Env) -> String {
+    let (code, out) = rollout(e, &["--status"]);
+    assert_eq!(code, 0, "{out}");
+    out
+}
+
+#[test]
+fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
+    let e = env();
+    let mut watch = Stepper::watch(&e, "watch-git");
+    // The revision the environment made is not approved: the watch waits, says so in a line
+    // and, once, in an Event.
+    let waiting = current_revision(&e.k).0;
+    wait_until(
+        "the watch tells that it waits for an approval",
+        Duration::from_secs(20),
+        || {
+            all_events(&e).iter().any(|(_, r, m)| {
+                r == "StepguardApprovalAwaited" && m.contains(&format!("revision {waiting}"))
+            })
+        },
+        || watch.output(),
+    );
+    assert!(
+        watch
+            .output()
+            .contains(&format!("revision {waiting} is not approved")),
+        "{}",
+        watch.output()
+    );
+
+    // One commit: the new image, the chart's config checksum on the template, and the
+    // approval naming both (before the revision exists).
+    let image = CILIUM_IMAGE.replace("v1.18.2", "v1.18.3");
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    e.k.merge(
+        &e.k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"metadata": {"annotations": {
+                   "stepguard.io/approve-image": image, "stepguard.io/approve-config-checksum": "c2"}},
+               "spec": {"template": {
+                   "metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c2"}},
+                   "spec": {"containers": [{"name": "cilium-agent", "image": image}]}}}}),
+        false,
+    )
+    .unwrap();
+    wait_until(
+        "the controller observes the template",
+        Duration::from_secs(20),
+        || observed(&e.k),
+        String::new,
+    );
+    let approved = current_revision(&e.k).0;
+    wait_until(
+        "the watch steps every node onto the approved revision",
+        Duration::from_secs(120),
+        || {
+            all_on(&e, &approved)
+                && lock_holder(&e).is_empty()
+                && deletions_since(&e, from).len() >= 3
+        },
+        || watch.output(),
+    );
+    each_node_once_every_verdict_read(&e, from, &ev, &approved, &watch.output());
+
+    // A config-only change (a new checksum, the same image) does not ride that approval.
+    let from = deletions(&e).len();
+    e.k.merge(
+        &e.k.ns::<DaemonSet>(KS),
+        "cilium",
+        json!({"spec": {"template": {"metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c3"}}}}}),
+        false,
+    )
+    .unwrap();
+    wait_until(
+        "the controller observes the template",
+        Duration::from_secs(20),
+        || observed(&e.k),
+        String::new,
+    );
+    let config_only = current_revision(&e.k).0;
+    assert_ne!(config_only, approved);
+    wait_until(
+        "the watch waits for the config-only revision's approval",
+        Duration::from_secs(20),
+        || {
+            all_events(&e).iter().any(|(_, r, m)| {
+                r == "StepguardApprovalAwaited"
+                    && m.contains(&format!("revision {config_only}"))
+                    && m.contains("config checksum is c3")
+            })
+        },
+        || watch.output(),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        deletions_since(&e, from).len(),
+        0,
+        "nothing stepped: {}",
+        watch.output()
+    );
+    watch.kill9();
+
+    // Events expire (kube-apiserver's --event-ttl, one hour by default): with them gone,
+    // `--status` still tells the rollout's story from the lock.
+    e.cp.lock()
+        .unwrap()
+        .kubectl(&["-n", KS, "delete", "events", "--all"])
+        .expect("delete the Events");
+    let out = status(&e);
+    assert!(
+        out.contains("rollout lock stepguard/") && out.contains(": free"),
+        "{out}"
+    );
+    for n in 0..3 {
+        assert!(
+            out.lines().any(|l| l.contains("StepguardStepPassed")
+                && l.contains(&format!("node {}:", node_name(n)))),
+            "node {n}'s step in the history: {out}"
+        );
+    }
+    assert!(
+        out.contains("StepguardRolloutStarted") && out.contains("StepguardRolloutDone"),
+        "{out}"
+    );
+    assert_rbac_sufficed(&e);
+}
+
+#[test]
+fn a_halted_node_is_rolled_back_by_the_runbook() {
+    let e = env();
+    let previous = {
+        // The environment's first revision: the one every node ran before the bump.
+        let pods = cilium_pods(&e);
+        pods.values().next().unwrap().1.clone()
+    };
+    let new = current_revision(&e.k).0;
+    assert_ne!(previous, new);
+    let from = deletions(&e).len();
+    *e.fault_at.lock().unwrap() = Some(from + 2);
+    let (code, out) = rollout(&e, &[]);
+    assert_eq!(code, 1, "{out}");
+    let d = deletions_since(&e, from);
+    let (first, failed) = (d[0].clone(), d[1].clone());
+
+    // `--dry-run` and `--status` show the halt with the failed node's verdict.
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains(&format!("node {failed}'s verdict for step"))
+            && out.contains("fail")
+            && out.contains("map_emptied"),
+        "{out}"
+    );
+    let st = status(&e);
+    assert!(
+        st.contains(&format!("node {failed}'s verdict for step")),
+        "{st}"
+    );
+
+    // The runbook (README, "After a halt"): roll the template back, lift the halt by
+    // retrying the failed node, run the rollout.
+    e.cp.lock()
+        .unwrap()
+        .kubectl(&["-n", KS, "rollout", "undo", "daemonset/cilium"])
+        .expect("kubectl rollout undo");
+    wait_until(
+        "the controller observes the rolled-back template",
+        Duration::from_secs(20),
+        || observed(&e.k) && current_revision(&e.k).0 == previous,
+        || format!("{:?}", current_revision(&e.k)),
+    );
+    let (code, out) = rollout(
+        &e,
+        &[
+            "--retry",
+            &failed,
+            "--reason",
+            "rolled back to the previous revision",
+        ],
+    );
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("2 of 3 nodes to step"), "{out}");
+    let ev = events(&e);
+    let from2 = deletions(&e).len();
+    let (code, out) = rollout(&e, &[]);
+    assert_eq!(code, 0, "{out}");
+    let d = deletions_since(&e, from2);
+    assert_eq!(
+        d.len(),
+        2,
+        "the two nodes on the failed revision: {d:?}\n{out}"
+    );
+    assert_eq!(d[0], failed, "the failed node first: {d:?}\n{out}");
+    assert_eq!(d[1], first, "{d:?}\n{out}");
+    wait_until(
+        "every node on the previous revision",
+        Duration::from_secs(10),
+        || all_on(&e, &previous),
+        || format!("{:?}", cilium_pods(&e)),
+    );
+    let mut passed = event_nodes(&e, &ev, "StepguardStepPassed");
+    passed.sort();
+    let mut want = vec![first, failed];
+    want.sort();
+    assert_eq!(passed, want, "{out}");
+
+    eprintln!("test: slow image pulls");
+    // Every replacement pulls its image for 6 s, longer than the 4 s replace timeout, which
+    // starts once the image is there: the pull is shown and timed, and the rollout passes.
+    let kubelet = e.kubelet.as_ref().unwrap();
+    let rev = bump(&e, false);
+    let (from, ev) = (deletions(&e).len(), events(&e));
+    kubelet.state.lock().unwrap().pull = (0..3)
+        .map(|i| (node_name(i), Duration::from_secs(6)))
+        .collect();
+    let (code, out) = rollout(&e, &["--replace-timeout", "4s"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("replacement: pulling the image (ContainerCreating)"),
+        "{out}"
+    );
+    let pulls: Vec<f64> = out
+        .lines()
+        .filter_map(|l| l.split("replacement Ready: ").nth(1))
+        .filter_map(|l| l.split("pulling ").nth(1)?.split('s').next()?.parse().ok())
+        .collect();
+    assert_eq!(pulls.len(), 3, "each replacement's pull timed: {out}");
+    assert!(
+        pulls.iter().all(|p| (5.0..8.0).contains(p)),
+        "the 6 s pulls measured: {pulls:?}\n{out}"
+    );
+    each_node_once_every_verdict_read(&e, from, &ev, &rev, &out);
+    // A pull past --pull-timeout fails the step, saying so.
+    bump(&e, false);
+    let from = deletions(&e).len();
+    kubelet.state.lock().unwrap().pull = (0..3)
+        .map(|i| (node_name(i), Duration::from_secs(10)))
+        .collect();
+    let (code, out) = rollout(&e, &["--pull-timeout", "2s"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("still being pulled after 2s (--pull-timeout)"),
+        "{out}"
+    );
+    assert_eq!(deletions_since(&e, from).len(), 1, "{out}");
     assert_rbac_sufficed(&e);
 }
