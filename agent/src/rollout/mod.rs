@@ -10,9 +10,11 @@
 //! finishes it first without repeating it; a halt after a failed step, which every later run
 //! respects until a person lifts it; the people's decisions. Transient API failures are
 //! waited out. Kubernetes Events on the DaemonSet tell the story to `kubectl describe`.
+mod lock;
 pub mod machine;
 pub mod plan;
 pub mod record;
+pub mod replacement;
 
 use anyhow::{bail, Context, Result};
 use k8s_openapi::api::apps::v1::{ControllerRevision, DaemonSet};
@@ -22,9 +24,11 @@ use k8s_openapi::api::core::v1::{Event as KEvent, Node, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::Client;
+use lock::{acquire, lock_times, observe, persist, read_lock, release, renew_held, Held};
 use machine::{Event, OldPod, Outcome, Phase, Timeouts};
 use plan::{CiliumPod, ClusterView, L2Lease, NodeInfo, PlanOpts, PlannedStep};
 use record::{Gate, InFlight, Lift, Record};
+use replacement::{stage, Stage, Stages};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -488,18 +492,11 @@ impl Cluster {
         old_uid: &str,
         target: (&str, i64),
     ) -> Result<Option<String>> {
-        let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
-        let uid = ds.metadata.uid.clone().unwrap_or_default();
-        let ready: Vec<String> = pods
-            .items
+        let ready: Vec<String> = self
+            .replacements(ds, sel, node, old_uid)
+            .await?
             .iter()
-            .filter(|p| {
-                owned(p, &uid)
-                    && target_node(p).as_deref() == Some(node)
-                    && p.metadata.uid.as_deref() != Some(old_uid)
-                    && p.metadata.deletion_timestamp.is_none()
-                    && pod_ready(p)
-            })
+            .filter(|p| pod_ready(p))
             .filter_map(pod_revision)
             .collect();
         if let Some(h) = ready.iter().find(|h| *h == target.0) {
@@ -523,19 +520,34 @@ impl Cluster {
         node: &str,
         old_uid: &str,
     ) -> Result<Option<Stage>> {
+        Ok(self
+            .replacements(ds, sel, node, old_uid)
+            .await?
+            .iter()
+            .max_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0))
+            .map(stage))
+    }
+
+    /// The DaemonSet's pods for `node` other than `old_uid`, not being deleted.
+    async fn replacements(
+        &self,
+        ds: &DaemonSet,
+        sel: &str,
+        node: &str,
+        old_uid: &str,
+    ) -> Result<Vec<Pod>> {
         let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
         let uid = ds.metadata.uid.clone().unwrap_or_default();
         Ok(pods
             .items
-            .iter()
+            .into_iter()
             .filter(|p| {
                 owned(p, &uid)
                     && target_node(p).as_deref() == Some(node)
                     && p.metadata.uid.as_deref() != Some(old_uid)
                     && p.metadata.deletion_timestamp.is_none()
             })
-            .max_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0))
-            .map(stage))
+            .collect())
     }
 
     /// The interrupted step's old pod now, and (for a lock written by an older stepper, which
@@ -693,7 +705,7 @@ fn agent_image(spec: Option<&k8s_openapi::api::core::v1::PodSpec>) -> String {
     .unwrap_or_default()
 }
 
-fn pod_ready(p: &Pod) -> bool {
+pub(crate) fn pod_ready(p: &Pod) -> bool {
     p.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
@@ -849,370 +861,6 @@ fn stamp() -> String {
     k8s_openapi::jiff::Timestamp::now().to_string()
 }
 
-/// The lock Lease and the record it carries (a record that cannot be read is an error).
-async fn read_lock(c: &Cluster) -> Result<(Option<Lease>, Record)> {
-    let l = c
-        .leases()
-        .get_opt(&c.lock_name())
-        .await
-        .context("read the rollout lock")?;
-    let rec = match &l {
-        Some(l) => Record::parse(&annotations(&l.metadata)).map_err(|e| {
-            anyhow::anyhow!(
-                "{e}: fix or remove it (`kubectl -n {} edit lease {}`), or `stepguard rollout --abort`",
-                c.args.lock_namespace,
-                c.lock_name()
-            )
-        })?,
-        None => Record::default(),
-    };
-    Ok((l, rec))
-}
-
-/// The lock's timings, as client-go's leader election derives them (its defaults: a 15 s
-/// lease, a 10 s renew deadline, a 2 s retry period): the holder renews every retry period
-/// and gives the lock up once it has not renewed for the renew deadline; a candidate takes
-/// the lock only after it observed the same record for a full lease duration.
-#[derive(Clone, Copy, Debug)]
-struct LockTimes {
-    duration: Duration,
-    renew_deadline: Duration,
-    retry: Duration,
-}
-
-fn lock_times(c: &Cluster) -> LockTimes {
-    let duration = c.args.lock_duration.max(Duration::from_secs(1));
-    LockTimes {
-        duration,
-        renew_deadline: duration * 2 / 3,
-        retry: (duration * 2 / 15).max(Duration::from_millis(100)),
-    }
-}
-
-/// What identifies a lock record: a holder that renews changes it (its renewTime), so an
-/// unchanged record for a lease duration means the holder is gone — judged by the local
-/// monotonic clock, never by comparing the holder's timestamps with ours (client-go,
-/// `tools/leaderelection/leaderelection.go`, `tryAcquireOrRenew` and `isLeaseValid`).
-fn lock_record(l: &Lease) -> (String, Duration) {
-    let spec = l.spec.clone().unwrap_or_default();
-    let raw = serde_json::to_string(&spec).unwrap_or_default();
-    let secs = spec.lease_duration_seconds.unwrap_or(0).max(0) as u64;
-    (raw, Duration::from_secs(secs))
-}
-
-fn holder(l: &Lease) -> String {
-    l.spec
-        .as_ref()
-        .and_then(|s| s.holder_identity.clone())
-        .unwrap_or_default()
-}
-
-/// Watches a lock another stepper holds: `Ok(Ok(lease))` once its record stayed the same for
-/// a full lease duration (its holder is gone; the lease as read, for the takeover), or
-/// `Ok(Err(why))` as soon as it changed (its holder renews it, or let it go).
-async fn observe(c: &Cluster, first: Lease, quiet: bool) -> Result<Result<Lease, String>> {
-    let (raw, dur) = lock_record(&first);
-    let who = holder(&first);
-    if !quiet {
-        eprintln!(
-            "the rollout lock is held by {who}: watching it for up to {}s to see whether its holder still renews it",
-            dur.as_secs()
-        );
-    }
-    let t0 = Instant::now();
-    let retry = lock_times(c).retry;
-    loop {
-        if t0.elapsed() >= dur {
-            return Ok(Ok(first));
-        }
-        tokio::time::sleep(retry.min(dur.saturating_sub(t0.elapsed()))).await;
-        let now = patient(
-            "read the rollout lock",
-            Duration::from_secs(30),
-            None,
-            || async { Ok(c.leases().get_opt(&c.lock_name()).await?) },
-        )
-        .await?;
-        match now {
-            None => {
-                return Ok(Err(
-                    "the lock was deleted while watching it: run again".into()
-                ))
-            }
-            Some(l) if lock_record(&l).0 != raw => {
-                let h = holder(&l);
-                return Ok(Err(if h.is_empty() {
-                    format!("{who} released the lock while watching it: run again")
-                } else {
-                    h
-                }));
-            }
-            Some(_) => {}
-        }
-    }
-}
-
-/// Takes the lock when free, or held by a stepper that stopped renewing it (observed for a
-/// lease duration); a live lock of another stepper refuses. `admit` sees the record under the
-/// lock (it may change it, or refuse: a halt recorded meanwhile).
-async fn acquire(
-    c: &Cluster,
-    admit: impl Fn(&mut Record) -> Result<(), String>,
-) -> Result<Result<Record, String>> {
-    let api = c.leases();
-    let name = c.lock_name();
-    let dur = lock_times(c).duration.as_secs().max(1) as i32;
-    let (mut lease, _) = read_lock(c).await?;
-    if let Some(l) = lease.take() {
-        let h = holder(&l);
-        if h.is_empty() || h == c.identity {
-            lease = Some(l);
-        } else {
-            match observe(c, l, false).await? {
-                Ok(stale) => {
-                    tracing::warn!(holder = %h, "the rollout lock was not renewed for a lease duration: taking it over");
-                    eprintln!("{h} did not renew the lock for a lease duration: taking it over");
-                    lease = Some(stale);
-                }
-                Err(live) => {
-                    let (_, rec) = read_lock(c).await?;
-                    let at = rec.inflight.as_ref();
-                    return Ok(Err(format!(
-                        "another rollout holds the lock {}/{name}: {live}, at node {} (step {}); wait for it, or `stepguard rollout --abort` if it is gone",
-                        c.args.lock_namespace,
-                        at.map(|i| i.node.as_str()).unwrap_or("-"),
-                        at.map(|i| i.step.as_str()).unwrap_or("-"),
-                    )));
-                }
-            }
-        }
-    }
-    let mut rec = match &lease {
-        Some(l) => Record::parse(&annotations(&l.metadata)).map_err(|e| {
-            anyhow::anyhow!(
-                "{e}: fix or remove it (`kubectl -n {} edit lease {name}`), or `stepguard rollout --abort`",
-                c.args.lock_namespace
-            )
-        })?,
-        None => Record::default(),
-    };
-    if let Err(why) = admit(&mut rec) {
-        return Ok(Err(why));
-    }
-    let taken_from = lease.as_ref().map(holder).filter(|h| !h.is_empty());
-    let mut l = lease.unwrap_or_else(|| Lease {
-        metadata: ObjectMeta {
-            name: Some(name.clone()),
-            namespace: Some(c.args.lock_namespace.clone()),
-            ..Default::default()
-        },
-        ..Default::default()
-    });
-    let mut ann = annotations(&l.metadata);
-    rec.write(&mut ann);
-    l.metadata.annotations = Some(ann.into_iter().collect());
-    let s = l.spec.get_or_insert_with(Default::default);
-    if taken_from.as_deref() != Some(c.identity.as_str()) {
-        s.lease_transitions = Some(s.lease_transitions.unwrap_or(0) + 1);
-    }
-    s.holder_identity = Some(c.identity.clone());
-    s.lease_duration_seconds = Some(dur);
-    s.acquire_time = Some(micro_now());
-    s.renew_time = Some(micro_now());
-    // The replace carries the resourceVersion read (observed): a stepper that changed the
-    // lock meanwhile makes it fail (409) instead of being overwritten.
-    let r = if l.metadata.resource_version.is_some() {
-        api.replace(&name, &PostParams::default(), &l).await
-    } else {
-        api.create(&PostParams::default(), &l).await
-    };
-    match r {
-        Ok(_) => Ok(Ok(rec)),
-        Err(e) if api_code(&e) == Some(409) => {
-            Ok(Err("another stepper took the lock just now".into()))
-        }
-        Err(e) => Err(e).context("take the rollout lock"),
-    }
-}
-
-enum RenewError {
-    /// Someone else holds the lock: stop touching anything now.
-    NotOurs(String),
-    /// The API server did not take the renewal; the lock holds until the renew deadline.
-    Failed(String),
-}
-
-/// Renews the lock and writes the record as it is at each attempt (a 409 retry never writes
-/// an older copy over a newer one), giving up at `within`: a renewal must not outlive the
-/// lock it renews.
-async fn renew(c: &Cluster, shared: &Mutex<Record>, within: Duration) -> Result<(), RenewError> {
-    match tokio::time::timeout(within.max(Duration::from_millis(100)), renew_now(c, shared)).await {
-        Ok(r) => r,
-        Err(_) => Err(RenewError::Failed(format!(
-            "the API server did not answer the renewal within {:.1}s",
-            within.as_secs_f64()
-        ))),
-    }
-}
-
-async fn renew_now(c: &Cluster, shared: &Mutex<Record>) -> Result<(), RenewError> {
-    let api = c.leases();
-    let name = c.lock_name();
-    for _ in 0..3 {
-        let mut l = api.get(&name).await.map_err(|e| match api_code(&e) {
-            Some(404) => RenewError::NotOurs("the lock was deleted (`--abort`?)".into()),
-            _ => RenewError::Failed(format!("read the lock: {e}")),
-        })?;
-        let h = holder(&l);
-        if h != c.identity {
-            return Err(RenewError::NotOurs(format!(
-                "the lock is held by {}",
-                if h.is_empty() {
-                    "nobody (released by `--abort`?)"
-                } else {
-                    &h
-                }
-            )));
-        }
-        let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut ann = annotations(&l.metadata);
-        rec.write(&mut ann);
-        l.metadata.annotations = Some(ann.into_iter().collect());
-        l.spec.get_or_insert_with(Default::default).renew_time = Some(micro_now());
-        match api.replace(&name, &PostParams::default(), &l).await {
-            Ok(_) => return Ok(()),
-            Err(e) if api_code(&e) == Some(409) => continue,
-            Err(e) => return Err(RenewError::Failed(format!("renew the lock: {e}"))),
-        }
-    }
-    Err(RenewError::Failed(
-        "the lock kept changing under us (409 three times)".into(),
-    ))
-}
-
-/// The lock's standing, shared by the renewer and the steps: lost for good, or held as of
-/// the start of the last renewal that succeeded.
-struct Held {
-    lost: AtomicBool,
-    last_ok: Mutex<Instant>,
-}
-
-impl Held {
-    fn new() -> Held {
-        Held {
-            lost: AtomicBool::new(false),
-            last_ok: Mutex::new(Instant::now()),
-        }
-    }
-    fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::SeqCst)
-    }
-}
-
-/// One renewal attempt within what is left of the renew deadline; on success the lock is
-/// held as of the attempt's start (the write took effect after that), on a lock no longer
-/// ours, or the deadline passed, it is lost.
-async fn renew_held(c: &Cluster, shared: &Mutex<Record>, held: &Held) -> bool {
-    if held.is_lost() {
-        return false;
-    }
-    let t = lock_times(c);
-    let started = Instant::now();
-    let last = *held.last_ok.lock().unwrap_or_else(|e| e.into_inner());
-    let left = t.renew_deadline.saturating_sub(last.elapsed());
-    match renew(c, shared, left).await {
-        Ok(()) => {
-            *held.last_ok.lock().unwrap_or_else(|e| e.into_inner()) = started;
-            true
-        }
-        Err(RenewError::NotOurs(e)) => {
-            tracing::error!(error = %e, "the rollout lock was lost");
-            eprintln!("the rollout lock was lost: {e}");
-            held.lost.store(true, Ordering::SeqCst);
-            false
-        }
-        Err(RenewError::Failed(e)) => {
-            if last.elapsed() >= t.renew_deadline {
-                tracing::error!(error = %e, "the rollout lock was not renewed within its renew deadline: taken as lost");
-                eprintln!(
-                    "the rollout lock was lost: not renewed within {:.1}s ({e})",
-                    t.renew_deadline.as_secs_f64()
-                );
-                held.lost.store(true, Ordering::SeqCst);
-            } else {
-                tracing::warn!(error = %e, "renewing the rollout lock; retrying");
-            }
-            false
-        }
-    }
-}
-
-/// Writes the record now (renewing the lock), retrying every retry period until it is
-/// written or the lock is lost. Also the check right before a pod is deleted: the lock was
-/// renewed just now, not only some renew period ago.
-async fn persist(c: &Cluster, shared: &Mutex<Record>, held: &Held) -> bool {
-    loop {
-        if renew_held(c, shared, held).await {
-            return true;
-        }
-        if held.is_lost() {
-            return false;
-        }
-        tokio::time::sleep(lock_times(c).retry).await;
-    }
-}
-
-/// Gives the lock up, leaving the record for the next run (the Lease is deleted when there is
-/// nothing to leave), as client-go releases: an update of the Lease as last read (its
-/// resourceVersion the precondition) with no holder and a one-second duration, or a delete
-/// with that resourceVersion; a lock that is no longer ours is not touched.
-async fn release(c: &Cluster, rec: &Record) {
-    let api = c.leases();
-    let name = c.lock_name();
-    for attempt in 0..10 {
-        if attempt > 0 {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        let mut l = match api.get(&name).await {
-            Ok(l) => l,
-            Err(e) if api_code(&e) == Some(404) => return,
-            Err(_) => continue,
-        };
-        if holder(&l) != c.identity {
-            return;
-        }
-        let r = if rec.is_empty() {
-            let dp = DeleteParams {
-                preconditions: Some(Preconditions {
-                    uid: None,
-                    resource_version: l.metadata.resource_version.clone(),
-                }),
-                ..Default::default()
-            };
-            api.delete(&name, &dp).await.map(|_| ())
-        } else {
-            let mut ann = annotations(&l.metadata);
-            rec.write(&mut ann);
-            l.metadata.annotations = Some(ann.into_iter().collect());
-            let s = l.spec.get_or_insert_with(Default::default);
-            s.holder_identity = None;
-            s.lease_duration_seconds = Some(1);
-            s.renew_time = Some(micro_now());
-            api.replace(&name, &PostParams::default(), &l)
-                .await
-                .map(|_| ())
-        };
-        match r {
-            Ok(()) => return,
-            Err(e) if api_code(&e) == Some(404) => return,
-            // Changed since read: read again (and leave it if it is no longer ours).
-            Err(e) if api_code(&e) == Some(409) => continue,
-            Err(e) => tracing::warn!(error = %e, "releasing the rollout lock; retrying"),
-        }
-    }
-    tracing::error!("could not release the rollout lock: it expires by itself");
-}
-
 /// One node's result, for the summary.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct NodeResult {
@@ -1223,102 +871,6 @@ pub struct NodeResult {
     pub elapsed_s: f64,
     /// The replacement pod's stages as seen, each with how long it lasted (seconds).
     pub replacement: Vec<(String, f64)>,
-}
-
-/// Where a replacement cilium pod is on its way to Ready, as its status shows.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Stage {
-    /// Created, not bound to the node yet (the scheduler).
-    Unbound,
-    /// Bound; its containers being created: the image pulled (the kubelet reports
-    /// `ContainerCreating` while it pulls, then `ErrImagePull`/`ImagePullBackOff` when a pull
-    /// fails).
-    Pulling(String),
-    /// Its init containers running: `done` of `of` finished.
-    Initializing {
-        done: usize,
-        of: usize,
-    },
-    /// Its containers running, not Ready (the agent starting, or failing its probes).
-    Running,
-    Ready,
-}
-
-impl Stage {
-    fn label(&self) -> String {
-        match self {
-            Stage::Unbound => "Pending, not bound".into(),
-            Stage::Pulling(r) => format!("pulling the image ({r})"),
-            Stage::Initializing { done, of } => format!("init containers ({done} of {of} done)"),
-            Stage::Running => "running, not Ready".into(),
-            Stage::Ready => "Ready".into(),
-        }
-    }
-    /// The stage's name in the timing summary.
-    fn kind(&self) -> &'static str {
-        match self {
-            Stage::Unbound => "Pending",
-            Stage::Pulling(_) => "pulling",
-            Stage::Initializing { .. } => "init containers",
-            Stage::Running => "running until Ready",
-            Stage::Ready => "Ready",
-        }
-    }
-}
-
-/// The stage of a replacement pod from its status.
-pub fn stage(p: &Pod) -> Stage {
-    if pod_ready(p) {
-        return Stage::Ready;
-    }
-    let bound = p
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .is_some_and(|n| !n.is_empty());
-    if !bound {
-        return Stage::Unbound;
-    }
-    let st = p.status.clone().unwrap_or_default();
-    let waiting = |c: &k8s_openapi::api::core::v1::ContainerStatus| {
-        c.state
-            .as_ref()
-            .and_then(|s| s.waiting.as_ref())
-            .and_then(|w| w.reason.clone())
-    };
-    let pulling = |r: &str| matches!(r, "ContainerCreating" | "ErrImagePull" | "ImagePullBackOff");
-    let inits = st.init_container_statuses.clone().unwrap_or_default();
-    let of = p
-        .spec
-        .as_ref()
-        .and_then(|s| s.init_containers.as_ref())
-        .map_or(0, |v| v.len());
-    let done = inits
-        .iter()
-        .filter(|c| {
-            c.state
-                .as_ref()
-                .and_then(|s| s.terminated.as_ref())
-                .is_some_and(|t| t.exit_code == 0)
-        })
-        .count();
-    if let Some(r) = inits
-        .iter()
-        .filter_map(waiting)
-        .chain(st.container_statuses.iter().flatten().filter_map(waiting))
-        .find(|r| pulling(r))
-    {
-        return Stage::Pulling(r);
-    }
-    if done < of {
-        return Stage::Initializing { done, of };
-    }
-    if st.container_statuses.as_ref().is_none_or(|c| c.is_empty())
-        && st.phase.as_deref() == Some("Pending")
-    {
-        return Stage::Pulling("ContainerCreating".into());
-    }
-    Stage::Running
 }
 
 /// Runs `stepguard rollout`; the exit code.
@@ -2209,59 +1761,6 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     Ok(code)
 }
 
-/// The stages a replacement went through, each with when it began (unix seconds).
-#[derive(Default)]
-struct Stages(Vec<(Stage, f64)>);
-
-impl Stages {
-    /// Records the stage seen now; true when it is a new one.
-    fn enter(&mut self, s: &Stage, now: f64) -> bool {
-        if self.0.last().is_some_and(|(l, _)| l == s) {
-            return false;
-        }
-        self.0.push((s.clone(), now));
-        true
-    }
-    /// When the current pull began (the first of a run of pulling stages).
-    fn pulling_since(&self) -> Option<f64> {
-        let mut since = None;
-        for (s, t) in &self.0 {
-            match s {
-                Stage::Pulling(_) => {
-                    since.get_or_insert(*t);
-                }
-                _ => since = None,
-            }
-        }
-        since
-    }
-    /// Each stage kind and how long it lasted, in order (Ready last, with no duration).
-    fn durations(&self) -> Vec<(String, f64)> {
-        let mut out: Vec<(String, f64)> = Vec::new();
-        for (i, (s, t)) in self.0.iter().enumerate() {
-            let end = self.0.get(i + 1).map(|(_, e)| *e).unwrap_or(*t);
-            match out.last_mut() {
-                Some((k, d)) if k == s.kind() => *d += end - t,
-                _ => out.push((s.kind().to_string(), end - t)),
-            }
-        }
-        out
-    }
-    fn summary(&self) -> String {
-        let parts: Vec<String> = self
-            .durations()
-            .iter()
-            .filter(|(k, _)| k != "Ready")
-            .map(|(k, d)| format!("{k} {d:.1}s"))
-            .collect();
-        if parts.is_empty() {
-            "at once".into()
-        } else {
-            parts.join(", ")
-        }
-    }
-}
-
 /// A rollout waiting out something (a transient failure, a plan that refuses to go on): each
 /// new reason told once, the pause growing from 0.5 s to 15 s.
 #[derive(Default)]
@@ -2754,48 +2253,6 @@ mod tests {
         let mut d = ds(img, None, json!({ ANN_APPROVE_IMAGE: img }));
         d.metadata.generation = Some(5);
         assert_eq!(approval(&d, "h8"), None);
-    }
-
-    #[test]
-    fn a_replacement_is_seen_through_its_stages() {
-        let pod = |v: Value| -> Pod { serde_json::from_value(v).unwrap() };
-        let spec = json!({"nodeName": "n1", "initContainers": [{"name": "mount-bpf-fs"}, {"name": "clean-cilium-state"}],
-                          "containers": [{"name": "cilium-agent"}]});
-        assert_eq!(
-            stage(&pod(json!({"spec": {"containers": []}}))),
-            Stage::Unbound
-        );
-        let pulling = pod(json!({"spec": spec, "status": {"phase": "Pending",
-            "initContainerStatuses": [{"name": "mount-bpf-fs", "image": "", "imageID": "", "ready": false, "restartCount": 0,
-                "state": {"waiting": {"reason": "ErrImagePull"}}}]}}));
-        assert_eq!(stage(&pulling), Stage::Pulling("ErrImagePull".into()));
-        let init = pod(json!({"spec": spec, "status": {"phase": "Pending",
-            "initContainerStatuses": [
-                {"name": "mount-bpf-fs", "image": "", "imageID": "", "ready": false, "restartCount": 0,
-                 "state": {"terminated": {"exitCode": 0}}},
-                {"name": "clean-cilium-state", "image": "", "imageID": "", "ready": false, "restartCount": 0,
-                 "state": {"running": {}}}]}}));
-        assert_eq!(stage(&init), Stage::Initializing { done: 1, of: 2 });
-        let running = pod(
-            json!({"spec": {"nodeName": "n1", "containers": [{"name": "cilium-agent"}]},
-            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
-                "containerStatuses": [{"name": "cilium-agent", "image": "", "imageID": "", "ready": false,
-                    "restartCount": 0, "state": {"running": {}}}]}}),
-        );
-        assert_eq!(stage(&running), Stage::Running);
-        let mut st = Stages::default();
-        assert!(st.enter(&Stage::Unbound, 0.0));
-        assert!(st.enter(&Stage::Pulling("ContainerCreating".into()), 1.0));
-        assert!(st.enter(&Stage::Pulling("ErrImagePull".into()), 4.0));
-        assert!(!st.enter(&Stage::Pulling("ErrImagePull".into()), 5.0));
-        assert_eq!(st.pulling_since(), Some(1.0));
-        assert!(st.enter(&Stage::Running, 9.0));
-        assert_eq!(st.pulling_since(), None);
-        assert!(st.enter(&Stage::Ready, 10.5));
-        assert_eq!(
-            st.summary(),
-            "Pending 1.0s, pulling 8.0s, running until Ready 1.5s"
-        );
     }
 
     #[test]

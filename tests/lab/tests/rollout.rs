@@ -125,23 +125,27 @@ fn observed(k: &Kube) -> bool {
     ds.status.and_then(|s| s.observed_generation) == ds.metadata.generation
 }
 
-/// Sets the template's bump annotation (a new template, or back to an old one); returns the
-/// revision the controller made or reused for it, once observed.
-fn set_template(k: &Kube, bump: u32, approve: bool) -> String {
-    k.merge(
-        &k.ns::<DaemonSet>(KS),
-        "cilium",
-        json!({"spec": {"template": {"metadata": {"annotations": {"stepguard.test/bump": bump.to_string()}}}}}),
-        false,
-    )
-    .expect("change the template");
+/// Merges `patch` into the DaemonSet; the current revision's hash once the controller
+/// observed it.
+fn patch_daemonset(k: &Kube, patch: Value) -> String {
+    k.merge(&k.ns::<DaemonSet>(KS), "cilium", patch, false)
+        .expect("change the DaemonSet");
     wait_until(
         "the controller observes the template",
         Duration::from_secs(20),
         || observed(k),
         String::new,
     );
-    let (hash, _) = current_revision(k);
+    current_revision(k).0
+}
+
+/// Sets the template's bump annotation (a new template, or back to an old one); returns the
+/// revision the controller made or reused for it, once observed.
+fn set_template(k: &Kube, bump: u32, approve: bool) -> String {
+    let hash = patch_daemonset(
+        k,
+        json!({"spec": {"template": {"metadata": {"annotations": {"stepguard.test/bump": bump.to_string()}}}}}),
+    );
     if approve {
         approve_revision(k, &hash);
     }
@@ -455,10 +459,15 @@ fn agents_running(e: &Env) -> usize {
 }
 
 fn rollout_cmd(e: &Env, extra: &[&str]) -> Command {
+    // `STEPGUARD_ROLLOUT_BIN`: another build's stepper beside this build's agents (to show a
+    // test failing against older code).
+    let stepper = std::env::var_os("STEPGUARD_ROLLOUT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| bin("STEPGUARD_BIN", "stepguard"));
     let mut c = Command::new("nsenter");
     c.arg(format!("--net=/run/netns/{}", e.client_ns))
         .arg("--")
-        .arg(bin("STEPGUARD_BIN", "stepguard"))
+        .arg(stepper)
         .arg("rollout");
     // The test's pace, unless the case sets its own.
     for (flag, value) in [
@@ -1411,6 +1420,15 @@ fn a_replacement_that_never_turns_ready_halts_the_rollout_there() {
     assert_rbac_sufficed(&e);
 }
 
+/// Deletes a kube-system pod as a person would (its grace period).
+fn delete_pod(e: &Env, name: &str) {
+    e.k.block(
+        e.k.ns::<Pod>(KS)
+            .delete(name, &kube::api::DeleteParams::default()),
+    )
+    .unwrap_or_else(|err| panic!("delete pod {name}: {err}"));
+}
+
 /// The DaemonSet's status as its controller last wrote it.
 fn ds_status(e: &Env) -> k8s_openapi::api::apps::v1::DaemonSetStatus {
     e.k.block(e.k.ns::<DaemonSet>(KS).get("cilium"))
@@ -1482,11 +1500,7 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
         .find(|(n, p)| p.0 == node_name(2) && *n != foreign)
         .map(|(n, _)| n)
         .unwrap();
-    e.k.block(
-        e.k.ns::<Pod>(KS)
-            .delete(&old2, &kube::api::DeleteParams::default()),
-    )
-    .unwrap();
+    delete_pod(&e, &old2);
     wait_until(
         "the faults show in the cluster's status",
         Duration::from_secs(60),
@@ -1563,11 +1577,7 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
         st.crash_loop.clear();
         st.unready.clear();
     }
-    e.k.block(
-        e.k.ns::<Pod>(KS)
-            .delete(&foreign, &kube::api::DeleteParams::default()),
-    )
-    .unwrap();
+    delete_pod(&e, &foreign);
     wait_until(
         "healthy again",
         Duration::from_secs(60),
@@ -1608,15 +1618,8 @@ fn signal(s: &Stepper, sig: i32) {
 const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 #[test]
-fn the_lock_is_held_and_taken_over_as_client_go_does() {
+fn the_lock_outlives_a_paused_api_server_only_within_its_renew_deadline() {
     let e = env();
-    let hook = webhook::Webhook::start(&e.run_dir);
-    e.k.create(
-        &e.k.all::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>(),
-        hook.configuration("StepguardStepBegun"),
-    )
-    .expect("the webhook configuration");
-
     eprintln!("test: the API server paused (SIGSTOP) across renewals, within the renew deadline");
     // A 9 s lock: renewed every 1.2 s, lost after 6 s without a renewal. Paused 2 s.
     let target = current_revision(&e.k).0;
@@ -1667,7 +1670,12 @@ fn the_lock_is_held_and_taken_over_as_client_go_does() {
     );
     let interrupted = deletions_since(&e, from)[0].clone();
     the_next_run_finishes(&e, &interrupted, from, &ev, &rev, "API server paused");
+    assert_rbac_sufficed(&e);
+}
 
+#[test]
+fn a_second_stepper_with_a_skewed_clock_does_not_take_a_live_lock() {
+    let e = env();
     eprintln!("test: a second stepper whose clock is ten minutes ahead");
     // Judged by the holder's renewTime against its own clock, the lock would look expired to
     // it; observed as client-go does (a record that changes is alive) it is not.
@@ -1700,7 +1708,18 @@ fn the_lock_is_held_and_taken_over_as_client_go_does() {
         a.output()
     );
     each_node_once_every_verdict_read(&e, from, &ev, &rev, &a.output());
+    assert_rbac_sufficed(&e);
+}
 
+#[test]
+fn a_stepper_paused_before_its_delete_finds_its_lock_taken_over_and_stops() {
+    let e = env();
+    let hook = webhook::Webhook::start(&e.run_dir);
+    e.k.create(
+        &e.k.all::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>(),
+        hook.configuration("StepguardStepBegun"),
+    )
+    .expect("the webhook configuration");
     eprintln!("test: a stepper paused before its delete, its lock taken over meanwhile");
     // The first stepper stops (SIGSTOP) right before it deletes its first pod (its
     // StepguardStepBegun Event held by the webhook); a second one sees the lock unchanged for
@@ -1708,7 +1727,7 @@ fn the_lock_is_held_and_taken_over_as_client_go_does() {
     // lock no longer its own right before the delete and stops.
     let rev = bump(&e, false);
     let (from, ev) = (deletions(&e).len(), events(&e));
-    hook.hold.lock().unwrap().next = Some(("StepguardStepBegun".into(), Duration::from_secs(3)));
+    hook.hold.lock().unwrap().next = Some(("StepguardStepBegun".into(), Duration::from_secs(6)));
     let mut a = Stepper::spawn(&e, "paused-stepper", &[]);
     wait_until(
         "the first stepper is about to delete",
@@ -1718,6 +1737,8 @@ fn the_lock_is_held_and_taken_over_as_client_go_does() {
     );
     signal(&a, libc::SIGSTOP);
     let a_id = lock_holder(&e);
+    // The paused stepper's lock expires (3 s) before the second one starts.
+    std::thread::sleep(Duration::from_millis(3500));
     let mut b = Stepper::spawn(&e, "taker", &[]);
     wait_until(
         "the second stepper takes the lock over",
@@ -1790,24 +1811,14 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
     // approval naming both (before the revision exists).
     let image = CILIUM_IMAGE.replace("v1.18.2", "v1.18.3");
     let (from, ev) = (deletions(&e).len(), events(&e));
-    e.k.merge(
-        &e.k.ns::<DaemonSet>(KS),
-        "cilium",
+    let approved = patch_daemonset(
+        &e.k,
         json!({"metadata": {"annotations": {
                    "stepguard.io/approve-image": image, "stepguard.io/approve-config-checksum": "c2"}},
                "spec": {"template": {
                    "metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c2"}},
                    "spec": {"containers": [{"name": "cilium-agent", "image": image}]}}}}),
-        false,
-    )
-    .unwrap();
-    wait_until(
-        "the controller observes the template",
-        Duration::from_secs(20),
-        || observed(&e.k),
-        String::new,
     );
-    let approved = current_revision(&e.k).0;
     wait_until(
         "the watch steps every node onto the approved revision",
         Duration::from_secs(120),
@@ -1822,20 +1833,10 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
 
     // A config-only change (a new checksum, the same image) does not ride that approval.
     let from = deletions(&e).len();
-    e.k.merge(
-        &e.k.ns::<DaemonSet>(KS),
-        "cilium",
+    let config_only = patch_daemonset(
+        &e.k,
         json!({"spec": {"template": {"metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c3"}}}}}),
-        false,
-    )
-    .unwrap();
-    wait_until(
-        "the controller observes the template",
-        Duration::from_secs(20),
-        || observed(&e.k),
-        String::new,
     );
-    let config_only = current_revision(&e.k).0;
     assert_ne!(config_only, approved);
     wait_until(
         "the watch waits for the config-only revision's approval",
