@@ -970,15 +970,22 @@ enum KillAt {
     ReadyBeforeVerdict,
 }
 
-#[test]
-fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice() {
-    let e = env();
+/// The admission webhook that can hold the stepper's StepguardStepBegun Event (the moment
+/// right before its delete), registered with the API server.
+fn begun_webhook(e: &Env) -> webhook::Webhook {
     let hook = webhook::Webhook::start(&e.run_dir);
     e.k.create(
         &e.k.all::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>(),
         hook.configuration("StepguardStepBegun"),
     )
     .expect("the webhook configuration");
+    hook
+}
+
+#[test]
+fn a_stepper_killed_in_any_phase_finishes_that_node_first_and_steps_none_twice() {
+    let e = env();
+    let hook = begun_webhook(&e);
     for at in [
         KillAt::BeforeDelete,
         KillAt::Terminating,
@@ -1599,6 +1606,19 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
     assert_rbac_sufficed(&e);
 }
 
+/// A stepper in the background, once it holds the lock and deleted a pod (deletions past
+/// `from`).
+fn stepping(e: &Env, name: &str, extra: &[&str], from: usize) -> Stepper {
+    let s = Stepper::spawn(e, name, extra);
+    wait_until(
+        "the stepper holds the lock and deleted its first pod",
+        Duration::from_secs(60),
+        || !lock_holder(e).is_empty() && deletions(e).len() > from,
+        || s.output(),
+    );
+    s
+}
+
 /// The lock holder's identity, if any.
 fn lock_holder(e: &Env) -> String {
     lock(e)
@@ -1624,13 +1644,7 @@ fn the_lock_outlives_a_paused_api_server_only_within_its_renew_deadline() {
     // A 9 s lock: renewed every 1.2 s, lost after 6 s without a renewal. Paused 2 s.
     let target = current_revision(&e.k).0;
     let (from, ev) = (deletions(&e).len(), events(&e));
-    let mut s = Stepper::spawn(&e, "apiserver-paused", &["--lock-duration", "9s"]);
-    wait_until(
-        "the first pod deleted",
-        Duration::from_secs(60),
-        || deletions(&e).len() > from,
-        || s.output(),
-    );
+    let mut s = stepping(&e, "apiserver-paused", &["--lock-duration", "9s"], from);
     e.cp.lock().unwrap().pause("kube-apiserver").unwrap();
     std::thread::sleep(Duration::from_secs(2));
     e.cp.lock().unwrap().resume("kube-apiserver").unwrap();
@@ -1643,13 +1657,7 @@ fn the_lock_outlives_a_paused_api_server_only_within_its_renew_deadline() {
     // while the API server is away and touches nothing once it is back.
     let rev = bump(&e, false);
     let (from, ev) = (deletions(&e).len(), events(&e));
-    let mut s = Stepper::spawn(&e, "apiserver-paused-long", &[]);
-    wait_until(
-        "the first pod deleted",
-        Duration::from_secs(60),
-        || deletions(&e).len() > from,
-        || s.output(),
-    );
+    let mut s = stepping(&e, "apiserver-paused-long", &[], from);
     e.cp.lock().unwrap().pause("kube-apiserver").unwrap();
     std::thread::sleep(Duration::from_secs(5));
     let gone_while_paused = s.running();
@@ -1681,13 +1689,7 @@ fn a_second_stepper_with_a_skewed_clock_does_not_take_a_live_lock() {
     // it; observed as client-go does (a record that changes is alive) it is not.
     let rev = bump(&e, false);
     let (from, ev) = (deletions(&e).len(), events(&e));
-    let mut a = Stepper::spawn(&e, "holder", &[]);
-    wait_until(
-        "the first stepper holds the lock and stepped a node",
-        Duration::from_secs(60),
-        || !lock_holder(&e).is_empty() && deletions(&e).len() > from,
-        || a.output(),
-    );
+    let mut a = stepping(&e, "holder", &[], from);
     let mut cmd = rollout_cmd(&e, &[]);
     cmd.env("LD_PRELOAD", FAKETIME_LIB)
         .env("FAKETIME", "+10m")
@@ -1714,12 +1716,7 @@ fn a_second_stepper_with_a_skewed_clock_does_not_take_a_live_lock() {
 #[test]
 fn a_stepper_paused_before_its_delete_finds_its_lock_taken_over_and_stops() {
     let e = env();
-    let hook = webhook::Webhook::start(&e.run_dir);
-    e.k.create(
-        &e.k.all::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>(),
-        hook.configuration("StepguardStepBegun"),
-    )
-    .expect("the webhook configuration");
+    let hook = begun_webhook(&e);
     eprintln!("test: a stepper paused before its delete, its lock taken over meanwhile");
     // The first stepper stops (SIGSTOP) right before it deletes its first pod (its
     // StepguardStepBegun Event held by the webhook); a second one sees the lock unchanged for
