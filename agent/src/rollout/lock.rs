@@ -74,19 +74,13 @@ pub(super) fn holder(l: &Lease) -> String {
 /// Watches a lock another stepper holds: `Ok(Ok(lease))` once its record stayed the same for
 /// a full lease duration (its holder is gone; the lease as read, for the takeover), or
 /// `Ok(Err(why))` as soon as it changed (its holder renews it, or let it go).
-pub(super) async fn observe(
-    c: &Cluster,
-    first: Lease,
-    quiet: bool,
-) -> Result<Result<Lease, String>> {
+pub(super) async fn observe(c: &Cluster, first: Lease) -> Result<Result<Lease, String>> {
     let (raw, dur) = lock_record(&first);
     let who = holder(&first);
-    if !quiet {
-        eprintln!(
-            "the rollout lock is held by {who}: watching it for up to {}s to see whether its holder still renews it",
-            dur.as_secs()
-        );
-    }
+    eprintln!(
+        "the rollout lock is held by {who}: watching it for up to {}s to see whether its holder still renews it",
+        dur.as_secs()
+    );
     let t0 = Instant::now();
     let retry = lock_times(c).retry;
     loop {
@@ -136,7 +130,7 @@ pub(super) async fn acquire(
         if h.is_empty() || h == c.identity {
             lease = Some(l);
         } else {
-            match observe(c, l, false).await? {
+            match observe(c, l).await? {
                 Ok(stale) => {
                     tracing::warn!(holder = %h, "the rollout lock was not renewed for a lease duration: taking it over");
                     eprintln!("{h} did not renew the lock for a lease duration: taking it over");

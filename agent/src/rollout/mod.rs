@@ -482,8 +482,9 @@ impl Cluster {
         }
     }
 
-    /// A Ready replacement on `node` (a pod other than `old_uid`, not being deleted) on the
-    /// step's revision `target` or a newer one: the revision it carries.
+    /// The replacement on `node` (a pod of the DaemonSet other than `old_uid`, not being
+    /// deleted), from one read: the revision a Ready one carries when that is the step's
+    /// revision `target` or a newer one, and the stage of the newest one.
     async fn replaced(
         &self,
         ds: &DaemonSet,
@@ -491,41 +492,33 @@ impl Cluster {
         node: &str,
         old_uid: &str,
         target: (&str, i64),
-    ) -> Result<Option<String>> {
-        let ready: Vec<String> = self
-            .replacements(ds, sel, node, old_uid)
-            .await?
+    ) -> Result<(Option<String>, Option<Stage>)> {
+        let pods = self.replacements(ds, sel, node, old_uid).await?;
+        let newest = pods
+            .iter()
+            .max_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0))
+            .map(stage);
+        let ready: Vec<String> = pods
             .iter()
             .filter(|p| pod_ready(p))
             .filter_map(pod_revision)
             .collect();
         if let Some(h) = ready.iter().find(|h| *h == target.0) {
-            return Ok(Some(h.clone()));
+            return Ok((Some(h.clone()), Some(Stage::Ready)));
         }
         if ready.is_empty() {
-            return Ok(None);
+            return Ok((None, newest));
         }
         let numbers = self.revisions(ds).await?;
-        Ok(ready
+        let found = ready
             .into_iter()
-            .find(|h| machine::acceptable_revision(h, target, &numbers)))
-    }
-
-    /// The stage of the newest replacement on `node` (a pod of the DaemonSet other than
-    /// `old_uid`, not being deleted), if one exists yet.
-    async fn replacement_stage(
-        &self,
-        ds: &DaemonSet,
-        sel: &str,
-        node: &str,
-        old_uid: &str,
-    ) -> Result<Option<Stage>> {
-        Ok(self
-            .replacements(ds, sel, node, old_uid)
-            .await?
-            .iter()
-            .max_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0))
-            .map(stage))
+            .find(|h| machine::acceptable_revision(h, target, &numbers));
+        let stage = if found.is_some() {
+            Some(Stage::Ready)
+        } else {
+            newest
+        };
+        Ok((found, stage))
     }
 
     /// The DaemonSet's pods for `node` other than `old_uid`, not being deleted.
@@ -1159,7 +1152,7 @@ async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
             );
         } else if !holder.is_empty() {
             // Whether its holder still renews it, observed as client-go does.
-            if let Err(live) = observe(c, lease.clone(), false).await? {
+            if let Err(live) = observe(c, lease.clone()).await? {
                 eprintln!(
                     "a rollout is running ({live}): decide when it has ended, or `--abort` it"
                 );
@@ -1872,9 +1865,7 @@ async fn step_node(
                     let replaced = c
                         .replaced(cx.ds, &sel, &st.node, &st.pod_uid, (&target.0, target.1))
                         .await
-                        .ok()
-                        .flatten()
-                        .is_some();
+                        .is_ok_and(|(found, _)| found.is_some());
                     machine::resume(&i.step, knows, old, replaced, now_s())
                 }
                 Err(e) if lost.load(Ordering::SeqCst) => Phase::Done(Outcome::Stopped {
@@ -2041,20 +2032,11 @@ async fn step_node(
                     }
                 }
                 machine::Action::FindReplacement => {
-                    let found = c
+                    // The replacement's stage, shown and timed as it changes.
+                    let (found, now_stage) = c
                         .replaced(cx.ds, &sel, &st.node, &st.pod_uid, (&target.0, target.1))
                         .await
-                        .ok()
-                        .flatten();
-                    // The replacement's stage, shown and timed as it changes.
-                    let now_stage = match &found {
-                        Some(_) => Some(Stage::Ready),
-                        None => c
-                            .replacement_stage(cx.ds, &sel, &st.node, &st.pod_uid)
-                            .await
-                            .ok()
-                            .flatten(),
-                    };
+                        .unwrap_or((None, None));
                     if let Some(stg) = now_stage {
                         if stages.enter(&stg, now_s()) {
                             let line = if stg == Stage::Ready {
