@@ -21,40 +21,11 @@ impl Agent {
     /// `http://HOST[:PORT]` (default port 9969; https is not supported: the agent serves plain
     /// HTTP on the node). IPv6 literals in brackets: `http://[::1]:9969`.
     pub fn new(url: &str, token: Option<String>) -> Result<Agent> {
-        let uri: hyper::Uri = url
-            .parse()
-            .with_context(|| format!("agent URL {url:?} is not a URL like http://NODE:9969"))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some(other) => bail!(
-                "agent URL {url:?}: scheme {other} is not supported (the agent serves plain http://)"
-            ),
-            None => bail!("agent URL {url:?} must start with http://"),
-        }
-        let host = uri
-            .host()
-            .filter(|h| !h.is_empty())
-            .with_context(|| format!("agent URL {url:?} has no host"))?;
-        if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
-            bail!("agent URL {url:?} carries user info: give http://HOST:PORT (a token goes in --token-file)");
-        }
-        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
-            bail!("agent URL {url:?} must not carry a path or query: give http://NODE:PORT");
-        }
-        let port = uri.port_u16().unwrap_or(9969);
-        let bare = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
-        let authority = if bare.contains(':') {
-            format!("[{bare}]:{port}")
-        } else {
-            format!("{bare}:{port}")
-        };
+        let u = crate::wire::AgentUrl::parse(url)?;
         Ok(Agent {
-            host: bare,
-            port,
-            authority,
+            host: u.host,
+            port: u.port,
+            authority: u.authority,
             token,
         })
     }

@@ -377,14 +377,14 @@ impl Config {
                 "must be shorter than implicit_steps.timeout".into(),
             );
         }
-        if self.witnesses.len() > crate::step::MAX_WITNESSES {
+        if self.witnesses.len() > crate::limits::MAX_WITNESSES {
             return field(
                 "witnesses",
-                format!("at most {}", crate::step::MAX_WITNESSES),
+                format!("at most {}", crate::limits::MAX_WITNESSES),
             );
         }
         for (i, w) in self.witnesses.iter().enumerate() {
-            if let Err(e) = crate::client::Agent::new(w, None) {
+            if let Err(e) = crate::wire::AgentUrl::parse(w) {
                 return field(&format!("witnesses[{i}]"), format!("{e:#}"));
             }
         }
@@ -422,14 +422,14 @@ impl Config {
                 }
                 // Probes in flight are bounded per target: a cadence needing more would be
                 // throttled during an outage (a hole in the evidence, not a finer gap).
-                if b * crate::kernel::engine::MAX_IN_FLIGHT as u32 <= t.timeout {
+                if b * crate::limits::MAX_IN_FLIGHT as u32 <= t.timeout {
                     return field(
                         &format!("{f}.burst_interval"),
                         format!(
                             "{} with a {} timeout needs more than {} probes in flight; shorten the timeout",
                             crate::duration::human(b),
                             crate::duration::human(t.timeout),
-                            crate::kernel::engine::MAX_IN_FLIGHT
+                            crate::limits::MAX_IN_FLIGHT
                         ),
                     );
                 }

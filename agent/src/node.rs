@@ -65,12 +65,7 @@ pub async fn run(
     let links_took = t.elapsed();
     let t = Instant::now();
     let maps = if needs.maps {
-        let count = if opts.count_all {
-            bpffs::Count::All
-        } else {
-            bpffs::Count::Verdict
-        };
-        Some(bpffs::observe_blocking(&cfg.bpffs, count).await)
+        Some(checks::maps::observe(&cfg.bpffs, opts.count_all).await)
     } else {
         None
     };

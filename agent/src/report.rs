@@ -63,24 +63,10 @@ pub fn text(results: &[CheckResult]) -> String {
     out
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".into(),
-        other => other.to_string(),
-    }
-}
-
 fn evidence_lines(r: &CheckResult) -> Vec<String> {
     crate::checks::registered(r.check)
         .map(|c| (c.render)(r))
         .unwrap_or_else(|| generic_lines(r))
 }
 
-/// Evidence as `key: value` lines (checks without a renderer of their own).
-pub fn generic_lines(r: &CheckResult) -> Vec<String> {
-    r.evidence
-        .as_object()
-        .map(|o| o.iter().map(|(k, v)| format!("{k}: {}", s(v))).collect())
-        .unwrap_or_default()
-}
+pub use crate::checks::generic_lines;

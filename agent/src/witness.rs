@@ -17,8 +17,8 @@ use crate::config::Config;
 use crate::kernel::neigh::NeighLog;
 use crate::probe::{unix_now, ProbeOutcome};
 use crate::step::verdict::gap_row;
-use crate::step::view::ProbeCount;
-use crate::step::{TargetGap, TargetTimeline};
+use crate::step::TargetTimeline;
+pub use crate::wire::{Latency, MacChange, Move, WitnessBegun, WitnessReport, WitnessStepRequest};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -30,7 +30,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -50,85 +49,6 @@ const MAX_LATENCIES: usize = 4096;
 const STEADY_WINDOW_S: f64 = 120.0;
 /// The longest a witness step may run before it ends by itself.
 const MAX_STEP: Duration = Duration::from_secs(6 * 3600);
-
-/// `POST /v1/steps` on a witness.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct WitnessStepRequest {
-    pub id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst_interval: Option<String>,
-    /// The step ends by itself after this (default 15m): a node agent that vanished cannot
-    /// leave the witness bursting.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout: Option<String>,
-    /// Budget for every target without its own `max_gap` (default 5s, as on the agent).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_gap: Option<String>,
-    /// Begin the evidence at this unix time (at most 10 minutes back) with the continuous
-    /// probes: an implicit step on a node begins after the restart it verifies did.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub since: Option<f64>,
-}
-
-/// A lease move the witness saw without any step: a VIP's MAC changed.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Move {
-    pub target: String,
-    pub at: f64,
-    pub from: Option<String>,
-    pub to: Option<String>,
-    /// The outage around the move, from the continuous probes (None: no outage).
-    pub gap_s: Option<f64>,
-    pub error_bound_s: Option<f64>,
-    pub outage_start: Option<f64>,
-    pub outage_end: Option<f64>,
-}
-
-/// A MAC address the witness's kernel used for a target's address, from `at` on (None: no
-/// usable neighbour entry).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct MacChange {
-    pub at: f64,
-    pub mac: Option<String>,
-}
-
-/// Latency quantiles of successful probes, before the step (the minute before it began) and
-/// after (from the `after` instant the agent asks for: the end of the reload).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct Latency {
-    pub before_p50_ms: Option<f64>,
-    pub before_p99_ms: Option<f64>,
-    pub after_p50_ms: Option<f64>,
-    pub after_p99_ms: Option<f64>,
-}
-
-/// `GET /v1/steps/{id}` on a witness.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct WitnessReport {
-    pub id: String,
-    /// Changes whenever the witness restarts: a report from another instance is not the
-    /// same evidence.
-    pub instance: String,
-    pub created_at: f64,
-    /// Every probe sent before this has answered or timed out and is in `gaps`.
-    pub complete_until: f64,
-    pub ended: bool,
-    #[serde(with = "crate::step::secs")]
-    pub burst_interval: Duration,
-    pub gaps: Vec<TargetGap>,
-    pub macs: BTreeMap<String, Vec<MacChange>>,
-    pub probes: BTreeMap<String, ProbeCount>,
-    pub latency_ms: BTreeMap<String, Latency>,
-}
-
-/// `POST /v1/steps` answer on a witness.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct WitnessBegun {
-    pub id: String,
-    pub instance: String,
-    pub created_at: f64,
-}
 
 #[derive(Clone, Debug)]
 pub struct WitnessOptions {

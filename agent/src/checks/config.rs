@@ -246,7 +246,7 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
     },
     from_probes: false,
     evaluate: evaluate_node,
-    render: crate::report::generic_lines,
+    render: super::generic_lines,
 };
 
 fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {

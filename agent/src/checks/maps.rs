@@ -9,6 +9,31 @@ use std::collections::BTreeSet;
 
 pub const CHECK: &str = "maps";
 
+/// Reads Cilium's pins with Cilium's rules: per-endpoint maps counted by kind, and the entries
+/// of every global map (`count_all`: a person's one-off check) or only of those a verdict
+/// judges by count (kept state and maps recreated by design; churn such as CT or NAT is never a
+/// failure by itself, so the steady loop and steps do not pay for counting it).
+pub async fn observe(
+    bpffs: &std::path::Path,
+    count_all: bool,
+) -> Result<MapsObservation, BpffsError> {
+    let count = if count_all {
+        crate::kernel::bpffs::Count::All
+    } else {
+        crate::kernel::bpffs::Count::Only(|name| {
+            matches!(
+                profile::map_class(name),
+                profile::MapClass::Kept | profile::MapClass::Recreated
+            )
+        })
+    };
+    let rules = crate::kernel::bpffs::Rules {
+        per_endpoint: profile::is_per_endpoint,
+        count,
+    };
+    crate::kernel::bpffs::observe_blocking(bpffs, rules).await
+}
+
 /// What the maps check expects.
 #[derive(Clone, Debug)]
 pub struct MapsExpectation {

@@ -168,15 +168,25 @@ pub fn exit_code(results: &[CheckResult]) -> i32 {
     }
 }
 
-/// One line for an I/O error that came from the kernel: permission problems say which
-/// capability is missing.
-pub fn io_reason(what: &str, e: &std::io::Error) -> (String, &'static str) {
-    match e.raw_os_error() {
-        Some(libc::EPERM) | Some(libc::EACCES) => (
-            format!("{what}: permission denied (needs CAP_BPF and CAP_SYS_ADMIN)"),
-            "no_permission",
-        ),
-        _ => (format!("{what}: {e}"), "kernel_error"),
+pub use crate::kernel::io_reason;
+
+/// Evidence as `key: value` lines (checks without a renderer of their own).
+pub fn generic_lines(r: &CheckResult) -> Vec<String> {
+    r.evidence
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, v)| format!("{k}: {}", evidence_value(v)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn evidence_value(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
     }
 }
 

@@ -202,7 +202,8 @@ pub async fn run(d: Arc<Daemon>) {
                 let keys: Vec<String> = old.baseline.programs.keys().cloned().collect();
                 let now_ids = watch::current_programs(&obs, &keys);
                 let changed = programs_changed(&old.baseline, &now_ids);
-                let rebooted = old.boot_id.is_some() && old.boot_id != crate::clock::boot_id();
+                let rebooted =
+                    old.boot_id.is_some() && old.boot_id != crate::kernel::clock::boot_id();
                 if rebooted || !changed.is_empty() {
                     let what = if rebooted {
                         "the node rebooted".to_string()
@@ -294,7 +295,7 @@ pub async fn run(d: Arc<Daemon>) {
         if let Ok(baseline) = watch::baseline_from(&d, &obs, maps.as_ref(), now) {
             let s = Steady {
                 at: now,
-                boot_id: crate::clock::boot_id(),
+                boot_id: crate::kernel::clock::boot_id(),
                 baseline,
             };
             if now - saved_at >= 10.0 {

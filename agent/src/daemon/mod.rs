@@ -607,7 +607,7 @@ impl ResultExt for CheckResult {
 }
 
 /// Probes of one target in flight at once (a step's cadence must not need more: see the API).
-pub const MAX_IN_FLIGHT: usize = crate::kernel::engine::MAX_IN_FLIGHT;
+pub use crate::limits::MAX_IN_FLIGHT;
 
 /// What the probe engine reports to: the daemon's timeline, metrics and latest outcomes.
 struct ProbeSink(std::sync::Weak<Daemon>);

@@ -214,7 +214,7 @@ impl Runner {
         }
         self.resumed_from = Some(s.updated_at);
         let now = unix_now();
-        s.resume(now, crate::clock::boot_id().as_deref());
+        s.resume(now, crate::kernel::clock::boot_id().as_deref());
         tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
         self.step = Some(s);
         self.resumed = true;

@@ -303,10 +303,7 @@ pub fn end_witnesses(d: &Daemon, s: &Step) {
 pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, BeginError> {
     let now = unix_now();
     let obs = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await?;
-    let observed =
-        crate::kernel::bpffs::observe_blocking(&d.cfg.bpffs, crate::kernel::bpffs::Count::Verdict)
-            .await
-            .ok();
+    let observed = crate::checks::maps::observe(&d.cfg.bpffs, false).await.ok();
     let baseline = baseline_from(d, &obs, observed.as_ref(), now)?;
     let targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     let witnesses = begin_witnesses(d, &id, &params, None).await?;

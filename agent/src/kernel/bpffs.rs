@@ -1,7 +1,6 @@
 //! Cilium's pinned maps under `<bpffs>/tc/globals/`, each opened read-only (BPF_OBJ_GET with
 //! BPF_F_RDONLY): type, sizes, entry count. Per-endpoint maps are only counted by name.
 use super::bpf;
-use crate::profile;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -46,39 +45,44 @@ pub enum BpffsError {
 
 /// [`observe`] on a blocking thread: entry counts of big maps take many bpf(2) calls, and
 /// must not hold up the async workers whose probe send times define the gaps.
-pub async fn observe_blocking(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError> {
+pub async fn observe_blocking(bpffs: &Path, rules: Rules) -> Result<MapsObservation, BpffsError> {
     let path = bpffs.to_path_buf();
-    tokio::task::spawn_blocking(move || observe(&path, count))
+    tokio::task::spawn_blocking(move || observe(&path, rules))
         .await
         .unwrap_or_else(|e| Err(BpffsError::Task(e.to_string())))
 }
 
 /// Which global maps get their entries counted (the dominant cost on a big node: 500,000
 /// conntrack entries take most of the maps check).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub enum Count {
     /// None.
     No,
-    /// Only what a verdict judges by count: kept state and maps recreated by design
-    /// (`profile::MapClass::Kept`/`Recreated`); churn (CT, NAT, events, ...) is never a failure
-    /// by itself, so the agent's steady loop and steps do not count it.
-    Verdict,
+    /// Those the function picks (the agent's steady loop and steps count only what a verdict
+    /// judges by count: see `checks::maps::observe`).
+    Only(fn(&str) -> bool),
     /// Every global map (a person's one-off `stepguard check`, `GET /v1/checks`).
     All,
 }
 
 impl Count {
     fn wants(self, name: &str) -> bool {
-        use crate::profile::MapClass;
         match self {
             Count::No => false,
             Count::All => true,
-            Count::Verdict => matches!(
-                profile::map_class(name),
-                MapClass::Kept | MapClass::Recreated
-            ),
+            Count::Only(f) => f(name),
         }
     }
+}
+
+/// How the pins are read. Which names are Cilium's per-endpoint maps, and which maps a
+/// verdict counts, are Cilium's rules (`profile`): the caller gives them, this layer only
+/// reads the kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct Rules {
+    /// A per-endpoint (per-load) map's kind, or None for a global map.
+    pub per_endpoint: fn(&str) -> Option<&'static str>,
+    pub count: Count,
 }
 
 /// Visits up to `limit` entries (key, value) of the global map `name`, opened read-only.
@@ -93,8 +97,8 @@ pub fn read_entries(
     bpf::for_each_entry(&fd, &info, limit, f)
 }
 
-/// Reads every pin under `<bpffs>/tc/globals/`, counting entries as `count` says.
-pub fn observe(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError> {
+/// Reads every pin under `<bpffs>/tc/globals/`, counting entries as `rules.count` says.
+pub fn observe(bpffs: &Path, rules: Rules) -> Result<MapsObservation, BpffsError> {
     if !bpffs.exists() {
         return Err(BpffsError::Missing(bpffs.display().to_string()));
     }
@@ -115,7 +119,7 @@ pub fn observe(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError
     };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if let Some(kind) = profile::is_per_endpoint(&name) {
+        if let Some(kind) = (rules.per_endpoint)(&name) {
             *obs.endpoint_maps.entry(kind.to_string()).or_insert(0) += 1;
             continue;
         }
@@ -138,7 +142,7 @@ pub fn observe(bpffs: &Path, count: Count) -> Result<MapsObservation, BpffsError
                 continue;
             }
         };
-        let entries = if count.wants(&name) {
+        let entries = if rules.count.wants(&name) {
             match bpf::count_entries(&fd, &info) {
                 Ok(n) => n,
                 Err(err) => {

@@ -364,7 +364,7 @@ fn start_with(
     spec: &Spec,
     shared_icmp: Option<(RawFd, bool)>,
 ) -> Result<(Op, Progress), (f64, ProbeError)> {
-    let early = |e| (crate::clock::now(), e);
+    let early = |e| (crate::kernel::clock::now(), e);
     if let Some(e) = &spec.invalid {
         return Err(early(e.clone()));
     }
@@ -389,7 +389,7 @@ fn start_with(
     };
     let stamp = |op: &mut Op| {
         op.sent_ns = mono_ns();
-        op.sent_at = crate::clock::now();
+        op.sent_at = crate::kernel::clock::now();
         op.deadline_ns = op.sent_ns + spec.timeout.as_nanos() as u64;
     };
     match spec.kind {
@@ -743,8 +743,7 @@ pub trait Sink: Send + Sync + 'static {
     }
 }
 
-/// Probes of one target in flight at once (a step's cadence must not need more).
-pub const MAX_IN_FLIGHT: usize = 256;
+pub use crate::limits::MAX_IN_FLIGHT;
 
 /// A running engine. Dropping it stops the thread.
 pub struct Engine {

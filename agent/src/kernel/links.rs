@@ -357,10 +357,7 @@ fn fill_program_details(
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => raced = true,
             Err(e) => {
                 obs.prog_details_unreadable = true;
-                let (line, _) = super::super::checks::io_reason(
-                    &format!("program {} on {device}", p.prog_id),
-                    &e,
-                );
+                let (line, _) = super::io_reason(&format!("program {} on {device}", p.prog_id), &e);
                 if !obs.problems.contains(&line) {
                     obs.problems.push(line);
                 }
@@ -642,7 +639,7 @@ async fn programs(
                 Err(e) => obs.problems.push(format!(
                     "tcx query on {} {hook}: {}",
                     d.name,
-                    super::super::checks::io_reason("bpf prog query", &e).0
+                    super::io_reason("bpf prog query", &e).0
                 )),
             }
         }
@@ -716,7 +713,7 @@ pub fn query_endpoint(
             Err(e) => problems.push(format!(
                 "{via} query on endpoint {} {hook}: {}",
                 link.name,
-                super::super::checks::io_reason("bpf prog query", &e).0
+                super::io_reason("bpf prog query", &e).0
             )),
         }
     }

@@ -5,6 +5,7 @@ pub mod bpf;
 pub mod bpffs;
 pub mod btf;
 pub mod ciliumdrops;
+pub mod clock;
 pub mod drops;
 pub mod engine;
 pub mod icmp;
@@ -31,5 +32,17 @@ pub fn release_freed_memory() {
     // SAFETY: malloc_trim only walks the allocator's own free lists.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// One line for an I/O error that came from the kernel: permission problems say which
+/// capability is missing.
+pub fn io_reason(what: &str, e: &std::io::Error) -> (String, &'static str) {
+    match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => (
+            format!("{what}: permission denied (needs CAP_BPF and CAP_SYS_ADMIN)"),
+            "no_permission",
+        ),
+        _ => (format!("{what}: {e}"), "kernel_error"),
     }
 }

@@ -94,7 +94,7 @@ pub async fn follow(watch: &[IpAddr]) -> std::io::Result<Arc<NeighLog>> {
     let (conn, handle, mut messages) =
         rtnetlink::new_multicast_connection(&[rtnetlink::MulticastGroup::Neigh])?;
     tokio::spawn(conn);
-    let now = crate::probe::unix_now();
+    let now = super::clock::now();
     let mut dump = handle.neighbours().get().execute();
     while let Ok(Some(msg)) = dump.try_next().await {
         if let (Some(ip), mac) = mac_of(&msg) {
@@ -105,7 +105,7 @@ pub async fn follow(watch: &[IpAddr]) -> std::io::Result<Arc<NeighLog>> {
     tokio::spawn(async move {
         use futures_util::StreamExt;
         while let Some((m, _)) = messages.next().await {
-            let at = crate::probe::unix_now();
+            let at = super::clock::now();
             match m.payload {
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n)) => {
                     if let (Some(ip), mac) = mac_of(&n) {

@@ -32,9 +32,9 @@ fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
 }
 
-/// Now on the agent's clock (unix seconds advancing with CLOCK_BOOTTIME; see [`crate::clock`]).
+/// Now on the agent's clock (unix seconds advancing with CLOCK_BOOTTIME; see [`crate::kernel::clock`]).
 pub fn unix_now() -> f64 {
-    crate::clock::now()
+    crate::kernel::clock::now()
 }
 
 /// Runs one probe against a target (on the blocking pool; the probe itself is the engine's

@@ -6,6 +6,7 @@ pub mod verdict;
 pub mod view;
 
 use crate::duration;
+pub use crate::wire::{secs, TargetGap};
 use gaps::Outage;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -95,18 +96,6 @@ pub fn check_loss(field: &'static str, v: f64) -> Result<f64, RequestError> {
             field,
             format!("{v} is not a share of probes between 0 and 1 (e.g. 0.02 for 2 %)"),
         ))
-    }
-}
-
-pub mod secs {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let v = f64::deserialize(d)?;
-        Duration::try_from_secs_f64(v).map_err(serde::de::Error::custom)
     }
 }
 
@@ -302,8 +291,8 @@ impl StepParams {
         }
         // One spelling per witness (`http://host:port`): its metric series and its track.
         for w in witnesses.iter_mut() {
-            match crate::client::Agent::new(w, None) {
-                Ok(a) => *w = a.url(),
+            match crate::wire::AgentUrl::parse(w) {
+                Ok(a) => *w = a.canonical(),
                 Err(e) => return Err(RequestError::new("witnesses", format!("{e:#}"))),
             }
         }
@@ -342,8 +331,7 @@ impl StepParams {
     }
 }
 
-/// Witnesses a step may name.
-pub const MAX_WITNESSES: usize = 8;
+pub use crate::limits::MAX_WITNESSES;
 
 /// A witness's part in a step, as the agent follows it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -352,7 +340,7 @@ pub struct WitnessTrack {
     pub instance: String,
     pub began_at: f64,
     /// Its latest report.
-    pub report: Option<crate::witness::WitnessReport>,
+    pub report: Option<crate::wire::WitnessReport>,
     /// When the agent last heard from it.
     pub last_ok_at: Option<f64>,
     /// Why the last poll failed (unreachable), when it did.
@@ -670,43 +658,6 @@ impl TargetTimeline {
     }
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct TargetGap {
-    pub target: String,
-    pub kind: String,
-    /// An east-west target (see `config::Target::east_west`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub east_west: bool,
-    pub longest_s: f64,
-    pub error_bound_s: f64,
-    pub total_s: f64,
-    pub count: usize,
-    pub budget_s: f64,
-    pub open: bool,
-    /// Share of probes lost outside the longest outage (failed / sent).
-    #[serde(default)]
-    pub loss: f64,
-    /// Probes lost outside the longest outage.
-    #[serde(default)]
-    pub lost_outside_longest: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_budget: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub total_budget_s: Option<f64>,
-    /// The longest outage's edges (unix seconds), for comparison with other clocks: the send
-    /// time of its first failed probe, and when the answer that ended it shows the path
-    /// working (see `gaps`: a held answer counts when it was released).
-    #[serde(default)]
-    pub longest_start: Option<f64>,
-    #[serde(default)]
-    pub longest_end: Option<f64>,
-    /// The answer that ended the longest outage was held this long beyond the target's usual
-    /// round trip (queued while a neighbour entry resolved, or slow): its end is that answer's
-    /// release, and the bound reaches back to the last failed probe.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub longest_held_s: Option<f64>,
-}
-
 /// Where a step is: waiting for the reload, settling after it, decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -910,7 +861,7 @@ impl Step {
             endpoints: EndpointProgress::default(),
             verdict: None,
             updated_at: now,
-            boot_id: crate::clock::boot_id(),
+            boot_id: crate::kernel::clock::boot_id(),
         }
     }
 

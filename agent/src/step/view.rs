@@ -1,6 +1,7 @@
 //! The step as the API answers it: one typed response, serialized by the agent, parsed by
 //! `stepguard wait` and the stepper, and rendered for people in one place ([`StepView::text`]).
 use super::{Baseline, Phase, Step, StepCheck, StepParams, TargetGap, Verdict};
+pub use crate::wire::ProbeCount;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -63,16 +64,6 @@ impl EndpointsView {
             slowest: slowest.map(|x| x.0),
         }
     }
-}
-
-/// Probes of a target recorded in the step.
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct ProbeCount {
-    pub sent: u64,
-    pub failed: u64,
-    /// Probes that could not even be sent (no socket, no permission).
-    #[serde(default)]
-    pub not_run: u64,
 }
 
 /// `GET /v1/steps/{id}`, `POST /v1/steps` and `last_step` in `/v1/verdict`.

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 fn boottime() -> f64 {
-    crate::kernel::boottime()
+    super::boottime()
 }
 
 fn realtime() -> f64 {
