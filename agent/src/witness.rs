@@ -163,7 +163,7 @@ pub struct Witness {
     moves: Mutex<VecDeque<Move>>,
     metrics: Mutex<WitnessMetrics>,
     changed: tokio::sync::watch::Sender<u64>,
-    engine: std::sync::OnceLock<crate::kernel::engine::Engine>,
+    engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -645,7 +645,7 @@ impl Witness {
 /// What the probe engine reports to: the witness's rings, steps and metrics.
 struct ProbeSink(std::sync::Weak<Witness>);
 
-impl crate::kernel::engine::Sink for ProbeSink {
+impl crate::probe::engine::Sink for ProbeSink {
     fn interval(&self, i: usize) -> Duration {
         let Some(w) = self.0.upgrade() else {
             return Duration::from_secs(3600);
@@ -666,7 +666,7 @@ impl crate::kernel::engine::Sink for ProbeSink {
 
 /// Starts the witness's probe loops and maintenance.
 pub fn spawn_loops(w: &Arc<Witness>) {
-    crate::kernel::engine::start_into(
+    crate::probe::engine::start_into(
         &w.engine,
         &w.cfg.targets,
         Arc::new(ProbeSink(Arc::downgrade(w))),

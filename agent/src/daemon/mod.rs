@@ -101,7 +101,7 @@ pub struct Daemon {
     /// Host devices, addresses and routes, dumped again only when rtnetlink reports a change.
     pub topology: links::SharedTopology,
     /// The probe engine (its own thread) once the loops are spawned.
-    pub engine: std::sync::OnceLock<crate::kernel::engine::Engine>,
+    pub engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
 
 /// Starts the kernel-observation runtime (a current-thread runtime on its own OS thread).
@@ -612,7 +612,7 @@ pub use crate::limits::MAX_IN_FLIGHT;
 /// What the probe engine reports to: the daemon's timeline, metrics and latest outcomes.
 struct ProbeSink(std::sync::Weak<Daemon>);
 
-impl crate::kernel::engine::Sink for ProbeSink {
+impl crate::probe::engine::Sink for ProbeSink {
     fn interval(&self, i: usize) -> Duration {
         match self.0.upgrade() {
             Some(d) => d.target_interval(i),
@@ -721,7 +721,7 @@ async fn slow_loop(d: Arc<Daemon>) {
 
 /// Starts every loop; returns when they are running.
 pub fn spawn_loops(d: &Arc<Daemon>) {
-    crate::kernel::engine::start_into(
+    crate::probe::engine::start_into(
         &d.engine,
         &d.cfg.targets,
         Arc::new(ProbeSink(Arc::downgrade(d))),

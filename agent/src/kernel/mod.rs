@@ -7,11 +7,12 @@ pub mod btf;
 pub mod ciliumdrops;
 pub mod clock;
 pub mod drops;
-pub mod engine;
+
 pub mod icmp;
 pub mod links;
 pub mod neigh;
 pub mod rtevents;
+pub mod sock;
 
 /// CLOCK_BOOTTIME now, in seconds.
 pub fn boottime() -> f64 {

@@ -92,7 +92,7 @@ pub fn judge_reply(
 }
 
 /// Sends one query and waits for its answer, up to `timeout` (on the blocking pool: the
-/// probe is the engine's, see [`crate::kernel::engine`]).
+/// probe is the engine's, see [`crate::probe::engine`]).
 pub async fn query(
     resolver: SocketAddr,
     name: &str,
@@ -101,7 +101,7 @@ pub async fn query(
     expect: Option<&[IpAddr]>,
     source: Option<IpAddr>,
 ) -> Result<Answer, ProbeError> {
-    let spec = crate::kernel::engine::Spec::dns(
+    let spec = crate::probe::engine::Spec::dns(
         resolver,
         name,
         kind,
@@ -109,7 +109,7 @@ pub async fn query(
         expect.map(|e| e.to_vec()),
         source,
     );
-    match tokio::task::spawn_blocking(move || crate::kernel::engine::run_once_raw(&spec)).await {
+    match tokio::task::spawn_blocking(move || crate::probe::engine::run_once_raw(&spec)).await {
         Ok((_, latency, _)) if latency > timeout => Err(ProbeError::timeout(timeout)),
         Ok((_, _, r)) => r.map(|(_, addrs)| Answer {
             addresses: addrs.unwrap_or_default(),

@@ -2,6 +2,7 @@
 //! echo, `dns` query. An answer that arrives after the timeout (e.g. after a SYN retransmit)
 //! is a failure, even if it eventually succeeded.
 pub mod dns;
+pub mod engine;
 mod error;
 
 pub use error::ProbeError;
@@ -38,10 +39,10 @@ pub fn unix_now() -> f64 {
 }
 
 /// Runs one probe against a target (on the blocking pool; the probe itself is the engine's
-/// state machine, see [`crate::kernel::engine`], the same one the agent's loops run).
+/// state machine, see [`crate::probe::engine`], the same one the agent's loops run).
 pub async fn probe(t: &Target) -> ProbeOutcome {
-    let spec = crate::kernel::engine::Spec::new(t);
-    match tokio::task::spawn_blocking(move || crate::kernel::engine::run_once(&spec)).await {
+    let spec = crate::probe::engine::Spec::new(t);
+    match tokio::task::spawn_blocking(move || crate::probe::engine::run_once(&spec)).await {
         Ok(o) => o,
         Err(e) => ProbeOutcome {
             ok: false,

@@ -12,30 +12,21 @@
 //! TIME_WAIT), nothing is installed on the host. The same state machines serve the one-shot
 //! probes of `stepguard check` ([`run_once`]), so there is one implementation per probe kind.
 use crate::config::{ProbeKind, Target};
+use crate::kernel::icmp;
+use crate::kernel::sock::{
+    bind, connect, drain_counter, epoll_create, epoll_ctl, epoll_pwait2, epoll_wait, eventfd,
+    eventfd_signal, mono_ns, new_socket, poll_one, recv, send, send_to, set_timer_slack_1ns,
+    set_zero_linger, so_error, timerfd_at, timerfd_monotonic,
+};
 use crate::probe::dns::RecordKind;
 use crate::probe::{ProbeError, ProbeOutcome};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// CLOCK_MONOTONIC in nanoseconds (the clock the engine's timerfd runs on).
-pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into ts, which outlives the call.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-fn last_err() -> io::Error {
-    io::Error::last_os_error()
-}
 
 /// What a target's probes send, prepared once.
 #[derive(Debug)]
@@ -143,149 +134,6 @@ impl Spec {
             Err(e) => self.invalid = self.invalid.take().or(Some(e)),
         }
     }
-}
-
-fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: an all-zero sockaddr_storage is valid; the casts write within its size.
-    unsafe {
-        let mut ss: libc::sockaddr_storage = std::mem::zeroed();
-        let len = match a {
-            SocketAddr::V4(v4) => {
-                let sin = &mut ss as *mut _ as *mut libc::sockaddr_in;
-                (*sin).sin_family = libc::AF_INET as u16;
-                (*sin).sin_port = v4.port().to_be();
-                (*sin).sin_addr.s_addr = u32::from(*v4.ip()).to_be();
-                std::mem::size_of::<libc::sockaddr_in>()
-            }
-            SocketAddr::V6(v6) => {
-                let sin6 = &mut ss as *mut _ as *mut libc::sockaddr_in6;
-                (*sin6).sin6_family = libc::AF_INET6 as u16;
-                (*sin6).sin6_port = v6.port().to_be();
-                (*sin6).sin6_addr.s6_addr = v6.ip().octets();
-                (*sin6).sin6_scope_id = v6.scope_id();
-                std::mem::size_of::<libc::sockaddr_in6>()
-            }
-        };
-        (ss, len as libc::socklen_t)
-    }
-}
-
-fn new_socket(domain: i32, ty: i32, proto: i32) -> io::Result<OwnedFd> {
-    // SAFETY: socket(2) returns a new fd or -1; a new fd is owned by the OwnedFd.
-    let fd = unsafe { libc::socket(domain, ty | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, proto) };
-    if fd < 0 {
-        return Err(last_err());
-    }
-    // SAFETY: fd is a fresh, valid descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn bind(fd: RawFd, a: SocketAddr) -> io::Result<()> {
-    let (ss, len) = sockaddr(a);
-    // SAFETY: ss is a valid sockaddr of length len for the call's duration.
-    if unsafe { libc::bind(fd, &ss as *const _ as *const libc::sockaddr, len) } < 0 {
-        return Err(last_err());
-    }
-    Ok(())
-}
-
-/// connect(2): Ok(true) connected, Ok(false) in progress.
-fn connect(fd: RawFd, a: SocketAddr) -> io::Result<bool> {
-    let (ss, len) = sockaddr(a);
-    // SAFETY: ss is a valid sockaddr of length len for the call's duration.
-    if unsafe { libc::connect(fd, &ss as *const _ as *const libc::sockaddr, len) } == 0 {
-        return Ok(true);
-    }
-    let e = last_err();
-    match e.raw_os_error() {
-        Some(libc::EINPROGRESS) => Ok(false),
-        _ => Err(e),
-    }
-}
-
-fn send(fd: RawFd, b: &[u8]) -> io::Result<usize> {
-    // SAFETY: b is valid for reads of b.len() bytes.
-    let n = unsafe {
-        libc::send(
-            fd,
-            b.as_ptr() as *const libc::c_void,
-            b.len(),
-            libc::MSG_NOSIGNAL,
-        )
-    };
-    if n < 0 {
-        return Err(last_err());
-    }
-    Ok(n as usize)
-}
-
-/// recvfrom(2) into `buf`: (length, IPv4 source if any).
-fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Ipv4Addr>)> {
-    // SAFETY: buf is valid for writes of buf.len() bytes; from is a zeroed sockaddr_in large
-    // enough for an IPv4 source (longer sources are truncated by the kernel, reported by len).
-    unsafe {
-        let mut from: libc::sockaddr_storage = std::mem::zeroed();
-        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        let n = libc::recvfrom(
-            fd,
-            buf.as_mut_ptr() as *mut libc::c_void,
-            buf.len(),
-            0,
-            &mut from as *mut _ as *mut libc::sockaddr,
-            &mut len,
-        );
-        if n < 0 {
-            return Err(last_err());
-        }
-        let src = (from.ss_family as i32 == libc::AF_INET).then(|| {
-            let sin = &from as *const _ as *const libc::sockaddr_in;
-            Ipv4Addr::from(u32::from_be((*sin).sin_addr.s_addr))
-        });
-        Ok((n as usize, src))
-    }
-}
-
-fn so_error(fd: RawFd) -> io::Result<()> {
-    let mut err: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes an int into err, which outlives the call.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ERROR,
-            &mut err as *mut _ as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    if r < 0 {
-        return Err(last_err());
-    }
-    if err != 0 {
-        return Err(io::Error::from_raw_os_error(err));
-    }
-    Ok(())
-}
-
-fn set_zero_linger(fd: RawFd) -> io::Result<()> {
-    let l = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: setsockopt reads a linger struct that outlives the call.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &l as *const _ as *const libc::c_void,
-            std::mem::size_of::<libc::linger>() as u32,
-        )
-    };
-    if r < 0 {
-        return Err(last_err());
-    }
-    Ok(())
 }
 
 /// Which ICMP socket this process can open: 0 unknown, 1 ping socket, 2 raw socket.
@@ -460,25 +308,13 @@ fn start_with(
             };
             let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let ident = icmp_ident();
-            let pkt = super::icmp::echo_request(ident, seq);
+            let pkt = icmp::echo_request(ident, seq);
             let mut o = op(own, raw, seq);
-            let (ss, len) = sockaddr(spec.addr);
             stamp(&mut o);
-            // SAFETY: pkt and ss are valid for the call's duration.
-            let n = unsafe {
-                libc::sendto(
-                    raw_fd,
-                    pkt.as_ptr() as *const libc::c_void,
-                    pkt.len(),
-                    0,
-                    &ss as *const _ as *const libc::sockaddr,
-                    len,
-                )
-            };
-            if n < 0 {
+            if let Err(e) = send_to(raw_fd, &pkt, spec.addr) {
                 return Err((
                     o.sent_at,
-                    ProbeError::exchange(format!("send echo to {}", spec.addr.ip()), &last_err()),
+                    ProbeError::exchange(format!("send echo to {}", spec.addr.ip()), &e),
                 ));
             }
             Ok((o, Progress::Wait(libc::EPOLLIN as u32)))
@@ -626,12 +462,12 @@ fn icmp_judge(datagram: &[u8], from: Option<Ipv4Addr>, dst: Ipv4Addr, op: &Op) -
     };
     let from = from.unwrap_or(Ipv4Addr::UNSPECIFIED);
     let ident = icmp_ident();
-    match super::icmp::classify(icmp, from, dst, ident, op.id, op.raw) {
-        super::icmp::Reply::Echo => Some(Ok(("echo reply".into(), None))),
-        super::icmp::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
+    match icmp::classify(icmp, from, dst, ident, op.id, op.raw) {
+        icmp::Reply::Echo => Some(Ok(("echo reply".into(), None))),
+        icmp::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
             "{dst} unreachable (ICMP code {code}, from {from})"
         )))),
-        super::icmp::Reply::NotMine => None,
+        icmp::Reply::NotMine => None,
     }
 }
 
@@ -666,24 +502,6 @@ pub fn outcome(spec: &Spec, sent_at: f64, latency: Duration, r: Finished) -> Pro
             answers: None,
         },
     }
-}
-
-fn poll_one(fd: RawFd, events: u32, timeout_ms: i32) -> io::Result<bool> {
-    let mut p = libc::pollfd {
-        fd,
-        events: events as i16,
-        revents: 0,
-    };
-    // SAFETY: p is one valid pollfd for the call's duration.
-    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
-    if n < 0 {
-        let e = last_err();
-        if e.raw_os_error() == Some(libc::EINTR) {
-            return Ok(false);
-        }
-        return Err(e);
-    }
-    Ok(n > 0)
 }
 
 /// One probe, blocking the calling thread until it is over (`stepguard check`, tests).
@@ -769,13 +587,7 @@ pub fn start_into(slot: &std::sync::OnceLock<Engine>, targets: &[Target], sink: 
 impl Engine {
     /// Starts the engine thread for `targets` (indices are the sink's target indices).
     pub fn start(targets: &[Target], sink: Arc<dyn Sink>) -> io::Result<Engine> {
-        // SAFETY: eventfd returns a new fd or -1.
-        let wfd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if wfd < 0 {
-            return Err(last_err());
-        }
-        // SAFETY: wfd is fresh and owned here.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wfd) });
+        let wake = Arc::new(eventfd()?);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let specs: Vec<Spec> = targets.iter().map(Spec::new).collect();
         let mut lp = Loop::new(specs, sink, wake.clone())?;
@@ -792,15 +604,7 @@ impl Engine {
 
     /// The cadence may have changed (a step began or ended): look again now.
     pub fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from `one` to our eventfd.
-        unsafe {
-            libc::write(
-                self.wake.as_raw_fd(),
-                &one as *const u64 as *const libc::c_void,
-                8,
-            )
-        };
+        eventfd_signal(&self.wake);
     }
 }
 
@@ -822,7 +626,6 @@ const TOKEN_TIMER: u64 = u64::MAX;
 const TOKEN_WAKE: u64 = u64::MAX - 1;
 const TOKEN_ICMP: u64 = u64::MAX - 2;
 /// `epoll_pwait2(2)` (Linux 5.11), the same number on every architecture.
-const SYS_EPOLL_PWAIT2: libc::c_long = 441;
 
 struct Slot {
     op: Op,
@@ -862,33 +665,9 @@ fn icmp_ident() -> u16 {
     *IDENT.get_or_init(|| (std::process::id() & 0xffff) as u16)
 }
 
-fn epoll_ctl(ep: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
-    let mut ev = libc::epoll_event { events, u64: token };
-    // SAFETY: ev is valid for the call's duration.
-    if unsafe { libc::epoll_ctl(ep, op, fd, &mut ev) } < 0 {
-        return Err(last_err());
-    }
-    Ok(())
-}
-
 impl Loop {
     fn new(specs: Vec<Spec>, sink: Arc<dyn Sink>, wake: Arc<OwnedFd>) -> io::Result<Loop> {
-        // SAFETY: epoll_create1/timerfd_create return new fds or -1; each is owned at once.
-        let (epfd, timer) = unsafe {
-            let e = libc::epoll_create1(libc::EPOLL_CLOEXEC);
-            if e < 0 {
-                return Err(last_err());
-            }
-            let e = OwnedFd::from_raw_fd(e);
-            let t = libc::timerfd_create(
-                libc::CLOCK_MONOTONIC,
-                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
-            );
-            if t < 0 {
-                return Err(last_err());
-            }
-            (e, OwnedFd::from_raw_fd(t))
-        };
+        let (epfd, timer) = (epoll_create()?, timerfd_monotonic()?);
         epoll_ctl(
             epfd.as_raw_fd(),
             libc::EPOLL_CTL_ADD,
@@ -949,23 +728,23 @@ impl Loop {
 
     fn run(&mut self, stop: &std::sync::atomic::AtomicBool) {
         // Sends are timed by an absolute timer: ask for no slack on this thread's timers.
-        // SAFETY: prctl with integer arguments.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+        set_timer_slack_1ns();
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
         while !stop.load(std::sync::atomic::Ordering::SeqCst) {
             let now = mono_ns();
             self.send_due(now);
             self.expire(mono_ns());
-            let n = self.wait(&mut events);
-            if n < 0 {
-                let e = last_err();
-                if e.raw_os_error() != Some(libc::EINTR) {
-                    tracing::error!(error = %e, "probe engine: epoll_wait failed");
-                    std::thread::sleep(Duration::from_millis(10));
+            let n = match self.wait(&mut events) {
+                Ok(n) => n,
+                Err(e) => {
+                    if e.raw_os_error() != Some(libc::EINTR) {
+                        tracing::error!(error = %e, "probe engine: epoll_wait failed");
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    continue;
                 }
-                continue;
-            }
-            for ev in &events[..n as usize] {
+            };
+            for ev in &events[..n] {
                 let (token, flags) = (ev.u64, ev.events);
                 match token {
                     TOKEN_TIMER | TOKEN_WAKE => {
@@ -974,9 +753,7 @@ impl Loop {
                         } else {
                             self.wake.as_raw_fd()
                         };
-                        let mut v = 0u64;
-                        // SAFETY: reads 8 bytes into v.
-                        unsafe { libc::read(fd, &mut v as *mut u64 as *mut libc::c_void, 8) };
+                        drain_counter(fd);
                     }
                     TOKEN_ICMP => self.icmp_ready(),
                     t => self.ready(t, flags),
@@ -1128,7 +905,7 @@ impl Loop {
                 datagram
             };
             let Some(&(slot, gen)) =
-                super::icmp::answered_seq(icmp).and_then(|seq| self.icmp_ops.get(&seq))
+                icmp::answered_seq(icmp).and_then(|seq| self.icmp_ops.get(&seq))
             else {
                 continue;
             };
@@ -1181,63 +958,20 @@ impl Loop {
     /// Waits for socket events until the next send or timeout. `epoll_pwait2` takes a
     /// nanosecond timeout (an hrtimer with this thread's 1 ns slack): one syscall per wake-up.
     /// Kernels before 5.11 lack it: then the absolute timerfd is armed and `epoll_wait` used.
-    fn wait(&mut self, events: &mut [libc::epoll_event]) -> i32 {
+    fn wait(&mut self, events: &mut [libc::epoll_event]) -> std::io::Result<usize> {
         let at = self.next_wake();
         let left = at.saturating_sub(mono_ns());
         if !self.no_pwait2 {
-            let ts = libc::timespec {
-                tv_sec: (left / 1_000_000_000) as i64,
-                tv_nsec: (left % 1_000_000_000) as i64,
-            };
-            // SAFETY: events is valid for writes of events.len() entries; ts outlives the
-            // call; no signal mask.
-            let n = unsafe {
-                libc::syscall(
-                    SYS_EPOLL_PWAIT2,
-                    self.epfd.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    events.len() as i32,
-                    &ts as *const libc::timespec,
-                    std::ptr::null::<libc::sigset_t>(),
-                    0usize,
-                )
-            } as i32;
-            if n >= 0 || last_err().raw_os_error() != Some(libc::ENOSYS) {
-                return n;
+            match epoll_pwait2(self.epfd.as_raw_fd(), events, left) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => self.no_pwait2 = true,
+                r => return r,
             }
-            self.no_pwait2 = true;
         }
         if self.armed != at {
-            let spec = libc::itimerspec {
-                it_interval: libc::timespec {
-                    tv_sec: 0,
-                    tv_nsec: 0,
-                },
-                it_value: libc::timespec {
-                    tv_sec: (at / 1_000_000_000) as i64,
-                    tv_nsec: (at % 1_000_000_000).max(1) as i64,
-                },
-            };
-            // SAFETY: spec is valid for the call; the old value is not asked for.
-            unsafe {
-                libc::timerfd_settime(
-                    self.timer.as_raw_fd(),
-                    libc::TFD_TIMER_ABSTIME,
-                    &spec,
-                    std::ptr::null_mut(),
-                )
-            };
+            timerfd_at(self.timer.as_raw_fd(), at);
             self.armed = at;
         }
-        // SAFETY: events is valid for writes of events.len() entries.
-        unsafe {
-            libc::epoll_wait(
-                self.epfd.as_raw_fd(),
-                events.as_mut_ptr(),
-                events.len() as i32,
-                1000,
-            )
-        }
+        epoll_wait(self.epfd.as_raw_fd(), events, 1000)
     }
 }
 
