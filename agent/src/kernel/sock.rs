@@ -278,6 +278,7 @@ pub fn timerfd_at(fd: RawFd, at_ns: u64) {
     unsafe { libc::timerfd_settime(fd, libc::TFD_TIMER_ABSTIME, &spec, std::ptr::null_mut()) };
 }
 
+/// `epoll_pwait2(2)` (Linux 5.11), the same number on every architecture.
 const SYS_EPOLL_PWAIT2: libc::c_long = 441;
 
 /// `epoll_pwait2` with a nanosecond timeout: the events ready, or the error (ENOSYS on

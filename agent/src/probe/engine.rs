@@ -625,8 +625,6 @@ impl Drop for Engine {
 const TOKEN_TIMER: u64 = u64::MAX;
 const TOKEN_WAKE: u64 = u64::MAX - 1;
 const TOKEN_ICMP: u64 = u64::MAX - 2;
-/// `epoll_pwait2(2)` (Linux 5.11), the same number on every architecture.
-
 struct Slot {
     op: Op,
     target: usize,
