@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod image;
 mod kube;
+mod layers;
 mod setup;
 mod testrun;
 
@@ -46,6 +47,9 @@ enum Cmd {
     },
     /// The demo on a simulated node.
     Demo,
+    /// Check that the agent's imports point only down its layers and the workspace's crates
+    /// depend only on crates below them (also the first thing `test` does).
+    Layers,
     /// Build the real Kubernetes control plane for the tests (kube-apiserver,
     /// kube-controller-manager, kube-scheduler, kubectl, etcd) from the Go module proxy, into
     /// a cache by version outside the clone (`$STEPGUARD_CACHE`, default /var/cache/stepguard);
@@ -176,6 +180,8 @@ pub fn is_root() -> bool {
 
 fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
     let started = std::time::Instant::now();
+    // Seconds, and before anything is built: imports point only down.
+    layers::check(&root())?;
     // Set-up is idempotent and takes seconds on a machine that has everything.
     setup::setup_with(false, false)?;
     // The real control plane for the rollout tests (Go, from the module proxy; cached by
@@ -313,6 +319,7 @@ fn main() {
         Cmd::Build { release } => build(release),
         Cmd::Test { unit, filter } => test(unit, filter),
         Cmd::Demo => demo(),
+        Cmd::Layers => layers::check(&root()),
         Cmd::Kube => kube::ensure().map(|d| println!("{}", d.display())),
         Cmd::Lab { args } => lab(args),
         Cmd::Bench { quick, only } => {
