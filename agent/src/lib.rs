@@ -23,5 +23,6 @@ pub mod rollout;
 pub mod serving;
 pub mod stats;
 pub mod step;
+pub mod timeline;
 pub mod wire;
 pub mod witness;

@@ -20,7 +20,7 @@ macro_rules! labels {
 labels!(ReasonLabels { reason });
 labels!(CheckLabels { check });
 labels!(VersionLabels { version });
-labels!(ProbeLabels { kind, target });
+pub use crate::timeline::{ProbeLabels, ProbeMetrics, PROBE_BUCKETS};
 labels!(GapLabels {
     kind,
     target,
@@ -34,10 +34,6 @@ labels!(StateLabels { state });
 
 type GaugeF = Gauge<f64, AtomicU64>;
 
-/// Probe latency buckets: millisecond-fine at the bottom, up to the longest timeout.
-pub const PROBE_BUCKETS: [f64; 14] = [
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-];
 /// Send delay buckets: from 50 µs (what an idle runtime gives) to 100 ms.
 pub const SEND_DELAY_BUCKETS: [f64; 11] = [
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -51,10 +47,10 @@ pub struct Metrics {
     pub check_passed: Family<CheckLabels, Gauge>,
     pub check_unknown: Family<CheckLabels, Gauge>,
     pub check_duration: Family<CheckLabels, GaugeF>,
-    pub probe_duration: Family<ProbeLabels, Histogram>,
+    /// `probe_duration`, `probe_failures`: shared with the probe recorder.
+    pub probes: ProbeMetrics,
     /// How late probes are sent against their schedule (the gap's resolution depends on it).
     pub probe_send_delay: Histogram,
-    pub probe_failures: Family<ProbeLabels, Counter>,
     pub gap_budget: Family<ProbeLabels, GaugeF>,
     /// By vantage point: `node` (the agent's own probes) or `witness:<host:port>`.
     pub last_step_gap: Family<GapLabels, GaugeF>,
@@ -109,14 +105,11 @@ impl Metrics {
             Unit::Seconds,
             check_duration.clone(),
         );
-        let probe_duration = Family::<ProbeLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(PROBE_BUCKETS)
-        });
-        r.register_with_unit(
-            "probe_duration",
+        let probes = ProbeMetrics::default();
+        probes.register(
+            &mut r,
             "Probe round-trip time, successful or not",
-            Unit::Seconds,
-            probe_duration.clone(),
+            "Probes that failed (timeout, refused, wrong answer)",
         );
         let probe_send_delay = Histogram::new(SEND_DELAY_BUCKETS);
         r.register_with_unit(
@@ -124,12 +117,6 @@ impl Metrics {
             "How late a VIP probe was sent against its schedule",
             Unit::Seconds,
             probe_send_delay.clone(),
-        );
-        let probe_failures = Family::<ProbeLabels, Counter>::default();
-        r.register(
-            "probe_failures",
-            "Probes that failed (timeout, refused, wrong answer)",
-            probe_failures.clone(),
         );
         let gap_budget = Family::<ProbeLabels, GaugeF>::default();
         r.register_with_unit(
@@ -251,8 +238,7 @@ impl Metrics {
             check_passed,
             check_unknown,
             check_duration,
-            probe_duration,
-            probe_failures,
+            probes,
             gap_budget,
             probe_send_delay,
             last_step_gap,

@@ -28,8 +28,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Registry;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -86,42 +85,23 @@ impl WStep {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ProbeLabels {
-    kind: String,
-    target: String,
-    vantage: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TargetLabels {
     target: String,
 }
 
 struct WitnessMetrics {
     registry: Registry,
-    probe_duration: Family<ProbeLabels, Histogram>,
-    probe_failures: Family<ProbeLabels, Counter>,
     mac_changes: Family<TargetLabels, Counter>,
     steps_active: Gauge,
 }
 
 impl WitnessMetrics {
-    fn new() -> Self {
+    fn new(probes: &crate::timeline::ProbeMetrics) -> Self {
         let mut r = Registry::with_prefix("stepguard");
-        let probe_duration = Family::<ProbeLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(crate::metrics::PROBE_BUCKETS)
-        });
-        r.register_with_unit(
-            "probe_duration",
-            "Probe latency, by vantage point (witness: a LAN client)",
-            Unit::Seconds,
-            probe_duration.clone(),
-        );
-        let probe_failures = Family::<ProbeLabels, Counter>::default();
-        r.register(
-            "probe_failures",
-            "Failed probes, by vantage point (witness: a LAN client)",
-            probe_failures.clone(),
+        probes.register(
+            &mut r,
+            "Probe round-trip time from the witness (a LAN client), successful or not",
+            "Probes from the witness (a LAN client) that failed",
         );
         let mac_changes = Family::<TargetLabels, Counter>::default();
         r.register(
@@ -137,8 +117,6 @@ impl WitnessMetrics {
         );
         WitnessMetrics {
             registry: r,
-            probe_duration,
-            probe_failures,
             mac_changes,
             steps_active,
         }
@@ -152,14 +130,11 @@ pub struct Witness {
     pub started_at: f64,
     steps: Mutex<BTreeMap<String, WStep>>,
     steady: Mutex<BTreeMap<String, VecDeque<(f64, f32)>>>,
-    latest: Mutex<BTreeMap<String, ProbeOutcome>>,
     neigh: Option<Arc<NeighLog>>,
     /// MAC last seen per target address, for the change counter.
     last_mac: Mutex<BTreeMap<String, Option<String>>>,
-    /// Continuous samples per target (see `step::gaps::Sample`).
-    ring: Mutex<BTreeMap<String, VecDeque<crate::step::gaps::Sample>>>,
-    /// Each target's usual round trip lately (see `step::gaps`: held answers).
-    rtt_floors: Mutex<BTreeMap<String, crate::step::gaps::RttFloor>>,
+    /// Metrics, latest outcomes and continuous samples per target (moves, late steps).
+    recorder: crate::timeline::Recorder,
     moves: Mutex<VecDeque<Move>>,
     metrics: Mutex<WitnessMetrics>,
     changed: tokio::sync::watch::Sender<u64>,
@@ -193,6 +168,9 @@ impl Witness {
     pub fn new(cfg: Config, opts: WitnessOptions, neigh: Option<Arc<NeighLog>>) -> Arc<Witness> {
         let mut id = [0u8; 6];
         let _ = getrandom::fill(&mut id);
+        let probes = crate::timeline::ProbeMetrics::default();
+        probes.declare(&cfg.targets);
+        let metrics = WitnessMetrics::new(&probes);
         Arc::new(Witness {
             cfg,
             opts,
@@ -200,13 +178,17 @@ impl Witness {
             started_at: unix_now(),
             steps: Mutex::new(BTreeMap::new()),
             steady: Mutex::new(BTreeMap::new()),
-            latest: Mutex::new(BTreeMap::new()),
             neigh,
             last_mac: Mutex::new(BTreeMap::new()),
-            ring: Mutex::new(BTreeMap::new()),
-            rtt_floors: Mutex::new(BTreeMap::new()),
+            recorder: crate::timeline::Recorder::new(
+                probes,
+                crate::timeline::RingBounds {
+                    age_s: RING_S,
+                    max: RING_MAX,
+                },
+            ),
             moves: Mutex::new(VecDeque::new()),
-            metrics: Mutex::new(WitnessMetrics::new()),
+            metrics: Mutex::new(metrics),
             changed: tokio::sync::watch::Sender::new(0),
             engine: std::sync::OnceLock::new(),
         })
@@ -228,59 +210,16 @@ impl Witness {
             .unwrap_or(self.opts.probe_interval)
     }
 
-    fn max_timeout(&self) -> f64 {
-        self.cfg
-            .targets
-            .iter()
-            .map(|t| t.timeout.as_secs_f64())
-            .fold(0.0, f64::max)
-    }
-
     fn record(&self, target: &crate::config::Target, o: &ProbeOutcome) {
-        {
-            let m = lock(&self.metrics);
-            let l = ProbeLabels {
-                kind: target.probe.as_str().into(),
-                target: target.name.clone(),
-                vantage: "witness".into(),
-            };
-            m.probe_duration
-                .get_or_create(&l)
-                .observe(o.latency.as_secs_f64());
-            if !o.ok {
-                m.probe_failures.get_or_create(&l).inc();
-            }
-        }
-        lock(&self.latest).insert(target.name.clone(), o.clone());
+        let sample = self.recorder.record(target, o, true).sample;
         if !o.ran {
             let now = unix_now();
             for s in lock(&self.steps).values_mut().filter(|s| s.active(now)) {
                 if let Some(t) = s.targets.get_mut(&target.name) {
-                    t.not_run += 1;
-                    t.not_run_detail.get_or_insert_with(|| o.detail.clone());
+                    t.not_sent(&o.detail);
                 }
             }
             return;
-        }
-        let sample = {
-            let rtt = o.latency.as_secs_f64();
-            let floor = if o.ok {
-                lock(&self.rtt_floors)
-                    .entry(target.name.clone())
-                    .or_default()
-                    .observe(o.sent_at, rtt)
-            } else {
-                rtt
-            };
-            crate::step::gaps::Sample::of(o.sent_at, o.ok, rtt, floor)
-        };
-        {
-            let mut ring = lock(&self.ring);
-            let q = ring.entry(target.name.clone()).or_default();
-            while q.len() >= RING_MAX || q.front().is_some_and(|x| x.sent < o.sent_at - RING_S) {
-                q.pop_front();
-            }
-            q.push_back(sample);
         }
         let lat = (o.sent_at, (o.latency.as_secs_f64() * 1e3) as f32);
         if o.ok {
@@ -297,9 +236,7 @@ impl Witness {
                 continue;
             }
             if let Some(t) = s.targets.get_mut(&target.name) {
-                t.samples.push(sample);
-                t.probes += 1;
-                t.failures += u64::from(!o.ok);
+                t.record(sample);
             }
             if o.ok {
                 push_bounded(s.latencies.entry(target.name.clone()).or_default(), lat);
@@ -412,16 +349,7 @@ impl Witness {
         );
         let created_at = match r.since {
             Some(t) if t.is_finite() && t < now && t >= now - RING_S => {
-                let ring = lock(&self.ring);
-                for (name, tl) in targets.iter_mut() {
-                    let seeded: Vec<crate::step::gaps::Sample> = ring
-                        .get(name)
-                        .map(|q| q.iter().filter(|x| x.sent >= t).copied().collect())
-                        .unwrap_or_default();
-                    tl.probes = seeded.len() as u64;
-                    tl.failures = seeded.iter().filter(|x| !x.ok).count() as u64;
-                    tl.samples = seeded;
-                }
+                self.recorder.seed(&mut targets, t);
                 t
             }
             _ => now,
@@ -454,19 +382,10 @@ impl Witness {
     pub fn moves(&self) -> Vec<Move> {
         let cadence = self.opts.probe_interval.as_secs_f64();
         let now = unix_now();
-        let ring = lock(&self.ring);
         lock(&self.moves)
             .iter()
             .map(|m| {
-                let samples: Vec<crate::step::gaps::Sample> = ring
-                    .get(&m.target)
-                    .map(|q| {
-                        q.iter()
-                            .filter(|x| x.sent >= m.at - 60.0 && x.sent <= m.at + 60.0)
-                            .copied()
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let samples = self.recorder.window(&m.target, m.at - 60.0, m.at + 60.0);
                 let outage = crate::step::gaps::outages(&samples)
                     .into_iter()
                     .filter(|o| o.start <= m.at + 1.0 && o.end.unwrap_or(now) >= m.at - 1.0)
@@ -497,11 +416,12 @@ impl Witness {
     /// The report of step `id`; `after`: where the "after" latencies start.
     pub fn report(&self, id: &str, after: Option<f64>) -> Option<WitnessReport> {
         let now = unix_now();
-        let slack = self.max_timeout() + 0.25;
         let steps = lock(&self.steps);
         let s = steps.get(id)?;
         let end = s.ended_at.unwrap_or(now).min(s.until);
-        let complete_until = (now - slack).min(end).max(s.created_at);
+        let complete_until = crate::timeline::complete_until(now, &self.cfg.targets)
+            .min(end)
+            .max(s.created_at);
         let cadence = s.burst.as_secs_f64();
         let gaps = s
             .targets
@@ -579,7 +499,7 @@ impl Witness {
     /// publishes the active step count.
     fn maintain(&self) {
         let now = unix_now();
-        let cutoff = now - self.max_timeout() - 0.25;
+        let cutoff = crate::timeline::compaction_cutoff(now, &self.cfg.targets);
         let mut active = 0;
         for s in lock(&self.steps).values_mut() {
             if s.active(now) {
@@ -643,34 +563,22 @@ impl Witness {
 }
 
 /// What the probe engine reports to: the witness's rings, steps and metrics.
-struct ProbeSink(std::sync::Weak<Witness>);
-
-impl crate::probe::engine::Sink for ProbeSink {
-    fn interval(&self, i: usize) -> Duration {
-        let Some(w) = self.0.upgrade() else {
-            return Duration::from_secs(3600);
-        };
-        let base = w.interval();
-        match w.cfg.targets.get(i).and_then(|t| t.burst_interval) {
-            // A critical target's finer cadence applies while a step is active.
-            Some(own) if base < w.opts.probe_interval => own.min(base),
-            _ => base,
-        }
+impl crate::timeline::Vantage for Witness {
+    fn targets(&self) -> &[crate::config::Target] {
+        &self.cfg.targets
     }
-    fn outcome(&self, i: usize, o: ProbeOutcome) {
-        if let Some(w) = self.0.upgrade() {
-            w.record(&w.cfg.targets[i], &o);
-        }
+    fn cadence_now(&self) -> (Duration, bool) {
+        let base = self.interval();
+        (base, base < self.opts.probe_interval)
+    }
+    fn outcome(&self, target: &crate::config::Target, o: &ProbeOutcome) {
+        self.record(target, o);
     }
 }
 
 /// Starts the witness's probe loops and maintenance.
 pub fn spawn_loops(w: &Arc<Witness>) {
-    crate::probe::engine::start_into(
-        &w.engine,
-        &w.cfg.targets,
-        Arc::new(ProbeSink(Arc::downgrade(w))),
-    );
+    crate::timeline::start_probes(&w.engine, w);
     let w2 = w.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
@@ -740,7 +648,7 @@ async fn status(State(w): State<Arc<Witness>>, headers: HeaderMap) -> Response {
         "instance": w.instance,
         "started_at": w.started_at,
         "targets": w.cfg.targets.iter().map(|t| &t.name).collect::<Vec<_>>(),
-        "latest": *lock(&w.latest),
+        "latest": w.recorder.latest(),
         "macs": macs,
         "neighbour_table": if w.neigh.is_some() { "followed" } else { "unavailable: reports carry no MAC addresses" },
         // Step ids only to those who may read steps.
@@ -940,6 +848,17 @@ mod tests {
         }
         let r = w.report("a", Some(t0)).unwrap();
         assert_eq!(r.probes["gw"].sent, 4);
+        // The probe series carry the agent's labels (issue 29: no `vantage` on the witness).
+        let text = w.encode_metrics();
+        assert!(
+            text.contains(r#"stepguard_probe_failures_total{kind="tcp",target="gw"} 2"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"stepguard_probe_duration_seconds_count{kind="tcp",target="gw"} 4"#),
+            "{text}"
+        );
+        assert!(!text.contains("vantage"), "{text}");
         let (s, v) = call(&w, "GET", "/v1/steps/a?after=x", "", Some("s3cret")).await;
         assert_eq!(s, 400, "{v}");
         assert_eq!(

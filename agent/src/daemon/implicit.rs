@@ -87,22 +87,7 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
     let id = format!("implicit-{}", crate::step::new_id(unix_now()));
     let mut targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     // The evidence before detection: the steady cadence's probes since the snapshot.
-    let mut running = Vec::new();
-    {
-        let recent = lock(&d.recent);
-        for (name, t) in targets.iter_mut() {
-            let samples: Vec<crate::step::gaps::Sample> = recent
-                .get(name)
-                .map(|q| q.iter().filter(|s| s.sent >= steady.at).copied().collect())
-                .unwrap_or_default();
-            if samples.last().is_some_and(|s| !s.ok) {
-                running.push(name.clone());
-            }
-            t.probes = samples.len() as u64;
-            t.failures = samples.iter().filter(|s| !s.ok).count() as u64;
-            t.samples = samples;
-        }
-    }
+    let running = d.recorder.seed(&mut targets, steady.at);
     let mut why = format!(
         "{trigger}; before it (from {:.1}s earlier) the evidence is the steady probes' (their cadence widens the gap bounds)",
         unix_now() - steady.at

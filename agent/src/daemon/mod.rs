@@ -46,7 +46,6 @@ pub struct DnsSample {
 
 #[derive(Default)]
 pub struct ProbeView {
-    pub latest: BTreeMap<String, ProbeOutcome>,
     pub dns: VecDeque<DnsSample>,
 }
 
@@ -90,11 +89,9 @@ pub struct Daemon {
     pub shutting_down: tokio::sync::watch::Sender<bool>,
     /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
     pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
-    /// Steady probe samples of the last minute per target: the evidence an
-    /// implicit step has from before it was detected.
-    pub recent: Mutex<BTreeMap<String, VecDeque<crate::step::gaps::Sample>>>,
-    /// Each target's usual round trip lately (what a held answer is measured against).
-    pub rtt_floors: Mutex<BTreeMap<String, crate::step::gaps::RttFloor>>,
+    /// The targets' probes as recorded: metrics, latest outcomes, and the steady samples of
+    /// the last minute (the evidence an implicit step has from before it was detected).
+    pub recorder: crate::timeline::Recorder,
     /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
     /// map counts), so they never hold up the probes' send times on the main workers.
     pub kernel: tokio::runtime::Handle,
@@ -144,16 +141,16 @@ impl Daemon {
         let store = StepStore::new(&opts.state_dir)
             .map_err(|e| anyhow::anyhow!("state directory {}: {e}", opts.state_dir.display()))?;
         let metrics = Metrics::new();
+        metrics.probes.declare(&cfg.targets);
         for t in &cfg.targets {
-            let l = ProbeLabels {
-                kind: t.probe.as_str().into(),
-                target: t.name.clone(),
-            };
-            let _ = metrics.probe_failures.get_or_create(&l);
             if let Some(g) = t.max_gap {
-                metrics.gap_budget.get_or_create(&l).set(g.as_secs_f64());
+                metrics
+                    .gap_budget
+                    .get_or_create(&ProbeLabels::of(t))
+                    .set(g.as_secs_f64());
             }
         }
+        let metrics_probes = metrics.probes.clone();
         let (tx, _) = tokio::sync::watch::channel(0u64);
         let max_long_polls = opts.max_long_polls;
         // Per-CPU reads size their buffers by this: read it now, while descriptors are free.
@@ -188,8 +185,13 @@ impl Daemon {
             answer_refs: Mutex::new(BTreeMap::new()),
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
-            recent: Mutex::new(BTreeMap::new()),
-            rtt_floors: Mutex::new(BTreeMap::new()),
+            recorder: crate::timeline::Recorder::new(
+                metrics_probes,
+                crate::timeline::RingBounds {
+                    age_s: RECENT_S,
+                    max: RECENT_MAX,
+                },
+            ),
             kernel: kernel_runtime()?,
             engine: std::sync::OnceLock::new(),
             topology: Arc::new(tokio::sync::Mutex::new(links::TopologyCache::new())),
@@ -208,19 +210,6 @@ impl Daemon {
     /// Wakes long-polls only.
     pub fn bump_readers(&self) {
         self.changed.send_modify(|v| *v += 1);
-    }
-
-    /// The cadence target `i` is probed at now: the step's burst cadence during a step (or
-    /// the target's own `burst_interval`, a critical target's finer one), else the steady one.
-    pub fn target_interval(&self, i: usize) -> Duration {
-        let base = self.probe_interval();
-        if !self.burst.load(Ordering::SeqCst) {
-            return base;
-        }
-        match self.cfg.targets.get(i).and_then(|t| t.burst_interval) {
-            Some(own) => own.min(base),
-            None => base,
-        }
     }
 
     pub fn probe_interval(&self) -> Duration {
@@ -278,41 +267,12 @@ impl Daemon {
             }
             _ => o,
         };
-        {
-            let m = lock(&self.metrics);
-            let l = ProbeLabels {
-                kind: t_kind(target),
-                target: target.name.clone(),
-            };
-            m.probe_duration
-                .get_or_create(&l)
-                .observe(o.latency.as_secs_f64());
-            if !o.ok {
-                m.probe_failures.get_or_create(&l).inc();
-            }
-        }
-        {
-            // Probes overlap and finish out of order: a late timeout must not overwrite the
-            // result of a probe sent after it.
-            let mut p = lock(&self.probes);
-            if supersedes(p.latest.get(&target.name), o) {
-                p.latest.insert(target.name.clone(), o.clone());
-            }
-        }
-        // Into the active step's timeline (the runner owns it). A probe that could not run
-        // is no sample: the gap it leaves is judged as a stall. A full buffer drops samples
-        // the same way (never silently into a pass).
-        let sample = self.sample_of(&target.name, o);
-        if o.ran && !self.step_active.load(Ordering::SeqCst) {
-            let mut r = lock(&self.recent);
-            let q = r.entry(target.name.clone()).or_default();
-            while q.len() >= RECENT_MAX || q.front().is_some_and(|s| s.sent < o.sent_at - RECENT_S)
-            {
-                q.pop_front();
-            }
-            q.push_back(sample);
-        }
-        if self.step_active.load(Ordering::SeqCst) {
+        // Into the active step's timeline (the runner owns it) or, between steps, the ring.
+        // A probe that could not run is no sample: the gap it leaves is judged as a stall. A
+        // full buffer drops samples the same way (never silently into a pass).
+        let stepping = self.step_active.load(Ordering::SeqCst);
+        let sample = self.recorder.record(target, o, !stepping).sample;
+        if stepping {
             let _ = self.ports.samples.try_send(runner::Sample {
                 target: target.name.clone(),
                 sample,
@@ -326,21 +286,6 @@ impl Daemon {
         }
     }
 
-    /// A probe's evidence for the gap arithmetic: an answer is judged against the target's
-    /// usual round trip (a held answer counts when it was released, see `step::gaps`).
-    fn sample_of(&self, target: &str, o: &ProbeOutcome) -> crate::step::gaps::Sample {
-        let rtt = o.latency.as_secs_f64();
-        let floor = if o.ok && o.ran {
-            lock(&self.rtt_floors)
-                .entry(target.to_string())
-                .or_default()
-                .observe(o.sent_at, rtt)
-        } else {
-            rtt
-        };
-        crate::step::gaps::Sample::of(o.sent_at, o.ok, rtt, floor)
-    }
-
     /// The `vips` check from the latest probe of every target.
     pub fn vips_result(&self) -> CheckResult {
         let started = Instant::now();
@@ -349,7 +294,7 @@ impl Daemon {
                 .with_duration(started.elapsed())
                 .or_unknown_when_empty();
         }
-        let latest = lock(&self.probes).latest.clone();
+        let latest = self.recorder.latest();
         let mut outcomes = Vec::new();
         for t in &self.cfg.targets {
             match latest.get(&t.name) {
@@ -578,14 +523,7 @@ impl Daemon {
     }
 }
 
-/// Whether `new` replaces `old` as a target's latest outcome: only a probe sent no earlier.
-pub fn supersedes(old: Option<&ProbeOutcome>, new: &ProbeOutcome) -> bool {
-    old.is_none_or(|old| new.sent_at >= old.sent_at)
-}
-
-fn t_kind(t: &crate::config::Target) -> String {
-    t.probe.as_str().to_string()
-}
+pub use crate::timeline::supersedes;
 
 trait ResultExt {
     fn with_duration(self, d: Duration) -> Self;
@@ -610,26 +548,20 @@ impl ResultExt for CheckResult {
 pub use crate::limits::MAX_IN_FLIGHT;
 
 /// What the probe engine reports to: the daemon's timeline, metrics and latest outcomes.
-struct ProbeSink(std::sync::Weak<Daemon>);
-
-impl crate::probe::engine::Sink for ProbeSink {
-    fn interval(&self, i: usize) -> Duration {
-        match self.0.upgrade() {
-            Some(d) => d.target_interval(i),
-            None => Duration::from_secs(3600),
-        }
+impl crate::timeline::Vantage for Daemon {
+    fn targets(&self) -> &[crate::config::Target] {
+        &self.cfg.targets
     }
-    fn outcome(&self, i: usize, o: ProbeOutcome) {
-        if let Some(d) = self.0.upgrade() {
-            d.record_probe(&d.cfg.targets[i], &o);
-        }
+    fn cadence_now(&self) -> (Duration, bool) {
+        (self.probe_interval(), self.burst.load(Ordering::SeqCst))
+    }
+    fn outcome(&self, target: &crate::config::Target, o: &ProbeOutcome) {
+        self.record_probe(target, o);
     }
     fn late(&self, late: Duration) {
-        if let Some(d) = self.0.upgrade() {
-            lock(&d.metrics)
-                .probe_send_delay
-                .observe(late.as_secs_f64());
-        }
+        lock(&self.metrics)
+            .probe_send_delay
+            .observe(late.as_secs_f64());
     }
 }
 
@@ -679,11 +611,12 @@ async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
                         kind: "dns_resolver".into(),
                         target: resolver.to_string(),
                     };
-                    m.probe_duration
+                    m.probes
+                        .duration
                         .get_or_create(&l)
                         .observe(latency.as_secs_f64());
                     if r.is_err() {
-                        m.probe_failures.get_or_create(&l).inc();
+                        m.probes.failures.get_or_create(&l).inc();
                     }
                 }
                 let mut p = lock(&d.probes);
@@ -721,11 +654,7 @@ async fn slow_loop(d: Arc<Daemon>) {
 
 /// Starts every loop; returns when they are running.
 pub fn spawn_loops(d: &Arc<Daemon>) {
-    crate::probe::engine::start_into(
-        &d.engine,
-        &d.cfg.targets,
-        Arc::new(ProbeSink(Arc::downgrade(d))),
-    );
+    crate::timeline::start_probes(&d.engine, d);
     for r in d.cfg.dns.resolver_addrs().unwrap_or_default() {
         tokio::spawn(dns_loop(d.clone(), r));
     }
@@ -785,9 +714,9 @@ mod tests {
         d.record_probe(&t, &with("198.51.100.11", 2.0)); // outside a step: follows
         d.step_active.store(true, Ordering::SeqCst);
         d.record_probe(&t, &with("198.51.100.11", 3.0));
-        assert!(lock(&d.probes).latest["dns"].ok);
+        assert!(d.recorder.latest()["dns"].ok);
         d.record_probe(&t, &with("1.2.3.4", 4.0));
-        let latest = lock(&d.probes).latest["dns"].clone();
+        let latest = d.recorder.latest()["dns"].clone();
         assert!(!latest.ok, "{latest:?}");
         assert!(
             latest.detail.contains("198.51.100.11 before, 1.2.3.4 now"),

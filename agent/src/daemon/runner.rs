@@ -94,9 +94,6 @@ impl Default for Ports {
     }
 }
 
-/// How long after a probe's timeout its result is surely recorded.
-const COMPLETION_SLACK_S: f64 = 0.25;
-
 struct Runner {
     d: Arc<Daemon>,
     step: Option<Step>,
@@ -332,15 +329,10 @@ impl Runner {
         }
         if let Some(t) = s.targets.get_mut(&x.target) {
             if !x.ran {
-                t.not_run += 1;
-                t.not_run_detail.get_or_insert(x.detail);
+                t.not_sent(&x.detail);
                 return;
             }
-            t.samples.push(x.sample);
-            t.probes += 1;
-            if !x.sample.ok {
-                t.failures += 1;
-            }
+            t.record(x.sample);
         }
     }
 
@@ -442,12 +434,6 @@ impl Runner {
         let now = unix_now();
         let kd = d.kernel_drops_now();
         let cd = d.cilium_drops_now();
-        let max_timeout = d
-            .cfg
-            .targets
-            .iter()
-            .map(|t| t.timeout.as_secs_f64())
-            .fold(0.0, f64::max);
         // Results that arrived while the kernel was observed are read before anything is
         // decided: "every probe sent before `complete_until` is recorded" must hold.
         while let Ok(s) = samples.try_recv() {
@@ -530,7 +516,7 @@ impl Runner {
             drops_unknown,
             // Every probe sent before this has answered or timed out, and been recorded (a
             // little slack for the recording itself on a busy node).
-            complete_until: now - max_timeout - COMPLETION_SLACK_S,
+            complete_until: crate::timeline::complete_until(now, &d.cfg.targets),
             endpoint_maps: self.last_endpoint_maps.clone(),
             agent_version: self.last_agent_version.clone(),
             map_entries: self.last_map_entries.clone(),
@@ -542,7 +528,7 @@ impl Runner {
         if done || n.is_multiple_of(5) {
             // Probes older than the longest timeout have all answered: fold them into
             // outages so a long step at 10 ms keeps its memory bounded.
-            let cutoff = now - max_timeout - 1.0;
+            let cutoff = crate::timeline::compaction_cutoff(now, &d.cfg.targets);
             for t in s.targets.values_mut() {
                 t.compact(cutoff);
             }

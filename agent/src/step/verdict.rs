@@ -1,10 +1,10 @@
 //! Deciding a step (pure): the reload, the gaps, the baseline comparison and the drops, over
 //! what the daemon observed. `passed` only after every node and step check has been green for
 //! the settle window after a complete reload; never on incomplete evidence.
-use super::gaps::summarize;
 use super::{MapEvidence, Phase, Reason, Reload, Status, Step, StepCheck, TargetGap, Verdict};
 use crate::checks::Status as CheckStatus;
 use crate::profile;
+pub use crate::timeline::gap_row;
 use std::collections::BTreeMap;
 
 /// How long nothing may change before a reload counts as complete (Cilium attaches devices one
@@ -350,48 +350,6 @@ fn gap_rows(step: &Step, now: f64) -> Vec<TargetGap> {
         .iter()
         .map(|(name, t)| gap_row(name, t, step.params.burst_interval.as_secs_f64(), now))
         .collect()
-}
-
-/// One target's gap row from its timeline (the agent's, or a witness's).
-pub fn gap_row(name: &str, t: &super::TargetTimeline, cadence: f64, now: f64) -> TargetGap {
-    let cadence = t.cadence(cadence);
-    let outages = t.outages();
-    let g = summarize(&outages, cadence, now);
-    let longest = outages
-        .iter()
-        .max_by(|a, b| a.duration(now).total_cmp(&b.duration(now)));
-    // Probes lost outside the longest outage: the longest is `max_gap`'s to judge; the rest
-    // is loss. (Outages recorded before their failures were counted: length over cadence.)
-    let in_longest = longest.map_or(0, |o| {
-        if o.failed > 0 {
-            o.failed
-        } else {
-            (g.longest / cadence).round().max(0.0) as u64
-        }
-    });
-    let lost_outside_longest = t.failures.saturating_sub(in_longest);
-    TargetGap {
-        target: name.to_string(),
-        kind: t.kind.clone(),
-        east_west: t.east_west,
-        longest_s: g.longest,
-        error_bound_s: g.error_bound,
-        total_s: g.total + t.dropped_total_s,
-        count: g.count + t.dropped_outages as usize,
-        budget_s: t.budget,
-        open: g.open,
-        longest_start: longest.map(|o| o.start),
-        longest_end: longest.and_then(|o| o.end),
-        longest_held_s: longest.and_then(|o| o.held),
-        loss: if t.probes > 0 {
-            lost_outside_longest as f64 / t.probes as f64
-        } else {
-            0.0
-        },
-        lost_outside_longest,
-        loss_budget: t.loss_budget,
-        total_budget_s: t.total_budget,
-    }
 }
 
 fn finish(step: &mut Step, status: Status, reasons: Vec<Reason>, summary: String, now: f64) {
