@@ -3,6 +3,7 @@
 //! naming the field; an empty file checks a default Cilium node at `/sys/fs/bpf`.
 use crate::duration;
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -90,48 +91,22 @@ pub struct MapsConfig {
     pub l2_announcements: Option<bool>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ProbeKind {
-    Tcp,
-    Http,
-    Icmp,
-    Dns,
-}
-
-impl ProbeKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Http => "http",
-            Self::Icmp => "icmp",
-            Self::Dns => "dns",
-        }
-    }
-}
-
+/// A probed address. The fields here are every kind's; a kind's own (http's `path` and
+/// `expect`, dns's `query` and `answers`, https's `server_name` and `ca`, ...) are its
+/// `options`, read and checked by the kind (`probe::kind`), unknown ones refused there.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Target {
     pub name: String,
     pub address: IpAddr,
     #[serde(default)]
     pub port: Option<u16>,
-    pub probe: ProbeKind,
+    /// The probe kind (`tcp`, `http`, `https`, `icmp`, `dns`: see `probe::kind::KINDS`).
+    pub probe: String,
     #[serde(
         default = "default_timeout",
         deserialize_with = "duration::deserialize"
     )]
     pub timeout: Duration,
-    /// http: expected status (default 200).
-    #[serde(default)]
-    pub expect: Option<u16>,
-    /// http: request path (default `/`).
-    #[serde(default)]
-    pub path: Option<String>,
-    /// dns: the name to resolve (default `kubernetes.default.svc.cluster.local`).
-    #[serde(default)]
-    pub query: Option<String>,
     /// Longest acceptable outage during a step (default: the step's `max_gap`).
     #[serde(default, deserialize_with = "duration::deserialize_opt")]
     pub max_gap: Option<Duration>,
@@ -151,10 +126,6 @@ pub struct Target {
     /// to within this cadence).
     #[serde(default, deserialize_with = "duration::deserialize_opt")]
     pub burst_interval: Option<Duration>,
-    /// dns: the answer expected (every address returned must be in the set), or `baseline`:
-    /// during a step, the answer must stay what it was when the step began.
-    #[serde(default)]
-    pub answers: Option<Answers>,
     /// An east-west target: an address on another node (its health endpoint — Cilium's
     /// cilium-health answers HTTP `/hello` on 4240 at an address from that node's pod CIDR,
     /// `CiliumNode.spec.health.ipv4` — or a pod there), reached through this node's datapath
@@ -163,6 +134,9 @@ pub struct Target {
     /// fails it when its route ends on this node (it would not be east-west).
     #[serde(default)]
     pub east_west: bool,
+    /// The kind's own fields.
+    #[serde(flatten)]
+    pub options: BTreeMap<String, serde_yaml_ng::Value>,
 }
 
 /// What a DNS answer must be.
@@ -204,16 +178,6 @@ impl Answers {
             Answers::Set(v) => Some(v),
             Answers::Baseline => None,
         }
-    }
-}
-
-impl Target {
-    pub fn port(&self) -> u16 {
-        self.port.unwrap_or(match self.probe {
-            ProbeKind::Http => 80,
-            ProbeKind::Dns => 53,
-            ProbeKind::Tcp | ProbeKind::Icmp => 0,
-        })
     }
 }
 
@@ -448,42 +412,14 @@ impl Config {
             if !names.insert(t.name.clone()) {
                 return field(&format!("{f}.name"), format!("{:?} is used twice", t.name));
             }
-            if t.probe == ProbeKind::Tcp && t.port.is_none() {
-                return field(&format!("{f}.port"), "a tcp probe needs a port".into());
-            }
             if t.port == Some(0) {
                 return field(&format!("{f}.port"), "0 is not a port".into());
-            }
-            if t.probe == ProbeKind::Icmp {
-                if t.port.is_some() {
-                    return field(
-                        &format!("{f}.port"),
-                        "an icmp probe has no port (remove it)".into(),
-                    );
-                }
-                if t.address.is_ipv6() {
-                    return field(
-                        &format!("{f}.address"),
-                        format!(
-                            "{}: icmp probes support IPv4 only (use a tcp probe for IPv6)",
-                            t.address
-                        ),
-                    );
-                }
             }
             if t.timeout < Duration::from_millis(1) || t.timeout > Duration::from_secs(30) {
                 return field(
                     &format!("{f}.timeout"),
                     "must be between 1ms and 30s".into(),
                 );
-            }
-            if let Some(p) = &t.path {
-                if !p.starts_with('/') || p.contains(char::is_whitespace) {
-                    return field(
-                        &format!("{f}.path"),
-                        format!("{p:?} must start with / and hold no spaces"),
-                    );
-                }
             }
             if let Some(src) = t.source {
                 if src.is_ipv4() != t.address.is_ipv4() {
@@ -492,15 +428,6 @@ impl Config {
                         format!("{src} is not of the address family of {}", t.address),
                     );
                 }
-            }
-            if t.answers.is_some() && t.probe != ProbeKind::Dns {
-                return field(
-                    &format!("{f}.answers"),
-                    "only a dns probe has answers".into(),
-                );
-            }
-            if t.expect.is_some_and(|s| !(100..=599).contains(&s)) {
-                return field(&format!("{f}.expect"), "an HTTP status is 100..599".into());
             }
         }
         self.dns.resolver_addrs()?;
@@ -574,7 +501,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.targets[0].max_gap, Some(Duration::from_secs(2)));
-        assert_eq!(c.targets[1].port(), 53);
+        assert_eq!(c.targets[1].options["query"], "a.test");
         assert_eq!(c.dns.resolver_addrs().unwrap()[1].port(), 5353);
     }
 
@@ -584,8 +511,6 @@ mod tests {
             ("bogus: 1\n", "unknown field `bogus`"),
             ("targets:\n  - {name: gw, address: 300.1.1.1, probe: tcp, port: 80}\n", "targets"),
             ("targets:\n  - {name: gw, address: 192.0.2.1, probe: tcp, port: 80, timeout: soon}\n", "invalid duration"),
-            ("targets:\n  - {name: gw, address: 192.0.2.1, probe: tcp}\n", "targets[0].port"),
-            ("targets:\n  - {name: gw, address: 192.0.2.1, probe: smoke}\n", "unknown variant"),
             ("dns:\n  resolvers: [not-an-ip]\n", "dns.resolvers"),
             ("cilium: \"1.2\"\n", "cilium"),
             ("dns:\n  min_success_ratio: 2\n", "dns.min_success_ratio"),

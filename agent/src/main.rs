@@ -234,7 +234,7 @@ enum OutputFormat {
 
 fn load_config(args: &CheckArgs) -> Result<Config> {
     let mut cfg = match &args.config {
-        Some(p) => Config::load(p)?,
+        Some(p) => stepguard::probe::load(p)?,
         None => Config::default(),
     };
     if let Some(b) = &args.bpffs {
@@ -381,7 +381,7 @@ fn check_intervals(args: &AgentArgs) -> Result<()> {
 fn agent(args: AgentArgs) -> Result<i32> {
     check_intervals(&args)?;
     let cfg = match &args.config {
-        Some(p) => Config::load(p)?,
+        Some(p) => stepguard::probe::load(p)?,
         None => Config::default(),
     };
     cfg.check_paths()?;
@@ -444,7 +444,7 @@ fn witness(args: WitnessArgs) -> Result<i32> {
     if args.listen.port() == 0 {
         anyhow::bail!("--listen: port 0 is not a port an agent can find");
     }
-    let cfg = Config::load(&args.config)?;
+    let cfg = stepguard::probe::load(&args.config)?;
     if cfg.targets.is_empty() {
         anyhow::bail!(
             "{}: a witness needs `targets` (the VIPs to probe)",

@@ -5,7 +5,7 @@ fn the_example_config_in_deploy_parses() {
         env!("CARGO_MANIFEST_DIR"),
         "/../deploy/stepguard.example.yaml"
     );
-    let cfg = stepguard::config::Config::load(std::path::Path::new(path)).unwrap();
+    let cfg = stepguard::probe::load(std::path::Path::new(path)).unwrap();
     assert_eq!(cfg.targets.len(), 4);
     assert_eq!(
         cfg.targets
@@ -25,7 +25,7 @@ fn the_example_witness_config_parses() {
         env!("CARGO_MANIFEST_DIR"),
         "/../deploy/witness/witness.example.yaml"
     );
-    let cfg = stepguard::config::Config::load(std::path::Path::new(path)).unwrap();
+    let cfg = stepguard::probe::load(std::path::Path::new(path)).unwrap();
     assert_eq!(cfg.targets.len(), 4);
     assert!(cfg.dns.resolvers.is_empty());
 }

@@ -86,7 +86,7 @@ pub async fn east_west_routes(targets: &[Target], bpffs: &std::path::Path) -> Ea
 pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) -> CheckResult {
     let evidence = json!({
         "targets": targets.iter().zip(outcomes).map(|(t, o)| json!({
-            "name": t.name, "address": t.address, "port": t.port(), "probe": t.probe.as_str(),
+            "name": t.name, "address": t.address, "port": crate::probe::port(t), "probe": t.probe.as_str(),
             "timeout_ms": t.timeout.as_millis() as u64, "ok": o.ok, "latency_ms": (o.latency.as_secs_f64() * 1e6).round() / 1e3, "detail": o.detail,
             "east_west": t.east_west,
         })).collect::<Vec<_>>(),
@@ -211,7 +211,7 @@ mod tests {
     use super::*;
 
     fn target(yaml: &str) -> Target {
-        crate::config::Config::parse(&format!("targets:\n  - {yaml}"))
+        crate::probe::parse(&format!("targets:\n  - {yaml}"))
             .unwrap()
             .targets[0]
             .clone()

@@ -97,6 +97,8 @@ pub struct Daemon {
     pub kernel: tokio::runtime::Handle,
     /// Host devices, addresses and routes, dumped again only when rtnetlink reports a change.
     pub topology: links::SharedTopology,
+    /// Targets whose answers must stay what they were when a step began (`answers: baseline`).
+    pub baseline_answers: BTreeSet<String>,
     /// The probe engine (its own thread) once the loops are spawned.
     pub engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
@@ -140,6 +142,19 @@ impl Daemon {
     pub fn new(cfg: Config, opts: DaemonOptions) -> anyhow::Result<Arc<Daemon>> {
         let store = StepStore::new(&opts.state_dir)
             .map_err(|e| anyhow::anyhow!("state directory {}: {e}", opts.state_dir.display()))?;
+        // Every target's probe kind and options (the config layer does not know the kinds).
+        crate::probe::validate(&cfg)?;
+        let baseline_answers = cfg
+            .targets
+            .iter()
+            .filter(|t| {
+                matches!(
+                    crate::probe::dns::answers(t),
+                    Some(crate::config::Answers::Baseline)
+                )
+            })
+            .map(|t| t.name.clone())
+            .collect();
         let metrics = Metrics::new();
         metrics.probes.declare(&cfg.targets);
         for t in &cfg.targets {
@@ -193,6 +208,7 @@ impl Daemon {
                 },
             ),
             kernel: kernel_runtime()?,
+            baseline_answers,
             engine: std::sync::OnceLock::new(),
             topology: Arc::new(tokio::sync::Mutex::new(links::TopologyCache::new())),
         });
@@ -253,8 +269,8 @@ impl Daemon {
 
     pub fn record_probe(&self, target: &crate::config::Target, o: &ProbeOutcome) {
         let mut judged;
-        let o = match (&target.answers, &o.answers) {
-            (Some(crate::config::Answers::Baseline), Some(a)) if o.ok => {
+        let o = match &o.answers {
+            Some(a) if o.ok && self.baseline_answers.contains(&target.name) => {
                 match self.answer_changed(&format!("target:{}", target.name), a) {
                     Some(problem) => {
                         judged = o.clone();

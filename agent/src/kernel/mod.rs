@@ -8,7 +8,6 @@ pub mod ciliumdrops;
 pub mod clock;
 pub mod drops;
 
-pub mod icmp;
 pub mod links;
 pub mod neigh;
 pub mod rtevents;

@@ -1,9 +1,18 @@
-//! One DNS query over UDP with hickory-proto messages: no cache, no retry. SERVFAIL, a
-//! mismatched reply, an empty answer and a timeout are all failures.
+//! `dns`: one query over UDP with hickory-proto messages: no cache, no retry. SERVFAIL, a
+//! mismatched reply, an empty answer and a timeout are all failures. Options: `query` (the
+//! name, default `kubernetes.default.svc.cluster.local`) and `answers` (the addresses expected,
+//! or `baseline`: during a step the answer must stay what it was when the step began). Port
+//! 53 unless given. The `dns` check's resolver queries are the same exchange.
+use super::engine::{would_block, Progress};
+use super::kind::{Exchange, Kind, Probe, Problem, Transport};
 use super::ProbeError;
+use crate::config::{Answers, Target};
+use crate::kernel::sock::{recv, send};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::RawFd;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +100,138 @@ pub fn judge_reply(
     Some(check_reply(&reply, name, kind, expect))
 }
 
+pub struct Dns;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Options {
+    #[serde(default)]
+    query: Option<String>,
+    #[serde(default)]
+    answers: Option<Answers>,
+}
+
+impl Kind for Dns {
+    fn name(&self) -> &'static str {
+        "dns"
+    }
+    fn default_port(&self) -> Option<u16> {
+        Some(53)
+    }
+    fn prepare(&self, t: &Target) -> Result<Arc<dyn Probe>, Problem> {
+        let o: Options = super::kind::options(t)?;
+        let name = o
+            .query
+            .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
+        let expect = o.answers.as_ref().and_then(|a| a.set()).map(|s| s.to_vec());
+        let q = Question::new(&name, RecordKind::A, expect)
+            .map_err(|e| Problem::new("query", e.to_string()))?;
+        Ok(Arc::new(q))
+    }
+}
+
+/// A target's `answers` (None for other kinds, or when not given).
+pub fn answers(t: &Target) -> Option<Answers> {
+    if t.probe != "dns" {
+        return None;
+    }
+    super::kind::options::<Options>(t)
+        .ok()
+        .and_then(|o| o.answers)
+}
+
+/// One name and record type to ask, encoded once (the id is patched per query).
+#[derive(Debug)]
+pub struct Question {
+    name: String,
+    kind: RecordKind,
+    wire: Vec<u8>,
+    expect: Option<Vec<IpAddr>>,
+}
+
+impl Question {
+    pub fn new(
+        name: &str,
+        kind: RecordKind,
+        expect: Option<Vec<IpAddr>>,
+    ) -> Result<Question, ProbeError> {
+        Ok(Question {
+            name: name.to_string(),
+            kind,
+            wire: encode_query(name, kind, 0)?,
+            expect,
+        })
+    }
+}
+
+impl Probe for Question {
+    fn transport(&self) -> Transport {
+        Transport::Datagram
+    }
+    fn exchange(self: Arc<Self>, addr: SocketAddr) -> Box<dyn Exchange> {
+        Box::new(Asking {
+            query: self,
+            id: 0,
+            addr,
+        })
+    }
+}
+
+struct Asking {
+    query: Arc<Question>,
+    id: u16,
+    addr: SocketAddr,
+}
+
+impl Exchange for Asking {
+    fn open(&mut self, fd: RawFd) -> Progress {
+        self.id = query_id();
+        let mut wire = self.query.wire.clone();
+        wire[..2].copy_from_slice(&self.id.to_be_bytes());
+        match send(fd, &wire) {
+            Ok(_) => Progress::Wait(libc::EPOLLIN as u32),
+            Err(e) => Progress::Done(Err(ProbeError::exchange(
+                format!("send to {}", self.addr),
+                &e,
+            ))),
+        }
+    }
+
+    fn ready(&mut self, fd: RawFd) -> Progress {
+        let mut buf = [0u8; 4096];
+        loop {
+            match recv(fd, &mut buf) {
+                Ok((n, _)) => {
+                    let q = &self.query;
+                    match judge_reply(
+                        &buf[..n],
+                        self.id,
+                        self.addr,
+                        &q.name,
+                        q.kind,
+                        q.expect.as_deref(),
+                    ) {
+                        None => continue, // another id: not our answer
+                        Some(r) => {
+                            return Progress::Done(r.map(|mut a| {
+                                a.addresses.sort();
+                                (a.summary(), Some(a.addresses))
+                            }))
+                        }
+                    }
+                }
+                Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
+                Err(e) => {
+                    return Progress::Done(Err(ProbeError::exchange(
+                        format!("receive from {}", self.addr),
+                        &e,
+                    )))
+                }
+            }
+        }
+    }
+}
+
 /// Sends one query and waits for its answer, up to `timeout` (on the blocking pool: the
 /// probe is the engine's, see [`crate::probe::engine`]).
 pub async fn query(
@@ -101,14 +242,8 @@ pub async fn query(
     expect: Option<&[IpAddr]>,
     source: Option<IpAddr>,
 ) -> Result<Answer, ProbeError> {
-    let spec = crate::probe::engine::Spec::dns(
-        resolver,
-        name,
-        kind,
-        timeout,
-        expect.map(|e| e.to_vec()),
-        source,
-    );
+    let q = Question::new(name, kind, expect.map(|e| e.to_vec()))?;
+    let spec = crate::probe::engine::Spec::with(resolver, source, timeout, Arc::new(q));
     match tokio::task::spawn_blocking(move || crate::probe::engine::run_once_raw(&spec)).await {
         Ok((_, latency, _)) if latency > timeout => Err(ProbeError::timeout(timeout)),
         Ok((_, _, r)) => r.map(|(_, addrs)| Answer {

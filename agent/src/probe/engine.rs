@@ -11,14 +11,14 @@
 //! layer (socket-LB translates it like any process's connection), TCP closes with RST (no
 //! TIME_WAIT), nothing is installed on the host. The same state machines serve the one-shot
 //! probes of `stepguard check` ([`run_once`]), so there is one implementation per probe kind.
-use crate::config::{ProbeKind, Target};
-use crate::kernel::icmp;
+use super::icmp;
+use super::kind::{Exchange, Probe, Transport};
+use crate::config::Target;
 use crate::kernel::sock::{
     bind, connect, drain_counter, epoll_create, epoll_ctl, epoll_pwait2, epoll_wait, eventfd,
-    eventfd_signal, mono_ns, new_socket, poll_one, recv, send, send_to, set_timer_slack_1ns,
+    eventfd_signal, mono_ns, new_socket, poll_one, recv, send_to, set_timer_slack_1ns,
     set_zero_linger, so_error, timerfd_at, timerfd_monotonic,
 };
-use crate::probe::dns::RecordKind;
 use crate::probe::{ProbeError, ProbeOutcome};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -28,111 +28,63 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What a target's probes send, prepared once.
+/// A target's probes, prepared once: where they go, from where, how long they may take, and
+/// the kind's prepared probe (or why the target cannot be probed at all).
 #[derive(Debug)]
 pub struct Spec {
-    kind: ProbeKind,
     addr: SocketAddr,
     source: Option<IpAddr>,
     timeout: Duration,
-    /// http: the request; dns: the query (its id is patched per probe).
-    wire: Vec<u8>,
-    expect_status: u16,
-    dns_name: String,
-    dns_kind: RecordKind,
-    dns_expect: Option<Vec<IpAddr>>,
-    /// Why this target cannot be probed at all (an unencodable name, IPv6 echo).
-    invalid: Option<ProbeError>,
+    probe: Result<Arc<dyn Probe>, ProbeError>,
 }
 
 impl Spec {
     pub fn new(t: &Target) -> Spec {
-        let addr = SocketAddr::new(t.address, t.port());
-        let mut s = Spec {
-            kind: t.probe,
-            addr,
-            source: t.source,
-            timeout: t.timeout,
-            wire: Vec::new(),
-            expect_status: t.expect.unwrap_or(200),
-            dns_name: String::new(),
-            dns_kind: RecordKind::A,
-            dns_expect: t.answers.as_ref().and_then(|a| a.set()).map(|s| s.to_vec()),
-            invalid: None,
-        };
-        s.check_source();
-        match t.probe {
-            ProbeKind::Http => {
-                let host = match t.address {
-                    IpAddr::V6(v6) => format!("[{v6}]"),
-                    IpAddr::V4(v4) => v4.to_string(),
-                };
-                s.wire = format!(
-                    "GET {} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: stepguard\r\nConnection: close\r\n\r\n",
-                    t.path.as_deref().unwrap_or("/")
-                )
-                .into_bytes();
-            }
-            ProbeKind::Dns => {
-                s.dns_name = t
-                    .query
-                    .clone()
-                    .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
-                s.encode_dns();
-            }
-            ProbeKind::Icmp if !t.address.is_ipv4() => {
-                s.invalid = Some(ProbeError::unsupported(
-                    "icmp",
-                    "icmp probes support IPv4 only",
-                ));
-            }
-            ProbeKind::Icmp | ProbeKind::Tcp => {}
-        }
-        s
+        let addr = SocketAddr::new(t.address, super::kind::port(t));
+        let probe = super::kind::prepare(t).map_err(|p| {
+            let field = if p.field.is_empty() {
+                t.name.clone()
+            } else {
+                format!("{} {}", t.name, p.field)
+            };
+            ProbeError::unsupported(field, p.problem)
+        });
+        Spec::checked(addr, t.source, t.timeout, probe)
     }
 
-    /// A DNS query of `name`/`kind` to `resolver` (the `dns` check's queries).
-    pub fn dns(
-        resolver: SocketAddr,
-        name: &str,
-        kind: RecordKind,
-        timeout: Duration,
-        expect: Option<Vec<IpAddr>>,
+    /// A probe prepared by its kind (the `dns` check's resolver queries).
+    pub fn with(
+        addr: SocketAddr,
         source: Option<IpAddr>,
+        timeout: Duration,
+        probe: Arc<dyn Probe>,
     ) -> Spec {
-        let mut s = Spec {
-            kind: ProbeKind::Dns,
-            addr: resolver,
+        Spec::checked(addr, source, timeout, Ok(probe))
+    }
+
+    fn checked(
+        addr: SocketAddr,
+        source: Option<IpAddr>,
+        timeout: Duration,
+        probe: Result<Arc<dyn Probe>, ProbeError>,
+    ) -> Spec {
+        let probe = match source {
+            Some(src) if src.is_ipv4() != addr.is_ipv4() => Err(ProbeError::unsupported(
+                format!("bind source {src}"),
+                format!("not the address family of {}", addr.ip()),
+            )),
+            _ => probe,
+        };
+        Spec {
+            addr,
             source,
             timeout,
-            wire: Vec::new(),
-            expect_status: 0,
-            dns_name: name.to_string(),
-            dns_kind: kind,
-            dns_expect: expect,
-            invalid: None,
-        };
-        s.check_source();
-        s.encode_dns();
-        s
-    }
-
-    fn check_source(&mut self) {
-        if let Some(src) = self.source {
-            if src.is_ipv4() != self.addr.is_ipv4() {
-                self.invalid = Some(ProbeError::unsupported(
-                    format!("bind source {src}"),
-                    format!("not the address family of {}", self.addr.ip()),
-                ));
-            }
+            probe,
         }
     }
 
-    fn encode_dns(&mut self) {
-        match crate::probe::dns::encode_query(&self.dns_name, self.dns_kind, 0) {
-            Ok(w) => self.wire = w,
-            Err(e) => self.invalid = self.invalid.take().or(Some(e)),
-        }
+    fn transport(&self) -> Option<Transport> {
+        self.probe.as_ref().ok().map(|p| p.transport())
     }
 }
 
@@ -164,10 +116,10 @@ fn icmp_socket() -> io::Result<(OwnedFd, bool)> {
 /// Where a probe is.
 #[derive(Debug)]
 enum Phase {
-    /// tcp/http: the handshake is under way (waiting for writable).
+    /// Stream: the TCP handshake is under way (waiting for writable).
     Connecting,
-    /// http: request sent, reading the status line; dns/icmp: waiting for the answer.
-    Reading,
+    /// The exchange (or the echo) is under way.
+    Exchanging,
 }
 
 /// One probe in flight.
@@ -180,7 +132,9 @@ pub struct Op {
     /// CLOCK_MONOTONIC ns at the send and at the timeout.
     pub sent_ns: u64,
     pub deadline_ns: u64,
-    buf: Vec<u8>,
+    /// Stream and datagram: the kind's exchange.
+    exchange: Option<Box<dyn Exchange>>,
+    /// Echo: the sequence number, and whether the socket is raw (replies carry the IP header).
     id: u16,
     raw: bool,
 }
@@ -213,9 +167,10 @@ fn start_with(
     shared_icmp: Option<(RawFd, bool)>,
 ) -> Result<(Op, Progress), (f64, ProbeError)> {
     let early = |e| (crate::kernel::clock::now(), e);
-    if let Some(e) = &spec.invalid {
-        return Err(early(e.clone()));
-    }
+    let probe = match &spec.probe {
+        Ok(p) => p,
+        Err(e) => return Err(early(e.clone())),
+    };
     let v4 = spec.addr.is_ipv4();
     let domain = if v4 { libc::AF_INET } else { libc::AF_INET6 };
     let bind_source = |fd: RawFd| -> Result<(), ProbeError> {
@@ -225,13 +180,13 @@ fn start_with(
         }
         Ok(())
     };
-    let op = |fd: Option<OwnedFd>, raw: bool, id: u16| Op {
+    let op = |fd: Option<OwnedFd>, exchange: Option<Box<dyn Exchange>>, raw: bool, id: u16| Op {
         fd,
-        phase: Phase::Reading,
+        phase: Phase::Exchanging,
         sent_at: 0.0,
         sent_ns: 0,
         deadline_ns: 0,
-        buf: Vec::new(),
+        exchange,
         id,
         raw,
     };
@@ -240,8 +195,8 @@ fn start_with(
         op.sent_at = crate::kernel::clock::now();
         op.deadline_ns = op.sent_ns + spec.timeout.as_nanos() as u64;
     };
-    match spec.kind {
-        ProbeKind::Tcp | ProbeKind::Http => {
+    match probe.transport() {
+        Transport::Stream => {
             let fd = new_socket(domain, libc::SOCK_STREAM, 0)
                 .map_err(cannot("socket"))
                 .map_err(early)?;
@@ -253,7 +208,7 @@ fn start_with(
                 .map_err(early)?;
             bind_source(fd.as_raw_fd()).map_err(early)?;
             let raw_fd = fd.as_raw_fd();
-            let mut o = op(Some(fd), false, 0);
+            let mut o = op(Some(fd), Some(probe.clone().exchange(spec.addr)), false, 0);
             stamp(&mut o);
             match connect(raw_fd, spec.addr) {
                 Ok(false) => {
@@ -261,7 +216,7 @@ fn start_with(
                     Ok((o, Progress::Wait(libc::EPOLLOUT as u32)))
                 }
                 Ok(true) => {
-                    let p = connected(spec, &mut o);
+                    let p = open(&mut o, raw_fd);
                     Ok((o, p))
                 }
                 Err(e) => Err((
@@ -270,7 +225,7 @@ fn start_with(
                 )),
             }
         }
-        ProbeKind::Dns => {
+        Transport::Datagram => {
             let fd = new_socket(domain, libc::SOCK_DGRAM, 0)
                 .map_err(cannot("udp socket"))
                 .map_err(early)?;
@@ -278,21 +233,13 @@ fn start_with(
             connect(fd.as_raw_fd(), spec.addr)
                 .map_err(|e| ProbeError::cannot_run(format!("connect {}", spec.addr), &e))
                 .map_err(early)?;
-            let id = crate::probe::dns::query_id();
             let raw_fd = fd.as_raw_fd();
-            let mut o = op(Some(fd), false, id);
-            let mut wire = spec.wire.clone();
-            wire[..2].copy_from_slice(&id.to_be_bytes());
+            let mut o = op(Some(fd), Some(probe.clone().exchange(spec.addr)), false, 0);
             stamp(&mut o);
-            send(raw_fd, &wire).map_err(|e| {
-                (
-                    o.sent_at,
-                    ProbeError::exchange(format!("send to {}", spec.addr), &e),
-                )
-            })?;
-            Ok((o, Progress::Wait(libc::EPOLLIN as u32)))
+            let p = open(&mut o, raw_fd);
+            Ok((o, p))
         }
-        ProbeKind::Icmp => {
+        Transport::Echo => {
             let (own, raw_fd, raw) = match shared_icmp {
                 Some((fd, raw)) if spec.source.is_none() => (None, fd, raw),
                 _ => {
@@ -309,7 +256,7 @@ fn start_with(
             let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let ident = icmp_ident();
             let pkt = icmp::echo_request(ident, seq);
-            let mut o = op(own, raw, seq);
+            let mut o = op(own, None, raw, seq);
             stamp(&mut o);
             if let Err(e) = send_to(raw_fd, &pkt, spec.addr) {
                 return Err((
@@ -322,26 +269,17 @@ fn start_with(
     }
 }
 
-/// The handshake completed: tcp is done; http sends its request.
-fn connected(spec: &Spec, op: &mut Op) -> Progress {
-    if spec.kind == ProbeKind::Tcp {
-        return Progress::Done(Ok(("connected".into(), None)));
-    }
-    let Some(fd) = op.fd.as_ref().map(|f| f.as_raw_fd()) else {
-        return Progress::Done(Err(ProbeError::unsupported("http", "no socket")));
-    };
-    // A request of ~100 bytes fits any fresh socket's send buffer: one send.
-    match send(fd, &spec.wire) {
-        Ok(n) if n == spec.wire.len() => {
-            op.phase = Phase::Reading;
-            Progress::Wait(libc::EPOLLIN as u32)
-        }
-        Ok(_) => Progress::Done(Err(ProbeError::Answer("request only partly sent".into()))),
-        Err(e) => Progress::Done(Err(ProbeError::exchange("send request", &e))),
+/// The socket is connected: the kind's exchange opens.
+fn open(op: &mut Op, fd: RawFd) -> Progress {
+    op.phase = Phase::Exchanging;
+    match op.exchange.as_mut() {
+        Some(x) => x.open(fd),
+        None => Progress::Done(Err(ProbeError::unsupported("probe", "no exchange"))),
     }
 }
 
-fn would_block(e: &io::Error) -> bool {
+/// Whether a non-blocking call would have blocked (or was interrupted): wait and try again.
+pub fn would_block(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR))
 }
 
@@ -350,104 +288,33 @@ pub fn advance(spec: &Spec, op: &mut Op) -> Progress {
     let Some(fd) = op.fd.as_ref().map(|f| f.as_raw_fd()) else {
         return Progress::Wait(libc::EPOLLIN as u32);
     };
-    match (&op.phase, spec.kind) {
-        (Phase::Connecting, _) => match so_error(fd) {
-            Ok(()) => connected(spec, op),
+    if let Phase::Connecting = op.phase {
+        return match so_error(fd) {
+            Ok(()) => open(op, fd),
             Err(e) => Progress::Done(Err(ProbeError::exchange(
                 format!("connect {}", spec.addr),
                 &e,
             ))),
-        },
-        (Phase::Reading, ProbeKind::Http) => {
-            let mut chunk = [0u8; 512];
-            loop {
-                match recv(fd, &mut chunk) {
-                    Ok((0, _)) => {
-                        return Progress::Done(Err(ProbeError::Answer(
-                            "connection closed before a status line".into(),
-                        )))
-                    }
-                    Ok((n, _)) => {
-                        op.buf.extend_from_slice(&chunk[..n]);
-                        if op.buf.windows(2).any(|w| w == b"\r\n") {
-                            return Progress::Done(
-                                crate::probe::parse_status_line(&op.buf).and_then(|status| {
-                                    if status == spec.expect_status {
-                                        Ok((format!("HTTP {status}"), None))
-                                    } else {
-                                        Err(ProbeError::Answer(format!(
-                                            "HTTP {status}, expected {}",
-                                            spec.expect_status
-                                        )))
-                                    }
-                                }),
-                            );
-                        }
-                        if op.buf.len() > 8192 {
-                            return Progress::Done(Err(ProbeError::Answer(
-                                "no status line in the first 8 KiB".into(),
-                            )));
-                        }
-                    }
-                    Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
-                    Err(e) => {
-                        return Progress::Done(Err(ProbeError::exchange("read response", &e)))
-                    }
+        };
+    }
+    if let Some(x) = op.exchange.as_mut() {
+        return x.ready(fd);
+    }
+    // An echo on a socket of its own (a target with a `source`).
+    let IpAddr::V4(dst) = spec.addr.ip() else {
+        return Progress::Done(Err(ProbeError::unsupported("icmp", "IPv4 only")));
+    };
+    let mut buf = [0u8; 1500];
+    loop {
+        match recv(fd, &mut buf) {
+            Ok((n, from)) => {
+                if let Some(done) = icmp_judge(&buf[..n], from, dst, op) {
+                    return Progress::Done(done);
                 }
             }
+            Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
+            Err(e) => return Progress::Done(Err(ProbeError::exchange("receive echo reply", &e))),
         }
-        (Phase::Reading, ProbeKind::Dns) => {
-            let mut buf = [0u8; 4096];
-            loop {
-                match recv(fd, &mut buf) {
-                    Ok((n, _)) => {
-                        match crate::probe::dns::judge_reply(
-                            &buf[..n],
-                            op.id,
-                            spec.addr,
-                            &spec.dns_name,
-                            spec.dns_kind,
-                            spec.dns_expect.as_deref(),
-                        ) {
-                            None => continue, // another id: not our answer
-                            Some(r) => {
-                                return Progress::Done(r.map(|mut a| {
-                                    a.addresses.sort();
-                                    (a.summary(), Some(a.addresses))
-                                }))
-                            }
-                        }
-                    }
-                    Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
-                    Err(e) => {
-                        return Progress::Done(Err(ProbeError::exchange(
-                            format!("receive from {}", spec.addr),
-                            &e,
-                        )))
-                    }
-                }
-            }
-        }
-        (Phase::Reading, ProbeKind::Icmp) => {
-            let IpAddr::V4(dst) = spec.addr.ip() else {
-                return Progress::Done(Err(ProbeError::unsupported("icmp", "IPv4 only")));
-            };
-            let mut buf = [0u8; 1500];
-            loop {
-                match recv(fd, &mut buf) {
-                    Ok((n, from)) => {
-                        if let Some(done) = icmp_judge(&buf[..n], from, dst, op) {
-                            return Progress::Done(done);
-                        }
-                    }
-                    Err(e) if would_block(&e) => return Progress::Wait(libc::EPOLLIN as u32),
-                    Err(e) => {
-                        return Progress::Done(Err(ProbeError::exchange("receive echo reply", &e)))
-                    }
-                }
-            }
-        }
-        (Phase::Reading, ProbeKind::Tcp) => Progress::Done(Ok(("connected".into(), None))),
     }
 }
 
@@ -684,7 +551,7 @@ impl Loop {
         let now = mono_ns();
         let icmp = if specs
             .iter()
-            .any(|s| s.kind == ProbeKind::Icmp && s.source.is_none() && s.invalid.is_none())
+            .any(|s| s.transport() == Some(Transport::Echo) && s.source.is_none())
         {
             // Without one, each echo opens its own socket (and says why it cannot).
             match icmp_socket() {
@@ -976,11 +843,12 @@ impl Loop {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
     use std::sync::Mutex;
 
     fn targets(yaml: &str) -> Vec<Target> {
-        Config::parse(&format!("targets:\n{yaml}")).unwrap().targets
+        crate::probe::parse(&format!("targets:\n{yaml}"))
+            .unwrap()
+            .targets
     }
 
     #[derive(Default)]

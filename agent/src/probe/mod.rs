@@ -1,11 +1,18 @@
-//! Probes: one request, sent and timed. `tcp` connect, `http` GET (expected status), `icmp`
-//! echo, `dns` query. An answer that arrives after the timeout (e.g. after a SYN retransmit)
-//! is a failure, even if it eventually succeeded.
+//! Probes: one request, sent and timed. `tcp` connect, `http` GET (expected status), `https`
+//! (TLS handshake, then the GET), `icmp` echo, `dns` query: one file per kind, registered in
+//! [`kind::KINDS`]. An answer that arrives after the timeout (e.g. after a SYN retransmit) is
+//! a failure, even if it eventually succeeded.
 pub mod dns;
 pub mod engine;
 mod error;
+pub mod http;
+pub mod https;
+pub mod icmp;
+pub mod kind;
+pub mod tcp;
 
 pub use error::ProbeError;
+pub use kind::{load, parse, port, validate};
 
 use crate::config::Target;
 use serde::Serialize;
@@ -78,10 +85,12 @@ pub fn parse_status_line(buf: &[u8]) -> Result<u16, ProbeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
 
     fn target(yaml: &str) -> Target {
-        Config::parse(&format!("targets:\n{yaml}")).unwrap().targets[0].clone()
+        crate::probe::parse(&format!("targets:\n{yaml}"))
+            .unwrap()
+            .targets[0]
+            .clone()
     }
 
     /// Wrong pass 3: a resolver answering 1.2.3.4 instead of the real address used to pass

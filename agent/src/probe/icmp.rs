@@ -1,7 +1,73 @@
-//! ICMP echo messages: building the request, judging what comes back. The probe itself (an
-//! unprivileged ping socket when the kernel allows it, else a raw socket with CAP_NET_RAW;
-//! IPv4 only) runs in [`super::engine`].
-use std::net::Ipv4Addr;
+//! `icmp`: an echo request; the echo reply is the answer, an unreachable is a failure.
+//! IPv4 only, no port, no options. This file builds the request and judges what comes back;
+//! the engine's echo transport sends it (an unprivileged ping socket when the kernel allows
+//! it, else a raw socket with CAP_NET_RAW; one socket shared by the targets without a
+//! `source`).
+use super::engine::Progress;
+use super::kind::{Exchange, Kind, Probe, Problem, Transport};
+use super::ProbeError;
+use crate::config::Target;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+pub struct Icmp;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Options {}
+
+#[derive(Debug)]
+struct Echo;
+
+impl Kind for Icmp {
+    fn name(&self) -> &'static str {
+        "icmp"
+    }
+    fn default_port(&self) -> Option<u16> {
+        None
+    }
+    fn has_port(&self) -> bool {
+        false
+    }
+    fn prepare(&self, t: &Target) -> Result<Arc<dyn Probe>, Problem> {
+        let Options {} = super::kind::options(t)?;
+        if t.address.is_ipv6() {
+            return Err(Problem::new(
+                "address",
+                format!(
+                    "{}: icmp probes support IPv4 only (use a tcp probe for IPv6)",
+                    t.address
+                ),
+            ));
+        }
+        Ok(Arc::new(Echo))
+    }
+}
+
+impl Probe for Echo {
+    fn transport(&self) -> Transport {
+        Transport::Echo
+    }
+    fn exchange(self: Arc<Self>, _addr: SocketAddr) -> Box<dyn Exchange> {
+        Box::new(NotAStream)
+    }
+}
+
+/// Echoes have no stream or datagram exchange (the engine's echo transport sends them).
+struct NotAStream;
+
+impl Exchange for NotAStream {
+    fn open(&mut self, _fd: RawFd) -> Progress {
+        Progress::Done(Err(ProbeError::unsupported(
+            "icmp",
+            "echoes use the echo transport",
+        )))
+    }
+    fn ready(&mut self, fd: RawFd) -> Progress {
+        self.open(fd)
+    }
+}
 
 fn checksum(b: &[u8]) -> u16 {
     let mut sum = 0u32;
