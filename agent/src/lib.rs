@@ -2,7 +2,7 @@
 //!
 //! Pure logic (verdicts, config, profiles, statistics) lives in modules that need no root;
 //! kernel access stays under [`kernel`] and [`probe`].
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod checks;
 pub mod ciliumapi;
@@ -11,8 +11,7 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod duration;
-#[allow(unsafe_code)]
-pub mod kernel;
+pub use stepguard_kernel as kernel;
 pub mod limits;
 pub mod metrics;
 pub mod node;

@@ -1,13 +1,14 @@
-//! Kernel access: BTF, bpf(2), rtnetlink, bpffs, the agent's own eBPF programs, ICMP sockets,
-//! clocks and randomness. Everything that needs privileges, a kernel object or `unsafe` lives
-//! below this module (the rest of the crate is `#![deny(unsafe_code)]`).
+//! stepguard's kernel layer: syscalls and kernel objects only — BTF, bpf(2) and bpffs pins
+//! (read-only), rtnetlink dumps and events, the agent's own passive eBPF programs, the probe
+//! engine's sockets, epoll and timers, clocks. It decides nothing about Cilium (the rules are
+//! passed in, see `bpffs::Rules`) and is the only crate of the agent with `unsafe`; the agent
+//! (`stepguard`) forbids it.
 pub mod bpf;
 pub mod bpffs;
 pub mod btf;
 pub mod ciliumdrops;
 pub mod clock;
 pub mod drops;
-
 pub mod links;
 pub mod neigh;
 pub mod rtevents;

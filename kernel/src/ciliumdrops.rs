@@ -164,13 +164,13 @@ pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, ReadError> {
 mod tests {
     #[test]
     fn possible_cpus_are_parsed_never_guessed() {
-        use crate::kernel::bpf::parse_possible;
+        use crate::bpf::parse_possible;
         assert_eq!(parse_possible("0-1\n"), Some(2));
         assert_eq!(parse_possible("0"), Some(1));
         assert_eq!(parse_possible("0-3,8-11"), Some(8));
         assert_eq!(parse_possible(""), None);
         assert_eq!(parse_possible("3-1"), None);
-        assert!(crate::kernel::bpf::possible_cpus().unwrap() >= 1);
+        assert!(crate::bpf::possible_cpus().unwrap() >= 1);
     }
 
     /// Every code Cilium defines (130..=207) has its name, and the names that were wrong

@@ -192,10 +192,9 @@ impl ProgInfo {
     }
 }
 
-/// Converts a CLOCK_BOOTTIME instant to wall clock (the agent's clock, see `crate::kernel::clock`).
+/// Converts a CLOCK_BOOTTIME instant to wall clock (the agent's clock, see `crate::clock`).
 pub fn boot_ns_to_wall(boot_ns: u64) -> SystemTime {
-    SystemTime::UNIX_EPOCH
-        + Duration::from_secs_f64(crate::kernel::clock::from_boot_ns(boot_ns).max(0.0))
+    SystemTime::UNIX_EPOCH + Duration::from_secs_f64(crate::clock::from_boot_ns(boot_ns).max(0.0))
 }
 
 pub fn prog_info(fd: &impl AsRawFd) -> io::Result<ProgInfo> {
