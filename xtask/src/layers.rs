@@ -350,13 +350,46 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// Files declared as test modules (`#[cfg(test)] mod tests;`): test code, like an inline
+/// `#[cfg(test)] mod tests { .. }`.
+fn test_files(src: &Path, files: &[PathBuf]) -> Result<BTreeSet<PathBuf>> {
+    let mut out = BTreeSet::new();
+    for f in files {
+        let text = std::fs::read_to_string(f).with_context(|| format!("read {}", f.display()))?;
+        let code = strip_comments_and_strings(&text);
+        // The directory a file's child modules live in.
+        let dir = match f.file_name().and_then(|n| n.to_str()) {
+            Some("mod.rs" | "lib.rs" | "main.rs") => f.parent().unwrap_or(src).to_path_buf(),
+            _ => f.with_extension(""),
+        };
+        let mut rest = code.as_str();
+        while let Some(at) = rest.find("#[cfg(test)]") {
+            let after = rest[at + "#[cfg(test)]".len()..].trim_start();
+            let after = after.strip_prefix("pub ").unwrap_or(after);
+            if let Some(m) = after.strip_prefix("mod ") {
+                let name = ident_at(m);
+                if m[name.len()..].trim_start().starts_with(';') {
+                    out.insert(dir.join(format!("{name}.rs")));
+                    out.insert(dir.join(&name).join("mod.rs"));
+                }
+            }
+            rest = &rest[at + 1..];
+        }
+    }
+    Ok(out)
+}
+
 /// Every import between top-level modules of the crate whose sources are in `src`.
 pub fn imports(src: &Path) -> Result<Vec<Import>> {
     let mut files = Vec::new();
     rust_files(src, &mut files)?;
     files.sort();
+    let tests = test_files(src, &files)?;
     let mut out = Vec::new();
     for f in files {
+        if tests.contains(&f) {
+            continue;
+        }
         let module = module_path(src, &f);
         let from = match module.first().map(String::as_str) {
             None | Some("lib") | Some("main") | Some("bin") => continue,
@@ -702,6 +735,25 @@ mod tests {
              #[cfg(test)]\nmod tests {\n    use crate::high::Helper;\n    fn t() { super::super::high::x(); }\n}\n",
         )]);
         assert!(p.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn a_test_module_in_its_own_file_is_test_code() {
+        let p = planted(&[
+            ("low/mod.rs", "#[cfg(test)]\nmod tests;\npub fn f() {}\n"),
+            ("low/tests.rs", "use crate::high::Helper;\n"),
+            ("base.rs", "#[cfg(test)]\nmod base_tests;\n"),
+            ("base/base_tests.rs", "use crate::high::Helper;\n"),
+            ("high.rs", ""),
+        ]);
+        assert!(p.is_empty(), "{p:?}");
+        // Declared without #[cfg(test)], the same file is code like any other.
+        let p = planted(&[
+            ("low/mod.rs", "mod helpers;\n"),
+            ("low/helpers.rs", "use crate::high::Helper;\n"),
+            ("high.rs", ""),
+        ]);
+        assert_eq!(p.len(), 1, "{p:?}");
     }
 
     #[test]

@@ -1,0 +1,333 @@
+use super::*;
+use crate::checks::Status;
+use crate::kernel::links::AttachedProgram;
+
+fn prog(hook: &'static str, name: &str) -> AttachedProgram {
+    AttachedProgram {
+        hook,
+        via: "tcx",
+        prog_id: 7,
+        name: Some(name.into()),
+        filter: None,
+        loaded_at: Some(1.0),
+        link_pin: None,
+    }
+}
+fn dev(name: &str, progs: &[(&'static str, &str)]) -> Device {
+    Device {
+        name: name.into(),
+        ifindex: 2,
+        up: true,
+        loopback: false,
+        port: false,
+        kind: Some("veth".into()),
+        has_controller: false,
+        addresses: 1,
+        global_addrs: vec!["192.0.2.1".parse().unwrap()],
+        default_route: true,
+        global_route: true,
+        programs: progs.iter().map(|(h, n)| prog(h, n)).collect(),
+    }
+}
+fn node(extra: Vec<Device>) -> Observation {
+    let mut devices = vec![
+        dev(
+            "eth0",
+            &[("ingress", "cil_from_netdev"), ("egress", "cil_to_netdev")],
+        ),
+        dev("eth1", &[("ingress", "cil_from_netdev")]),
+        dev(
+            "cilium_host",
+            &[("ingress", "cil_to_host"), ("egress", "cil_from_host")],
+        ),
+        dev("lo", &[]),
+    ];
+    devices.extend(extra);
+    Observation {
+        devices,
+        ..Default::default()
+    }
+}
+fn pats(p: &[&str]) -> Expected {
+    Expected::Patterns {
+        patterns: p.iter().map(|s| s.to_string()).collect(),
+        source: "test".into(),
+        force: false,
+    }
+}
+
+fn cfg(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// `AreDevicesRequired()` per condition and release (docs/cilium-fidelity.md).
+#[test]
+fn to_netdev_is_required_per_condition_and_release() {
+    let req = |pairs: &[(&str, &str)], r: Option<&str>| to_netdev_required(&cfg(pairs), r).because;
+    for k in [
+        "kube-proxy-replacement",
+        "enable-host-firewall",
+        "enable-wireguard",
+        "enable-l2-announcements",
+        "enable-bpf-masquerade",
+    ] {
+        for r in [Some("1.16"), Some("1.18"), Some("1.20"), None] {
+            assert_eq!(req(&[(k, "true")], r), [k], "{k} at {r:?}");
+        }
+    }
+    assert_eq!(
+        req(&[("kube-proxy-replacement", "strict")], None),
+        ["kube-proxy-replacement"]
+    );
+    for v in ["1", "t", "T", "TRUE", "True"] {
+        assert_eq!(
+            req(&[("enable-host-firewall", v)], None),
+            ["enable-host-firewall"],
+            "{v}"
+        );
+    }
+    assert_eq!(
+        req(&[("enable-node-port", "true")], Some("1.18")),
+        ["enable-node-port"]
+    );
+    assert!(
+        req(&[("enable-node-port", "true")], Some("1.19")).is_empty(),
+        "gone on main"
+    );
+    assert_eq!(
+        req(&[("enable-ipsec", "true")], Some("1.17")),
+        ["enable-ipsec"]
+    );
+    assert!(req(&[("enable-ipsec", "true")], Some("1.16")).is_empty());
+    assert_eq!(
+        req(&[("enable-ipsec-encrypted-overlay", "true")], Some("1.16")),
+        ["enable-ipsec-encrypted-overlay"]
+    );
+    assert_eq!(
+        req(&[("enable-high-scale-ipcache", "true")], Some("1.17")),
+        ["enable-high-scale-ipcache"]
+    );
+    assert!(req(&[("enable-high-scale-ipcache", "true")], Some("1.18")).is_empty());
+    assert!(req(&[("enable-high-scale-ipcache", "true")], None).is_empty());
+    for k in ["enable-bandwidth-manager", "enable-ipv4-egress-gateway"] {
+        assert!(
+            req(&[(k, "true")], Some("1.18")).is_empty(),
+            "{k} is no condition"
+        );
+    }
+    assert!(req(&[("kube-proxy-replacement", "false")], None).is_empty());
+}
+
+#[test]
+fn a_required_cil_to_netdev_must_be_on_every_selected_device() {
+    let exp = pats(&["eth0", "eth1"]);
+    let mut need = ToNetdev {
+        because: vec!["enable-host-firewall".into()],
+        unconfirmed: false,
+    };
+    let r = evaluate_with(&node(vec![]), &exp, &need);
+    assert_eq!(
+        (r.status, r.code.as_str()),
+        (Status::Fail, "to_netdev_missing")
+    );
+    assert_eq!(r.evidence["to_netdev_missing"], json!(["eth1"]));
+    assert!(
+        r.reason.contains("enable-host-firewall=true"),
+        "{}",
+        r.reason
+    );
+    need.unconfirmed = true;
+    let r = evaluate_with(&node(vec![]), &exp, &need);
+    assert_eq!(
+        (r.status, r.code.as_str()),
+        (Status::Unknown, "to_netdev_unconfirmed"),
+        "the ConfigMap alone, the agent unread"
+    );
+    let r = evaluate_with(&node(vec![]), &exp, &ToNetdev::default());
+    assert_eq!(r.status, Status::Pass, "not required: {}", r.reason);
+}
+
+#[test]
+fn patterns_match_like_cilium() {
+    assert!(matches("eth+", "eth12"));
+    assert!(!matches("eth+", "ens3"));
+    assert!(matches("eth0", "eth0") && !matches("eth0", "eth01"));
+    assert_eq!(
+        split_devices("eth0 eth1,bond0"),
+        vec!["eth0", "eth1", "bond0"]
+    );
+}
+
+#[test]
+fn the_expected_set_passes_with_program_evidence() {
+    let r = evaluate(&node(vec![]), &pats(&["eth+"]));
+    assert_eq!(r.status, Status::Pass, "{r:?}");
+    assert_eq!(r.evidence["selected"], json!(["eth0", "eth1"]));
+}
+
+#[test]
+fn a_missing_device_is_named() {
+    let mut o = node(vec![]);
+    o.devices[1].programs.clear();
+    let r = evaluate(&o, &pats(&["eth0", "eth1"]));
+    assert_eq!(
+        (r.status, r.code.as_str()),
+        (Status::Fail, "device_missing")
+    );
+    assert!(r.reason.contains("eth1"), "{}", r.reason);
+}
+
+#[test]
+fn an_unexpected_device_is_named() {
+    let r = evaluate(
+        &node(vec![dev("eth2", &[("ingress", "cil_from_netdev")])]),
+        &pats(&["eth0", "eth1"]),
+    );
+    assert_eq!(
+        (r.status, r.code.as_str()),
+        (Status::Fail, "device_unexpected")
+    );
+    assert!(r.reason.contains("eth2"));
+}
+
+#[test]
+fn an_explicit_device_that_does_not_exist_is_reported_not_failed() {
+    // Cilium warns and runs without it: not a failure here either.
+    let r = evaluate(&node(vec![]), &pats(&["eth0", "eth1", "bond0"]));
+    assert_eq!(r.code, "devices_ok", "{}", r.reason);
+    assert_eq!(
+        r.evidence["listed_but_absent"],
+        serde_json::json!(["bond0"])
+    );
+}
+
+/// Cilium's selection order (devices controller): no address or down is rejected first;
+/// a filter match is then selected whatever its kind; OVS is excluded by its real kind
+/// name; Cilium's own devices carrying its programs are not "unexpected".
+#[test]
+fn selection_follows_ciliums_is_selected_device() {
+    let mut br = dev("br-ext", &[]);
+    br.kind = Some("bridge".into());
+    assert!(
+        selected_by_cilium(&br, &["br-ext".into()], false),
+        "a listed bridge is selected"
+    );
+    assert!(
+        !selected_by_cilium(&br, &[], false),
+        "but never auto-detected"
+    );
+    let mut bare = dev("eth5", &[]);
+    bare.addresses = 0;
+    assert!(
+        !selected_by_cilium(&bare, &["eth+".into()], false),
+        "no address: rejected first"
+    );
+    let mut ovs = dev("ovs0", &[]);
+    ovs.kind = Some("openvswitch".into());
+    assert!(!selected_by_cilium(&ovs, &[], false));
+    let mut lo = dev("eth7", &[]);
+    lo.loopback = true;
+    assert!(!selected_by_cilium(&lo, &[], false));
+    assert!(matches("+", "anything") && matches("eth++", "eth3") && !matches("eth", "eth0"));
+    // cilium_wg0 carries cil_from_netdev (WireGuard with KPR, up to 1.17): not unexpected.
+    let wg = dev("cilium_wg0", &[("ingress", "cil_from_netdev")]);
+    let r = evaluate(&node(vec![wg]), &pats(&["eth0", "eth1"]));
+    assert_eq!(r.code, "devices_ok", "{}", r.reason);
+    assert_eq!(
+        r.evidence["ciliums_own_devices_with_cil_from_netdev"],
+        serde_json::json!(["cilium_wg0"])
+    );
+}
+
+#[test]
+fn auto_detection_follows_ciliums_rules() {
+    let mut br = dev("br0", &[]);
+    br.kind = Some("bridge".into());
+    let mut down = dev("eth9", &[]);
+    down.up = false;
+    let o = node(vec![br, down]);
+    assert_eq!(
+        expected_set(&o.devices, &Expected::Auto),
+        ["eth0", "eth1"].iter().map(|s| s.to_string()).collect()
+    );
+}
+
+/// A veth without a default route is not auto-detected, but a filter selects it; a
+/// device without a global-unicast route is never auto-detected; with
+/// `force-device-detection` the listed devices are joined by the detected ones.
+#[test]
+fn veths_routes_and_forced_detection_follow_cilium() {
+    let mut v = dev("eth3", &[]);
+    v.default_route = false;
+    assert!(
+        !selected_by_cilium(&v, &[], false),
+        "veth, no default route"
+    );
+    assert!(selected_by_cilium(&v, &["eth3".into()], false), "listed");
+    let mut dummy = v.clone();
+    dummy.kind = Some("dummy".into());
+    assert!(
+        selected_by_cilium(&dummy, &[], false),
+        "not a veth: no default route needed"
+    );
+    let mut local = dev("eth4", &[]);
+    local.global_route = false;
+    assert!(
+        !selected_by_cilium(&local, &[], false),
+        "no global-unicast route"
+    );
+    let o = node(vec![]);
+    let forced = Expected::Patterns {
+        patterns: vec!["eth0".into()],
+        source: "test".into(),
+        force: true,
+    };
+    assert_eq!(
+        expected_set(&o.devices, &forced),
+        ["eth0", "eth1"].iter().map(|s| s.to_string()).collect(),
+        "eth1 is detected although not listed"
+    );
+    assert_eq!(
+        expected_set(&o.devices, &pats(&["eth0"])),
+        ["eth0"].iter().map(|s| s.to_string()).collect()
+    );
+}
+
+#[test]
+fn unreadable_program_details_are_unknown_never_pass() {
+    let mut o = node(vec![]);
+    o.prog_details_unreadable = true;
+    o.problems
+        .push("program 7 on eth0: permission denied".into());
+    assert_eq!(evaluate(&o, &pats(&["eth+"])).status, Status::Unknown);
+}
+
+#[test]
+fn a_node_without_cilium_host_fails() {
+    let mut o = node(vec![]);
+    o.devices.retain(|d| d.name != "cilium_host");
+    assert_eq!(evaluate(&o, &pats(&["eth+"])).code, "host_device_missing");
+}
+
+#[test]
+fn truncated_kernel_names_and_tc_filter_names_are_recognised() {
+    let p = AttachedProgram {
+        hook: "ingress",
+        via: "tc",
+        prog_id: 1,
+        name: None,
+        filter: Some("cil_from_container-lxc12".into()),
+        loaded_at: None,
+        link_pin: None,
+    };
+    assert!(p.is("cil_from_container"));
+    let p = AttachedProgram {
+        name: Some("cil_from_contai".into()),
+        filter: None,
+        ..p
+    };
+    assert!(p.is("cil_from_container"));
+}

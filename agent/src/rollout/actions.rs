@@ -1,0 +1,476 @@
+//! A node's step, driven: the state machine (`machine.rs`) says what to do next, and the
+//! actions are performed through one interface, [`Actions`]. The stepper performs them on the
+//! cluster and the node's agent ([`Live`]); the tests below drive the same loop through a
+//! scripted implementation.
+use super::*;
+
+/// What a node's step does, one action at a time.
+pub(super) trait Actions {
+    /// The lock is lost: every phase then ends as stopped, nothing more is touched.
+    fn lock_lost(&self) -> bool;
+    /// Now, in seconds (the machine's timeouts).
+    fn now(&self) -> f64;
+    /// The phase about to be acted on (to tell people).
+    fn show(&mut self, phase: &Phase);
+    async fn begin_step(&mut self) -> Event;
+    /// Whether the pod may be deleted now; the reason to stop before the delete otherwise.
+    fn may_delete(&self) -> Result<(), String>;
+    async fn delete_pod(&mut self) -> Event;
+    async fn find_replacement(&mut self) -> Event;
+    async fn wait_verdict(&mut self, step: &str) -> Event;
+}
+
+/// Runs a node's step from `phase` to its outcome.
+pub(super) async fn drive<A: Actions>(a: &mut A, mut phase: Phase, t: Timeouts) -> Outcome {
+    loop {
+        // Decided (also by a lost lock, which turns every phase into Done): nothing more to do.
+        if let Phase::Done(o) = phase {
+            return o;
+        }
+        a.show(&phase);
+        let ev = if a.lock_lost() {
+            Event::LockLost
+        } else {
+            match machine::action(&phase) {
+                machine::Action::BeginStep => a.begin_step().await,
+                machine::Action::DeletePod => match a.may_delete() {
+                    Ok(()) => a.delete_pod().await,
+                    Err(why) => return Outcome::Stopped { why },
+                },
+                machine::Action::FindReplacement => a.find_replacement().await,
+                machine::Action::WaitVerdict { step } => a.wait_verdict(&step).await,
+                machine::Action::Finished => continue,
+            }
+        };
+        phase = machine::advance(phase, ev, a.now(), t);
+    }
+}
+
+/// The stepper's actions: the node's agent over HTTP, the cluster through kube.
+pub(super) struct Live<'a, 'b> {
+    pub(super) cx: &'a StepCx<'b>,
+    pub(super) view: &'a ClusterView,
+    pub(super) st: PlannedStep,
+    pub(super) target: (String, i64),
+    pub(super) agent: crate::client::Agent,
+    pub(super) sel: String,
+    pub(super) stages: Stages,
+    pub(super) t0: Instant,
+    /// The verdict's polls: at most two a second, and not before the agent's Retry-After.
+    pace: crate::client::Pace,
+    retry_after: Option<Duration>,
+    step_id: String,
+    /// A newer revision the replacement carries (told once).
+    carried: Option<String>,
+    last_shown: String,
+}
+
+impl<'a, 'b> Live<'a, 'b> {
+    pub(super) fn new(
+        cx: &'a StepCx<'b>,
+        view: &'a ClusterView,
+        st: PlannedStep,
+        target: (String, i64),
+        agent: crate::client::Agent,
+        t0: Instant,
+    ) -> Self {
+        // The run id first: a long node name is cut, never the part that makes the id new.
+        let step_id = format!("rollout-{}-{}-{}", cx.run_id, target.0, st.node)
+            .chars()
+            .filter(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(*ch))
+            .take(64)
+            .collect::<String>();
+        Live {
+            cx,
+            view,
+            st,
+            target,
+            agent,
+            sel: Cluster::selector(cx.ds),
+            stages: Stages::default(),
+            t0,
+            pace: crate::client::Pace::default(),
+            retry_after: None,
+            step_id,
+            carried: None,
+            last_shown: String::new(),
+        }
+    }
+
+    fn line(&self, what: &str) {
+        say(
+            self.cx.json_out,
+            format!(
+                "[{:>2}] {:<20} {what} ({:.1}s)",
+                self.cx.n,
+                self.st.node,
+                self.t0.elapsed().as_secs_f64()
+            ),
+        );
+    }
+}
+
+impl Actions for Live<'_, '_> {
+    fn lock_lost(&self) -> bool {
+        self.cx.held.lost.load(Ordering::SeqCst)
+    }
+
+    fn now(&self) -> f64 {
+        now_s()
+    }
+
+    fn show(&mut self, phase: &Phase) {
+        let shown = match phase {
+            Phase::Begin => "beginning the step".to_string(),
+            Phase::Delete { step } => format!("deleting pod {} (step {step})", self.st.pod),
+            Phase::Replace { .. } => "waiting for the replacement pod".to_string(),
+            Phase::Verdict { .. } => "waiting for the verdict".to_string(),
+            Phase::Done(_) => String::new(),
+        };
+        if shown != self.last_shown && !shown.is_empty() {
+            self.line(&shown);
+            self.last_shown = shown;
+        }
+    }
+
+    async fn begin_step(&mut self) -> Event {
+        let (c, cx, st) = (self.cx.c, self.cx, &self.st);
+        let mut body = json!({
+            "id": self.step_id,
+            "settle": format!("{}ms", c.args.settle.as_millis()),
+            "timeout": format!("{}ms", c.args.step_timeout.as_millis()),
+        });
+        let mut expect = serde_json::Map::new();
+        if let Some(v) = &self.view.cilium_version {
+            expect.insert("cilium".into(), json!(v));
+        }
+        if let Some(d) = &c.args.expect_devices {
+            expect.insert("devices".into(), json!(d));
+        }
+        if !expect.is_empty() {
+            body["expect"] = Value::Object(expect);
+        }
+        if !c.args.witnesses.is_empty() {
+            body["witnesses"] = json!(c.args.witnesses);
+        }
+        // The id is idempotent: a begin that got no answer is asked again.
+        let mut r = Err(anyhow::anyhow!("not asked"));
+        for attempt in 0..3 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            r = self
+                .agent
+                .call(
+                    "POST",
+                    "/v1/steps",
+                    Some(body.clone()),
+                    Duration::from_secs(60),
+                )
+                .await;
+            if !matches!(&r, Err(_) | Ok((503, _))) {
+                break;
+            }
+        }
+        let ev = Event::Begun(match r {
+            Ok((200 | 201, v)) => v["id"]
+                .as_str()
+                .map(String::from)
+                .ok_or_else(|| "no step id".to_string()),
+            Ok((s, v)) => Err(format!(
+                "agent answered {s}: {}",
+                v["error"].as_str().unwrap_or("")
+            )),
+            Err(e) => Err(format!("{e:#}")),
+        });
+        if let Event::Begun(Ok(id)) = &ev {
+            // Recorded before the pod is deleted: a resumed run finishes this step.
+            cx.shared.lock().unwrap_or_else(|e| e.into_inner()).inflight = Some(InFlight {
+                node: st.node.clone(),
+                step: id.clone(),
+                pod: st.pod.clone(),
+                pod_uid: st.pod_uid.clone(),
+                revision: self.target.0.clone(),
+                revision_number: self.target.1,
+                why: st.why.clone(),
+            });
+            if persist(c, cx.shared, cx.held).await {
+                c.event(
+                    cx.ds,
+                    false,
+                    "StepguardStepBegun",
+                    &format!(
+                        "node {}: step {id} begun ({}); deleting pod {}",
+                        st.node, st.why, st.pod
+                    ),
+                )
+                .await;
+            }
+        }
+        ev
+    }
+
+    fn may_delete(&self) -> Result<(), String> {
+        let current = self
+            .view
+            .revision
+            .as_ref()
+            .map(|r| r.0.as_str())
+            .unwrap_or("");
+        if record::may_adopt(
+            &self.target.0,
+            current,
+            approval(self.cx.ds, current).as_deref(),
+        ) {
+            return Ok(());
+        }
+        // A resumed step whose pod is still there, while the DaemonSet moved to a revision
+        // nobody approved: deleting now would start that revision.
+        Err(format!(
+            "the DaemonSet moved to revision {} (not approved) before pod {} was deleted: paused; approve it to go on",
+            if current.is_empty() { "?" } else { current },
+            self.st.pod
+        ))
+    }
+
+    async fn delete_pod(&mut self) -> Event {
+        let (c, cx) = (self.cx.c, self.cx);
+        let (pod, uid) = (&self.st.pod, &self.st.pod_uid);
+        // Right before the delete, the lock is renewed (it is ours now, not only as of the
+        // last renewal: a stepper paused since then may have lost it).
+        let r = patient(
+            "delete the cilium pod",
+            c.args.replace_timeout,
+            Some(&cx.held.lost),
+            || async {
+                if !persist(c, cx.shared, cx.held).await {
+                    bail!("the rollout lock was lost before the delete");
+                }
+                c.delete_pod(pod, uid).await
+            },
+        )
+        .await;
+        match r {
+            Err(_) if cx.held.is_lost() => Event::LockLost,
+            r => Event::Deleted(r.map_err(|e| format!("{e:#}"))),
+        }
+    }
+
+    async fn find_replacement(&mut self) -> Event {
+        let c = self.cx.c;
+        // The replacement's stage, shown and timed as it changes.
+        let (found, now_stage) = c
+            .replaced(
+                self.cx.ds,
+                &self.sel,
+                &self.st.node,
+                &self.st.pod_uid,
+                (&self.target.0, self.target.1),
+            )
+            .await
+            .unwrap_or((None, None));
+        if let Some(stg) = now_stage {
+            if self.stages.enter(&stg, now_s()) {
+                let line = if stg == Stage::Ready {
+                    format!("replacement Ready: {}", self.stages.summary())
+                } else {
+                    format!("replacement: {}", stg.label())
+                };
+                self.line(&line);
+            }
+        }
+        match &found {
+            None => tokio::time::sleep(Duration::from_millis(500)).await,
+            Some(h) if *h != self.target.0 && self.carried.is_none() => {
+                self.line(&format!(
+                    "the replacement carries revision {h}, newer than the step's {}: the template changed before it was created",
+                    self.target.0
+                ));
+                self.carried = Some(h.clone());
+            }
+            Some(_) => {}
+        }
+        match self.stages.pulling_since() {
+            Some(started) if found.is_none() => Event::Pulling { started },
+            _ => Event::Replaced(found.is_some()),
+        }
+    }
+
+    async fn wait_verdict(&mut self, step: &str) -> Event {
+        self.pace.wait(self.retry_after.take()).await;
+        let r = self
+            .agent
+            .call_paced(
+                "GET",
+                &format!("/v1/steps/{step}?wait=20s"),
+                None,
+                Duration::from_secs(30),
+            )
+            .await;
+        let r = r.map(|(s, v, ra)| {
+            self.retry_after = ra;
+            (s, v)
+        });
+        match r {
+            Ok((200, v)) => {
+                let reasons: Vec<&str> = v["verdict"]["reasons"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
+                    .unwrap_or_default();
+                let summary = v["verdict"]["summary"].as_str().unwrap_or("");
+                Event::Verdict(Ok(Some((
+                    v["verdict"]["status"].as_str().unwrap_or("?").to_string(),
+                    if reasons.is_empty() {
+                        summary.to_string()
+                    } else {
+                        format!("{} — {summary}", reasons.join(", "))
+                    },
+                ))))
+            }
+            Ok((202, _)) => Event::Verdict(Ok(None)),
+            Ok((s, v)) => {
+                self.retry_after = self.retry_after.or(Some(Duration::from_secs(1)));
+                Event::Verdict(Err(format!("agent answered {s}: {v}")))
+            }
+            Err(e) => {
+                self.retry_after = Some(Duration::from_secs(1));
+                Event::Verdict(Err(format!("{e:#}")))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Actions played from a script: what each call answers, and the calls made.
+    struct Scripted {
+        events: std::collections::VecDeque<Event>,
+        calls: Vec<String>,
+        now: f64,
+        /// The lock is lost once this many calls were made.
+        lost_after: Option<usize>,
+        refuse_delete: Option<String>,
+    }
+
+    impl Scripted {
+        fn new(events: Vec<Event>) -> Self {
+            Scripted {
+                events: events.into(),
+                calls: vec![],
+                now: 0.0,
+                lost_after: None,
+                refuse_delete: None,
+            }
+        }
+        fn next(&mut self, call: &str) -> Event {
+            self.calls.push(call.to_string());
+            self.now += 1.0;
+            self.events.pop_front().unwrap_or(Event::Tick)
+        }
+    }
+
+    impl Actions for Scripted {
+        fn lock_lost(&self) -> bool {
+            self.lost_after.is_some_and(|n| self.calls.len() >= n)
+        }
+        fn now(&self) -> f64 {
+            self.now
+        }
+        fn show(&mut self, _phase: &Phase) {}
+        async fn begin_step(&mut self) -> Event {
+            self.next("begin")
+        }
+        fn may_delete(&self) -> Result<(), String> {
+            self.refuse_delete.clone().map_or(Ok(()), Err)
+        }
+        async fn delete_pod(&mut self) -> Event {
+            self.next("delete")
+        }
+        async fn find_replacement(&mut self) -> Event {
+            self.next("replacement")
+        }
+        async fn wait_verdict(&mut self, step: &str) -> Event {
+            self.next(&format!("verdict {step}"))
+        }
+    }
+
+    const T: Timeouts = Timeouts {
+        replace: 100.0,
+        verdict: 100.0,
+        pull: 100.0,
+    };
+
+    fn run(a: &mut Scripted, from: Phase) -> Outcome {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(drive(a, from, T))
+    }
+
+    #[test]
+    fn a_step_is_begun_deleted_replaced_and_judged_in_that_order() {
+        let mut a = Scripted::new(vec![
+            Event::Begun(Ok("s1".into())),
+            Event::Deleted(Ok(true)),
+            Event::Replaced(false),
+            Event::Replaced(true),
+            Event::Verdict(Ok(None)),
+            Event::Verdict(Ok(Some(("passed".into(), "gap 0.3s".into())))),
+        ]);
+        let o = run(&mut a, Phase::Begin);
+        assert_eq!(
+            o,
+            Outcome::Passed {
+                step: "s1".into(),
+                summary: "gap 0.3s".into()
+            }
+        );
+        assert_eq!(
+            a.calls,
+            [
+                "begin",
+                "delete",
+                "replacement",
+                "replacement",
+                "verdict s1",
+                "verdict s1"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_lost_lock_touches_nothing_more() {
+        let mut a = Scripted::new(vec![
+            Event::Begun(Ok("s1".into())),
+            Event::Deleted(Ok(true)),
+        ]);
+        a.lost_after = Some(1);
+        let o = run(&mut a, Phase::Begin);
+        assert!(matches!(o, Outcome::Stopped { .. }), "{o:?}");
+        assert_eq!(a.calls, ["begin"], "no delete after the lock was lost");
+    }
+
+    #[test]
+    fn a_refused_delete_stops_before_the_pod_is_touched() {
+        let mut a = Scripted::new(vec![]);
+        a.refuse_delete = Some("the DaemonSet moved".into());
+        let o = run(&mut a, Phase::Delete { step: "s1".into() });
+        assert_eq!(
+            o,
+            Outcome::Stopped {
+                why: "the DaemonSet moved".into()
+            }
+        );
+        assert!(a.calls.is_empty(), "{:?}", a.calls);
+    }
+
+    #[test]
+    fn a_failed_begin_ends_the_step_without_a_delete() {
+        let mut a = Scripted::new(vec![Event::Begun(Err("agent answered 409".into()))]);
+        let o = run(&mut a, Phase::Begin);
+        assert!(matches!(o, Outcome::Failed { step: None, .. }), "{o:?}");
+        assert_eq!(a.calls, ["begin"]);
+    }
+}

@@ -1,0 +1,642 @@
+//! Reading the cluster for the stepper: the DaemonSet, its revisions and pods, the nodes,
+//! the L2 leases, the operator, each node's agent; deleting a pod with a UID precondition;
+//! Events; retrying what the API server failed transiently. Nothing here decides.
+use super::*;
+
+/// Cluster access (kube) and the agents (HTTP).
+pub struct Cluster {
+    pub(super) client: Client,
+    pub(super) ns: String,
+    pub(super) ds: String,
+    pub(super) args: RolloutArgs,
+    pub(super) token: Option<String>,
+    pub(super) identity: String,
+    /// While this run holds the lock: its record, where every Event is also kept.
+    pub(super) told: Mutex<Option<Arc<Mutex<Record>>>>,
+}
+
+pub(super) fn api_code(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(s) => Some(s.code),
+        _ => None,
+    }
+}
+
+pub(super) fn now_s() -> f64 {
+    crate::probe::unix_now()
+}
+
+pub(super) fn micro_now() -> MicroTime {
+    MicroTime(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// The Cilium minor version from an image reference (`quay.io/cilium/cilium:v1.18.2@sha...`).
+pub fn image_minor(image: &str) -> Option<String> {
+    let tag = image.split('@').next()?.rsplit(':').next()?;
+    let v = tag.trim_start_matches('v');
+    let mut parts = v.split('.');
+    let (a, b) = (parts.next()?, parts.next()?);
+    (a.parse::<u32>().is_ok() && b.parse::<u32>().is_ok()).then(|| format!("{a}.{b}"))
+}
+
+impl Cluster {
+    pub async fn connect(args: RolloutArgs) -> Result<Cluster> {
+        let client = Client::try_default().await.context(
+            "connect to the Kubernetes API (in-cluster, or $KUBECONFIG / ~/.kube/config)",
+        )?;
+        let (ns, ds) = args
+            .daemonset
+            .split_once('/')
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .context("--daemonset must be NAMESPACE/NAME")?;
+        let token = crate::client::read_token(args.token_file.as_deref())?;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "stepguard".into());
+        Ok(Cluster {
+            client,
+            ns,
+            ds,
+            identity: format!("{host}-{}", std::process::id()),
+            args,
+            token,
+            told: Mutex::new(None),
+        })
+    }
+
+    pub(super) fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    pub(super) async fn daemonset(&self) -> Result<DaemonSet> {
+        Api::<DaemonSet>::namespaced(self.client.clone(), &self.ns)
+            .get(&self.ds)
+            .await
+            .with_context(|| format!("get DaemonSet {}/{}", self.ns, self.ds))
+    }
+
+    /// The DaemonSet's whole selector (matchLabels and matchExpressions) as a label selector
+    /// string; pods are then claimed by owner reference too (`owned`).
+    pub(super) fn selector(ds: &DaemonSet) -> String {
+        ds.spec
+            .as_ref()
+            .map(|s| selector_string(&s.selector))
+            .unwrap_or_default()
+    }
+
+    /// The DaemonSet's revisions: hash → number.
+    pub(super) async fn revisions(&self, ds: &DaemonSet) -> Result<BTreeMap<String, i64>> {
+        let sel = Self::selector(ds);
+        let uid = ds.metadata.uid.clone().unwrap_or_default();
+        let revs = Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
+            .list(&ListParams::default().labels(&sel))
+            .await
+            .context("list ControllerRevisions")?;
+        Ok(revs
+            .items
+            .iter()
+            .filter(|r| {
+                r.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.uid == uid)
+            })
+            .map(|r| {
+                let hash = r
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get("controller-revision-hash").cloned())
+                    .unwrap_or_else(|| {
+                        let n = r.metadata.name.clone().unwrap_or_default();
+                        n.rsplit('-').next().unwrap_or_default().to_string()
+                    });
+                (hash, r.revision)
+            })
+            .collect())
+    }
+
+    /// Everything the plan needs, read now.
+    pub async fn view(&self) -> Result<(ClusterView, DaemonSet)> {
+        let ds = self.daemonset().await?;
+        let sel = Self::selector(&ds);
+        let numbers = self.revisions(&ds).await?;
+        let revision = numbers
+            .iter()
+            .max_by_key(|(_, n)| **n)
+            .map(|(h, n)| (h.clone(), *n));
+        let image = agent_image(ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()));
+        let ds_uid = ds.metadata.uid.clone().unwrap_or_default();
+        let nodes: Vec<NodeInfo> = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .context("list Nodes")?
+            .items
+            .into_iter()
+            .map(|n| {
+                let labels = n.metadata.labels.clone().unwrap_or_default();
+                NodeInfo {
+                    name: n.metadata.name.clone().unwrap_or_default(),
+                    ready: n
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                        .is_some_and(|c| c.status == "True"),
+                    zone: labels.get("topology.kubernetes.io/zone").cloned(),
+                    control_plane: labels.contains_key("node-role.kubernetes.io/control-plane"),
+                    labels: labels.into_iter().collect(),
+                }
+            })
+            .collect();
+        let listed = self
+            .pods()
+            .list(&ListParams::default().labels(&sel))
+            .await
+            .context("list the cilium pods")?
+            .items;
+        let mut foreign = Vec::new();
+        let mut pods: Vec<CiliumPod> = Vec::new();
+        for p in listed {
+            if p.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let name = p.metadata.name.clone().unwrap_or_default();
+            if !owned(&p, &ds_uid) {
+                foreign.push(name);
+                continue;
+            }
+            // A pod of the DaemonSet for no node it names, or without a revision label, is
+            // the controller's business (it deletes or relabels it); it is shown, never lost.
+            let (Some(node), Some(revision)) = (target_node(&p), pod_revision(&p)) else {
+                foreign.push(format!("{name} (no node or revision)"));
+                continue;
+            };
+            pods.push(CiliumPod {
+                name,
+                uid: p.metadata.uid.clone().unwrap_or_default(),
+                node,
+                revision,
+                ready: pod_ready(&p),
+                image: agent_image(p.spec.as_ref()),
+                bound: p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_deref())
+                    .is_some_and(|n| !n.is_empty()),
+                crash_looping: crash_looping(&p),
+            });
+        }
+        let operator = self.operator().await;
+        let agent_pods = Api::<Pod>::namespaced(self.client.clone(), &self.args.agents_namespace)
+            .list(&ListParams::default().labels(&self.args.agents_selector))
+            .await
+            .context("list the stepguard agents")?;
+        let mut agents = BTreeMap::new();
+        for p in agent_pods.items {
+            let (Some(node), Some(ip)) = (
+                p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                p.status.as_ref().and_then(|s| s.pod_ip.clone()),
+            ) else {
+                continue;
+            };
+            let host = if ip.contains(':') {
+                format!("[{ip}]")
+            } else {
+                ip
+            };
+            agents.insert(node, format!("http://{host}:{}", self.args.agent_port));
+        }
+        let mut devices = BTreeMap::new();
+        for (node, url) in &agents {
+            devices.insert(node.clone(), self.devices_of(url).await);
+        }
+        let leases = Api::<Lease>::namespaced(self.client.clone(), &self.ns)
+            .list(&ListParams::default())
+            .await
+            .context("list the L2-announcement Leases")?
+            .items
+            .into_iter()
+            .filter_map(|l| {
+                let name = l.metadata.name.clone()?;
+                let service = name.strip_prefix(L2_PREFIX)?.to_string();
+                let spec = l.spec.clone().unwrap_or_default();
+                Some(L2Lease {
+                    service,
+                    holder: spec.holder_identity.filter(|h| !h.is_empty()),
+                    duration: Duration::from_secs(
+                        spec.lease_duration_seconds.unwrap_or(15).max(0) as u64
+                    ),
+                })
+            })
+            .collect();
+        let status = ds.status.clone().unwrap_or_default();
+        let view = ClusterView {
+            daemonset: format!("{}/{}", self.ns, self.ds),
+            update_strategy: ds
+                .spec
+                .as_ref()
+                .and_then(|s| s.update_strategy.as_ref())
+                .and_then(|u| u.type_.clone())
+                .unwrap_or_else(|| "RollingUpdate".into()),
+            number_unavailable: status.number_unavailable.unwrap_or(0),
+            operator,
+            foreign,
+            generation: ds.metadata.generation.unwrap_or(0),
+            observed_generation: ds
+                .status
+                .as_ref()
+                .and_then(|s| s.observed_generation)
+                .unwrap_or(0),
+            revision,
+            cilium_version: image_minor(&image),
+            nodes,
+            pods,
+            agents,
+            devices,
+            leases,
+        };
+        Ok((view, ds))
+    }
+
+    /// The cilium-operator Deployment's readiness (`--operator`).
+    pub(super) async fn operator(&self) -> plan::Operator {
+        let Some((ns, name)) = self.args.operator.split_once('/') else {
+            return plan::Operator::NotChecked;
+        };
+        let full = self.args.operator.clone();
+        match Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(self.client.clone(), ns)
+            .get_opt(name)
+            .await
+        {
+            Ok(Some(d)) => plan::Operator::Found {
+                name: full,
+                ready: d
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.ready_replicas)
+                    .unwrap_or(0),
+                desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+            },
+            Ok(None) => plan::Operator::Unknown {
+                name: full,
+                problem: "no such Deployment".into(),
+            },
+            Err(e) => plan::Operator::Unknown {
+                name: full,
+                problem: format!("cannot read it: {e}"),
+            },
+        }
+    }
+
+    pub(super) fn agent(&self, url: &str) -> Result<crate::client::Agent> {
+        crate::client::Agent::new(url, self.token.clone())
+    }
+
+    pub(super) async fn devices_of(&self, url: &str) -> Result<Vec<String>, String> {
+        let a = self.agent(url).map_err(|e| format!("{e:#}"))?;
+        let (_, v) = a
+            .call("GET", "/v1/verdict", None, Duration::from_secs(5))
+            .await
+            .map_err(|e| format!("{e:#}"))?;
+        let check = v["checks"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["check"] == "devices"))
+            .ok_or("the agent reports no devices check")?;
+        check["evidence"]["selected"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|d| d.as_str().map(String::from))
+                    .collect()
+            })
+            .ok_or_else(|| {
+                format!(
+                    "devices unknown: {}",
+                    check["reason"].as_str().unwrap_or("")
+                )
+            })
+    }
+
+    /// Deletes the pod if it is still the one with `uid`. Ok(false): already gone.
+    pub(super) async fn delete_pod(&self, name: &str, uid: &str) -> Result<bool> {
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_string()),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        match self.pods().delete(name, &dp).await {
+            Ok(_) => Ok(true),
+            Err(e) if api_code(&e) == Some(404) => Ok(false),
+            Err(e) if api_code(&e) == Some(409) => bail!(
+                "pod {name} is no longer the one planned (UID {uid} precondition failed): {e}"
+            ),
+            Err(e) => Err(e).with_context(|| format!("delete pod {name}")),
+        }
+    }
+
+    /// The replacement on `node` (a pod of the DaemonSet other than `old_uid`, not being
+    /// deleted), from one read: the revision a Ready one carries when that is the step's
+    /// revision `target` or a newer one, and the stage of the newest one.
+    pub(super) async fn replaced(
+        &self,
+        ds: &DaemonSet,
+        sel: &str,
+        node: &str,
+        old_uid: &str,
+        target: (&str, i64),
+    ) -> Result<(Option<String>, Option<Stage>)> {
+        let pods = self.replacements(ds, sel, node, old_uid).await?;
+        let newest = pods
+            .iter()
+            .max_by_key(|p| p.metadata.creation_timestamp.clone().map(|t| t.0))
+            .map(stage);
+        let ready: Vec<String> = pods
+            .iter()
+            .filter(|p| pod_ready(p))
+            .filter_map(pod_revision)
+            .collect();
+        if let Some(h) = ready.iter().find(|h| *h == target.0) {
+            return Ok((Some(h.clone()), Some(Stage::Ready)));
+        }
+        if ready.is_empty() {
+            return Ok((None, newest));
+        }
+        let numbers = self.revisions(ds).await?;
+        let found = ready
+            .into_iter()
+            .find(|h| machine::acceptable_revision(h, target, &numbers));
+        let stage = if found.is_some() {
+            Some(Stage::Ready)
+        } else {
+            newest
+        };
+        Ok((found, stage))
+    }
+
+    /// The DaemonSet's pods for `node` other than `old_uid`, not being deleted.
+    pub(super) async fn replacements(
+        &self,
+        ds: &DaemonSet,
+        sel: &str,
+        node: &str,
+        old_uid: &str,
+    ) -> Result<Vec<Pod>> {
+        let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
+        let uid = ds.metadata.uid.clone().unwrap_or_default();
+        Ok(pods
+            .items
+            .into_iter()
+            .filter(|p| {
+                owned(p, &uid)
+                    && target_node(p).as_deref() == Some(node)
+                    && p.metadata.uid.as_deref() != Some(old_uid)
+                    && p.metadata.deletion_timestamp.is_none()
+            })
+            .collect())
+    }
+
+    /// The interrupted step's old pod now, and (for a lock written by an older stepper, which
+    /// did not record the pod) which pod that is.
+    pub(super) async fn old_pod(
+        &self,
+        sel: &str,
+        i: &InFlight,
+    ) -> Result<(OldPod, Option<(String, String)>)> {
+        if i.pod.is_empty() {
+            let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
+            let old = pods.items.iter().find(|p| {
+                target_node(p).as_deref() == Some(i.node.as_str())
+                    && p.metadata.deletion_timestamp.is_none()
+                    && pod_revision(p).as_deref() != Some(i.revision.as_str())
+            });
+            return Ok(match old {
+                Some(p) => (
+                    OldPod::Present,
+                    Some((
+                        p.metadata.name.clone().unwrap_or_default(),
+                        p.metadata.uid.clone().unwrap_or_default(),
+                    )),
+                ),
+                None => (OldPod::Gone, None),
+            });
+        }
+        let p = self
+            .pods()
+            .get_opt(&i.pod)
+            .await
+            .with_context(|| format!("read pod {}", i.pod))?;
+        Ok(match p {
+            Some(p) if p.metadata.uid.as_deref() == Some(i.pod_uid.as_str()) => {
+                if p.metadata.deletion_timestamp.is_some() {
+                    (OldPod::Terminating, None)
+                } else {
+                    (OldPod::Present, None)
+                }
+            }
+            _ => (OldPod::Gone, None),
+        })
+    }
+
+    pub(super) async fn event(&self, ds: &DaemonSet, warning: bool, reason: &str, message: &str) {
+        let sink = self.told.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(rec) = sink {
+            rec.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .tell(&stamp(), warning, reason, message);
+        }
+        let t = Time(k8s_openapi::jiff::Timestamp::now());
+        let ev = KEvent {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{}-stepguard-", self.ds)),
+                namespace: Some(self.ns.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("apps/v1".into()),
+                kind: Some("DaemonSet".into()),
+                name: Some(self.ds.clone()),
+                namespace: Some(self.ns.clone()),
+                uid: ds.metadata.uid.clone(),
+                ..Default::default()
+            },
+            reason: Some(reason.into()),
+            message: Some(message.into()),
+            type_: Some(if warning { "Warning" } else { "Normal" }.into()),
+            first_timestamp: Some(t.clone()),
+            last_timestamp: Some(t),
+            count: Some(1),
+            reporting_component: Some("stepguard-rollout".into()),
+            reporting_instance: Some(self.identity.clone()),
+            source: Some(k8s_openapi::api::core::v1::EventSource {
+                component: Some("stepguard-rollout".into()),
+                host: None,
+            }),
+            ..Default::default()
+        };
+        if let Err(e) = Api::<KEvent>::namespaced(self.client.clone(), &self.ns)
+            .create(&PostParams::default(), &ev)
+            .await
+        {
+            tracing::warn!(error = %e, "could not record a Kubernetes Event");
+        }
+    }
+
+    pub(super) fn leases(&self) -> Api<Lease> {
+        Api::namespaced(self.client.clone(), &self.args.lock_namespace)
+    }
+
+    pub(super) fn lock_name(&self) -> String {
+        format!("stepguard-rollout-{}-{}", self.ns, self.ds)
+    }
+}
+
+/// A LabelSelector as the API's label selector syntax (`k=v,k in (a,b),!k,k`).
+pub fn selector_string(
+    sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+) -> String {
+    let mut parts: Vec<String> = sel
+        .match_labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for e in sel.match_expressions.iter().flatten() {
+        let vals = e.values.clone().unwrap_or_default().join(",");
+        parts.push(match e.operator.as_str() {
+            "In" => format!("{} in ({vals})", e.key),
+            "NotIn" => format!("{} notin ({vals})", e.key),
+            "Exists" => e.key.clone(),
+            "DoesNotExist" => format!("!{}", e.key),
+            // An operator the API does not know selects nothing rather than everything.
+            other => format!("{} in (stepguard-unknown-operator-{other})", e.key),
+        });
+    }
+    parts.join(",")
+}
+
+/// Whether the DaemonSet with `uid` is the pod's controller (as the controller claims pods:
+/// a pod the selector matches that another controller owns is not the DaemonSet's).
+pub(super) fn owned(p: &Pod, uid: &str) -> bool {
+    p.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.uid == uid)
+}
+
+/// A container or init container waiting in CrashLoopBackOff: the highest restart count.
+pub(super) fn crash_looping(p: &Pod) -> Option<i32> {
+    let st = p.status.as_ref()?;
+    st.container_statuses
+        .iter()
+        .flatten()
+        .chain(st.init_container_statuses.iter().flatten())
+        .filter(|c| {
+            c.state
+                .as_ref()
+                .and_then(|s| s.waiting.as_ref())
+                .and_then(|w| w.reason.as_deref())
+                == Some("CrashLoopBackOff")
+        })
+        .map(|c| c.restart_count)
+        .max()
+}
+
+/// The cilium-agent container's image (or the first container's).
+pub(super) fn agent_image(spec: Option<&k8s_openapi::api::core::v1::PodSpec>) -> String {
+    spec.and_then(|p| {
+        p.containers
+            .iter()
+            .find(|c| c.name == "cilium-agent")
+            .or(p.containers.first())
+    })
+    .and_then(|c| c.image.clone())
+    .unwrap_or_default()
+}
+
+pub(crate) fn pod_ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True")
+}
+
+pub(super) fn pod_revision(p: &Pod) -> Option<String> {
+    p.metadata
+        .labels
+        .as_ref()?
+        .get("controller-revision-hash")
+        .cloned()
+}
+
+/// The node a daemon pod is for: its `nodeName` once bound, before that the node the
+/// DaemonSet controller pins it to with a required node affinity on `metadata.name`.
+pub fn target_node(p: &Pod) -> Option<String> {
+    let spec = p.spec.as_ref()?;
+    if let Some(n) = spec.node_name.clone().filter(|n| !n.is_empty()) {
+        return Some(n);
+    }
+    spec.affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_fields.iter().flatten())
+        .find(|f| f.key == "metadata.name" && f.operator == "In")
+        .and_then(|f| f.values.as_ref()?.first().cloned())
+}
+
+/// Whether an error reading or writing the cluster is worth retrying: the API server failing
+/// or overloaded (5xx, 429) or not answering at all. A refusal (4xx) or an answer that cannot
+/// be decoded is not.
+pub(super) fn transient(e: &anyhow::Error) -> bool {
+    match e.chain().find_map(|c| c.downcast_ref::<kube::Error>()) {
+        Some(kube::Error::Api(s)) => s.code >= 500 || s.code == 429,
+        Some(kube::Error::SerdeError(_) | kube::Error::BuildRequest(_)) => false,
+        Some(_) => true,
+        None => false,
+    }
+}
+
+/// Retries `f` while its error is transient, backing off from 0.5 s to 15 s, until `give_up`
+/// has passed or the lock is lost; the first failure is logged.
+pub(super) async fn patient<T, F, Fut>(
+    what: &str,
+    give_up: Duration,
+    lost: Option<&AtomicBool>,
+    mut f: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let t0 = Instant::now();
+    let mut delay = Duration::from_millis(500);
+    let mut said = false;
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e)
+                if transient(&e)
+                    && t0.elapsed() < give_up
+                    && !lost.is_some_and(|l| l.load(Ordering::SeqCst)) =>
+            {
+                if !said {
+                    tracing::warn!(error = %format!("{e:#}"), "{what}: the API server failed; retrying");
+                    said = true;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(15));
+            }
+            Err(e) => return Err(e).with_context(|| what.to_string()),
+        }
+    }
+}

@@ -1,0 +1,209 @@
+use super::*;
+
+fn n(name: &str, zone: &str, cp: bool) -> NodeInfo {
+    NodeInfo {
+        name: name.into(),
+        ready: true,
+        zone: Some(zone.into()),
+        control_plane: cp,
+        labels: BTreeMap::new(),
+    }
+}
+fn pod(node: &str, rev: &str) -> CiliumPod {
+    CiliumPod {
+        name: format!("cilium-{node}"),
+        uid: format!("uid-{node}"),
+        node: node.into(),
+        revision: rev.into(),
+        ready: true,
+        image: "quay.io/cilium/cilium:v1.17.3".into(),
+        bound: true,
+        crash_looping: None,
+    }
+}
+fn view() -> ClusterView {
+    let names = [
+        ("a1", "a", false),
+        ("a2", "a", false),
+        ("b1", "b", false),
+        ("b2", "b", false),
+        ("cp", "a", true),
+    ];
+    ClusterView {
+        daemonset: "kube-system/cilium".into(),
+        update_strategy: "OnDelete".into(),
+        number_unavailable: 0,
+        operator: Operator::Found {
+            name: "kube-system/cilium-operator".into(),
+            ready: 2,
+            desired: 2,
+        },
+        foreign: vec![],
+        generation: 3,
+        observed_generation: 3,
+        revision: Some(("new".into(), 3)),
+        cilium_version: Some("1.18".into()),
+        nodes: names.iter().map(|(x, z, c)| n(x, z, *c)).collect(),
+        pods: names.iter().map(|(x, _, _)| pod(x, "old")).collect(),
+        agents: names
+            .iter()
+            .map(|(x, _, _)| (x.to_string(), format!("http://{x}:9969")))
+            .collect(),
+        devices: names
+            .iter()
+            .map(|(x, _, _)| (x.to_string(), Ok(vec!["eth0".to_string()])))
+            .collect(),
+        leases: vec![
+            L2Lease {
+                service: "net-pihole-a".into(),
+                holder: Some("a1".into()),
+                duration: Duration::from_secs(15),
+            },
+            L2Lease {
+                service: "net-pihole-b".into(),
+                holder: Some("b1".into()),
+                duration: Duration::from_secs(15),
+            },
+        ],
+    }
+}
+
+#[test]
+fn canary_first_workers_by_zone_then_holders_apart_then_control_plane() {
+    let o = PlanOpts {
+        canary: Some("b2".into()),
+        vip_groups: [(
+            "dns".to_string(),
+            vec!["net-pihole-a".to_string(), "net-pihole-b".to_string()],
+        )]
+        .into(),
+        ..Default::default()
+    };
+    let p = plan(&view(), &o).unwrap();
+    let names: Vec<&str> = p.iter().map(|s| s.node.as_str()).collect();
+    assert_eq!(names, ["b2", "a2", "a1", "b1", "cp"]);
+    assert_eq!(
+        p[3].pause_before,
+        Duration::from_secs(15),
+        "a lease duration between holders"
+    );
+    assert_eq!(p[2].moves, ["net-pihole-a"]);
+    assert!(render(&view(), &p).contains("moves L2 VIPs: net-pihole-a"));
+}
+
+#[test]
+fn nodes_already_on_the_revision_are_not_stepped_and_max_nodes_limits() {
+    let mut v = view();
+    v.pods[0].revision = "new".into();
+    let p = plan(
+        &v,
+        &PlanOpts {
+            max_nodes: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(p.len(), 2);
+    assert!(p.iter().all(|s| s.node != "a1"));
+}
+
+#[test]
+fn a_retried_node_comes_first_and_skipped_nodes_not_at_all() {
+    let mut v = view();
+    v.pods[2].revision = "new".into(); // b1: already stepped (and failed its verdict)
+    let o = PlanOpts {
+        again: Some("b1".into()),
+        skip: ["a2".to_string()].into(),
+        ..Default::default()
+    };
+    let p = plan(&v, &o).unwrap();
+    let names: Vec<&str> = p.iter().map(|s| s.node.as_str()).collect();
+    assert_eq!(names, ["b1", "b2", "a1", "cp"]);
+    assert_eq!(p[0].why, "retry");
+}
+
+fn kinds(r: &[Refusal]) -> Vec<&'static str> {
+    r.iter()
+        .map(|x| match x {
+            Refusal::NotOnDelete { .. } => "strategy",
+            Refusal::NotObserved { .. } => "stale",
+            Refusal::NoRevision => "norev",
+            Refusal::MinorSkip { .. } => "minor",
+            Refusal::NodeNotReady { .. } => "notready",
+            Refusal::PodCrashLooping { .. } => "crash",
+            Refusal::PodNotReady { .. } => "podnotready",
+            Refusal::PodUnbound { .. } => "unbound",
+            Refusal::Unavailable { .. } => "unavailable",
+            Refusal::OperatorNotReady { .. } | Refusal::OperatorUnknown { .. } => "operator",
+            Refusal::AgentMissing { .. } => "agent",
+            Refusal::DevicesUnknown { .. } => "devunknown",
+            Refusal::DevicesDiffer { .. } => "devices",
+        })
+        .collect()
+}
+
+#[test]
+fn refusals_come_in_the_documented_order() {
+    let mut v = view();
+    v.observed_generation = 2;
+    v.nodes[1].ready = false;
+    v.agents.remove("b1");
+    v.devices
+        .insert("b2".into(), Ok(vec!["eth0".into(), "eth1".into()]));
+    let r = plan(&v, &PlanOpts::default()).unwrap_err();
+    assert_eq!(kinds(&r), ["stale", "notready", "agent", "devices"]);
+    assert!(r[3].to_string().contains("[eth0,eth1] on b2"), "{}", r[3]);
+    // The cluster's own health, every kind at once.
+    let mut v = view();
+    v.update_strategy = "RollingUpdate".into();
+    v.cilium_version = Some("1.20".into());
+    v.pods[0].crash_looping = Some(7);
+    v.pods[0].ready = false;
+    v.pods[1].ready = false;
+    v.pods[2].bound = false;
+    v.number_unavailable = 3;
+    v.operator = Operator::Found {
+        name: "kube-system/cilium-operator".into(),
+        ready: 0,
+        desired: 1,
+    };
+    let r = plan(&v, &PlanOpts::default()).unwrap_err();
+    assert_eq!(
+        kinds(&r),
+        [
+            "strategy",
+            "minor",
+            "crash",
+            "podnotready",
+            "unbound",
+            "unavailable",
+            "operator"
+        ]
+    );
+    assert!(
+        r[1].to_string()
+            .contains("1.20 is more than one minor version from 1.17"),
+        "{}",
+        r[1]
+    );
+    let o = PlanOpts {
+        allow_minor_skip: true,
+        skip: ["a1".to_string(), "a2".to_string(), "b1".to_string()].into(),
+        ..Default::default()
+    };
+    v.update_strategy = "OnDelete".into();
+    v.operator = Operator::NotChecked;
+    // Skipped nodes' pods (known bad by a person's decision) explain the unavailable count.
+    v.number_unavailable = 2;
+    assert!(plan(&v, &o).is_ok(), "{:?}", plan(&v, &o));
+    v.number_unavailable = 3;
+    assert_eq!(kinds(&plan(&v, &o).unwrap_err()), ["unavailable"]);
+    v.cilium_version = Some("1.18".into());
+    assert!(adjacent_minors("1.17", "1.18") && adjacent_minors("1.18", "1.17"));
+    assert!(!adjacent_minors("1.18", "1.20") && !adjacent_minors("1.18", "2.0"));
+    // Mid-rollout, another revision may differ: no refusal.
+    let mut v = view();
+    v.pods[4].revision = "new".into();
+    v.devices.insert("cp".into(), Ok(vec!["eth1".into()]));
+    assert!(plan(&v, &PlanOpts::default()).is_ok());
+}

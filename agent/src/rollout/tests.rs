@@ -1,0 +1,137 @@
+use super::*;
+
+#[test]
+fn the_whole_selector_becomes_a_label_selector() {
+    let sel: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector =
+        serde_json::from_value(json!({
+            "matchLabels": {"k8s-app": "cilium"},
+            "matchExpressions": [
+                {"key": "pool", "operator": "In", "values": ["a", "b"]},
+                {"key": "debug", "operator": "NotIn", "values": ["true"]},
+                {"key": "tier", "operator": "Exists"},
+                {"key": "legacy", "operator": "DoesNotExist"}]}))
+        .unwrap();
+    assert_eq!(
+        selector_string(&sel),
+        "k8s-app=cilium,pool in (a,b),debug notin (true),tier,!legacy"
+    );
+}
+
+fn ds(image: &str, checksum: Option<&str>, ann: Value) -> DaemonSet {
+    let mut tmeta = json!({"labels": {"k8s-app": "cilium"}});
+    if let Some(c) = checksum {
+        tmeta["annotations"] = json!({ CONFIG_CHECKSUM: c });
+    }
+    serde_json::from_value(json!({
+        "metadata": {"name": "cilium", "generation": 4, "annotations": ann},
+        "spec": {"selector": {"matchLabels": {"k8s-app": "cilium"}},
+                 "template": {"metadata": tmeta, "spec": {"containers": [{"name": "cilium-agent", "image": image}]}}},
+        "status": {"observedGeneration": 4, "currentNumberScheduled": 0, "desiredNumberScheduled": 0,
+                   "numberMisscheduled": 0, "numberReady": 0}
+    }))
+    .unwrap()
+}
+
+#[test]
+fn git_approves_the_image_and_config_checksum_a_revision_carries() {
+    let img = "quay.io/cilium/cilium:v1.19.1@sha256:aa";
+    let both = json!({ ANN_APPROVE_IMAGE: img, ANN_APPROVE_CONFIG: "c2" });
+    assert_eq!(
+        approval(&ds(img, Some("c2"), both.clone()), "h2").as_deref(),
+        Some("h2")
+    );
+    // A config-only revision does not ride the approval of the earlier config.
+    assert_eq!(approval(&ds(img, Some("c3"), both.clone()), "h3"), None);
+    assert!(unapproved_why(&ds(img, Some("c3"), both.clone())).contains("config checksum is c3"));
+    // Another image; a checksum the approval does not name.
+    assert_eq!(
+        approval(&ds("cilium:v1.19.2", Some("c2"), both), "h4"),
+        None
+    );
+    let image_only = json!({ ANN_APPROVE_IMAGE: img });
+    assert_eq!(
+        approval(&ds(img, Some("c2"), image_only.clone()), "h5"),
+        None
+    );
+    // Without the chart's checksum, the image alone.
+    assert_eq!(
+        approval(&ds(img, None, image_only), "h6").as_deref(),
+        Some("h6")
+    );
+    // The revision hash, as before; an older one stays what it names.
+    let named = json!({ ANN_APPROVE: "h1" });
+    assert_eq!(
+        approval(&ds(img, None, named.clone()), "h1").as_deref(),
+        Some("h1")
+    );
+    assert_eq!(approval(&ds(img, None, named), "h7").as_deref(), Some("h1"));
+    // Not judged before the controller observed the template.
+    let mut d = ds(img, None, json!({ ANN_APPROVE_IMAGE: img }));
+    d.metadata.generation = Some(5);
+    assert_eq!(approval(&d, "h8"), None);
+}
+
+#[test]
+fn the_minor_version_comes_from_the_image_tag() {
+    assert_eq!(
+        image_minor("quay.io/cilium/cilium:v1.18.2@sha256:abc").as_deref(),
+        Some("1.18")
+    );
+    assert_eq!(image_minor("cilium:1.17.0").as_deref(), Some("1.17"));
+    assert_eq!(image_minor("cilium:latest"), None);
+    assert_eq!(image_minor("registry:5000/cilium"), None);
+}
+
+#[test]
+fn watch_starts_only_an_approved_revision_not_yet_everywhere() {
+    let mut v = ClusterView {
+        revision: Some(("r2".into(), 2)),
+        ..Default::default()
+    };
+    v.pods.push(CiliumPod {
+        name: "p".into(),
+        uid: "u".into(),
+        node: "n".into(),
+        revision: "r1".into(),
+        ready: true,
+        image: String::new(),
+        bound: true,
+        crash_looping: None,
+    });
+    assert!(!approved(&v, None));
+    assert!(!approved(&v, Some("r1")), "an older approval");
+    assert!(approved(&v, Some("r2")));
+    v.pods[0].revision = "r2".into();
+    assert!(!approved(&v, Some("r2")), "already everywhere");
+}
+
+#[test]
+fn a_pending_daemon_pod_belongs_to_the_node_its_affinity_names() {
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "cilium-x"},
+        "spec": {"containers": [], "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-2"]}]}]}}}}
+    }))
+    .unwrap();
+    assert_eq!(target_node(&p).as_deref(), Some("node-2"));
+    let mut bound = p.clone();
+    bound.spec.as_mut().unwrap().node_name = Some("node-3".into());
+    assert_eq!(target_node(&bound).as_deref(), Some("node-3"));
+}
+
+#[test]
+fn only_failures_of_the_api_server_itself_are_retried() {
+    let api = |code: u16| -> anyhow::Error {
+        anyhow::Error::new(kube::Error::Api(Box::new(kube::core::Status {
+            code,
+            ..Default::default()
+        })))
+        .context("list the cilium pods")
+    };
+    assert!(transient(&api(500)));
+    assert!(transient(&api(503)));
+    assert!(transient(&api(429)));
+    assert!(!transient(&api(403)));
+    assert!(!transient(&api(404)));
+    assert!(!transient(&anyhow::anyhow!("a plain error")));
+}

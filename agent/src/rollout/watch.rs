@@ -1,0 +1,66 @@
+//! `--watch`: a rollout begins when a person approves the current revision.
+use super::*;
+
+/// `--watch`: never ends on an error; a line is logged whenever what it waits for changes.
+pub(super) async fn watch(c: &Cluster) -> Result<i32> {
+    let mut last = String::new();
+    let mut announced = String::new();
+    loop {
+        let note = match watch_tick(c, &mut announced).await {
+            Ok(n) => n,
+            Err(e) => format!("cannot read the cluster (retrying every tick): {e:#}"),
+        };
+        if note != last && !note.is_empty() {
+            tracing::warn!("{note}");
+            eprintln!("stepguard rollout --watch: {note}");
+        }
+        last = note;
+        tokio::time::sleep(c.args.watch_interval).await;
+    }
+}
+
+/// One `--watch` tick: what it is waiting for, or the end of the rollout it ran. A revision
+/// waiting for approval is told once in an Event (`announced`: the revision told last).
+pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<String> {
+    let (v, ds) = c.view().await?;
+    let (_, rec) = read_lock(c).await?;
+    let cur = v.revision.clone().map(|r| r.0).unwrap_or_default();
+    let approve = approval(&ds, &cur);
+    let owed = rec.inflight.is_some() || rec.retry.is_some();
+    if let Gate::Halted(m) = record::gate(&rec, &cur, approve.as_deref(), &stamp()) {
+        return Ok(m);
+    }
+    if !owed && !v.pods.iter().any(|p| p.revision != cur) {
+        return Ok(String::new());
+    }
+    if !owed && rec.aborted.as_deref() == Some(cur.as_str()) {
+        return Ok(format!(
+            "the rollout of revision {cur} was aborted: approve a new revision to start again (or run `stepguard rollout` by hand)"
+        ));
+    }
+    // An interrupted step is always finished (its delete waits for an approval itself); a
+    // retry alone waits for the revision to be approved, instead of a run per tick that
+    // pauses at once.
+    if let (None, Some(n)) = (&rec.inflight, &rec.retry) {
+        if approve.as_deref() != Some(cur.as_str()) {
+            return Ok(format!(
+                "node {n} is to be stepped again but the DaemonSet's revision {cur} is not approved ({}): waiting",
+                unapproved_why(&ds)
+            ));
+        }
+    }
+    if owed || approved(&v, approve.as_deref()) {
+        let code = rollout(c, true).await?;
+        return Ok(format!("rollout ended with exit code {code}"));
+    }
+    let note = format!(
+        "revision {cur} is not approved ({}): waiting",
+        unapproved_why(&ds)
+    );
+    if *announced != cur {
+        c.event(&ds, false, "StepguardApprovalAwaited", &format!("{note}; approve it with stepguard.io/approve-revision: {cur}, or stepguard.io/approve-image and stepguard.io/approve-config-checksum in the commit that changes the template"))
+            .await;
+        *announced = cur;
+    }
+    Ok(note)
+}

@@ -1,0 +1,198 @@
+//! Steps persisted under the state directory (a restarted agent resumes them): bounded files,
+//! the newest kept, a broken file quarantined, never lost silently.
+use super::*;
+
+/// Where steps live: `<state_dir>/steps/<id>.json`, and in memory: files are read once at
+/// startup (bounded in size; corrupt or oversized ones are quarantined with a log line), so
+/// requests never parse files.
+pub struct StepStore {
+    pub(super) dir: PathBuf,
+    pub(super) steps: std::sync::Mutex<BTreeMap<String, Step>>,
+    /// Steps whose latest record could not be written, with the error (written again by
+    /// [`StepStore::retry_unsaved`]).
+    pub(super) unsaved: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Writes that failed since start.
+    pub write_errors: std::sync::atomic::AtomicU64,
+}
+
+/// A step file larger than this is not read (a step's record is bounded far below it).
+pub const MAX_STEP_FILE: u64 = 8 << 20;
+
+/// Steps kept (on disk and in memory).
+pub const KEEP_STEPS: usize = 100;
+
+impl StepStore {
+    pub fn new(state_dir: &Path) -> std::io::Result<Self> {
+        let dir = state_dir.join("steps");
+        std::fs::create_dir_all(&dir)?;
+        let store = Self {
+            steps: std::sync::Mutex::new(Self::read_all(&dir)),
+            dir,
+            unsaved: Default::default(),
+            write_errors: Default::default(),
+        };
+        Ok(store)
+    }
+
+    pub(super) fn quarantine(path: &Path, why: &str) {
+        let to = path.with_extension("quarantined");
+        match std::fs::rename(path, &to) {
+            Ok(()) => {
+                tracing::warn!(file = %path.display(), moved_to = %to.display(), "{why}: step file quarantined")
+            }
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "{why}; cannot quarantine it")
+            }
+        }
+    }
+
+    pub(super) fn read_all(dir: &Path) -> BTreeMap<String, Step> {
+        let mut steps = BTreeMap::new();
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return steps;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".json.tmp") {
+                // A write that did not finish (a full disk, a crash): its record is not whole.
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
+            if !name.ends_with(".json") || name.starts_with('.') {
+                continue;
+            }
+            let path = e.path();
+            match e.metadata() {
+                Ok(m) if m.len() > MAX_STEP_FILE => {
+                    Self::quarantine(
+                        &path,
+                        &format!("{} bytes is more than a step record", m.len()),
+                    );
+                    continue;
+                }
+                Err(_) => continue,
+                Ok(_) => {}
+            }
+            match std::fs::read(&path).map(|d| serde_json::from_slice::<Step>(&d)) {
+                Ok(Ok(s)) => {
+                    steps.insert(s.id.clone(), s);
+                }
+                Ok(Err(err)) => Self::quarantine(&path, &format!("not a step record ({err})")),
+                Err(err) => {
+                    tracing::warn!(file = %path.display(), error = %err, "cannot read a step file")
+                }
+            }
+        }
+        steps
+    }
+
+    pub(super) fn mem(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Step>> {
+        self.steps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Saves a step to disk (written to a temporary file, fsynced, renamed, the directory
+    /// fsynced) and keeps it in memory. A step already known is updated in memory first, so
+    /// its verdict is served even when the disk refuses the write (the step then says it is
+    /// not persisted, and the write is tried again); a new step is kept only once it is on
+    /// disk.
+    pub fn save(&self, s: &Step) -> std::io::Result<()> {
+        let mut on_disk = s.clone();
+        on_disk.not_persisted = None;
+        let known = {
+            let mut m = self.mem();
+            match m.get_mut(&s.id) {
+                Some(k) => {
+                    *k = on_disk.clone();
+                    true
+                }
+                None => false,
+            }
+        };
+        match self.write(&on_disk) {
+            Ok(()) => {
+                self.unsaved_mut().remove(&s.id);
+                self.mem().insert(s.id.clone(), on_disk);
+                Ok(())
+            }
+            Err(e) => {
+                self.write_errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if known {
+                    let why = format!("the step's record could not be written: {e}");
+                    if let Some(k) = self.mem().get_mut(&s.id) {
+                        k.not_persisted = Some(why.clone());
+                    }
+                    self.unsaved_mut().insert(s.id.clone(), why);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) fn unsaved_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, String>> {
+        self.unsaved.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn write(&self, s: &Step) -> std::io::Result<()> {
+        use std::io::Write;
+        let path = self.dir.join(format!("{}.json", s.id));
+        let tmp = self.dir.join(format!(".{}.json.tmp", s.id));
+        let r = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&serde_json::to_vec(s)?)?;
+            f.sync_all()?;
+            drop(f);
+            std::fs::rename(&tmp, &path)?;
+            std::fs::File::open(&self.dir)?.sync_all()
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r
+    }
+
+    /// Why some step's latest record is not on disk (readiness and the view say so).
+    pub fn unsaved(&self) -> Option<String> {
+        self.unsaved_mut().values().next().cloned()
+    }
+
+    /// Writes again the steps whose last write failed; how many writes failed again.
+    pub fn retry_unsaved(&self) -> usize {
+        let ids: Vec<String> = self.unsaved_mut().keys().cloned().collect();
+        let mut failed = 0;
+        for id in ids {
+            match self.load(&id) {
+                Some(s) => failed += usize::from(self.save(&s).is_err()),
+                None => {
+                    self.unsaved_mut().remove(&id);
+                }
+            }
+        }
+        failed
+    }
+
+    pub fn load(&self, id: &str) -> Option<Step> {
+        self.mem().get(id).cloned()
+    }
+
+    /// All steps, newest first.
+    pub fn list(&self) -> Vec<Step> {
+        let mut v: Vec<Step> = self.mem().values().cloned().collect();
+        v.sort_by(|a: &Step, b: &Step| b.created_at.total_cmp(&a.created_at));
+        v
+    }
+
+    /// Keeps the newest `keep` steps.
+    pub fn prune(&self, keep: usize) {
+        for s in self.list().into_iter().skip(keep) {
+            self.mem().remove(&s.id);
+            let _ = std::fs::remove_file(self.dir.join(format!("{}.json", s.id)));
+        }
+    }
+}
+
+/// A fresh step id: `step-<unix seconds>-<4 hex>`.
+pub fn new_id(now: f64) -> String {
+    let r = getrandom::u32().unwrap_or_else(|_| std::process::id() ^ now.fract().to_bits() as u32);
+    format!("step-{}-{:04x}", now as u64, r as u16)
+}

@@ -1,0 +1,529 @@
+//! The baseline check: kept state kept, maps recreated by design refilled, the version the
+//! maps point to the one declared.
+use super::*;
+
+/// A kept-state map that had at least this many entries and lost more than half of them was
+/// emptied (2: the three-VIP home cluster's services map losing two of its three is a loss).
+pub const MAP_EMPTIED_MIN: u64 = 2;
+
+/// A kept-state map that lost more than this share of its entries (and had at least
+/// [`MAP_EMPTIED_MIN`]) failed; losing every entry fails at any size.
+pub const KEPT_LOSS_TOLERANCE: f64 = 0.5;
+
+/// The version a map judgement holds the node to after the reload, and what decided it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AfterVersion {
+    pub version: profile::CiliumVersion,
+    /// `agent API (…)`, `pinned map names: …` or `declared by the step`.
+    pub from: String,
+    /// The names leave it open between pairs (see `profile::names_ambiguous`).
+    pub ambiguous: bool,
+}
+
+/// The version that came back: the agent API's release when it was read after the reload,
+/// else what the pinned names point to, else the step's declaration.
+pub fn after_version(step: &Step, o: &Observed) -> Option<AfterVersion> {
+    use profile::CiliumVersion;
+    let api = step.reload.complete_at.and_then(|at| {
+        o.agent_version
+            .as_ref()
+            .filter(|(_, seen)| *seen >= at)
+            .map(|(v, _)| v.clone())
+    });
+    if let Some(full) = api {
+        if let Some(rel) = profile::release_of(&full) {
+            let v = CiliumVersion::parse(&rel).or_else(|| {
+                CiliumVersion::newer_than_newest(&rel).then_some(CiliumVersion::NEWEST)
+            });
+            if let Some(version) = v {
+                return Some(AfterVersion {
+                    version,
+                    from: format!("agent API ({full})"),
+                    ambiguous: false,
+                });
+            }
+        }
+    }
+    if let Some(maps) = &o.maps {
+        let names = profile::names_for_inference(
+            maps.keys(),
+            o.endpoint_maps.as_ref().unwrap_or(&BTreeMap::new()),
+        );
+        if let Some((version, why)) = profile::infer_version(&names) {
+            return Some(AfterVersion {
+                version,
+                from: format!("pinned map names: {why}"),
+                ambiguous: profile::names_ambiguous(&names),
+            });
+        }
+    }
+    step.params
+        .expect_cilium
+        .as_deref()
+        .and_then(CiliumVersion::parse)
+        .map(|version| AfterVersion {
+            version,
+            from: "declared by the step".into(),
+            ambiguous: true,
+        })
+}
+
+/// Judges every map of the baseline and of the returning version by its class (what Cilium
+/// does with it on a start): kept state must come back with its entries; maps recreated by
+/// design (or for a property change: new id) must have refilled by the end of settle; churn
+/// is reported only. A map the returning version `va` renamed is judged under its new name
+/// against the baseline of the old one (`cilium_ipcache` → `cilium_ipcache_v2`), and so are
+/// the per-endpoint policy maps of its prefix; a map `va` does not have at all was removed by
+/// design; a map new in `va` is reported. `entries_now`: the named entries of kept maps that
+/// lost some (to name what was lost). Returns the evidence and the first failure, or what is
+/// still awaited.
+pub fn judge_maps(
+    step: &Step,
+    maps: &BTreeMap<String, Option<u64>>,
+    ids: Option<&BTreeMap<String, u32>>,
+    endpoint_maps: Option<&BTreeMap<String, u64>>,
+    va: Option<&AfterVersion>,
+    entries_now: &BTreeMap<String, Vec<String>>,
+    settle_over: bool,
+) -> MapsJudged {
+    let v = va.map(|a| a.version);
+    let mut ev = BTreeMap::new();
+    let mut fatal: Option<(Reason, String)> = None;
+    let mut waiting: Vec<String> = vec![];
+    let fail = |code: Reason, why: String, f: &mut Option<(Reason, String)>| {
+        if f.is_none() {
+            *f = Some((code, why));
+        }
+    };
+    let base = &step.baseline.maps;
+    let names: std::collections::BTreeSet<&String> = base.keys().chain(maps.keys()).collect();
+    for m in names {
+        let class = profile::map_class(m);
+        // The name this map has on the returning version, and the baseline it is judged
+        // against (its own, or the name it had before a rename).
+        let group = profile::rename_group(m);
+        let own = match (group, v) {
+            (Some(g), Some(v)) => profile::name_in(g, v),
+            _ => m.as_str(),
+        };
+        if own != m {
+            // A name of a renamed map that the returning version does not use.
+            let judged = match (maps.get(m), v) {
+                (Some(_), Some(v)) => format!(
+                    "left pinned: Cilium {} uses {own} (judged there), not {m}",
+                    v.as_str()
+                ),
+                _ => format!("renamed by design: Cilium {} calls it {own}", pair(v)),
+            };
+            ev.insert(
+                m.clone(),
+                MapEvidence {
+                    class,
+                    before: base.get(m).copied().flatten(),
+                    after: maps.get(m).copied().flatten(),
+                    recreated: false,
+                    judged,
+                },
+            );
+            continue;
+        }
+        let predecessor = group.and_then(|g| {
+            g.iter()
+                .map(|(n, _)| *n)
+                .find(|n| *n != m && base.contains_key(*n) && !base.contains_key(m.as_str()))
+        });
+        let before_entry = base
+            .get(m)
+            .or_else(|| predecessor.and_then(|p| base.get(p)));
+        let Some(before) = before_entry else {
+            // New on the returning version, with nothing before to compare.
+            let judged = match maps.get(m).copied().flatten() {
+                Some(a) => format!("new in Cilium {}, {a} entries (no baseline)", pair(v)),
+                None => format!("new in Cilium {}", pair(v)),
+            };
+            ev.insert(
+                m.clone(),
+                MapEvidence {
+                    class,
+                    before: None,
+                    after: maps.get(m).copied().flatten(),
+                    recreated: false,
+                    judged,
+                },
+            );
+            continue;
+        };
+        let renamed = predecessor
+            .map(|p| format!("renamed from {p}, "))
+            .unwrap_or_default();
+        let Some(after) = maps.get(m) else {
+            let judged = match v {
+                Some(v) if profile::removed_by_design(m, v) => {
+                    format!("removed by design: Cilium {} has no {m}", v.as_str())
+                }
+                _ => {
+                    fail(
+                        Reason::MapMissing,
+                        format!("pinned map vanished across the restart: {m}"),
+                        &mut fatal,
+                    );
+                    format!("{renamed}missing")
+                }
+            };
+            ev.insert(
+                m.clone(),
+                MapEvidence {
+                    class,
+                    before: *before,
+                    after: None,
+                    recreated: false,
+                    judged,
+                },
+            );
+            continue;
+        };
+        let recreated = predecessor.is_some()
+            || match (step.baseline.map_ids.get(m), ids.and_then(|i| i.get(m))) {
+                (Some(a), Some(b)) => a != b,
+                _ => false,
+            };
+        let (b, a) = (before.unwrap_or(0), after.unwrap_or(0));
+        let counted = before.is_some() && after.is_some();
+        let judged = match class {
+            profile::MapClass::Churn | profile::MapClass::Other => {
+                if counted {
+                    format!("{b}→{a} entries (reported only)")
+                } else {
+                    "present".into()
+                }
+            }
+            _ if !counted => "present (entries not countable)".into(),
+            profile::MapClass::Recreated => {
+                refill(m, b, a, recreated, settle_over, &mut fatal, &mut waiting)
+            }
+            profile::MapClass::Kept if recreated => {
+                refill(m, b, a, true, settle_over, &mut fatal, &mut waiting)
+            }
+            profile::MapClass::Kept => {
+                let lost = lost_entries(step.baseline.map_entries.get(m), entries_now.get(m));
+                if b > 0 && a == 0 {
+                    fail(
+                        Reason::MapEmptied,
+                        format!(
+                            "{m} came back empty ({b}→0){lost}: Cilium keeps this state across a restart"
+                        ),
+                        &mut fatal,
+                    );
+                    format!("emptied {b}→0{lost}")
+                } else if b >= MAP_EMPTIED_MIN
+                    && (a as f64) < b as f64 * (1.0 - KEPT_LOSS_TOLERANCE)
+                {
+                    fail(
+                        Reason::MapEmptied,
+                        format!("{m} lost most of its entries ({b}→{a}){lost}"),
+                        &mut fatal,
+                    );
+                    format!("lost {b}→{a}{lost}")
+                } else {
+                    format!("kept {b}→{a}{lost}")
+                }
+            }
+        };
+        ev.insert(
+            m.clone(),
+            MapEvidence {
+                class,
+                before: *before,
+                after: *after,
+                recreated,
+                judged: format!("{renamed}{judged}"),
+            },
+        );
+    }
+    if let (Some(va), Some(now)) = (va, endpoint_maps) {
+        judge_policy_maps(
+            step,
+            va,
+            now,
+            settle_over,
+            &mut ev,
+            &mut fatal,
+            &mut waiting,
+        );
+    }
+    let waiting =
+        (!waiting.is_empty()).then(|| format!("waiting for {} to refill", waiting.join(", ")));
+    MapsJudged {
+        evidence: ev,
+        fatal,
+        waiting,
+    }
+}
+
+pub(super) fn pair(v: Option<profile::CiliumVersion>) -> &'static str {
+    v.map(profile::pair_label).unwrap_or("(version unknown)")
+}
+
+/// `; lost: a, b (+3 more)` when the entries before and now are both known.
+pub(super) fn lost_entries(before: Option<&Vec<String>>, now: Option<&Vec<String>>) -> String {
+    let (Some(before), Some(now)) = (before, now) else {
+        return String::new();
+    };
+    let now: std::collections::BTreeSet<&String> = now.iter().collect();
+    let lost: Vec<&String> = before.iter().filter(|e| !now.contains(e)).collect();
+    if lost.is_empty() {
+        return String::new();
+    }
+    format!("; lost: {}", first_of(&lost, 8))
+}
+
+/// The per-endpoint policy maps of the returning version's prefix, judged like a recreated
+/// map against the baseline's policy maps (whatever their prefix): an upgrade that renames
+/// them (`cilium_policy_v2_*` → `cilium_policy_v3_*`) must create them again for the
+/// endpoints by the end of settle.
+pub(super) fn judge_policy_maps(
+    step: &Step,
+    va: &AfterVersion,
+    now: &BTreeMap<String, u64>,
+    settle_over: bool,
+    ev: &mut BTreeMap<String, MapEvidence>,
+    fatal: &mut Option<(Reason, String)>,
+    waiting: &mut Vec<String>,
+) {
+    let v = va.version;
+    // A version from the names stands for its pair (1.16/1.17 differ in their policy prefix):
+    // the pair's kind that is present is the node's.
+    let kinds: Vec<&str> = if va.from.starts_with("agent API") {
+        vec![profile::policy_kind(v)]
+    } else {
+        profile::CiliumVersion::ALL
+            .into_iter()
+            .filter(|o| profile::pair_label(*o) == profile::pair_label(v))
+            .map(profile::policy_kind)
+            .collect()
+    };
+    let kind = kinds
+        .iter()
+        .copied()
+        .max_by_key(|k| now.get(*k).copied().unwrap_or(0))
+        .unwrap_or(profile::policy_kind(v));
+    let prefix = match kind {
+        "policy_v3" => "cilium_policy_v3_",
+        "policy_v2" => "cilium_policy_v2_",
+        _ => "cilium_policy_",
+    };
+    let policy_kinds = ["policy", "policy_v2", "policy_v3"];
+    let base = &step.baseline.endpoint_maps;
+    // The baseline's own policy maps: the kind it had most of (a downgraded node may keep
+    // another version's maps pinned beside its own).
+    let Some((base_kind, b)) = policy_kinds
+        .iter()
+        .filter_map(|k| base.get(*k).map(|n| (*k, *n)))
+        .max_by_key(|(_, n)| *n)
+    else {
+        return;
+    };
+    let a = now.get(kind).copied().unwrap_or(0);
+    let name = format!("{prefix}*");
+    let renamed = base_kind != kind;
+    let judged = refill(&name, b, a, renamed, settle_over, fatal, waiting);
+    ev.insert(
+        name,
+        MapEvidence {
+            class: profile::MapClass::Recreated,
+            before: Some(b),
+            after: Some(a),
+            recreated: renamed,
+            judged: if renamed {
+                format!("per-endpoint, renamed from {base_kind} maps: {judged}")
+            } else {
+                format!("per-endpoint: {judged}")
+            },
+        },
+    );
+}
+
+/// [`judge_maps`] over an observation.
+pub(super) fn judge_observed_maps(
+    step: &Step,
+    o: &Observed,
+    maps: &BTreeMap<String, Option<u64>>,
+    va: Option<&AfterVersion>,
+    settle_over: bool,
+) -> MapsJudged {
+    judge_maps(
+        step,
+        maps,
+        o.map_ids.as_ref(),
+        o.endpoint_maps.as_ref(),
+        va,
+        &o.map_entries,
+        settle_over,
+    )
+}
+
+/// What [`judge_maps`] found.
+pub struct MapsJudged {
+    pub evidence: BTreeMap<String, MapEvidence>,
+    /// The first failure: the step has failed.
+    pub fatal: Option<(Reason, String)>,
+    /// Maps still refilling (the step is not green yet).
+    pub waiting: Option<String>,
+}
+
+/// A map recreated by design (or for a property change): it must hold entries again by the
+/// end of settle when it held some before.
+pub(super) fn refill(
+    m: &str,
+    b: u64,
+    a: u64,
+    recreated: bool,
+    settle_over: bool,
+    fatal: &mut Option<(Reason, String)>,
+    waiting: &mut Vec<String>,
+) -> String {
+    let how = if recreated { "recreated" } else { "kept" };
+    // Refilled: at least half of what it held (the same tolerance as kept state), so a map
+    // holding only its first few entries again does not count as refilled.
+    let refilled = b == 0 || (a > 0 && a as f64 >= b as f64 * (1.0 - KEPT_LOSS_TOLERANCE));
+    if refilled {
+        return format!("{how}, {b}→{a} entries");
+    }
+    if settle_over {
+        if fatal.is_none() {
+            *fatal = Some((
+                Reason::MapEmptied,
+                format!("{m} was not refilled by the end of settle ({b}→{a})"),
+            ));
+        }
+        format!("{how}, not refilled by the end of settle ({b}→{a})")
+    } else {
+        waiting.push(m.to_string());
+        format!("{how}, refilling ({b}→{a} so far)")
+    }
+}
+
+/// A declared version (`expect.cilium`) against the one that came back: a release from the
+/// agent's API decides; without it the pinned names decide only what they can tell apart
+/// (1.16 from 1.18 or 1.20, never 1.16 from 1.17 or 1.18 from 1.19): a declaration they
+/// cannot verify is unknown, never a pass. None: nothing declared, or it holds.
+pub(super) fn judge_declared_version(
+    step: &Step,
+    va: Option<&AfterVersion>,
+    settle_over: bool,
+) -> Option<Judged> {
+    let declared = step.params.expect_cilium.as_deref()?;
+    let before = step.baseline.cilium.as_deref().unwrap_or("unknown");
+    let Some(va) = va.filter(|a| !a.ambiguous) else {
+        return Some(Judged::not_yet(
+            CheckStatus::Unknown,
+            format!("the step declared Cilium {declared}; the version that came back is not known (the agent API did not tell, and the pinned maps leave it open)"),
+            Some(Reason::EvidenceIncomplete),
+        ));
+    };
+    let from_api = va.from.starts_with("agent API");
+    let came = if from_api {
+        va.from
+            .strip_prefix("agent API (")
+            .and_then(|f| f.strip_suffix(')'))
+            .and_then(profile::release_of)
+            .unwrap_or_else(|| va.version.as_str().to_string())
+    } else {
+        profile::pair_label(va.version).to_string()
+    };
+    let declared_v = profile::CiliumVersion::parse(declared);
+    let same = if from_api {
+        came == declared
+    } else {
+        declared_v.is_some_and(|d| profile::pair_label(d) == profile::pair_label(va.version))
+    };
+    if !same && !from_api && !settle_over {
+        // Names settle with the endpoints' regeneration (policy maps of the new prefix):
+        // judged on names only at the end of settle.
+        return Some(Judged::not_yet(
+            CheckStatus::Unknown,
+            format!("the step declared Cilium {declared}; the pinned maps point to {came} so far"),
+            Some(Reason::CiliumVersionMismatch),
+        ));
+    }
+    if !same {
+        return Some(Judged::fatal(
+            Reason::CiliumVersionMismatch,
+            format!(
+                "the step declared Cilium {declared}, the node came back on Cilium {came} (from {}; it was {before} before)",
+                if from_api { "the agent API" } else { "the pinned map names" }
+            ),
+        ));
+    }
+    if !from_api && !declared_v.is_some_and(profile::names_distinguish) {
+        return Some(Judged::not_yet(
+            CheckStatus::Unknown,
+            format!(
+                "the step declared Cilium {declared}: the pinned maps say {came}, which they cannot tell apart; configure `cilium_api` (the agent's API socket) to verify the release"
+            ),
+            Some(Reason::EvidenceIncomplete),
+        ));
+    }
+    None
+}
+
+/// `baseline`: after the reload, the maps judged by class (see [`judge_maps`]), and DNS not
+/// slower than before.
+pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
+    let Some(reloaded_at) = step.reload.complete_at else {
+        return Judged::not_yet(CheckStatus::Unknown, "compared after the reload", None);
+    };
+    if let Some(maps) = &o.maps {
+        let settle_over = o.now >= reloaded_at + step.params.settle.as_secs_f64();
+        let va = after_version(step, o);
+        let j = judge_observed_maps(step, o, maps, va.as_ref(), settle_over);
+        if let Some((code, why)) = j.fatal {
+            return Judged::fatal(code, why);
+        }
+        // An upgrade step: the node must come back with the declared version's maps.
+        if let Some(v) = step
+            .params
+            .expect_cilium
+            .as_deref()
+            .and_then(profile::CiliumVersion::parse)
+        {
+            let missing: Vec<String> = profile::core_maps(v)
+                .into_iter()
+                .filter(|m| !maps.contains_key(m))
+                .collect();
+            if !missing.is_empty() {
+                let looks = va
+                    .as_ref()
+                    .map(|a| format!("; it looks like Cilium {}", a.version.as_str()))
+                    .unwrap_or_default();
+                return Judged::fatal(
+                    Reason::MapMissing,
+                    format!(
+                        "the step expected Cilium {} after the restart, whose maps {} are missing{looks}",
+                        v.as_str(),
+                        missing.join(", ")
+                    ),
+                );
+            }
+        }
+        if let Some(j) = judge_declared_version(step, va.as_ref(), settle_over) {
+            return j;
+        }
+        if let Some(w) = j.waiting {
+            return Judged::not_yet(CheckStatus::Unknown, w, Some(Reason::MapEmptied));
+        }
+    }
+    if let (Some(before), Some(after)) = (step.baseline.dns_p50_ms, o.dns_p50_after_ms) {
+        if after > before * step.params.dns_slower_ratio + 1.0 {
+            return Judged::not_yet(
+                CheckStatus::Fail,
+                format!(
+                    "DNS p50 {after:.1}ms after vs {before:.1}ms before (> {}x)",
+                    step.params.dns_slower_ratio
+                ),
+                Some(Reason::DnsSlower),
+            );
+        }
+    }
+    Judged::pass("devices, maps (by class) and DNS latency as before")
+}

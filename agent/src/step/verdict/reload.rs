@@ -1,0 +1,140 @@
+//! The reload check: the datapath's programs were replaced on every device that had them, and
+//! stayed quiet since.
+use super::*;
+
+/// How long nothing may change before a reload counts as complete (Cilium attaches devices one
+/// after another).
+pub const RELOAD_QUIET_S: f64 = 1.0;
+
+/// The reload keys that must carry the datapath after the restart: the declared device set
+/// (with XDP on each when the node had XDP, and `cilium_host` and the overlay device when
+/// it had them), or the baseline's keys ("as before"). See `watch::tracked_program`.
+pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
+    use crate::checks::devices::XDP_KEY;
+    let base = &step.baseline.programs;
+    match &step.params.expect_devices {
+        Some(d) => {
+            let mut w: std::collections::BTreeSet<String> = d.iter().cloned().collect();
+            if base.keys().any(|k| k.ends_with(XDP_KEY)) {
+                w.extend(d.iter().map(|d| format!("{d}{XDP_KEY}")));
+            }
+            let to_netdev = crate::checks::devices::TO_NETDEV_KEY;
+            if base.keys().any(|k| k.ends_with(to_netdev)) {
+                w.extend(d.iter().map(|d| format!("{d}{to_netdev}")));
+            }
+            w.extend(
+                base.keys()
+                    .filter(|k| *k == "cilium_host" || crate::checks::devices::is_overlay(k))
+                    .cloned(),
+            );
+            w
+        }
+        None => base.keys().cloned().collect(),
+    }
+}
+
+/// Folds an observation of program ids into the reload state: a wanted device has reloaded
+/// when it carries a program id other than its baseline one (any id, for a device new to it).
+pub fn update_reload(
+    r: &mut Reload,
+    baseline: &BTreeMap<String, u32>,
+    want: &std::collections::BTreeSet<String>,
+    current: &BTreeMap<String, Option<u32>>,
+    now: f64,
+) {
+    if &r.last_seen != current {
+        if !r.last_seen.is_empty() || current.iter().any(|(d, id)| baseline.get(d) != id.as_ref()) {
+            r.last_change_at = Some(now);
+        }
+        r.last_seen = current.clone();
+    }
+    for (dev, id) in current {
+        match (id, baseline.get(dev)) {
+            (Some(id), base) if base != Some(id) => {
+                r.changed.entry(dev.clone()).or_insert((*id, now));
+                r.lost.retain(|d| d != dev);
+            }
+            (None, _) if want.contains(dev) && !r.lost.contains(dev) => r.lost.push(dev.clone()),
+            _ => {}
+        }
+    }
+    let all_changed = want
+        .iter()
+        .all(|d| r.changed.contains_key(d) && !r.lost.contains(d));
+    let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
+    if all_changed && quiet && r.complete_at.is_none() {
+        r.complete_at = Some(now);
+    }
+}
+
+/// `reload`: every tracked device got a new program id and nothing changed for the quiet
+/// period; a device whose program vanished once the rest reloaded is a changed device set.
+pub fn check_reload(step: &Step, now: f64) -> Judged {
+    let r = &step.reload;
+    let want = wanted_devices(step);
+    let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
+    let declared = step.params.expect_devices.is_some();
+    if !r.lost.is_empty() && quiet && !r.changed.is_empty() {
+        return Judged::fatal(
+            Reason::DeviceSetChanged,
+            format!(
+                "the reloaded datapath is no longer attached to {}{}",
+                r.lost.join(", "),
+                if declared {
+                    " (declared in expect.devices)"
+                } else {
+                    ""
+                }
+            ),
+        );
+    }
+    // Devices the step declared gone that still carry the datapath after the reload: the
+    // node came back as before, not as the rollout intended.
+    let unwanted: Vec<&String> = r
+        .last_seen
+        .iter()
+        .filter(|(d, id)| id.is_some() && !want.contains(*d))
+        .map(|(d, _)| d)
+        .collect();
+    if declared && quiet && !r.changed.is_empty() && !unwanted.is_empty() {
+        return Judged::fatal(
+            Reason::DeviceSetChanged,
+            format!(
+                "the datapath is still attached to {} although the step expected only {}",
+                unwanted
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                want.iter().cloned().collect::<Vec<_>>().join(", ")
+            ),
+        );
+    }
+    if r.complete_at.is_some() {
+        return Judged::pass(format!(
+            "new program ids on {}",
+            want.iter().cloned().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    let unchanged: Vec<String> = want
+        .iter()
+        .filter(|d| !r.changed.contains_key(*d))
+        .cloned()
+        .collect();
+    let why = if r.changed.is_empty() {
+        "no device got new program ids before the timeout".to_string()
+    } else {
+        format!(
+            "no new program ids on {} before the timeout",
+            unchanged.join(", ")
+        )
+    };
+    Judged {
+        shown: Some(StepCheck {
+            status: CheckStatus::Fail,
+            reason: format!("waiting for new program ids on {}", unchanged.join(", ")),
+        }),
+        fatal: None,
+        at_timeout: Some((Some(Reason::DatapathNotReloaded), why)),
+    }
+}

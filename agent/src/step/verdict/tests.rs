@@ -1,0 +1,832 @@
+use super::*;
+use crate::step::{Baseline, StepParams, TargetTimeline};
+use std::time::Duration;
+
+fn step() -> Step {
+    let mut s = bare_step();
+    s.targets.get_mut("gw").unwrap().samples = timeline(70.0, None);
+    s
+}
+
+fn bare_step() -> Step {
+    let mut s = Step::new(
+        "s".into(),
+        0.0,
+        StepParams {
+            timeout: Duration::from_secs(60),
+            settle: Duration::from_secs(5),
+            max_gap: Duration::from_secs(2),
+            max_loss: crate::step::DEFAULT_MAX_LOSS,
+            max_total_gap: Some(4.0),
+            burst_interval: Duration::from_millis(10),
+            dns_slower_ratio: 2.0,
+            drops_budget: BTreeMap::new(),
+            expect_devices: None,
+            expect_cilium: None,
+            witnesses: vec![],
+        },
+        Baseline {
+            programs: [("eth0".to_string(), 10u32), ("eth1".to_string(), 11u32)].into(),
+            maps: [
+                ("cilium_ct4_global".to_string(), Some(100u64)),
+                ("cilium_lxc".to_string(), Some(4)),
+            ]
+            .into(),
+            dns_p50_ms: Some(1.0),
+            ..Default::default()
+        },
+        [(
+            "gw".to_string(),
+            TargetTimeline {
+                kind: "http".into(),
+                budget: 2.0,
+                loss_budget: Some(crate::step::DEFAULT_MAX_LOSS),
+                total_budget: Some(4.0),
+                ..Default::default()
+            },
+        )]
+        .into(),
+    );
+    s.boot_id = None;
+    s
+}
+
+/// Observes the step at `ticks`, the datapath reloading at 1.2 s; the verdict once decided.
+fn reload_at_1_2(s: &mut Step, ticks: &[f64]) -> Option<Verdict> {
+    for &t in ticks {
+        let p = if t < 1.2 {
+            progs(Some(10), Some(11))
+        } else {
+            progs(Some(20), Some(21))
+        };
+        decide(s, &obs(t, p));
+        if s.verdict.is_some() {
+            break;
+        }
+    }
+    s.verdict.clone()
+}
+
+fn ep(ifindex: u32, from: u32, to: Option<u32>) -> crate::step::EndpointPrograms {
+    crate::step::EndpointPrograms {
+        ifindex,
+        from_container: Some(from),
+        to_container: to,
+        raced: false,
+    }
+}
+
+/// Four endpoints at the baseline (lxc3 also has `cil_to_container`).
+fn with_endpoints() -> Step {
+    let mut s = step();
+    s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Followed;
+    s.baseline.endpoints = [
+        ("lxc0", ep(100, 10, None)),
+        ("lxc1", ep(101, 11, None)),
+        ("lxc2", ep(102, 12, None)),
+        ("lxc3", ep(103, 13, Some(23))),
+    ]
+    .into_iter()
+    .map(|(n, e)| (n.to_string(), e))
+    .collect();
+    s
+}
+
+fn eps(
+    list: &[(&str, crate::step::EndpointPrograms)],
+) -> Option<BTreeMap<String, crate::step::EndpointPrograms>> {
+    Some(
+        list.iter()
+            .map(|(n, e)| (n.to_string(), e.clone()))
+            .collect(),
+    )
+}
+
+/// Cilium regenerates every restored endpoint on each start: a restart whose host
+/// datapath reloaded but some endpoints kept their old programs fails at the end of
+/// settle, naming them; while it waits the check says how far it got. An endpoint
+/// deleted meanwhile is not a failure.
+#[test]
+fn endpoints_that_keep_their_old_programs_fail_the_step_by_the_end_of_settle() {
+    let mut s = with_endpoints();
+    let stalled = [
+        ("lxc0", ep(100, 40, None)),
+        ("lxc1", ep(101, 11, None)),
+        ("lxc2", ep(102, 12, None)),
+    ];
+    let mut v = None;
+    for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0] {
+        let p = if t < 1.2 {
+            progs(Some(10), Some(11))
+        } else {
+            progs(Some(20), Some(21))
+        };
+        let mut o = obs(t, p);
+        o.endpoints = if t < 1.5 {
+            eps(&[
+                ("lxc0", ep(100, 10, None)),
+                ("lxc1", ep(101, 11, None)),
+                ("lxc2", ep(102, 12, None)),
+                ("lxc3", ep(103, 13, Some(23))),
+            ])
+        } else {
+            eps(&stalled)
+        };
+        decide(&mut s, &o);
+        if t == 3.0 {
+            let c = &s.checks["endpoints"];
+            assert_eq!(c.status, CheckStatus::Fail);
+            assert!(
+                c.reason.contains(
+                    "1 of 3 endpoints regenerated; waiting for lxc1, lxc2; 1 deleted meanwhile"
+                ),
+                "{}",
+                c.reason
+            );
+            assert!(s.verdict.is_none(), "not green while endpoints are pending");
+        }
+        if s.verdict.is_some() {
+            v = s.verdict.clone();
+            break;
+        }
+    }
+    let v = v.expect("decided");
+    assert_eq!(v.status, Status::Failed);
+    assert_eq!(v.reasons, vec![Reason::EndpointsNotRegenerated], "{v:?}");
+    assert!(
+        v.summary.contains("2 of 3 endpoints") && v.summary.contains("lxc1, lxc2"),
+        "{}",
+        v.summary
+    );
+    assert!(s.verdict.as_ref().unwrap().finished_at >= s.reload.complete_at.unwrap() + 5.0);
+}
+
+/// A healthy regeneration passes, with the slowest endpoint named; `cil_to_container`
+/// detached on the reload (the endpoint no longer needs it) is regenerated, kept with
+/// its old id is not; a new device under an old name was deleted and recreated; an
+/// endpoint read while its program was being replaced waits for the next observation.
+#[test]
+fn endpoint_regeneration_rules() {
+    let base = with_endpoints().baseline.endpoints;
+    let mut p = crate::step::EndpointProgress::default();
+    let mut raced = ep(102, 52, None);
+    raced.raced = true;
+    let now = eps(&[
+        ("lxc0", ep(100, 40, None)),
+        ("lxc1", ep(201, 41, None)),
+        ("lxc2", raced),
+        ("lxc3", ep(103, 43, Some(23))),
+    ])
+    .unwrap();
+    update_endpoints(&mut p, &base, &now, 2.0);
+    assert_eq!(p.regenerated.keys().collect::<Vec<_>>(), ["lxc0"]);
+    assert_eq!(p.gone.iter().collect::<Vec<_>>(), ["lxc1"]);
+    let now = eps(&[
+        ("lxc0", ep(100, 40, None)),
+        ("lxc2", ep(102, 52, None)),
+        ("lxc3", ep(103, 43, None)),
+    ])
+    .unwrap();
+    update_endpoints(&mut p, &base, &now, 3.5);
+    assert_eq!(p.regenerated.len(), 3);
+    assert_eq!(p.regenerated["lxc0"], 2.0, "first seen, not last");
+    let mut s = with_endpoints();
+    s.endpoints = p;
+    s.reload.changed.insert("eth0".into(), (20, 1.2));
+    s.reload.complete_at = Some(1.7);
+    let j = check_endpoints(&s, 4.0);
+    assert!(j.green(), "{j:?}");
+    let r = &j.shown.unwrap().reason;
+    assert!(r.contains("3 of 3 endpoints regenerated (slowest lxc3, 2.3s after the host datapath); 1 deleted meanwhile"), "{r}");
+    // Pending endpoints not read consistently since the end of settle (every read
+    // raced, or failed): no evidence either way, unknown, never a confident failure.
+    let mut s = with_endpoints();
+    s.reload.complete_at = Some(1.0);
+    s.endpoints.old_seen_at.insert("lxc0".into(), 5.5);
+    let j = check_endpoints(&s, 6.5);
+    assert!(j.fatal.is_none(), "{j:?}");
+    assert_eq!(j.shown.as_ref().unwrap().status, CheckStatus::Unknown);
+    assert_eq!(
+        j.at_timeout.as_ref().unwrap().0,
+        Some(Reason::EvidenceIncomplete)
+    );
+    // Read again after the deadline, still old: now it is evidence.
+    s.endpoints.old_seen_at.insert("lxc0".into(), 6.1);
+    let j = check_endpoints(&s, 6.5);
+    let (code, why) = j.fatal.expect("fatal");
+    assert_eq!(code, Reason::EndpointsNotRegenerated);
+    assert!(
+        why.starts_with("1 of 4 endpoints") && why.contains(": lxc0"),
+        "{why}"
+    );
+    // No endpoints at the start, or a record of an older agent: nothing to wait for;
+    // endpoint programs unreadable at the start: unknown, never a pass.
+    let mut s = step();
+    assert!(check_endpoints(&s, 1.0).green());
+    s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Followed;
+    assert!(check_endpoints(&s, 1.0).green());
+    s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Unknown("EPERM".into());
+    let j = check_endpoints(&s, 1.0);
+    assert!(!j.green() && j.shown.unwrap().status == CheckStatus::Unknown);
+}
+
+/// Sets a target's samples and its counts, as the runner records them.
+fn record<S: Into<super::super::gaps::Sample>>(s: &mut Step, samples: Vec<S>) {
+    let samples: Vec<super::super::gaps::Sample> = samples.into_iter().map(Into::into).collect();
+    let t = s.targets.get_mut("gw").unwrap();
+    t.probes = samples.len() as u64;
+    t.failures = samples.iter().filter(|x| !x.ok).count() as u64;
+    t.samples = samples;
+}
+
+/// A datapath that loses every other probe after the reload passes no budget of the
+/// longest outage (each is 10 ms) but fails its loss budget, naming it.
+#[test]
+fn a_lossy_datapath_fails_its_loss_budget() {
+    let mut s = step();
+    let samples: Vec<(f64, bool)> = (0..=900)
+        .map(|i| i as f64 * 0.01)
+        .map(|t| (t, t < 1.2 || ((t * 100.0).round() as u64).is_multiple_of(2)))
+        .collect();
+    record(&mut s, samples);
+    let v = reload_at_1_2(&mut s, &[0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0]).expect("decided");
+    assert_eq!(v.status, Status::Failed);
+    assert_eq!(v.reasons, vec![Reason::LossOverBudget], "{v:?}");
+    assert!(v.summary.contains("max_loss"), "{}", v.summary);
+}
+
+/// Issue 26: probes held in a neighbour queue until 2.0 end the outage there, and the row
+/// says how long the answer that ended it was held.
+#[test]
+fn a_gap_row_ends_at_the_release_of_held_answers_and_says_so() {
+    use super::super::gaps::Sample;
+    let t = super::super::TargetTimeline {
+        samples: (0..300)
+            .map(|i| {
+                let sent = i as f64 * 0.01;
+                if !(1.0..2.0).contains(&sent) {
+                    Sample::answered(sent, 0.001, 0.001)
+                } else if sent > 1.8 + 1e-9 {
+                    Sample::answered(sent, 2.0 - sent + 0.001, 0.001)
+                } else {
+                    Sample::failed(sent)
+                }
+            })
+            .collect(),
+        failures: 81,
+        probes: 300,
+        ..Default::default()
+    };
+    let g = gap_row("gw", &t, 0.01, 3.0);
+    assert!((g.longest_s - 1.0).abs() < 1e-6, "{g:?}");
+    assert!(g.error_bound_s > 0.19, "{g:?}");
+    assert!(g.longest_held_s.is_some_and(|h| h > 0.18), "{g:?}");
+    assert_eq!(g.longest_end.map(|e| (e * 1e3).round()), Some(2000.0));
+}
+
+/// Many short outages within max_gap add up over max_total_gap.
+#[test]
+fn outages_that_add_up_fail_the_total_budget() {
+    let mut s = step();
+    // Loss is its own budget: here only the total is held.
+    s.targets.get_mut("gw").unwrap().loss_budget = Some(1.0);
+    // 0.5 s outages every 1.5 s from 1.5 s: the ninth passes 4 s in all.
+    let samples: Vec<(f64, bool)> = (0..=1500)
+        .map(|i| i as f64 * 0.01)
+        .map(|t| (t, t < 1.5 || (t - 1.5) % 1.5 >= 0.5))
+        .collect();
+    record(&mut s, samples);
+    let v = reload_at_1_2(
+        &mut s,
+        &[0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 8.0, 11.0, 14.0, 15.0],
+    )
+    .expect("decided");
+    assert_eq!(v.reasons, vec![Reason::GapOverBudget], "{v:?}");
+    assert!(v.summary.contains("max_total_gap"), "{}", v.summary);
+}
+
+/// One probe that failed inside the settle window, recorded after ticks that looked green
+/// (a timeout is recorded late, under its send time), restarts settle.
+#[test]
+fn a_probe_lost_inside_settle_restarts_it() {
+    let mut s = step();
+    record(&mut s, timeline(20.0, None));
+    let p = || progs(Some(20), Some(21));
+    decide(&mut s, &obs(0.0, progs(Some(10), Some(11))));
+    for t in [1.0, 2.0, 2.5, 3.0, 4.0] {
+        decide(&mut s, &obs(t, p()));
+    }
+    // Green since ~3.0 (reload at 1.0 + 1 s quiet... ); a probe sent at 5.0 failed and is
+    // recorded only now.
+    let t = s.targets.get_mut("gw").unwrap();
+    for x in t.samples.iter_mut().filter(|x| (x.sent - 5.0).abs() < 1e-6) {
+        x.ok = false;
+    }
+    t.failures = 1;
+    let since = s.green_since.unwrap();
+    decide(&mut s, &obs(since + 5.05, p()));
+    assert!(
+        s.verdict.is_none(),
+        "a failure inside the settle window must restart it: {:?}",
+        s.verdict
+    );
+    decide(&mut s, &obs(5.01 + 5.1, p()));
+    let v = s.verdict.as_ref().expect("passed after a full window");
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+}
+fn progs(a: Option<u32>, b: Option<u32>) -> Option<BTreeMap<String, Option<u32>>> {
+    Some([("eth0".to_string(), a), ("eth1".to_string(), b)].into())
+}
+fn maps(ct: u64) -> Option<BTreeMap<String, Option<u64>>> {
+    Some(
+        [
+            ("cilium_ct4_global".to_string(), Some(ct)),
+            ("cilium_lxc".to_string(), Some(4)),
+        ]
+        .into(),
+    )
+}
+/// Probes every 10 ms from 0 to `until`, failing inside `down`.
+fn timeline(until: f64, down: Option<(f64, f64)>) -> Vec<super::super::gaps::Sample> {
+    (0..=(until * 100.0) as usize)
+        .map(|i| i as f64 * 0.01)
+        .map(|t| (t, !down.is_some_and(|(a, b)| t >= a - 1e-9 && t < b - 1e-9)).into())
+        .collect()
+}
+fn obs(now: f64, p: Option<BTreeMap<String, Option<u32>>>) -> Observed {
+    Observed {
+        now,
+        programs: p,
+        maps: maps(100),
+        dns_p50_after_ms: Some(1.2),
+        complete_until: now,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_clean_restart_passes_after_the_settle_window() {
+    let mut s = step();
+    s.targets.get_mut("gw").unwrap().samples = timeline(9.0, Some((1.0, 1.3)));
+    for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0] {
+        decide(
+            &mut s,
+            &obs(
+                t,
+                if t < 1.2 {
+                    progs(Some(10), Some(11))
+                } else {
+                    progs(Some(20), Some(21))
+                },
+            ),
+        );
+    }
+    assert!(s.verdict.is_none(), "not settled yet");
+    decide(&mut s, &obs(8.1, progs(Some(20), Some(21))));
+    let v = s.verdict.as_ref().unwrap();
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    assert!((s.gaps[0].longest_s - 0.3).abs() < 1e-9);
+}
+
+#[test]
+fn no_reload_fails_at_the_timeout() {
+    let mut s = step();
+    for t in [0.0, 30.0, 60.0] {
+        decide(&mut s, &obs(t, progs(Some(10), Some(11))));
+    }
+    assert_eq!(
+        s.verdict.unwrap().reasons,
+        vec![Reason::DatapathNotReloaded]
+    );
+}
+
+#[test]
+fn a_dropped_device_is_a_changed_device_set() {
+    let mut s = step();
+    decide(&mut s, &obs(1.0, progs(Some(20), None)));
+    decide(&mut s, &obs(2.5, progs(Some(20), None)));
+    assert_eq!(s.verdict.unwrap().reasons, vec![Reason::DeviceSetChanged]);
+}
+
+#[test]
+fn a_gap_over_budget_fails_at_once() {
+    let mut s = step();
+    s.targets.get_mut("gw").unwrap().samples = timeline(4.0, Some((1.0, 3.5)));
+    decide(&mut s, &obs(4.0, progs(Some(10), Some(11))));
+    assert_eq!(s.verdict.unwrap().reasons, vec![Reason::GapOverBudget]);
+}
+
+#[test]
+fn lost_and_emptied_maps_fail_after_the_reload() {
+    let mut s = step();
+    let mut o = obs(1.0, progs(Some(20), Some(21)));
+    decide(&mut s, &o);
+    o.now = 2.5;
+    o.complete_until = 2.5;
+    o.maps = Some([("cilium_ct4_global".to_string(), Some(100u64))].into());
+    decide(&mut s, &o);
+    assert_eq!(s.verdict.clone().unwrap().reasons, vec![Reason::MapMissing]);
+    // Wrong pass 6: the endpoint map came back empty; it held only 4 entries, under the
+    // old 8-entry threshold, and passed. Kept state emptied fails at any size.
+    let mut s = step();
+    decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
+    let mut o = obs(2.5, progs(Some(20), Some(21)));
+    o.maps = Some(
+        [
+            ("cilium_ct4_global".to_string(), Some(100u64)),
+            ("cilium_lxc".to_string(), Some(0)),
+        ]
+        .into(),
+    );
+    decide(&mut s, &o);
+    let v = s.verdict.unwrap();
+    assert_eq!(v.reasons, vec![Reason::MapEmptied], "{v:?}");
+    assert!(
+        v.summary.contains("cilium_lxc came back empty (4→0)"),
+        "{v:?}"
+    );
+}
+
+/// Connection tracking is churn: flushed, it is reported, never a failure by itself.
+#[test]
+fn churn_maps_are_reported_not_judged() {
+    let mut s = step();
+    for t in [1.0, 2.5, 5.0, 8.0] {
+        let mut o = obs(t, progs(Some(20), Some(21)));
+        o.maps = maps(0);
+        decide(&mut s, &o);
+    }
+    assert_eq!(
+        s.verdict.as_ref().unwrap().status,
+        Status::Passed,
+        "{:?}",
+        s.verdict
+    );
+    assert!(
+        s.maps["cilium_ct4_global"].judged.contains("100→0"),
+        "{:?}",
+        s.maps
+    );
+}
+
+fn ipcache_step() -> Step {
+    let mut s = step();
+    s.baseline.maps.insert("cilium_ipcache_v2".into(), Some(30));
+    s.baseline.map_ids.insert("cilium_ipcache_v2".into(), 7);
+    s
+}
+
+fn with_ipcache(t: f64, entries: u64, id: u32) -> Observed {
+    let mut o = obs(t, progs(Some(20), Some(21)));
+    let mut m = maps(100).unwrap();
+    m.insert("cilium_ipcache_v2".into(), Some(entries));
+    o.maps = Some(m);
+    o.map_ids = Some([("cilium_ipcache_v2".to_string(), id)].into());
+    o
+}
+
+/// ipcache is recreated on every Cilium start (new id, refilled): refilled within settle
+/// passes; still empty at the end of settle fails.
+#[test]
+fn ipcache_recreated_must_refill_by_the_end_of_settle() {
+    let mut s = ipcache_step();
+    for (t, n) in [
+        (1.0, 0),
+        (2.5, 0),
+        (4.0, 12),
+        (6.0, 30),
+        (9.0, 30),
+        (11.5, 30),
+    ] {
+        decide(&mut s, &with_ipcache(t, n, 8));
+    }
+    let v = s.verdict.clone().unwrap();
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    assert!(s.maps["cilium_ipcache_v2"].recreated);
+    let mut s = ipcache_step();
+    for t in [1.0, 2.5, 5.0, 7.6] {
+        decide(&mut s, &with_ipcache(t, 0, 8));
+    }
+    let v = s.verdict.unwrap();
+    assert_eq!(v.reasons, vec![Reason::MapEmptied], "{v:?}");
+    assert!(
+        v.summary
+            .contains("not refilled by the end of settle (30→0)"),
+        "{v:?}"
+    );
+}
+
+/// The reload follows XDP and the overlay device too: with a declared device set, each
+/// declared device must get XDP again when the node had XDP, and the overlay stays.
+#[test]
+fn declared_devices_carry_xdp_and_the_overlay_along() {
+    let mut s = step();
+    for k in ["eth0:xdp", "cilium_vxlan", "cilium_host"] {
+        s.baseline.programs.insert(k.into(), 9);
+    }
+    s.params.expect_devices = Some(vec!["eth0".into(), "eth2".into()]);
+    let w: Vec<String> = wanted_devices(&s).into_iter().collect();
+    assert_eq!(
+        w,
+        [
+            "cilium_host",
+            "cilium_vxlan",
+            "eth0",
+            "eth0:xdp",
+            "eth2",
+            "eth2:xdp"
+        ]
+    );
+    s.params.expect_devices = None;
+    assert!(wanted_devices(&s).contains("eth0:xdp"));
+}
+
+/// A rollout that drops eth1 on purpose: declared, the node coming back without eth1
+/// passes; coming back as before (eth1 reloaded too) fails with device_set_changed.
+#[test]
+fn a_declared_device_set_is_what_the_node_is_held_to() {
+    let expect = |s: &mut Step| s.params.expect_devices = Some(vec!["eth0".into()]);
+    let mut s = step();
+    expect(&mut s);
+    for t in [1.0, 2.5, 5.0, 8.0] {
+        decide(&mut s, &obs(t, progs(Some(20), None)));
+    }
+    assert_eq!(
+        s.verdict.as_ref().unwrap().status,
+        Status::Passed,
+        "{:?}",
+        s.verdict
+    );
+    let mut s = step();
+    expect(&mut s);
+    for t in [1.0, 2.5] {
+        decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+    }
+    let v = s.verdict.unwrap();
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+    assert!(v.summary.contains("still attached to eth1"), "{v:?}");
+    // Without a declaration, losing eth1 is the failure it always was.
+    let mut s = step();
+    for t in [1.0, 2.5] {
+        decide(&mut s, &obs(t, progs(Some(20), None)));
+    }
+    assert_eq!(s.verdict.unwrap().reasons, vec![Reason::DeviceSetChanged]);
+}
+
+/// An upgrade step that declared 1.18: the node coming back with 1.16's maps fails.
+#[test]
+fn a_declared_version_is_what_the_maps_are_held_to() {
+    let mut s = step();
+    s.params.expect_cilium = Some("1.18".into());
+    for t in [1.0, 2.5] {
+        decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+    }
+    let v = s.verdict.unwrap();
+    assert_eq!(v.reasons, vec![Reason::MapMissing], "{v:?}");
+    assert!(v.summary.contains("expected Cilium 1.18"), "{v:?}");
+}
+
+/// An upgrade to 1.18 unpins the tunnel map and the v1 node map by design.
+#[test]
+fn maps_removed_by_design_in_the_new_version_are_expected() {
+    let mut s = step();
+    s.baseline.maps.insert("cilium_tunnel_map".into(), Some(3));
+    for t in [1.0, 2.5, 5.0, 8.0] {
+        let mut o = obs(t, progs(Some(20), Some(21)));
+        let mut m = maps(100).unwrap();
+        m.insert("cilium_ipcache_v2".into(), Some(5));
+        o.maps = Some(m);
+        decide(&mut s, &o);
+    }
+    assert_eq!(
+        s.verdict.as_ref().unwrap().status,
+        Status::Passed,
+        "{:?}",
+        s.verdict
+    );
+    assert!(s.maps["cilium_tunnel_map"]
+        .judged
+        .contains("removed by design: Cilium 1.18"));
+}
+
+#[test]
+fn incomplete_evidence_is_never_a_pass() {
+    let mut s = step();
+    s.evidence_incomplete =
+        Some("the agent was down from 1.0 to 3.0 while the datapath reloaded".into());
+    decide(&mut s, &obs(10.0, progs(Some(20), Some(21))));
+    assert_eq!(s.verdict.unwrap().reasons, vec![Reason::EvidenceIncomplete]);
+}
+
+#[test]
+fn slower_dns_keeps_a_step_from_settling() {
+    let mut s = step();
+    let mut o = obs(1.0, progs(Some(20), Some(21)));
+    o.dns_p50_after_ms = Some(9.0);
+    for t in [1.0, 2.5, 10.0, 61.0] {
+        o.now = t;
+        o.complete_until = t;
+        decide(&mut s, &o);
+    }
+    let v = s.verdict.unwrap();
+    assert!(v.reasons.contains(&Reason::DnsSlower), "{v:?}");
+}
+
+/// Probes in flight at the end of the settle window: the step waits until they have
+/// answered (before the fix it passed once probes sent at the start of settle had).
+#[test]
+fn a_step_does_not_pass_while_probes_of_the_settle_window_are_in_flight() {
+    let mut s = step();
+    s.targets.get_mut("gw").unwrap().samples = timeline(6.5, None);
+    let reload = progs(Some(20), Some(21));
+    for t in [1.0, 2.5] {
+        decide(&mut s, &obs(t, reload.clone()));
+    }
+    // Green since 2.5, settle 5 s: at 7.6 the window has run, but probes sent after 6.5
+    // have not all answered yet (complete only up to 6.5).
+    let mut o = obs(7.6, reload.clone());
+    o.complete_until = 6.5;
+    decide(&mut s, &o);
+    assert!(s.verdict.is_none(), "{:?}", s.verdict);
+    s.targets.get_mut("gw").unwrap().samples = timeline(7.6, None);
+    decide(&mut s, &obs(7.6, reload));
+    assert_eq!(s.verdict.unwrap().status, Status::Passed);
+}
+
+fn witness_report(complete_until: f64, longest: f64) -> crate::witness::WitnessReport {
+    crate::witness::WitnessReport {
+        id: "s".into(),
+        instance: "w1".into(),
+        created_at: 0.0,
+        complete_until,
+        ended: false,
+        burst_interval: Duration::from_millis(10),
+        gaps: vec![TargetGap {
+            target: "gw".into(),
+            kind: "http".into(),
+            longest_s: longest,
+            error_bound_s: 0.01,
+            total_s: longest,
+            count: usize::from(longest > 0.0),
+            budget_s: 2.0,
+            open: false,
+            ..Default::default()
+        }],
+        macs: BTreeMap::new(),
+        probes: BTreeMap::new(),
+        latency_ms: BTreeMap::new(),
+    }
+}
+
+/// A witness's evidence is part of the verdict: over budget fails naming it and the
+/// target; a witness that restarted is a hole; stale evidence never passes; covered
+/// evidence within budget passes.
+#[test]
+fn witnesses_are_judged_like_the_nodes_own_probes() {
+    let run = |track: super::super::WitnessTrack, fresh: bool| {
+        let mut s = step();
+        s.witnesses.insert("http://w:9970".into(), track.clone());
+        let mut last = None;
+        for t in [1.0, 2.5, 5.0, 9.0, 15.0] {
+            if fresh {
+                let mut tr = track.clone();
+                if let Some(r) = tr.report.as_mut() {
+                    r.complete_until = t - 0.3;
+                }
+                s.witnesses.insert("http://w:9970".into(), tr);
+            }
+            decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+            last = s.verdict.clone();
+        }
+        last
+    };
+    let ok = super::super::WitnessTrack {
+        instance: "w1".into(),
+        report: Some(witness_report(0.0, 0.5)),
+        ..Default::default()
+    };
+    let v = run(ok.clone(), true).expect("decided");
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    assert!(v.summary.contains("as a LAN client sees it"), "{v:?}");
+    let over = super::super::WitnessTrack {
+        report: Some(witness_report(0.0, 3.0)),
+        ..ok.clone()
+    };
+    let v = run(over, true).expect("decided");
+    assert_eq!(v.reasons, vec![Reason::GapOverBudget]);
+    assert!(v.summary.contains("witness http://w:9970: gw"), "{v:?}");
+    // A witness step planted by someone else with a 1 h budget: the step's own budget
+    // (2 s) judges the LAN gap.
+    let mut planted = witness_report(0.0, 3.0);
+    planted.gaps[0].budget_s = 3600.0;
+    let planted = super::super::WitnessTrack {
+        report: Some(planted),
+        ..ok.clone()
+    };
+    let v = run(planted, true).expect("decided");
+    assert_eq!(v.reasons, vec![Reason::GapOverBudget], "{v:?}");
+    let lost = super::super::WitnessTrack {
+        lost: Some("restarted".into()),
+        ..ok.clone()
+    };
+    let v = run(lost, true).expect("decided");
+    assert_eq!(v.reasons, vec![Reason::EvidenceIncomplete]);
+    // Stale: the witness's evidence stops at 0 (unreachable): not passed by 15 s.
+    let v = run(ok, false);
+    assert!(
+        v.as_ref().is_none_or(|v| v.status != Status::Passed),
+        "{v:?}"
+    );
+}
+
+/// Probes that could not even be sent (EMFILE, no permission) are a hole, never noise:
+/// five of them end the step as evidence_incomplete, whatever the gaps say.
+#[test]
+fn probes_that_could_not_run_are_a_hole() {
+    let mut s = step();
+    s.targets.get_mut("gw").unwrap().not_run = NOT_RUN_LIMIT - 1;
+    decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
+    assert!(s.evidence_incomplete.is_none(), "under the limit");
+    let t = s.targets.get_mut("gw").unwrap();
+    t.not_run = NOT_RUN_LIMIT;
+    t.not_run_detail = Some("Too many open files".into());
+    decide(&mut s, &obs(2.5, progs(Some(20), Some(21))));
+    let v = s.verdict.expect("decided");
+    assert_eq!(v.reasons, vec![Reason::EvidenceIncomplete]);
+    assert!(
+        v.summary.contains("could not run (Too many open files)"),
+        "{v:?}"
+    );
+}
+
+/// The probe loop stalled for 400 ms (or probes could not run): a hole, never a pass.
+#[test]
+fn a_stalled_probe_loop_is_a_hole_in_the_evidence() {
+    let mut s = step();
+    let samples: Vec<super::super::gaps::Sample> = timeline(70.0, None)
+        .into_iter()
+        .filter(|x| !(x.sent > 3.0 && x.sent < 3.4))
+        .collect();
+    s.targets.get_mut("gw").unwrap().samples = samples;
+    for t in [1.0, 2.5, 5.0, 9.0] {
+        decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+    }
+    let v = s.verdict.unwrap();
+    assert_eq!(v.reasons, vec![Reason::EvidenceIncomplete], "{v:?}");
+    assert!(
+        v.summary.contains("no probe of gw was sent for 400ms"),
+        "{v:?}"
+    );
+    // Lateness under the limit is not a hole: 150 ms without a probe at a 10 ms cadence
+    // (scheduler noise on a busy node).
+    let mut s = step();
+    s.targets.get_mut("gw").unwrap().samples = timeline(70.0, None)
+        .into_iter()
+        .filter(|x| !(x.sent > 3.0 && x.sent < 3.15))
+        .collect();
+    for t in [1.0, 2.5, 5.0, 9.0] {
+        decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+    }
+    assert_eq!(s.verdict.unwrap().status, Status::Passed);
+    // No probe at all (every probe failed to run): a hole too.
+    let mut s = bare_step();
+    decide(&mut s, &obs(1.0, progs(Some(20), Some(21))));
+    assert_eq!(s.verdict.unwrap().reasons, vec![Reason::EvidenceIncomplete]);
+}
+
+/// A drop budget on a counter that cannot be read is never a pass (before: "0 drops in
+/// the window", and the budget passed).
+#[test]
+fn a_budget_on_unknown_drop_counters_cannot_pass() {
+    let mut s = step();
+    s.params.drops_budget.insert("TC_INGRESS".into(), 10);
+    for t in [1.0, 2.5, 8.0, 61.0] {
+        let mut o = obs(t, progs(Some(20), Some(21)));
+        o.drops_unknown = vec!["kernel".into()];
+        decide(&mut s, &o);
+    }
+    let v = s.verdict.unwrap();
+    assert!(v.reasons.contains(&Reason::DropsOverBudget), "{v:?}");
+    assert!(
+        v.summary.contains("kernel drop counters are unknown"),
+        "{v:?}"
+    );
+}
+
+#[test]
+fn drops_over_budget_are_reported() {
+    let mut s = step();
+    s.params.drops_budget.insert("TC_INGRESS".into(), 10);
+    let mut o = obs(1.0, progs(Some(20), Some(21)));
+    o.drops.insert("kernel:TC_INGRESS".into(), 50);
+    for t in [1.0, 2.5, 61.0] {
+        o.now = t;
+        o.complete_until = t;
+        decide(&mut s, &o);
+    }
+    assert!(s
+        .verdict
+        .unwrap()
+        .reasons
+        .contains(&Reason::DropsOverBudget));
+}
