@@ -517,7 +517,7 @@ impl LanLab {
             self.state.procs.push(p);
             self.save()?;
             let gw = &vips()[0];
-            let p = services::start_nginx(&ns, &dir, &gw.addr.to_string(), gw.port)?;
+            let p = services::start_nginx(&ns, &dir, &gw.addr.to_string(), gw.port, None)?;
             self.state.procs.push(p);
             self.save()?;
             self.write_node_config(i, &node)?;

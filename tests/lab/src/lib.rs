@@ -27,6 +27,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub const RUN_ROOT: &str = "/run/stepguard-lab";
 pub const GATEWAY_VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 pub const GATEWAY_PORT: u16 = 80;
+/// The gateway's TLS port (nginx; a certificate for `gateway.<DNS_ZONE>` signed by the lab's
+/// CA, [`Lab::gateway_ca`]).
+pub const GATEWAY_TLS_PORT: u16 = 443;
 pub const DNS_VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
 pub const DNS_PORT: u16 = 53;
 pub const DNS_ZONE: &str = "lab.stepguard.test";
@@ -547,7 +550,7 @@ route add {ip}/32 dev lxc_health
             let dir = self.state.run_dir.join("services-health");
             std::fs::create_dir_all(&dir)?;
             let ip = health_ip(self.node_index()).to_string();
-            let p = services::start_nginx(&self.health_ns(), &dir, &ip, HEALTH_PORT)?;
+            let p = services::start_nginx(&self.health_ns(), &dir, &ip, HEALTH_PORT, None)?;
             self.state.procs.push(p);
             self.save()?;
         }
@@ -1076,7 +1079,20 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
         let p = services::start_dnsmasq(&fabric, &dir, &DNS_VIP.to_string(), &records)?;
         self.state.procs.push(p);
         self.save()?;
-        let p = services::start_nginx(&fabric, &dir, &GATEWAY_VIP.to_string(), GATEWAY_PORT)?;
+        // The gateway also serves TLS on 443, with a certificate of the lab's own CA.
+        let (_, cert, key) = services::lab_certificate(&dir, &format!("gateway.{DNS_ZONE}"))?;
+        let tls = services::Tls {
+            port: GATEWAY_TLS_PORT,
+            cert,
+            key,
+        };
+        let p = services::start_nginx(
+            &fabric,
+            &dir,
+            &GATEWAY_VIP.to_string(),
+            GATEWAY_PORT,
+            Some(&tls),
+        )?;
         self.state.procs.push(p);
         self.save()?;
         // The "agent" loads its config at start, as Cilium's does (the init container merges
@@ -1148,6 +1164,11 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
 
     pub fn stepguard_config(&self) -> PathBuf {
         self.state.run_dir.join("stepguard.yaml")
+    }
+
+    /// The CA certificate the gateway's TLS certificate leads to.
+    pub fn gateway_ca(&self) -> PathBuf {
+        self.state.run_dir.join("services/lab-ca.pem")
     }
 
     /// What a script needs to use the lab (`lab status --format json`).

@@ -115,9 +115,119 @@ pub fn start_dnsmasq(
     spawn_in(ns, "dnsmasq", "dnsmasq", &args, &dir.join("dnsmasq.log"))
 }
 
-pub fn start_nginx(ns: &str, dir: &Path, vip: &str, port: u16) -> Result<Proc> {
+/// The gateway's TLS listener (a Gateway VIP on 443): its port and certificate.
+pub struct Tls {
+    pub port: u16,
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+}
+
+fn openssl(args: &[&str]) -> Result<()> {
+    let out = Command::new("openssl")
+        .args(args)
+        .output()
+        .context("run openssl (Debian package openssl)")?;
+    if !out.status.success() {
+        bail!(
+            "openssl {}: {}",
+            args.first().unwrap_or(&""),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// A lab CA and a certificate it signs for `name` (EC P-256, two days): (CA certificate,
+/// certificate, key), in `dir`.
+pub fn lab_certificate(
+    dir: &Path,
+    name: &str,
+) -> Result<(std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)> {
+    let p = |f: &str| dir.join(f).display().to_string();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let (ca, ca_key) = (p("lab-ca.pem"), p("lab-ca.key"));
+    let (csr, key, cert, ext) = (p("tls.csr"), p("tls.key"), p("tls.pem"), p("tls.ext"));
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-days",
+                "2",
+                "-subj",
+                "/CN=stepguard lab CA",
+                "-keyout",
+                &ca_key,
+                "-out",
+                &ca,
+            ],
+        ]
+        .concat(),
+    )?;
+    openssl(
+        &[
+            &["req", "-new"][..],
+            &ec,
+            &[
+                "-subj",
+                &format!("/CN={name}"),
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+            ],
+        ]
+        .concat(),
+    )?;
+    std::fs::write(
+        &ext,
+        format!("subjectAltName=DNS:{name}\nbasicConstraints=CA:FALSE\n"),
+    )?;
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &ext,
+        "-out",
+        &cert,
+    ])?;
+    Ok((ca.into(), cert.into(), key.into()))
+}
+
+pub fn start_nginx(ns: &str, dir: &Path, vip: &str, port: u16, tls: Option<&Tls>) -> Result<Proc> {
     let tmp = dir.join("nginx-tmp");
     std::fs::create_dir_all(&tmp)?;
+    let tls_server = match tls {
+        Some(t) => format!(
+            r#"    server {{
+        listen {vip}:{port} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        location = /healthz {{ return 200 "ok\n"; }}
+        location / {{ return 200 "stepguard lab gateway (tls)\n"; }}
+    }}
+"#,
+            port = t.port,
+            cert = t.cert.display(),
+            key = t.key.display()
+        ),
+        None => String::new(),
+    };
     let conf = format!(
         r#"daemon off;
 master_process on;
@@ -138,7 +248,7 @@ http {{
         location = /unhealthy {{ return 503 "not ready\n"; }}
         location / {{ return 200 "stepguard lab gateway\n"; }}
     }}
-}}
+{tls_server}}}
 "#,
         dir = dir.display(),
         tmp = tmp.display()

@@ -190,6 +190,91 @@ fn a_blackholed_datapath_fails_vips_and_dns() {
     assert_eq!(code, 0, "both recover once the blackhole is lifted");
 }
 
+/// Issue 29's new probe kind on the lab's Gateway VIP: nginx serves TLS on 443 with a
+/// certificate of the lab's CA; the probe goes through the node's (fake) datapath like any.
+#[test]
+fn an_https_gateway_vip_is_verified_through_the_datapath() {
+    let lab = lab(|_| {});
+    let base = std::fs::read_to_string(lab.stepguard_config()).unwrap();
+    let with = |extra: &str| {
+        let cfg = base.replacen(
+            "targets:\n",
+            &format!(
+                "targets:\n  - {{name: gateway-tls, address: {}, probe: https, path: /healthz, timeout: 1s{extra}}}\n",
+                stepguard_lab::GATEWAY_VIP
+            ),
+            1,
+        );
+        let path = lab
+            .stepguard_config()
+            .with_file_name(format!("stepguard-https-{}.yaml", extra.len()));
+        std::fs::write(&path, cfg).unwrap();
+        path
+    };
+    let tls = |v: &serde_json::Value| {
+        result(v, "vips")["evidence"]["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == "gateway-tls")
+            .cloned()
+            .unwrap_or_default()
+    };
+    let verified = with(&format!(
+        ", server_name: gateway.{}, ca: {}",
+        stepguard_lab::DNS_ZONE,
+        lab.gateway_ca().display()
+    ));
+    let verified = verified.to_string_lossy().into_owned();
+    let (code, v, err) = check(&lab, &["--only", "vips", "--config", &verified]);
+    assert_eq!(code, 0, "{v:#} {err}");
+    let t = tls(&v);
+    assert_eq!(t["port"], 443, "{t}");
+    assert!(
+        t["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("HTTPS 200 (TLSv1_"),
+        "{t}"
+    );
+    assert!(
+        t["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with(", certificate verified)"),
+        "{t}"
+    );
+
+    // A name the certificate does not carry: the handshake fails, the target with it.
+    let wrong = with(&format!(
+        ", server_name: other.{}, ca: {}",
+        stepguard_lab::DNS_ZONE,
+        lab.gateway_ca().display()
+    ));
+    let (code, v, _) = check(
+        &lab,
+        &["--only", "vips", "--config", &wrong.to_string_lossy()],
+    );
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(result(&v, "vips")["code"], "vip_unreachable");
+    assert!(
+        tls(&v)["detail"]
+            .as_str()
+            .unwrap()
+            .contains("invalid peer certificate"),
+        "{v:#}"
+    );
+
+    // The datapath blackholed: the TLS VIP is unreachable like the others.
+    blackhole(&lab, true);
+    let (code, v, _) = check(&lab, &["--only", "vips", "--config", &verified]);
+    blackhole(&lab, false);
+    assert_eq!(code, 1, "{v:#}");
+    assert_eq!(tls(&v)["ok"], false, "{v:#}");
+    let (code, v, _) = check(&lab, &["--only", "vips", "--config", &verified]);
+    assert_eq!(code, 0, "recovers once the blackhole is lifted: {v:#}");
+}
+
 #[test]
 fn a_wrong_profile_names_the_differences() {
     let lab = lab(|s| s.profile = Profile::V1_20);
