@@ -141,17 +141,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Daemon {
     pub fn new(cfg: Config, opts: DaemonOptions) -> anyhow::Result<Arc<Daemon>> {
+        // Every target's probe kind and options (the config layer does not know the kinds),
+        // before anything is created.
+        crate::probe::validate(&cfg)?;
         let store = StepStore::new(&opts.state_dir)
             .map_err(|e| anyhow::anyhow!("state directory {}: {e}", opts.state_dir.display()))?;
-        // Every target's probe kind and options (the config layer does not know the kinds).
-        crate::probe::validate(&cfg)?;
         let baseline_answers = cfg
             .targets
             .iter()
             .filter(|t| {
                 matches!(
                     crate::probe::dns::answers(t),
-                    Some(crate::config::Answers::Baseline)
+                    Ok(Some(crate::config::Answers::Baseline))
                 )
             })
             .map(|t| t.name.clone())

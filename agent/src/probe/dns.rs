@@ -130,14 +130,13 @@ impl Kind for Dns {
     }
 }
 
-/// A target's `answers` (None for other kinds, or when not given).
-pub fn answers(t: &Target) -> Option<Answers> {
+/// A target's `answers` (None for other kinds, or when not given); an error when its options
+/// do not read (`probe::validate` refuses such a config first).
+pub fn answers(t: &Target) -> Result<Option<Answers>, Problem> {
     if t.probe != "dns" {
-        return None;
+        return Ok(None);
     }
-    super::kind::options::<Options>(t)
-        .ok()
-        .and_then(|o| o.answers)
+    Ok(super::kind::options::<Options>(t)?.answers)
 }
 
 /// One name and record type to ask, encoded once (the id is patched per query).
@@ -169,9 +168,15 @@ impl Probe for Question {
         Transport::Datagram
     }
     fn exchange(self: Arc<Self>, addr: SocketAddr) -> Box<dyn Exchange> {
+        // The id and the datagram are ready before the probe is timed: its send time is the
+        // send's (the id's random bytes cost a syscall).
+        let id = query_id();
+        let mut wire = self.wire.clone();
+        wire[..2].copy_from_slice(&id.to_be_bytes());
         Box::new(Asking {
             query: self,
-            id: 0,
+            id,
+            wire,
             addr,
         })
     }
@@ -180,15 +185,13 @@ impl Probe for Question {
 struct Asking {
     query: Arc<Question>,
     id: u16,
+    wire: Vec<u8>,
     addr: SocketAddr,
 }
 
 impl Exchange for Asking {
     fn open(&mut self, fd: RawFd) -> Progress {
-        self.id = query_id();
-        let mut wire = self.query.wire.clone();
-        wire[..2].copy_from_slice(&self.id.to_be_bytes());
-        match send(fd, &wire) {
+        match send(fd, &self.wire) {
             Ok(_) => Progress::Wait(libc::EPOLLIN as u32),
             Err(e) => Progress::Done(Err(ProbeError::exchange(
                 format!("send to {}", self.addr),

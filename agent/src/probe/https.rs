@@ -231,7 +231,9 @@ impl Handshaking {
             while conn.wants_write() {
                 match conn.write_tls(&mut sock) {
                     Ok(_) => {}
-                    Err(e) if would_block(&e) => return wait(conn),
+                    // A full send buffer: read what came meanwhile before waiting (epoll is
+                    // level-triggered: unread data would wake the engine again at once).
+                    Err(e) if would_block(&e) => break,
                     Err(e) => return Progress::Done(Err(ProbeError::exchange("TLS send", &e))),
                 }
             }

@@ -165,8 +165,10 @@ fn push_bounded(q: &mut VecDeque<(f64, f32)>, x: (f64, f32)) {
 }
 
 impl Witness {
-    /// A witness for `cfg.targets`; `neigh` follows the targets' neighbour entries (None when
-    /// netlink is unavailable: reports then carry no MACs).
+    /// A witness for `cfg.targets` (a config read with `probe::load`, which checks every
+    /// target's kind and options; a target it would refuse is never probed, its probes "not
+    /// run"); `neigh` follows the targets' neighbour entries (None when netlink is
+    /// unavailable: reports then carry no MACs).
     pub fn new(cfg: Config, opts: WitnessOptions, neigh: Option<Arc<NeighLog>>) -> Arc<Witness> {
         let mut id = [0u8; 6];
         let _ = getrandom::fill(&mut id);

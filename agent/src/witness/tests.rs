@@ -4,7 +4,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 
 fn witness(token: Option<&str>) -> Arc<Witness> {
-    let cfg: Config = serde_yaml_ng::from_str(
+    let cfg: Config = crate::probe::parse(
         "targets:\n  - {name: gw, address: 127.0.0.1, port: 9, probe: tcp, timeout: 100ms}\n",
     )
     .unwrap();
