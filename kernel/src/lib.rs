@@ -11,7 +11,6 @@ pub mod clock;
 pub mod drops;
 pub mod links;
 pub mod neigh;
-pub mod rtevents;
 pub mod sock;
 
 /// CLOCK_BOOTTIME now, in seconds.

@@ -2,6 +2,7 @@
 //! programs (BPF_PROG_QUERY), legacy clsact filters (rtnetlink filter dump: name and program
 //! id), XDP programs (link attribute), and Cilium's pinned tcx links. Read-only.
 mod endpoints;
+pub mod events;
 mod programs;
 mod routes;
 mod topology;

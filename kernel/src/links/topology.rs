@@ -55,7 +55,7 @@ pub(super) const TOPOLOGY_MAX_AGE: std::time::Duration = std::time::Duration::fr
 impl TopologyCache {
     pub fn new() -> TopologyCache {
         TopologyCache {
-            events: super::super::rtevents::subscribe().ok(),
+            events: super::events::subscribe().ok(),
             topology: None,
             dumps: 0,
             names: ProgNames::default(),
@@ -85,7 +85,7 @@ impl TopologyCache {
             .unwrap_or_default();
         let changed = match &self.events {
             Some(fd) => {
-                let c = super::super::rtevents::host_changes(fd, &endpoints);
+                let c = super::events::host_changes(fd, &endpoints);
                 if let Some((t, _)) = &mut self.topology {
                     for (i, mut link) in c.endpoints_added.clone() {
                         // A notification without IFLA_INFO_KIND keeps the kind known.

@@ -653,8 +653,8 @@ fn a_step_does_not_pass_while_probes_of_the_settle_window_are_in_flight() {
     assert_eq!(s.verdict.unwrap().status, Status::Passed);
 }
 
-fn witness_report(complete_until: f64, longest: f64) -> crate::witness::WitnessReport {
-    crate::witness::WitnessReport {
+fn witness_report(complete_until: f64, longest: f64) -> crate::wire::WitnessReport {
+    crate::wire::WitnessReport {
         id: "s".into(),
         instance: "w1".into(),
         created_at: 0.0,

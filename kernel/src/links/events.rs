@@ -66,7 +66,7 @@ pub struct Changes {
     /// socket failed.
     pub host: bool,
     /// Endpoint devices that appeared (by ifindex, with name and kind) and went away.
-    pub endpoints_added: BTreeMap<u32, super::links::EndpointLink>,
+    pub endpoints_added: BTreeMap<u32, super::EndpointLink>,
     pub endpoints_removed: BTreeSet<u32>,
 }
 
@@ -137,13 +137,13 @@ fn about_host(m: &RouteNetlinkMessage, endpoints: &BTreeSet<u32>, c: &mut Change
     };
     match m {
         RouteNetlinkMessage::NewLink(l) => {
-            if let Some(n) = link_name(l).filter(|n| super::links::is_endpoint_device(n)) {
+            if let Some(n) = link_name(l).filter(|n| super::is_endpoint_device(n)) {
                 c.endpoints_removed.remove(&l.header.index);
                 c.endpoints_added.insert(
                     l.header.index,
-                    super::links::EndpointLink {
+                    super::EndpointLink {
                         name: n,
-                        kind: super::links::link_kind(l),
+                        kind: super::link_kind(l),
                     },
                 );
                 false
@@ -152,7 +152,7 @@ fn about_host(m: &RouteNetlinkMessage, endpoints: &BTreeSet<u32>, c: &mut Change
             }
         }
         RouteNetlinkMessage::DelLink(l) => {
-            if link_name(l).is_some_and(|n| super::links::is_endpoint_device(&n)) {
+            if link_name(l).is_some_and(|n| super::is_endpoint_device(&n)) {
                 c.endpoints_added.remove(&l.header.index);
                 c.endpoints_removed.insert(l.header.index);
                 false
