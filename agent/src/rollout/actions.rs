@@ -344,7 +344,10 @@ impl Actions for Live<'_, '_> {
 mod tests {
     use super::*;
 
-    /// Actions played from a script: what each call answers, and the calls made.
+    /// Actions played from a script: what each call answers, and the calls made. An imitation
+    /// on purpose: these tests pin the driver's order and its stops (a lost lock between two
+    /// calls, a refused delete) exactly; the live actions against the real API server,
+    /// controller and agents are `tests/lab/tests/rollout.rs`.
     struct Scripted {
         events: std::collections::VecDeque<Event>,
         calls: Vec<String>,
