@@ -434,23 +434,12 @@ fn agent(args: AgentArgs) -> Result<i32> {
 }
 
 fn witness(args: WitnessArgs) -> Result<i32> {
-    let ms = Duration::from_millis;
-    if !(ms(10)..=ms(3_600_000)).contains(&args.probe_interval) {
-        anyhow::bail!("--probe-interval: out of range (10ms to 1h)");
-    }
-    if !(ms(1)..=ms(10_000)).contains(&args.burst_interval) {
-        anyhow::bail!("--burst-interval: out of range (1ms to 10s)");
-    }
+    stepguard::witness::check_intervals(args.probe_interval, args.burst_interval)?;
     if args.listen.port() == 0 {
         anyhow::bail!("--listen: port 0 is not a port an agent can find");
     }
     let cfg = stepguard::probe::load(&args.config)?;
-    if cfg.targets.is_empty() {
-        anyhow::bail!(
-            "{}: a witness needs `targets` (the VIPs to probe)",
-            args.config.display()
-        );
-    }
+    stepguard::witness::check_config(&cfg).with_context(|| args.config.display().to_string())?;
     match (&args.token_file, args.allow_unauthenticated) {
         (None, false) => anyhow::bail!(
             "a witness needs --token-file (the token the node agents send); to serve steps to anyone on the LAN, say --allow-unauthenticated"
@@ -473,7 +462,7 @@ fn witness(args: WitnessArgs) -> Result<i32> {
                 None
             }
         };
-        let w = stepguard::witness::Witness::new(cfg, opts, neigh);
+        let w = stepguard::witness::Witness::new(cfg, opts, neigh)?;
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("listen on {}", args.listen))?;

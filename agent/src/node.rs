@@ -24,6 +24,9 @@ pub struct NodeOptions {
 pub struct NodeObservation {
     pub links: Option<links::Observation>,
     pub maps: Option<bpffs::MapsObservation>,
+    /// The version the running cilium-agent's API reported (None: not asked, not
+    /// answering, or not reported).
+    pub agent_version: Option<String>,
 }
 
 /// Runs the registered checks named in `only` (all when empty), in registry order: reads what
@@ -43,6 +46,7 @@ pub async fn run(
         .fold(checks::Needs::default(), |a, c| checks::Needs {
             links: a.links || c.needs.links,
             maps: a.maps || c.needs.maps,
+            agent: a.agent || c.needs.agent,
         });
     let cilium_cfg = cfg
         .cilium_config
@@ -74,13 +78,7 @@ pub async fn run(
     // effective configuration the checks expect.
     let t = Instant::now();
     let loaded = match &cfg.cilium_api {
-        Some(sock)
-            if wanted
-                .iter()
-                .any(|c| matches!(c.name, "config" | "devices" | "maps")) =>
-        {
-            Some(crate::ciliumapi::loaded_settings_cached(sock).await)
-        }
+        Some(sock) if needs.agent => Some(crate::ciliumapi::loaded_settings_cached(sock).await),
         _ => None,
     };
     let loaded_took = t.elapsed();
@@ -103,13 +101,9 @@ pub async fn run(
     };
     let mut results = Vec::new();
     let (mut links_counted, mut maps_counted) = (false, false);
-    // The agent's settings are read once for all: their time counts towards `config` when it
-    // runs, else the first check that uses them.
-    let loaded_to = wanted
-        .iter()
-        .find(|c| c.name == "config")
-        .or_else(|| wanted.iter().find(|c| matches!(c.name, "devices" | "maps")))
-        .map(|c| c.name);
+    // The agent's settings are read once for all: their time counts towards the last check
+    // that uses them (`config`, when it runs: it is read for it first).
+    let loaded_to = wanted.iter().rev().find(|c| c.needs.agent).map(|c| c.name);
     for c in wanted {
         let t = Instant::now();
         let mut r = (c.evaluate)(&inputs).await;
@@ -130,6 +124,10 @@ pub async fn run(
     let obs = NodeObservation {
         links: links.and_then(|o| o.ok()),
         maps: maps.and_then(|o| o.ok()),
+        agent_version: loaded
+            .as_ref()
+            .and_then(|l| l.as_ref().ok())
+            .and_then(|l| l.version.clone()),
     };
     (results, obs)
 }

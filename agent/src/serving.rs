@@ -24,6 +24,47 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Semaphore};
 
+/// What the shared admin routes serve for a process (the agent, the witness): its metrics
+/// and its readiness. The serving layer knows nothing else of either.
+pub trait Admin: Send + Sync + 'static {
+    /// The metrics, in OpenMetrics text.
+    fn metrics(&self) -> String;
+    /// Ready (the body to answer with), or why not (answered 503).
+    fn ready(&self) -> Result<String, String>;
+}
+
+/// `/metrics`, `/livez` and `/readyz` for `state`, to merge into a process's own router.
+pub fn admin<S: Admin>(state: Arc<S>) -> Router {
+    use axum::extract::State;
+    use axum::response::IntoResponse;
+    use axum::routing::get;
+    Router::new()
+        .route(
+            "/metrics",
+            get(|State(s): State<Arc<S>>| async move {
+                (
+                    [(
+                        header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    s.metrics(),
+                )
+                    .into_response()
+            }),
+        )
+        .route("/livez", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|State(s): State<Arc<S>>| async move {
+                match s.ready() {
+                    Ok(body) => (StatusCode::OK, body).into_response(),
+                    Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
+                }
+            }),
+        )
+        .with_state(state)
+}
+
 /// The API's limits (flags of `stepguard agent`).
 #[derive(Clone, Debug)]
 pub struct Limits {

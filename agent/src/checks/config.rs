@@ -243,8 +243,9 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
     needs: super::Needs {
         links: false,
         maps: false,
+        agent: true,
     },
-    from_probes: false,
+    from_probes: None,
     evaluate: evaluate_node,
     render: super::generic_lines,
 };

@@ -11,6 +11,21 @@ use std::time::{Duration, Instant};
 
 pub const CHECK: &str = "dns";
 
+/// One resolver query in the agent's steady DNS window.
+#[derive(Clone, Debug)]
+pub struct DnsSample {
+    pub at: f64,
+    pub resolver: String,
+    pub latency: Option<Duration>,
+    pub error: Option<String>,
+    /// The query timed out (no answer at all).
+    pub timed_out: bool,
+}
+
+/// The `dns` check looks at this recent window of the agent's steady queries, so it
+/// recovers soon after an outage.
+pub const WINDOW_S: f64 = 10.0;
+
 /// One resolver's burst.
 #[derive(Clone, Debug, Default)]
 pub struct ResolverSample {
@@ -175,14 +190,79 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
     )
 }
 
+/// The `dns` check from the agent's recent window of steady resolver queries
+/// ([`WINDOW_S`]). Resolvers that never answered since the agent started are unknown, not
+/// failed.
+pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
+    let resolvers = w.cfg.dns.resolver_addrs().unwrap_or_default();
+    if resolvers.is_empty() || w.cfg.dns.names.is_empty() {
+        return CheckResult::unknown(
+            CHECK,
+            "no_resolvers",
+            "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)",
+            json!({}),
+        );
+    }
+    let mut samples = Vec::new();
+    let mut ever_answered = false;
+    for r in &resolvers {
+        let key = r.to_string();
+        let mut s = ResolverSample {
+            resolver: key.clone(),
+            ..Default::default()
+        };
+        for d in w.dns.iter().filter(|d| d.resolver == key) {
+            ever_answered |= d.latency.is_some();
+            if d.at < w.now - WINDOW_S {
+                continue;
+            }
+            s.sent += 1;
+            s.timeouts += d.timed_out as u32;
+            match (&d.latency, &d.error) {
+                (Some(l), _) => {
+                    s.ok += 1;
+                    s.latencies.push(*l);
+                }
+                (None, Some(e)) if s.errors.len() < 3 && !s.errors.contains(e) => {
+                    s.errors.push(e.clone())
+                }
+                _ => {}
+            }
+        }
+        samples.push(s);
+    }
+    if samples.iter().all(|s| s.sent == 0) {
+        return CheckResult::unknown(
+            CHECK,
+            "no_probe_yet",
+            "no DNS query in the last 10s yet",
+            json!({}),
+        );
+    }
+    let r = evaluate(&w.cfg.dns, &samples);
+    if r.status == super::Status::Fail && !ever_answered {
+        return CheckResult::unknown(
+            CHECK,
+            "resolver_never_answered",
+            format!(
+                "no resolver has answered since the agent started: {}",
+                r.reason
+            ),
+            r.evidence,
+        );
+    }
+    r
+}
+
 /// The `dns` node check: a burst of queries per resolver (in the agent: its steady window).
 pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
     name: CHECK,
     needs: super::Needs {
         links: false,
         maps: false,
+        agent: false,
     },
-    from_probes: true,
+    from_probes: Some(from_probes),
     evaluate: |i| Box::pin(run(&i.cfg.dns)),
     render,
 };

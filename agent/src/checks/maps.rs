@@ -147,14 +147,31 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
     )
 }
 
+/// The maps the profile requires that this run found gone (from the `maps` result among
+/// `results`), for the `map_present` metric.
+pub fn missing(results: &[CheckResult]) -> Vec<String> {
+    results
+        .iter()
+        .filter(|r| r.check == CHECK)
+        .flat_map(|r| {
+            r.evidence["missing"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect()
+}
+
 /// The `maps` node check: needs the pinned maps.
 pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
     name: CHECK,
     needs: super::Needs {
         links: false,
         maps: true,
+        agent: true,
     },
-    from_probes: false,
+    from_probes: None,
     evaluate: evaluate_node,
     render,
 };

@@ -40,6 +40,8 @@ pub struct Needs {
     pub links: bool,
     /// Pinned maps with entry counts (bpffs).
     pub maps: bool,
+    /// What the running cilium-agent reports it loaded (its API).
+    pub agent: bool,
 }
 
 /// What the node checks of one run share.
@@ -59,6 +61,19 @@ pub struct Inputs<'a> {
         Option<&'a Result<crate::kernel::bpffs::MapsObservation, crate::kernel::bpffs::BpffsError>>,
 }
 
+/// What the agent's continuous probes have seen, for the checks it decides from them
+/// rather than by probing again (`vips`, `dns`).
+pub struct ProbeWindows<'a> {
+    pub cfg: &'a crate::config::Config,
+    pub now: f64,
+    /// The latest outcome of every target probed so far, by name.
+    pub latest: &'a std::collections::BTreeMap<String, crate::probe::ProbeOutcome>,
+    /// Where the east-west targets' routes end (looked up with the kernel checks).
+    pub east_west: &'a vips::EastWest,
+    /// The steady resolver queries of the last minutes, oldest first.
+    pub dns: &'a std::collections::VecDeque<dns::DnsSample>,
+}
+
 /// A decision in the making (some checks probe).
 pub type Evaluating<'a> =
     std::pin::Pin<Box<dyn std::future::Future<Output = CheckResult> + Send + 'a>>;
@@ -68,8 +83,9 @@ pub type Evaluating<'a> =
 pub struct NodeCheck {
     pub name: &'static str,
     pub needs: Needs,
-    /// In the agent, decided from the continuous probe windows (not re-run by the slow loop).
-    pub from_probes: bool,
+    /// In the agent, decided from the continuous probe windows instead (not re-run by the
+    /// slow loop).
+    pub from_probes: Option<fn(&ProbeWindows) -> CheckResult>,
     pub evaluate: for<'a> fn(&'a Inputs<'a>) -> Evaluating<'a>,
     pub render: fn(&CheckResult) -> Vec<String>,
 }

@@ -174,14 +174,47 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
     )
 }
 
+/// The `vips` check from the latest probe of every target (in the agent): unknown until
+/// every target was probed once.
+pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
+    let started = std::time::Instant::now();
+    let targets = &w.cfg.targets;
+    if targets.is_empty() {
+        return CheckResult::unknown(
+            CHECK,
+            "no_targets",
+            "no VIP targets configured (`targets:`)",
+            json!({"targets": []}),
+        );
+    }
+    let mut outcomes = Vec::with_capacity(targets.len());
+    for t in targets {
+        match w.latest.get(&t.name) {
+            Some(o) => outcomes.push(o.clone()),
+            None => {
+                return CheckResult::unknown(
+                    CHECK,
+                    "no_probe_yet",
+                    format!("{} not probed yet", t.name),
+                    json!({}),
+                )
+            }
+        }
+    }
+    let mut r = evaluate(targets, &outcomes, w.east_west);
+    r.duration_ms = started.elapsed();
+    r
+}
+
 /// The `vips` node check: probes every target (in the agent: its latest probes).
 pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
     name: CHECK,
     needs: super::Needs {
         links: false,
         maps: false,
+        agent: false,
     },
-    from_probes: true,
+    from_probes: Some(from_probes),
     evaluate: |i| Box::pin(run(&i.cfg.targets, &i.cfg.bpffs)),
     render,
 };

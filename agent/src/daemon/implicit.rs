@@ -12,19 +12,10 @@
 use super::{lock, watch, Daemon};
 use crate::kernel::links;
 use crate::probe::unix_now;
-use crate::step::{Baseline, Origin, Step, StepParams, StepRequest};
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+pub use crate::step::implicit::Steady;
+use crate::step::implicit::{self as rules, programs_changed};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// The baseline a step would take now, kept while no step runs.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Steady {
-    pub at: f64,
-    pub boot_id: Option<String>,
-    pub baseline: Baseline,
-}
 
 fn steady_file(d: &Daemon) -> std::path::PathBuf {
     d.opts.state_dir.join("steady.json")
@@ -53,14 +44,6 @@ fn api_up(d: &Daemon) -> Option<bool> {
     Some(std::os::unix::net::UnixStream::connect(p).is_ok())
 }
 
-fn programs_changed(base: &Baseline, now: &BTreeMap<String, Option<u32>>) -> Vec<String> {
-    base.programs
-        .iter()
-        .filter(|(k, v)| now.get(*k).copied().flatten() != Some(**v))
-        .map(|(k, _)| k.clone())
-        .collect()
-}
-
 /// A step is active (the runner's snapshot; a step left unfinished by an agent restart is
 /// resumed by the runner before this loop's first look).
 fn busy(d: &Daemon) -> bool {
@@ -70,48 +53,37 @@ fn busy(d: &Daemon) -> bool {
 /// Begins an implicit step from `steady`, because of `trigger`.
 async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Option<String>) {
     let budgets: Vec<Duration> = d.cfg.targets.iter().filter_map(|t| t.max_gap).collect();
-    let ms = |x: Duration| Some(format!("{}ms", x.as_millis()));
-    let req = StepRequest {
-        settle: ms(d.cfg.implicit_steps.settle),
-        timeout: ms(d.cfg.implicit_steps.timeout),
-        witnesses: Some(d.cfg.witnesses.clone()),
-        ..Default::default()
-    };
-    let params: StepParams = match StepParams::from_request(&req, d.opts.burst_interval, &budgets) {
-        Ok((_, p)) => p,
+    let c = &d.cfg.implicit_steps;
+    let params = match rules::params(
+        c.settle,
+        c.timeout,
+        &d.cfg.witnesses,
+        d.opts.burst_interval,
+        &budgets,
+    ) {
+        Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "cannot begin an implicit step");
             return;
         }
     };
-    let id = format!("implicit-{}", crate::step::new_id(unix_now()));
+    let id = format!("implicit-{}", super::store::new_id(unix_now()));
     let mut targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     // The evidence before detection: the steady cadence's probes since the snapshot.
     let running = d.recorder.seed(&mut targets, steady.at);
-    let mut why = format!(
-        "{trigger}; before it (from {:.1}s earlier) the evidence is the steady probes' (their cadence widens the gap bounds)",
-        unix_now() - steady.at
-    );
-    if !running.is_empty() {
-        why.push_str(&format!(
-            "; an outage was already running at detection on {}",
-            running.join(", ")
-        ));
-    }
-    let mut s = Step::new(
+    let mut s = rules::begin(
         id,
-        steady.at,
+        steady,
         params.clone(),
-        steady.baseline.clone(),
         targets,
+        &running,
+        &trigger,
+        incomplete,
+        unix_now(),
     );
-    s.origin = Origin::Implicit;
-    s.trigger = Some(why);
-    s.evidence_incomplete = incomplete;
-    s.boot_id = steady.boot_id.clone();
     // Witnesses burst from here; one that cannot be reached is a hole in the LAN's view.
     for url in &params.witnesses {
-        let one = StepParams {
+        let one = crate::step::StepParams {
             witnesses: vec![url.clone()],
             ..params.clone()
         };
@@ -185,27 +157,13 @@ pub async fn run(d: Arc<Daemon>) {
         if !busy(&d) && !d.store.list().iter().any(|s| !s.is_final()) {
             if let Ok(obs) = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await {
                 let keys: Vec<String> = old.baseline.programs.keys().cloned().collect();
-                let now_ids = watch::current_programs(&obs, &keys);
-                let changed = programs_changed(&old.baseline, &now_ids);
-                let rebooted =
-                    old.boot_id.is_some() && old.boot_id != crate::kernel::clock::boot_id();
-                if rebooted || !changed.is_empty() {
-                    let what = if rebooted {
-                        "the node rebooted".to_string()
-                    } else {
-                        format!("new program ids on {}", changed.join(", "))
-                    };
-                    let incomplete = format!(
-                        "this agent was down while the cilium-agent restarted ({what} since its snapshot {:.0}s ago): the outage and the reload were not observed",
-                        unix_now() - old.at
-                    );
-                    begin(
-                        &d,
-                        &old,
-                        format!("found at the agent's start: {what}"),
-                        Some(incomplete),
-                    )
-                    .await;
+                let changed =
+                    programs_changed(&old.baseline, &watch::current_programs(&obs, &keys));
+                let boot = crate::kernel::clock::boot_id();
+                if let Some((trigger, incomplete)) =
+                    rules::found_at_start(&old, &changed, boot.as_deref(), unix_now())
+                {
+                    begin(&d, &old, trigger, Some(incomplete)).await;
                 }
             }
         }
@@ -258,16 +216,7 @@ pub async fn run(d: Arc<Daemon>) {
         if let Some(prev) = &last {
             let keys: Vec<String> = prev.baseline.programs.keys().cloned().collect();
             let changed = programs_changed(&prev.baseline, &watch::current_programs(&obs, &keys));
-            let trigger = if api_went_down {
-                Some(
-                    "the cilium-agent API socket stopped answering (stopped, or starting)"
-                        .to_string(),
-                )
-            } else if !changed.is_empty() {
-                Some(format!("new program ids on {}", changed.join(", ")))
-            } else {
-                None
-            };
+            let trigger = rules::trigger(api_went_down, &changed);
             if let Some(t) = trigger {
                 let prev = prev.clone();
                 begin(&d, &prev, t, None).await;

@@ -4,21 +4,23 @@ pub mod api;
 pub mod implicit;
 mod loops;
 pub mod runner;
+pub mod store;
 mod watch;
 
-use crate::checks::{self, dns as dns_check, vips as vips_check, CheckResult, Status};
+use crate::checks::{self, vips as vips_check, CheckResult};
 use crate::config::Config;
 use crate::kernel::drops::KernelDrops;
 use crate::kernel::{bpffs, ciliumdrops, links};
 use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
 use crate::node::{self, NodeOptions};
 use crate::probe::{dns as dns_probe, unix_now, ProbeOutcome};
-use crate::step::{Step, StepStore};
+use crate::step::Step;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use store::StepStore;
 
 #[derive(Clone, Debug)]
 pub struct DaemonOptions {
@@ -34,16 +36,7 @@ pub struct DaemonOptions {
     pub max_long_polls: usize,
 }
 
-/// One resolver query in the steady DNS window.
-#[derive(Clone, Debug)]
-pub struct DnsSample {
-    pub at: f64,
-    pub resolver: String,
-    pub latency: Option<Duration>,
-    pub error: Option<String>,
-    /// The query timed out (no answer at all).
-    pub timed_out: bool,
-}
+pub use crate::checks::dns::DnsSample;
 
 #[derive(Default)]
 pub struct ProbeView {
@@ -56,6 +49,8 @@ pub struct NodeView {
     pub results: BTreeMap<String, CheckResult>,
     pub links: Option<links::Observation>,
     pub maps: Option<bpffs::MapsObservation>,
+    /// The version the running cilium-agent's API reported at the last refresh.
+    pub agent_version: Option<String>,
     pub checked_at: f64,
 }
 
@@ -132,8 +127,6 @@ const RECENT_MAX: usize = 6000;
 
 /// How long DNS samples are kept (the baseline uses the last minute).
 const DNS_WINDOW_S: f64 = 120.0;
-/// The `dns` node check looks at this recent window, so it recovers soon after an outage.
-const DNS_CHECK_WINDOW_S: f64 = 10.0;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -304,97 +297,29 @@ impl Daemon {
         }
     }
 
-    /// The `vips` check from the latest probe of every target.
-    pub fn vips_result(&self) -> CheckResult {
-        let started = Instant::now();
-        if self.cfg.targets.is_empty() {
-            return vips_check::evaluate(&[], &[], &Default::default())
-                .with_duration(started.elapsed())
-                .or_unknown_when_empty();
-        }
+    /// What the continuous probes have seen, for the checks decided from them.
+    fn probe_windows<R>(&self, f: impl FnOnce(&checks::ProbeWindows) -> R) -> R {
         let latest = self.recorder.latest();
-        let mut outcomes = Vec::new();
-        for t in &self.cfg.targets {
-            match latest.get(&t.name) {
-                Some(o) => outcomes.push(o.clone()),
-                None => {
-                    return CheckResult::unknown(
-                        vips_check::CHECK,
-                        "no_probe_yet",
-                        format!("{} not probed yet", t.name),
-                        serde_json::json!({}),
-                    )
-                }
-            }
-        }
-        let ew = lock(&self.east_west).clone();
-        vips_check::evaluate(&self.cfg.targets, &outcomes, &ew).with_duration(started.elapsed())
+        let east_west = lock(&self.east_west).clone();
+        let probes = lock(&self.probes);
+        f(&checks::ProbeWindows {
+            cfg: &self.cfg,
+            now: unix_now(),
+            latest: &latest,
+            east_west: &east_west,
+            dns: &probes.dns,
+        })
     }
 
-    /// The `dns` check from the recent window of steady resolver queries.
-    pub fn dns_result(&self) -> CheckResult {
-        let resolvers = self.cfg.dns.resolver_addrs().unwrap_or_default();
-        if resolvers.is_empty() || self.cfg.dns.names.is_empty() {
-            return CheckResult::unknown(
-                dns_check::CHECK,
-                "no_resolvers",
-                "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)",
-                serde_json::json!({}),
-            );
-        }
-        let now = unix_now();
-        let probes = lock(&self.probes);
-        let mut samples = Vec::new();
-        let mut ever_answered = false;
-        for r in &resolvers {
-            let key = r.to_string();
-            let mut s = dns_check::ResolverSample {
-                resolver: key.clone(),
-                ..Default::default()
-            };
-            for d in probes.dns.iter().filter(|d| d.resolver == key) {
-                ever_answered |= d.latency.is_some();
-                if d.at < now - DNS_CHECK_WINDOW_S {
-                    continue;
-                }
-                s.sent += 1;
-                s.timeouts += d.timed_out as u32;
-                match (&d.latency, &d.error) {
-                    (Some(l), _) => {
-                        s.ok += 1;
-                        s.latencies.push(*l);
-                    }
-                    (None, Some(e)) if s.errors.len() < 3 && !s.errors.contains(e) => {
-                        s.errors.push(e.clone())
-                    }
-                    _ => {}
-                }
-            }
-            samples.push(s);
-        }
-        drop(probes);
-        if samples.iter().all(|s| s.sent == 0) {
-            return CheckResult::unknown(
-                dns_check::CHECK,
-                "no_probe_yet",
-                "no DNS query in the last 10s yet",
-                serde_json::json!({}),
-            );
-        }
-        let mut r = dns_check::evaluate(&self.cfg.dns, &samples);
-        // A resolver that never answered since the agent started: unknown, not fail.
-        if r.status == Status::Fail && !ever_answered {
-            r = CheckResult::unknown(
-                dns_check::CHECK,
-                "resolver_never_answered",
-                format!(
-                    "no resolver has answered since the agent started: {}",
-                    r.reason
-                ),
-                r.evidence,
-            );
-        }
-        r
+    /// The checks decided from the continuous probes, as they stand now.
+    pub fn probe_results(&self) -> Vec<CheckResult> {
+        self.probe_windows(|w| {
+            checks::REGISTRY
+                .iter()
+                .filter_map(|c| c.from_probes)
+                .map(|f| f(w))
+                .collect()
+        })
     }
 
     /// DNS p50 (ms) of successful queries since `since`.
@@ -411,36 +336,30 @@ impl Daemon {
     /// Every registered node check as last known: the kernel checks from the slow loop, the
     /// probe checks from the continuous probe windows.
     pub fn node_results(&self) -> Vec<CheckResult> {
+        // The node view first, then the probe windows (the order every path takes them).
         let view = lock(&self.node);
-        let mut out = Vec::new();
-        for c in checks::REGISTRY {
-            let r = match (c.from_probes, c.name) {
-                (true, vips_check::CHECK) => self.vips_result(),
-                (true, dns_check::CHECK) => self.dns_result(),
-                (_, name) => view.results.get(name).cloned().unwrap_or_else(|| {
-                    CheckResult::unknown(
-                        c.name,
-                        "not_checked_yet",
-                        "not checked yet",
-                        serde_json::json!({}),
-                    )
-                }),
-            };
-            out.push(r);
-        }
-        out
+        self.probe_windows(|w| {
+            checks::REGISTRY
+                .iter()
+                .map(|c| match c.from_probes {
+                    Some(decide) => decide(w),
+                    None => view.results.get(c.name).cloned().unwrap_or_else(|| {
+                        CheckResult::unknown(
+                            c.name,
+                            "not_checked_yet",
+                            "not checked yet",
+                            serde_json::json!({}),
+                        )
+                    }),
+                })
+                .collect()
+        })
     }
 
     /// The version the running cilium-agent reported at the last config check (None: not
     /// configured, not answering, or not reported).
     pub fn agent_version(&self) -> Option<String> {
-        let view = lock(&self.node);
-        view.results
-            .get(checks::config::CHECK)?
-            .evidence
-            .get(checks::config::AGENT_VERSION)?
-            .as_str()
-            .map(String::from)
+        lock(&self.node).agent_version.clone()
     }
 
     /// Kernel drops by reason now (None: the signal is unknown).
@@ -457,7 +376,7 @@ impl Daemon {
         // The kernel checks; the probe checks come from the continuous probe windows.
         let only: BTreeSet<String> = checks::REGISTRY
             .iter()
-            .filter(|c| !c.from_probes)
+            .filter(|c| c.from_probes.is_none())
             .map(|c| c.name.to_string())
             .collect();
         let opts = NodeOptions {
@@ -470,11 +389,10 @@ impl Daemon {
             let ew = vips_check::east_west_routes(&self.cfg.targets, &self.cfg.bpffs).await;
             *lock(&self.east_west) = ew;
         }
-        let vips = self.vips_result();
-        let dns = self.dns_result();
+        let from_probes = self.probe_results();
         {
             let mut m = lock(&self.metrics);
-            for r in results.iter().chain([&vips, &dns]) {
+            for r in results.iter().chain(&from_probes) {
                 m.record_check(r);
             }
             if let Some(l) = &obs.links {
@@ -520,14 +438,10 @@ impl Daemon {
             }
         }
         // Maps the profile requires but that are gone: present = 0.
-        if let Some(r) = results.iter().find(|r| r.check == "maps") {
-            if let Some(missing) = r.evidence["missing"].as_array() {
-                let m = lock(&self.metrics);
-                for n in missing.iter().filter_map(|v| v.as_str()) {
-                    m.map_present
-                        .get_or_create(&MapLabels { map: n.into() })
-                        .set(0);
-                }
+        {
+            let m = lock(&self.metrics);
+            for n in checks::maps::missing(&results) {
+                m.map_present.get_or_create(&MapLabels { map: n }).set(0);
             }
         }
         let mut view = lock(&self.node);
@@ -537,30 +451,12 @@ impl Daemon {
             .collect();
         view.links = obs.links;
         view.maps = obs.maps;
+        view.agent_version = obs.agent_version;
         view.checked_at = unix_now();
     }
 }
 
 pub use crate::timeline::supersedes;
-
-trait ResultExt {
-    fn with_duration(self, d: Duration) -> Self;
-    fn or_unknown_when_empty(self) -> Self;
-}
-impl ResultExt for CheckResult {
-    fn with_duration(mut self, d: Duration) -> Self {
-        self.duration_ms = d;
-        self
-    }
-    fn or_unknown_when_empty(self) -> Self {
-        CheckResult::unknown(
-            vips_check::CHECK,
-            "no_targets",
-            "no VIP targets configured (`targets:`)",
-            serde_json::json!({"targets": []}),
-        )
-    }
-}
 
 /// Probes of one target in flight at once (a step's cadence must not need more: see the API).
 pub use crate::limits::MAX_IN_FLIGHT;

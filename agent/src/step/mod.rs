@@ -1,8 +1,10 @@
 //! The step protocol's state: a step's parameters, its baseline, what it has observed (reload,
 //! probe timelines, holes in the evidence) and its verdict; persisted under the state
 //! directory so a restarted agent resumes it. The decision itself is in [`verdict`].
+pub mod implicit;
+pub mod lifecycle;
+pub mod observe;
 mod params;
-mod store;
 pub mod verdict;
 pub mod view;
 
@@ -11,12 +13,10 @@ pub use crate::timeline::{gaps, timelines, Budgets, TargetTimeline, MAX_OUTAGES}
 pub use crate::wire::{secs, TargetGap};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use crate::limits::MAX_WITNESSES;
 pub use params::*;
-pub use store::*;
 
 /// A witness's part in a step, as the agent follows it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -330,7 +330,8 @@ impl Origin {
 }
 
 impl Step {
-    /// A step beginning at `now`, watching for the reload.
+    /// A step beginning at `now`, watching for the reload (its `boot_id` is the caller's to
+    /// set: the step layer reads no clock).
     pub fn new(
         id: String,
         now: f64,
@@ -363,7 +364,7 @@ impl Step {
             endpoints: EndpointProgress::default(),
             verdict: None,
             updated_at: now,
-            boot_id: crate::kernel::clock::boot_id(),
+            boot_id: None,
         }
     }
 

@@ -136,25 +136,150 @@ fn a_step_resumed_on_another_boot_is_incomplete_evidence() {
     assert!(s.evidence_incomplete.unwrap().contains("rebooted"));
 }
 
-/// A corrupt step file and a 9 MiB file in the state dir: both set aside with a log
-/// line, neither parsed on a request; good steps still load.
 #[test]
-fn corrupt_and_oversized_step_files_are_quarantined() {
-    let root = std::env::temp_dir().join(format!("sg-store-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let store = StepStore::new(&root).unwrap();
-    store.save(&bare(None)).unwrap();
-    std::fs::write(root.join("steps/broken.json"), b"{not json").unwrap();
-    std::fs::write(
-        root.join("steps/huge.json"),
-        vec![b' '; (MAX_STEP_FILE + 1) as usize],
-    )
-    .unwrap();
-    let store = StepStore::new(&root).unwrap();
-    assert_eq!(store.list().len(), 1);
-    assert!(store.load("s").is_some());
-    assert!(root.join("steps/broken.quarantined").exists());
-    assert!(root.join("steps/huge.quarantined").exists());
-    assert!(!root.join("steps/broken.json").exists());
-    let _ = std::fs::remove_dir_all(&root);
+fn only_failing_or_regressed_node_checks_block_a_step() {
+    let now = [
+        crate::checks::CheckResult::unknown(
+            "config",
+            "no_cilium_config",
+            "",
+            serde_json::json!({}),
+        ),
+        crate::checks::CheckResult::unknown("maps", "no_permission", "", serde_json::json!({})),
+        crate::checks::CheckResult::fail("devices", "device_missing", "", serde_json::json!({})),
+        crate::checks::CheckResult::pass("vips", "ok", "", serde_json::json!({})),
+    ];
+    let baseline: BTreeMap<String, String> = [
+        ("config", "unknown"),
+        ("maps", "pass"),
+        ("devices", "pass"),
+        ("vips", "pass"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let b = super::lifecycle::blocking_node_checks(&now, &baseline);
+    assert_eq!(b.len(), 2, "{b:?}");
+    assert!(b[0].starts_with("maps unknown") && b[1].starts_with("devices fail"));
+}
+
+/// Drops count from the baseline, except `cilium_metrics` recreated at the restart (a new
+/// map id): its counters restarted from zero and count from there. A source unreadable now
+/// is named unknown, never counted as zero drops.
+#[test]
+fn drops_count_from_the_baseline_or_from_a_recreated_map() {
+    let mut b = Baseline::default();
+    b.cilium_drops.insert("POLICY_DENIED".into(), 10);
+    b.kernel_drops.insert("NOT_SPECIFIED".into(), 5);
+    b.map_ids.insert("cilium_metrics".into(), 7);
+    let now: BTreeMap<String, u64> = [("POLICY_DENIED".to_string(), 12)].into();
+    let kernel: BTreeMap<String, u64> = [("NOT_SPECIFIED".to_string(), 5)].into();
+    let same: BTreeMap<String, u32> = [("cilium_metrics".to_string(), 7)].into();
+    let (d, unknown) = lifecycle::drops_since(&b, Some(&kernel), Some(&now), Some(&same));
+    assert_eq!(d, [("cilium:POLICY_DENIED".to_string(), 2)].into());
+    assert!(unknown.is_empty());
+    let recreated: BTreeMap<String, u32> = [("cilium_metrics".to_string(), 8)].into();
+    let (d, _) = lifecycle::drops_since(&b, Some(&kernel), Some(&now), Some(&recreated));
+    assert_eq!(d["cilium:POLICY_DENIED"], 12);
+    let (d, unknown) = lifecycle::drops_since(&b, None, Some(&now), Some(&same));
+    assert_eq!(unknown, vec!["kernel".to_string()]);
+    assert_eq!(d.len(), 1);
+}
+
+/// A witness that answers as another instance, or no longer knows the step, has lost its
+/// evidence for good; one that could not be reached is only asked again.
+#[test]
+fn a_witness_that_restarted_has_lost_its_evidence() {
+    let mut s = bare(None);
+    s.witnesses.insert(
+        "http://w".into(),
+        WitnessTrack {
+            instance: "a".into(),
+            ..Default::default()
+        },
+    );
+    let report = |instance: &str| crate::wire::WitnessReport {
+        id: "s".into(),
+        instance: instance.into(),
+        created_at: 0.0,
+        complete_until: 0.0,
+        ended: false,
+        burst_interval: Duration::from_millis(10),
+        gaps: vec![],
+        macs: BTreeMap::new(),
+        probes: BTreeMap::new(),
+        latency_ms: BTreeMap::new(),
+    };
+    use lifecycle::WitnessPollError;
+    s.witness_answered(
+        "http://w",
+        Err(WitnessPollError::Failed("down".into())),
+        1.0,
+    );
+    assert_eq!(s.witnesses["http://w"].last_error.as_deref(), Some("down"));
+    assert!(s.witnesses["http://w"].lost.is_none());
+    s.witness_answered("http://w", Ok(report("a")), 2.0);
+    assert_eq!(s.witnesses["http://w"].last_ok_at, Some(2.0));
+    assert!(s.witnesses["http://w"].last_error.is_none());
+    s.witness_answered("http://w", Ok(report("b")), 3.0);
+    assert!(s.witnesses["http://w"]
+        .lost
+        .as_deref()
+        .unwrap()
+        .contains("restarted"));
+    let mut t = bare(None);
+    t.witnesses
+        .insert("http://w".into(), WitnessTrack::default());
+    t.witness_answered(
+        "http://w",
+        Err(WitnessPollError::Unknown("no such step".into())),
+        1.0,
+    );
+    assert!(t.witnesses["http://w"]
+        .lost
+        .as_deref()
+        .unwrap()
+        .contains("no longer knows"));
+}
+
+/// Cancelling decides a step once; an older unfinished step beside a newer one is decided
+/// as incomplete evidence, naming the newer.
+#[test]
+fn cancel_and_abandon_decide_a_step_once() {
+    let mut s = bare(None);
+    assert!(s.cancel(9.0));
+    assert_eq!(s.verdict.as_ref().unwrap().status, Status::Cancelled);
+    assert!(!s.cancel(10.0));
+    assert_eq!(s.verdict.as_ref().unwrap().finished_at, 9.0);
+    let mut old = bare(None);
+    old.abandon("step-new", 20.0);
+    let v = old.verdict.unwrap();
+    assert_eq!(
+        (v.status, v.reasons),
+        (Status::Failed, vec![Reason::EvidenceIncomplete])
+    );
+    assert!(v.summary.contains("step-new"), "{}", v.summary);
+}
+
+/// At the agent's start, a snapshot on another boot or with other program ids is a restart
+/// nobody watched; the same boot and ids is none.
+#[test]
+fn a_restart_while_the_agent_was_down_is_found_at_its_start() {
+    let old = implicit::Steady {
+        at: 100.0,
+        boot_id: Some("boot-a".into()),
+        baseline: Baseline::default(),
+    };
+    assert!(implicit::found_at_start(&old, &[], Some("boot-a"), 130.0).is_none());
+    let (trigger, why) =
+        implicit::found_at_start(&old, &["eth0".to_string()], Some("boot-a"), 130.0).unwrap();
+    assert!(trigger.contains("new program ids on eth0"), "{trigger}");
+    assert!(why.contains("30s ago"), "{why}");
+    let (trigger, _) = implicit::found_at_start(&old, &[], Some("boot-b"), 130.0).unwrap();
+    assert!(trigger.contains("rebooted"), "{trigger}");
+    assert_eq!(
+        implicit::trigger(true, &["eth0".to_string()]).unwrap(),
+        "the cilium-agent API socket stopped answering (stopped, or starting)"
+    );
+    assert!(implicit::trigger(false, &[]).is_none());
 }

@@ -7,9 +7,6 @@ pub(super) fn err(status: StatusCode, msg: impl Into<String>) -> Response {
 
 pub fn router(w: Arc<Witness>) -> Router {
     Router::new()
-        .route("/livez", get(|| async { "ok\n" }))
-        .route("/readyz", get(|| async { "ok\n" }))
-        .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .route("/v1/moves", get(moves))
         .route("/v1/steps", axum::routing::post(post_step))
@@ -21,18 +18,20 @@ pub fn router(w: Arc<Witness>) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
-        .with_state(w)
+        .with_state(w.clone())
+        .merge(crate::serving::admin(w))
 }
 
-pub(super) async fn metrics(State(w): State<Arc<Witness>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        w.encode_metrics(),
-    )
-        .into_response()
+/// The witness's `/metrics` and `/readyz` (always ready once serving), by the shared admin
+/// routes.
+impl crate::serving::Admin for Witness {
+    fn metrics(&self) -> String {
+        self.encode_metrics()
+    }
+
+    fn ready(&self) -> Result<String, String> {
+        Ok("ok\n".into())
+    }
 }
 
 pub(super) async fn moves(State(w): State<Arc<Witness>>) -> Response {

@@ -22,7 +22,7 @@ use crate::step::TargetTimeline;
 pub use crate::wire::{Latency, MacChange, Move, WitnessBegun, WitnessReport, WitnessStepRequest};
 pub use api::*;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
@@ -164,18 +164,48 @@ fn push_bounded(q: &mut VecDeque<(f64, f32)>, x: (f64, f32)) {
     q.push_back(x);
 }
 
+/// A witness's cadences: steady probes every 10 ms to 1 h, bursts every 1 ms to 10 s (the
+/// errors name `stepguard witness`'s flags).
+pub fn check_intervals(probe: Duration, burst: Duration) -> anyhow::Result<()> {
+    let ms = Duration::from_millis;
+    if !(ms(10)..=ms(3_600_000)).contains(&probe) {
+        anyhow::bail!("--probe-interval: out of range (10ms to 1h)");
+    }
+    if !(ms(1)..=ms(10_000)).contains(&burst) {
+        anyhow::bail!("--burst-interval: out of range (1ms to 10s)");
+    }
+    Ok(())
+}
+
+/// A witness's configuration: at least one target, every target's probe kind and options
+/// valid.
+pub fn check_config(cfg: &Config) -> anyhow::Result<()> {
+    if cfg.targets.is_empty() {
+        anyhow::bail!("a witness needs `targets` (the VIPs to probe)");
+    }
+    Ok(crate::probe::validate(cfg)?)
+}
+
 impl Witness {
     /// A witness for `cfg.targets` (a config read with `probe::load`, which checks every
     /// target's kind and options; a target it would refuse is never probed, its probes "not
     /// run"); `neigh` follows the targets' neighbour entries (None when netlink is
     /// unavailable: reports then carry no MACs).
-    pub fn new(cfg: Config, opts: WitnessOptions, neigh: Option<Arc<NeighLog>>) -> Arc<Witness> {
+    /// A witness for `cfg`, its targets and cadences checked first (see [`check_config`],
+    /// [`check_intervals`]).
+    pub fn new(
+        cfg: Config,
+        opts: WitnessOptions,
+        neigh: Option<Arc<NeighLog>>,
+    ) -> anyhow::Result<Arc<Witness>> {
+        check_intervals(opts.probe_interval, opts.burst_interval)?;
+        check_config(&cfg)?;
         let mut id = [0u8; 6];
         let _ = getrandom::fill(&mut id);
         let probes = crate::timeline::ProbeMetrics::default();
         probes.declare(&cfg.targets);
         let metrics = WitnessMetrics::new(&probes);
-        Arc::new(Witness {
+        Ok(Arc::new(Witness {
             cfg,
             opts,
             instance: id.iter().map(|b| format!("{b:02x}")).collect(),
@@ -195,7 +225,7 @@ impl Witness {
             metrics: Mutex::new(metrics),
             changed: tokio::sync::watch::Sender::new(0),
             engine: std::sync::OnceLock::new(),
-        })
+        }))
     }
 
     /// The addresses whose neighbour entries a witness follows.

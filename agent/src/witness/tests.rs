@@ -17,6 +17,29 @@ fn witness(token: Option<&str>) -> Arc<Witness> {
         },
         None,
     )
+    .unwrap()
+}
+
+/// A witness is not made from a configuration it cannot probe: no targets, or a cadence
+/// out of range, each refused with the field named.
+#[test]
+fn a_witness_refuses_what_it_cannot_probe() {
+    let opts = |probe_ms: u64, burst_ms: u64| WitnessOptions {
+        probe_interval: Duration::from_millis(probe_ms),
+        burst_interval: Duration::from_millis(burst_ms),
+        token: crate::serving::Token::fixed(None),
+    };
+    let empty: Config = crate::probe::parse("targets: []\n").unwrap();
+    let e = Witness::new(empty, opts(1000, 10), None).err().unwrap();
+    assert!(e.to_string().contains("a witness needs `targets`"), "{e}");
+    let cfg: Config = crate::probe::parse(
+        "targets:\n  - {name: gw, address: 127.0.0.1, port: 9, probe: tcp, timeout: 100ms}\n",
+    )
+    .unwrap();
+    let e = Witness::new(cfg.clone(), opts(5, 10), None).err().unwrap();
+    assert!(e.to_string().contains("--probe-interval"), "{e}");
+    let e = Witness::new(cfg, opts(1000, 20_000), None).err().unwrap();
+    assert!(e.to_string().contains("--burst-interval"), "{e}");
 }
 
 async fn call(

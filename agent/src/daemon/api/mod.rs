@@ -10,7 +10,7 @@ use crate::node::{self, NodeOptions};
 use crate::probe::unix_now;
 use crate::report;
 use crate::step::view::StepView;
-use crate::step::{self, Step, StepParams, StepRequest};
+use crate::step::{Step, StepParams, StepRequest};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -27,9 +27,6 @@ const MAX_WAIT: Duration = Duration::from_secs(900);
 
 pub fn router(d: Arc<Daemon>) -> Router {
     Router::new()
-        .route("/metrics", get(metrics))
-        .route("/livez", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
         .route("/v1/verdict", get(verdict))
         .route("/v1/checks", get(checks))
         .route("/v1/steps", get(list_steps).post(post_step))
@@ -41,7 +38,8 @@ pub fn router(d: Arc<Daemon>) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
-        .with_state(d)
+        .with_state(d.clone())
+        .merge(crate::serving::admin(d))
 }
 
 fn err(status: StatusCode, msg: impl Into<String>) -> Response {
@@ -70,43 +68,34 @@ fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Box<Response>> {
     }
 }
 
-async fn metrics(State(d): State<Arc<Daemon>>) -> Response {
-    let body = {
-        let kd = d.kernel_drops_now();
-        let cd = d.cilium_drops_now();
-        let mut m = lock(&d.metrics);
+/// The agent's `/metrics` and `/readyz`, served by the shared admin routes.
+impl crate::serving::Admin for Daemon {
+    fn metrics(&self) -> String {
+        let kd = self.kernel_drops_now();
+        let cd = self.cilium_drops_now();
+        let mut m = lock(&self.metrics);
         m.set_kernel_drops(kd.as_ref());
         if let Some(cd) = cd {
             m.set_cilium_drops(&cd);
         }
-        for r in [d.vips_result(), d.dns_result()] {
+        for r in self.probe_results() {
             m.record_check(&r);
         }
         m.encode()
-    };
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        body,
-    )
-        .into_response()
-}
-
-async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
-    if let Some(why) = d.store.unsaved() {
-        // Verdicts are served from memory but would not survive a restart.
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: the state dir cannot be written ({why})\n"),
-        )
-            .into_response();
     }
-    if d.ready.load(Ordering::SeqCst) {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
+
+    fn ready(&self) -> Result<String, String> {
+        if let Some(why) = self.store.unsaved() {
+            // Verdicts are served from memory but would not survive a restart.
+            return Err(format!(
+                "not ready: the state dir cannot be written ({why})\n"
+            ));
+        }
+        if self.ready.load(Ordering::SeqCst) {
+            Ok("ready\n".into())
+        } else {
+            Err("not ready\n".into())
+        }
     }
 }
 
@@ -288,7 +277,7 @@ async fn post_step(
         )
             .into_response();
     }
-    let id = id.unwrap_or_else(|| step::new_id(unix_now()));
+    let id = id.unwrap_or_else(|| super::store::new_id(unix_now()));
     let s = match watch::begin(&d, id, params.clone()).await {
         Ok(s) => s,
         Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),

@@ -1,16 +1,19 @@
 //! Steps persisted under the state directory (a restarted agent resumes them): bounded files,
-//! the newest kept, a broken file quarantined, never lost silently.
-use super::*;
+//! the newest kept, a broken file quarantined, never lost silently. The step layer is pure:
+//! the daemon owns this store and writes what the step's transitions leave.
+use crate::step::Step;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 /// Where steps live: `<state_dir>/steps/<id>.json`, and in memory: files are read once at
 /// startup (bounded in size; corrupt or oversized ones are quarantined with a log line), so
 /// requests never parse files.
 pub struct StepStore {
-    pub(super) dir: PathBuf,
-    pub(super) steps: std::sync::Mutex<BTreeMap<String, Step>>,
+    dir: PathBuf,
+    steps: std::sync::Mutex<BTreeMap<String, Step>>,
     /// Steps whose latest record could not be written, with the error (written again by
     /// [`StepStore::retry_unsaved`]).
-    pub(super) unsaved: std::sync::Mutex<BTreeMap<String, String>>,
+    unsaved: std::sync::Mutex<BTreeMap<String, String>>,
     /// Writes that failed since start.
     pub write_errors: std::sync::atomic::AtomicU64,
 }
@@ -195,4 +198,47 @@ impl StepStore {
 pub fn new_id(now: f64) -> String {
     let r = getrandom::u32().unwrap_or_else(|_| std::process::id() ^ now.fract().to_bits() as u32);
     format!("step-{}-{:04x}", now as u64, r as u16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::step::{Baseline, StepParams, StepRequest};
+    use std::time::Duration;
+
+    fn bare() -> Step {
+        let (_, params) =
+            StepParams::from_request(&StepRequest::default(), Duration::from_millis(10), &[])
+                .unwrap();
+        Step::new(
+            "s".into(),
+            0.0,
+            params,
+            Baseline::default(),
+            BTreeMap::new(),
+        )
+    }
+
+    /// A corrupt step file and a 9 MiB file in the state dir: both set aside with a log
+    /// line, neither parsed on a request; good steps still load.
+    #[test]
+    fn corrupt_and_oversized_step_files_are_quarantined() {
+        let root = std::env::temp_dir().join(format!("sg-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = StepStore::new(&root).unwrap();
+        store.save(&bare()).unwrap();
+        std::fs::write(root.join("steps/broken.json"), b"{not json").unwrap();
+        std::fs::write(
+            root.join("steps/huge.json"),
+            vec![b' '; (MAX_STEP_FILE + 1) as usize],
+        )
+        .unwrap();
+        let store = StepStore::new(&root).unwrap();
+        assert_eq!(store.list().len(), 1);
+        assert!(store.load("s").is_some());
+        assert!(root.join("steps/broken.quarantined").exists());
+        assert!(root.join("steps/huge.quarantined").exists());
+        assert!(!root.join("steps/broken.json").exists());
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

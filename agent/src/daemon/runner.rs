@@ -1,0 +1,417 @@
+//! The step runner: the one task that owns the active step. Probes and the API send it
+//! messages; it takes the readings (kernel, node checks, drops, witnesses), hands them to
+//! the step's transitions (`step::lifecycle`), carries out the action they return (persist,
+//! export), and publishes a snapshot that everything else reads. Nothing else mutates a
+//! step; the rules are the step's, the I/O is here.
+
+use super::watch::{self, current_programs, map_counts};
+use super::{lock, Daemon};
+use crate::kernel::links;
+use crate::probe::unix_now;
+pub use crate::step::lifecycle::Sample;
+use crate::step::lifecycle::{Moment, Next, Readings};
+use crate::step::verdict;
+use crate::step::Step;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// What the API asks of the runner.
+pub enum Command {
+    /// Install a step whose baseline was just taken.
+    Begin {
+        step: Box<Step>,
+        reply: oneshot::Sender<Begun>,
+    },
+    /// Cancel the active step `id`; replies with it when it was the active one.
+    Cancel {
+        id: String,
+        reply: oneshot::Sender<Option<Step>>,
+    },
+}
+
+/// The runner's answer to [`Command::Begin`].
+pub enum Begun {
+    Created(Box<Step>),
+    /// The same id is already active: the request is idempotent.
+    Existing(Box<Step>),
+    /// Another step is active.
+    Conflict(String),
+    /// The step could not be saved: refused, or it would be lost on an agent restart.
+    NotSaved(String),
+}
+
+/// A witness's answer to a poll, for the step it was asked about.
+pub struct WitnessPoll {
+    pub step: String,
+    pub url: String,
+    pub result: Result<crate::witness::WitnessReport, watch::WitnessPollError>,
+}
+
+type Receivers = (
+    mpsc::Receiver<Command>,
+    mpsc::Receiver<Sample>,
+    mpsc::Receiver<WitnessPoll>,
+);
+
+/// The channels between the daemon and its runner.
+pub struct Ports {
+    pub commands: mpsc::Sender<Command>,
+    pub samples: mpsc::Sender<Sample>,
+    pub witness: mpsc::Sender<WitnessPoll>,
+    receivers: std::sync::Mutex<Option<Receivers>>,
+}
+
+/// Samples buffered while the runner observes the kernel (10 targets at 1 ms for 6 s).
+const SAMPLE_BUFFER: usize = 65_536;
+
+impl Ports {
+    pub fn new() -> Ports {
+        let (ctx, crx) = mpsc::channel(64);
+        let (stx, srx) = mpsc::channel(SAMPLE_BUFFER);
+        let (wtx, wrx) = mpsc::channel(64);
+        Ports {
+            commands: ctx,
+            samples: stx,
+            witness: wtx,
+            receivers: std::sync::Mutex::new(Some((crx, srx, wrx))),
+        }
+    }
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+struct Runner {
+    d: Arc<Daemon>,
+    step: Option<Step>,
+    /// Set after a restart with an unfinished step, until the first observation is judged.
+    resumed: bool,
+    n: u64,
+    /// What was last read of the node (devices every 200 ms, maps every second).
+    readings: Readings,
+    /// When the resumed step's record was last written.
+    resumed_from: Option<f64>,
+}
+
+/// Runs the step runner until the daemon goes away. Call once per daemon.
+pub async fn run(d: Arc<Daemon>) {
+    let Some((mut commands, mut samples, mut witness)) = lock(&d.ports.receivers).take() else {
+        tracing::error!("the step runner was started twice");
+        return;
+    };
+    let mut r = Runner {
+        step: None,
+        resumed: false,
+        n: 0,
+        readings: Readings::default(),
+        resumed_from: None,
+        d,
+    };
+    r.resume();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            Some(c) = commands.recv() => r.command(c),
+            Some(w) = witness.recv() => r.witness_poll(w),
+            // Samples are drained at each tick (every 100 ms; decisions are only taken
+            // there): waking this task for each of a thousand samples a second cost more
+            // CPU than the probes' own bookkeeping. The buffer holds seconds of them.
+            _ = tick.tick() => r.tick(&mut samples).await,
+        }
+    }
+}
+
+impl Runner {
+    fn active(&self) -> Option<&Step> {
+        self.step.as_ref().filter(|s| !s.is_final())
+    }
+
+    /// Publishes the step to readers (API, metrics) and wakes long-polls and probe loops.
+    fn publish(&self) {
+        let d = &self.d;
+        let active = self.active().is_some();
+        let cadence_before = (
+            d.burst.load(Ordering::SeqCst),
+            d.burst_interval_ns.load(Ordering::SeqCst),
+        );
+        d.step_active.store(active, Ordering::SeqCst);
+        if let Some(s) = self.active() {
+            d.burst_interval_ns
+                .store(s.params.burst_interval.as_nanos() as u64, Ordering::SeqCst);
+        }
+        d.burst.store(active, Ordering::SeqCst);
+        d.snapshot.send_replace(self.step.clone().map(Arc::new));
+        let cadence_now = (
+            d.burst.load(Ordering::SeqCst),
+            d.burst_interval_ns.load(Ordering::SeqCst),
+        );
+        // Readers every time; the probe engine only when its cadence changed (it was woken
+        // ten times a second for nothing during every step).
+        if cadence_now == cadence_before {
+            d.bump_readers();
+        } else {
+            d.bump();
+        }
+    }
+
+    /// Picks up an unfinished step from disk: the time the agent was away is a hole.
+    fn resume(&mut self) {
+        // The newest unfinished step is resumed; older unfinished ones (a crash between two
+        // steps' writes, a state dir copied around) are decided now: their evidence ended
+        // where their record did, so they are incomplete, never left watching forever.
+        let mut unfinished = self.d.store.list().into_iter().filter(|s| !s.is_final());
+        let Some(mut s) = unfinished.next() else {
+            return;
+        };
+        for mut old in unfinished {
+            old.abandon(&s.id, unix_now());
+            if let Err(e) = watch::persist(&self.d, &mut old) {
+                tracing::error!(step = %old.id, error = %e, "cannot persist a step decided at start");
+            }
+            tracing::warn!(step = %old.id, "an older unfinished step was decided at start: evidence_incomplete");
+        }
+        self.resumed_from = Some(s.updated_at);
+        let now = unix_now();
+        s.resume(now, crate::kernel::clock::boot_id().as_deref());
+        tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
+        self.step = Some(s);
+        self.resumed = true;
+        self.publish();
+    }
+
+    fn command(&mut self, c: Command) {
+        match c {
+            Command::Begin { step, reply } => {
+                let answer = match self.active() {
+                    Some(a) if a.id == step.id => Begun::Existing(Box::new(a.clone())),
+                    Some(a) => Begun::Conflict(a.id.clone()),
+                    None => {
+                        let mut s = *step;
+                        match watch::persist(&self.d, &mut s) {
+                            Err(e) => Begun::NotSaved(e.to_string()),
+                            Ok(()) => {
+                                s.installed(unix_now());
+                                watch::exported_begin(&self.d, &s);
+                                tracing::info!(step = %s.id, "step begun; probing in burst mode");
+                                self.step = Some(s.clone());
+                                self.resumed = false;
+                                self.readings.maps = None;
+                                self.readings.programs = None;
+                                self.publish();
+                                Begun::Created(Box::new(s))
+                            }
+                        }
+                    }
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Cancel { id, reply } => {
+                let cancelled = match self.step.as_mut().filter(|s| s.id == id && !s.is_final()) {
+                    Some(s) => {
+                        watch::cancel(&self.d, s);
+                        Some(s.clone())
+                    }
+                    None => None,
+                };
+                if cancelled.is_some() {
+                    self.publish();
+                }
+                let _ = reply.send(cancelled);
+            }
+        }
+    }
+
+    /// Folds a witness's answer into the active step.
+    fn witness_poll(&mut self, p: WitnessPoll) {
+        if let Some(s) = self.step.as_mut().filter(|s| s.id == p.step) {
+            s.witness_answered(&p.url, p.result, unix_now());
+        }
+    }
+
+    /// Asks every witness of the active step for its report (answers come back as
+    /// [`WitnessPoll`]s; a slow witness never holds up the runner).
+    fn poll_witnesses(&self) {
+        let Some(s) = self.active() else { return };
+        let after = s.reload.complete_at;
+        for url in s.witnesses.keys() {
+            let (url, id, token) = (url.clone(), s.id.clone(), self.d.opts.token.current());
+            let tx = self.d.ports.witness.clone();
+            tokio::spawn(async move {
+                let result = watch::poll_witness(url.clone(), token, id.clone(), after).await;
+                let _ = tx
+                    .send(WitnessPoll {
+                        step: id,
+                        url,
+                        result,
+                    })
+                    .await;
+            });
+        }
+    }
+
+    fn sample(&mut self, x: Sample) {
+        if let Some(s) = self.step.as_mut() {
+            s.take_sample(x);
+        }
+    }
+
+    /// Device programs every 200 ms, maps and node checks every second, decides every
+    /// 100 ms, persists every 500 ms.
+    async fn tick(&mut self, samples: &mut mpsc::Receiver<Sample>) {
+        while let Ok(s) = samples.try_recv() {
+            self.sample(s);
+        }
+        self.n += 1;
+        let n = self.n;
+        // Records the disk refused are written again once it takes them (every second).
+        if n.is_multiple_of(10) && self.d.store.unsaved().is_some() {
+            let failed = self.d.store.retry_unsaved();
+            if failed > 0 {
+                lock(&self.d.metrics)
+                    .state_write_errors
+                    .inc_by(failed as u64);
+            }
+        }
+        let Some(tracked) = self.active().map(Step::tracked_keys) else {
+            self.readings.maps = None;
+            self.readings.programs = None;
+            return;
+        };
+        let d = self.d.clone();
+        lock(&d.metrics).step_active.set(1);
+        if n.is_multiple_of(5) {
+            self.poll_witnesses();
+        }
+        if n.is_multiple_of(2) || self.readings.programs.is_none() {
+            self.read_devices(&tracked).await;
+        }
+        if n.is_multiple_of(10) || self.readings.maps.is_none() {
+            self.read_maps().await;
+        }
+        let node_checks = d.node_results();
+        let now = unix_now();
+        let kd = d.kernel_drops_now();
+        let cd = d.cilium_drops_now();
+        // Results that arrived while the kernel was observed are read before anything is
+        // decided: "every probe sent before `complete_until` is recorded" must hold.
+        while let Ok(s) = samples.try_recv() {
+            self.sample(s);
+        }
+        let resumed = self.resumed && self.readings.programs.is_some();
+        if resumed {
+            self.resumed = false;
+        }
+        let resumed_from = self.resumed_from;
+        let Some(s) = self.step.as_mut() else { return };
+        if resumed {
+            // Judge the hole: a reload or an outage while the agent was away is unseen evidence.
+            if let Some(p) = &self.readings.programs {
+                s.judge_resume(p, resumed_from.unwrap_or(s.updated_at), now);
+            }
+        }
+        let moment = Moment {
+            now,
+            node_checks: &node_checks,
+            kernel_drops: kd.as_ref(),
+            cilium_drops: cd.as_ref(),
+            // Every probe sent before this has answered or timed out, and been recorded (a
+            // little slack for the recording itself on a busy node).
+            complete_until: crate::timeline::complete_until(now, &d.cfg.targets),
+        };
+        let next = s.observe(&mut self.readings, &moment, |t| d.dns_p50_since(t));
+        publish_endpoints(&d, s);
+        if next == Next::Finished || n.is_multiple_of(5) {
+            // Probes older than the longest timeout have all answered: fold them into
+            // outages so a long step at 10 ms keeps its memory bounded.
+            let cutoff = crate::timeline::compaction_cutoff(now, &d.cfg.targets);
+            for t in s.targets.values_mut() {
+                t.compact(cutoff);
+            }
+            if let Err(e) = watch::persist(&d, s) {
+                tracing::error!(step = %s.id, error = %e, "cannot persist the step");
+            }
+        }
+        if next == Next::Finished {
+            watch::finished(&d, s);
+        }
+        self.publish();
+    }
+
+    /// The tracked devices' programs and every endpoint's (endpoints read only in part are
+    /// marked so, `raced`, and judged next time).
+    async fn read_devices(&mut self, tracked: &[String]) {
+        let path = self.d.cfg.bpffs.clone();
+        let topo = self.d.topology.clone();
+        let obs = self
+            .d
+            .kernel
+            .spawn(async move { links::observe_via(Some(&topo), &path).await })
+            .await
+            .ok()
+            .and_then(|r| r.ok());
+        self.readings.endpoints = obs.as_ref().map(watch::endpoint_programs);
+        self.readings.programs = obs
+            .filter(|o| !o.prog_details_unreadable)
+            .map(|o| current_programs(&o, tracked));
+    }
+
+    /// The node checks (the slow loop's refresh), the maps' counts and ids, the agent's
+    /// version, and the named entries of kept maps that lost some.
+    async fn read_maps(&mut self) {
+        let d = self.d.clone();
+        let d2 = d.clone();
+        let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
+        {
+            let node = lock(&d.node);
+            self.readings.maps = node.maps.as_ref().map(map_counts);
+            self.readings.map_ids = node.maps.as_ref().map(watch::map_ids);
+            self.readings.endpoint_maps = node.maps.as_ref().map(|m| m.endpoint_maps.clone());
+        }
+        self.readings.agent_version = d.agent_version().map(|v| (v, unix_now()));
+        let shrunk = self
+            .active()
+            .map(|s| s.kept_maps_shrunk(self.readings.maps.as_ref()))
+            .unwrap_or_default();
+        self.readings.map_entries = if shrunk.is_empty() {
+            Default::default()
+        } else {
+            let bpffs = d.cfg.bpffs.clone();
+            d.kernel
+                .spawn(
+                    async move { watch::named_entries(&bpffs, shrunk.iter().map(|s| s.as_str())) },
+                )
+                .await
+                .unwrap_or_default()
+        };
+    }
+}
+
+/// The step's endpoint regeneration as metrics (`stepguard_step_endpoints{state}`,
+/// `stepguard_step_endpoint_regeneration_slowest_seconds`).
+fn publish_endpoints(d: &Daemon, s: &Step) {
+    use crate::metrics::StateLabels;
+    let followed = s.baseline.endpoints.len() as i64;
+    let regenerated = s.endpoints.regenerated.len() as i64;
+    let deleted = s.endpoints.gone.len() as i64;
+    let m = lock(&d.metrics);
+    for (state, n) in [
+        ("followed", followed),
+        ("regenerated", regenerated),
+        ("deleted", deleted),
+        ("pending", (followed - regenerated - deleted).max(0)),
+    ] {
+        m.step_endpoints
+            .get_or_create(&StateLabels {
+                state: state.into(),
+            })
+            .set(n);
+    }
+    m.step_endpoint_regeneration_slowest
+        .set(verdict::slowest_endpoint(s).map_or(0.0, |(_, t)| t));
+}
