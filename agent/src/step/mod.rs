@@ -1,6 +1,7 @@
 //! The step protocol's state: a step's parameters, its baseline, what it has observed (reload,
 //! probe timelines, holes in the evidence) and its verdict; persisted under the state
 //! directory so a restarted agent resumes it. The decision itself is in [`verdict`].
+pub mod admission;
 pub mod implicit;
 pub mod lifecycle;
 pub mod observe;

@@ -283,3 +283,42 @@ fn a_restart_while_the_agent_was_down_is_found_at_its_start() {
     );
     assert!(implicit::trigger(false, &[]).is_none());
 }
+
+/// One step at a time: the active id re-posted the same way is the same step, with another
+/// parameter a conflict naming it; another id is busy; a finished id is never begun again.
+#[test]
+fn a_posted_step_is_admitted_once() {
+    use admission::{admit, Admission};
+    let active = bare(None);
+    let p = active.params.clone();
+    assert!(matches!(
+        admit(Some("s"), &p, Some(&active), None),
+        Admission::Same(_)
+    ));
+    assert!(matches!(
+        admit(Some("t"), &p, Some(&active), None),
+        Admission::Busy(_)
+    ));
+    let mut other = p.clone();
+    other.settle += Duration::from_secs(1);
+    assert!(matches!(
+        admit(Some("s"), &other, Some(&active), None),
+        Admission::SameIdOtherParams {
+            field: "settle",
+            ..
+        }
+    ));
+    let mut done = bare(None);
+    done.cancel(1.0);
+    assert!(matches!(
+        admit(Some("s"), &p, Some(&done), Some(&done)),
+        Admission::Finished(_)
+    ));
+    assert!(matches!(
+        admit(Some("u"), &p, Some(&done), Some(&done)),
+        Admission::Begin
+    ));
+    assert!(matches!(admit(None, &p, None, None), Admission::Begin));
+    assert!(admission::valid_id("step-1.a_b") && !admission::valid_id(".hidden"));
+    assert!(!admission::valid_id("a/b") && !admission::valid_id(&"x".repeat(65)));
+}

@@ -9,6 +9,7 @@ use crate::duration;
 use crate::node::{self, NodeOptions};
 use crate::probe::unix_now;
 use crate::report;
+use crate::step::admission::{self, valid_id, Admission};
 use crate::step::view::StepView;
 use crate::step::{Step, StepParams, StepRequest};
 use axum::body::Bytes;
@@ -234,48 +235,15 @@ async fn post_step(
             )
         }
     };
-    // A cadence so fine that a target's timeout would need more probes in flight than the
-    // probe loop allows: probes would be skipped during an outage and read as a stall.
-    if let Some(t) = d.cfg.targets.iter().map(|t| t.timeout).max() {
-        if params.burst_interval * crate::daemon::MAX_IN_FLIGHT as u32 <= t {
-            return err(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "invalid step request: burst_interval: {} with a {} probe timeout needs more than {} probes in flight per target",
-                    duration::human(params.burst_interval),
-                    duration::human(t),
-                    crate::daemon::MAX_IN_FLIGHT
-                ),
-            );
-        }
+    let longest_timeout = d.cfg.targets.iter().map(|t| t.timeout).max();
+    if let Some(why) = admission::cadence_refused(&params, longest_timeout) {
+        return err(StatusCode::BAD_REQUEST, why);
     }
-    // One step at a time; re-POSTing the active id is idempotent (checked here to answer
-    // at once, and again by the runner, which alone decides).
-    if let Some(active) = d.current_step().filter(|s| !s.is_final()) {
-        if id.as_deref() == Some(active.id.as_str()) {
-            return same_id(&active, &params);
-        }
-        return conflict(&active.id);
-    }
-    // A finished id is not begun again: its old verdict would answer a new restart.
-    if let Some(done) = id
-        .as_deref()
-        .and_then(|i| d.store.load(i))
-        .filter(|s| s.is_final())
-    {
-        let status = done
-            .verdict
-            .as_ref()
-            .map(|v| v.status.as_str())
-            .unwrap_or("?");
-        return (
-            StatusCode::CONFLICT,
-            axum::Json(json!({
-                "error": format!("step {} already finished ({status}); begin a new step with a new id", done.id),
-                "verdict": done.verdict,
-            })),
-        )
-            .into_response();
+    let active = d.current_step();
+    let finished = id.as_deref().and_then(|i| d.store.load(i));
+    match admission::admit(id.as_deref(), &params, active.as_deref(), finished.as_ref()) {
+        Admission::Begin => {}
+        refused => return refusal(refused),
     }
     let id = id.unwrap_or_else(|| super::store::new_id(unix_now()));
     let s = match watch::begin(&d, id, params.clone()).await {
@@ -295,7 +263,12 @@ async fn post_step(
         (Ok(()), Ok(Begun::Created(s))) => {
             (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
         }
-        (Ok(()), Ok(Begun::Existing(s))) => same_id(&s, &params),
+        (Ok(()), Ok(Begun::Existing(s))) => refusal(admission::admit(
+            Some(&s.id),
+            &params,
+            Some(&s),
+            None,
+        )),
         (Ok(()), Ok(Begun::Conflict(active))) => conflict(&active),
         (Ok(()), Ok(Begun::NotSaved(e))) => err(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -308,12 +281,12 @@ async fn post_step(
     }
 }
 
-/// A re-POST of the active id: idempotent (200) when it asks for the same step, else 409
-/// naming the first parameter that differs.
-fn same_id(active: &Step, params: &StepParams) -> Response {
-    match active.params.differing_field(params) {
-        None => (StatusCode::OK, axum::Json(step_json(active))).into_response(),
-        Some(field) => (
+/// The answer to a step not begun: the active one again when re-POSTed the same way (200,
+/// idempotent), else 409 naming what is in the way.
+fn refusal(a: Admission) -> Response {
+    match a {
+        Admission::Same(active) => (StatusCode::OK, axum::Json(step_json(active))).into_response(),
+        Admission::SameIdOtherParams { active, field } => (
             StatusCode::CONFLICT,
             axum::Json(json!({
                 "error": format!("step {} is active with another {field}; wait for it, DELETE it, or re-POST the same parameters", active.id),
@@ -322,6 +295,24 @@ fn same_id(active: &Step, params: &StepParams) -> Response {
             })),
         )
             .into_response(),
+        Admission::Busy(active) => conflict(&active.id),
+        Admission::Finished(done) => {
+            let status = done
+                .verdict
+                .as_ref()
+                .map(|v| v.status.as_str())
+                .unwrap_or("?");
+            (
+                StatusCode::CONFLICT,
+                axum::Json(json!({
+                    "error": format!("step {} already finished ({status}); begin a new step with a new id", done.id),
+                    "verdict": done.verdict,
+                })),
+            )
+                .into_response()
+        }
+        // Not a refusal: the caller begins the step.
+        Admission::Begin => err(StatusCode::INTERNAL_SERVER_ERROR, "the step was not begun"),
     }
 }
 
@@ -331,15 +322,6 @@ fn conflict(active: &str) -> Response {
         axum::Json(json!({"error": format!("step {active} is active; wait for it or DELETE it"), "active_id": active})),
     )
         .into_response()
-}
-
-fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 64
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-        && !id.starts_with('.')
 }
 
 fn find(d: &Daemon, id: &str) -> Option<Step> {
