@@ -11,6 +11,7 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod duration;
+pub mod hooks;
 pub use stepguard_kernel as kernel;
 pub mod limits;
 pub mod metrics;

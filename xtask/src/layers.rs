@@ -46,8 +46,8 @@ pub const AGENT_LAYERS: &[(&str, &[&str])] = &[
         &["serving", "metrics"],
     ),
     (
-        "the agent, the witness and the stepper",
-        &["daemon", "witness", "rollout"],
+        "the agent, the witness, the stepper and the command-line hooks",
+        &["daemon", "witness", "rollout", "hooks"],
     ),
 ];
 

@@ -17,10 +17,12 @@ mod cluster;
 mod decide;
 mod lock;
 pub mod machine;
+mod node;
 mod output;
 pub mod plan;
 pub mod record;
 pub mod replacement;
+mod view;
 mod watch;
 
 use anyhow::{bail, Context, Result};
@@ -37,6 +39,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::Client;
 use lock::{acquire, lock_times, observe, persist, read_lock, release, renew_held, Held};
 use machine::{Event, OldPod, Outcome, Phase, Timeouts};
+use node::*;
 use output::*;
 use plan::{CiliumPod, ClusterView, L2Lease, NodeInfo, PlanOpts, PlannedStep};
 use record::{Gate, InFlight, Lift, Record};
@@ -171,12 +174,6 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     opts.skip = rec.skipped_on(&current.0).into_iter().collect();
     opts.again = rec.retry.clone();
     let first = plan::plan(&view, &opts);
-    let refusals_text = |r: &[plan::Refusal]| {
-        r.iter()
-            .map(|r| format!("  - {r}"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
     if let (None, Err(refusals)) = (&rec.inflight, &first) {
         if json_out {
             println!(
@@ -193,31 +190,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         return Ok(2);
     }
     if c.args.dry_run {
-        if json_out {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&json!({
-                    "interrupted": rec.inflight, "retry": rec.retry, "skipped": rec.skipped,
-                    "plan": first.as_ref().ok(), "refused": first.as_ref().err(), "view": view}))?
-            );
-        } else {
-            if let Some(i) = &rec.inflight {
-                println!(
-                    "first, the interrupted step on node {} (step {}, revision {}) is finished: its replacement awaited and its verdict read",
-                    i.node, i.step, i.revision
-                );
-            }
-            for s in rec.skipped.iter().filter(|s| s.revision == current.0) {
-                println!(
-                    "node {} is left as it is on this revision (skipped by {}: {})",
-                    s.node, s.by, s.why
-                );
-            }
-            match &first {
-                Ok(p) => print!("{}", plan::render(&view, p)),
-                Err(r) => println!("after it, the plan refuses to go on:\n{}", refusals_text(r)),
-            }
-        }
+        print_dry_run(json_out, &view, &rec, &first, &current.0)?;
         return Ok(0);
     }
     let now = stamp();
@@ -513,180 +486,8 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     if !held.is_lost() {
         release(c, &rec).await;
     }
-    if json_out {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(
-                &json!({"exit_code": code, "summary": summary, "elapsed_s": t0.elapsed().as_secs_f64(), "nodes": results, "halt": rec.halt})
-            )?
-        );
-    } else {
-        println!("\n{summary} in {:.0}s", t0.elapsed().as_secs_f64());
-        println!(
-            "  {:<20} {:<22} {:<10} {:>8}  DETAIL",
-            "NODE", "WHY", "OUTCOME", "TIME"
-        );
-        for r in &results {
-            let (o, d) = match &r.outcome {
-                Outcome::Passed { summary, .. } => ("passed", summary.clone()),
-                Outcome::Failed { why, .. } => ("FAILED", why.clone()),
-                Outcome::Stopped { why } => ("stopped", why.clone()),
-            };
-            println!(
-                "  {:<20} {:<22} {:<10} {:>7.0}s  {d}",
-                r.node, r.why, o, r.elapsed_s
-            );
-        }
-        if let Some(h) = &rec.halt {
-            println!("\n{}", record::halt_text(h));
-        }
-    }
+    print_end(json_out, code, &summary, t0.elapsed(), &results, &rec)?;
     Ok(code)
-}
-
-/// A rollout waiting out something (a transient failure, a plan that refuses to go on): each
-/// new reason told once, the pause growing from 0.5 s to 15 s.
-/// What every step of a run shares.
-struct StepCx<'a> {
-    c: &'a Cluster,
-    ds: &'a DaemonSet,
-    held: &'a Held,
-    shared: &'a Mutex<Record>,
-    run_id: &'a str,
-    n: usize,
-    json_out: bool,
-}
-
-async fn step_node(
-    cx: &StepCx<'_>,
-    view: &ClusterView,
-    st: &PlannedStep,
-    target: (String, i64),
-    resumed: Option<InFlight>,
-) -> NodeResult {
-    let t0 = Instant::now();
-    let c = cx.c;
-    let (n, json_out) = (cx.n, cx.json_out);
-    let lost = &cx.held.lost;
-    let mut st = st.clone();
-    let result = |st: &PlannedStep, outcome: Outcome, stages: &Stages| NodeResult {
-        node: st.node.clone(),
-        why: st.why.clone(),
-        moves: st.moves.clone(),
-        outcome,
-        elapsed_s: t0.elapsed().as_secs_f64(),
-        replacement: stages.durations(),
-    };
-    let stages = Stages::default();
-    let sel = Cluster::selector(cx.ds);
-    let agent = match view
-        .agents
-        .get(&st.node)
-        .ok_or_else(|| anyhow::anyhow!("no stepguard agent on node {}", st.node))
-        .and_then(|url| c.agent(url))
-    {
-        Ok(a) => a,
-        Err(e) => {
-            return result(
-                &st,
-                Outcome::Failed {
-                    step: resumed.as_ref().map(|i| i.step.clone()),
-                    why: format!("cannot reach the node's agent to verify the step: {e:#}"),
-                },
-                &stages,
-            )
-        }
-    };
-    let t = Timeouts {
-        replace: c.args.replace_timeout.as_secs_f64(),
-        verdict: c.args.step_timeout.as_secs_f64() + 60.0,
-        pull: c.args.pull_timeout.as_secs_f64(),
-    };
-    let forever = Duration::MAX;
-    let phase = match &resumed {
-        Some(i) => {
-            let knows = match agent
-                .call(
-                    "GET",
-                    &format!("/v1/steps/{}", i.step),
-                    None,
-                    Duration::from_secs(5),
-                )
-                .await
-            {
-                Ok((200 | 202, _)) => Some(true),
-                Ok((404, _)) => Some(false),
-                _ => None,
-            };
-            let old = patient(
-                "read the interrupted step's pod",
-                forever,
-                Some(lost),
-                || c.old_pod(&sel, i),
-            )
-            .await;
-            match old {
-                Ok((old, pod)) => {
-                    if let Some((name, uid)) = pod {
-                        st.pod = name;
-                        st.pod_uid = uid;
-                    }
-                    let replaced = c
-                        .replaced(cx.ds, &sel, &st.node, &st.pod_uid, (&target.0, target.1))
-                        .await
-                        .is_ok_and(|(found, _)| found.is_some());
-                    machine::resume(&i.step, knows, old, replaced, now_s())
-                }
-                Err(e) if lost.load(Ordering::SeqCst) => Phase::Done(Outcome::Stopped {
-                    why: format!("the rollout lock was lost: {e:#}"),
-                }),
-                Err(e) => Phase::Done(Outcome::Failed {
-                    step: Some(i.step.clone()),
-                    why: format!("cannot read the interrupted step's pod: {e:#}"),
-                }),
-            }
-        }
-        None => Phase::Begin,
-    };
-    let mut live = actions::Live::new(cx, view, st, target, agent, t0);
-    let outcome = actions::drive(&mut live, phase, t).await;
-    let (st, stages) = (live.st, live.stages);
-    let (warn, reason, msg) = match &outcome {
-        Outcome::Passed { step, summary } => (
-            false,
-            "StepguardStepPassed",
-            format!("node {}: step {step} passed: {summary}", st.node),
-        ),
-        Outcome::Failed { step, why } => (
-            true,
-            "StepguardStepFailed",
-            format!(
-                "node {}: step {} failed: {why}; the rollout halts here",
-                st.node,
-                step.as_deref().unwrap_or("-")
-            ),
-        ),
-        Outcome::Stopped { why } => (
-            true,
-            "StepguardRolloutStopped",
-            format!("node {}: {why}", st.node),
-        ),
-    };
-    c.event(cx.ds, warn, reason, &msg).await;
-    say(
-        json_out,
-        format!(
-            "[{n:>2}] {:<20} {} ({:.1}s)",
-            st.node,
-            match &outcome {
-                Outcome::Passed { summary, .. } => format!("passed: {summary}"),
-                Outcome::Failed { why, .. } => format!("FAILED: {why}"),
-                Outcome::Stopped { why } => format!("stopped: {why}"),
-            },
-            t0.elapsed().as_secs_f64()
-        ),
-    );
-    result(&st, outcome, &stages)
 }
 
 #[cfg(test)]

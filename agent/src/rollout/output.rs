@@ -211,3 +211,89 @@ impl Waiting {
         self.delay = (d * 2).min(Duration::from_secs(15));
     }
 }
+
+/// The refusals of a plan, one line each.
+pub(super) fn refusals_text(r: &[plan::Refusal]) -> String {
+    r.iter()
+        .map(|r| format!("  - {r}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `--dry-run`: the interrupted step finished first, the nodes skipped on this revision,
+/// then the plan (or why it refuses to go on).
+pub(super) fn print_dry_run(
+    json_out: bool,
+    view: &ClusterView,
+    rec: &Record,
+    first: &Result<Vec<PlannedStep>, Vec<plan::Refusal>>,
+    current: &str,
+) -> Result<()> {
+    if json_out {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "interrupted": rec.inflight, "retry": rec.retry, "skipped": rec.skipped,
+                "plan": first.as_ref().ok(), "refused": first.as_ref().err(), "view": view}))?
+        );
+    } else {
+        if let Some(i) = &rec.inflight {
+            println!(
+                "first, the interrupted step on node {} (step {}, revision {}) is finished: its replacement awaited and its verdict read",
+                i.node, i.step, i.revision
+            );
+        }
+        for s in rec.skipped.iter().filter(|s| s.revision == current) {
+            println!(
+                "node {} is left as it is on this revision (skipped by {}: {})",
+                s.node, s.by, s.why
+            );
+        }
+        match &first {
+            Ok(p) => print!("{}", plan::render(view, p)),
+            Err(r) => println!("after it, the plan refuses to go on:\n{}", refusals_text(r)),
+        }
+    }
+    Ok(())
+}
+
+/// The rollout's end: the summary and a row per node stepped (or the JSON of it), and the
+/// halt when there is one.
+pub(super) fn print_end(
+    json_out: bool,
+    code: i32,
+    summary: &str,
+    elapsed: Duration,
+    results: &[NodeResult],
+    rec: &Record,
+) -> Result<()> {
+    if json_out {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"exit_code": code, "summary": summary, "elapsed_s": elapsed.as_secs_f64(), "nodes": results, "halt": rec.halt})
+            )?
+        );
+    } else {
+        println!("\n{summary} in {:.0}s", elapsed.as_secs_f64());
+        println!(
+            "  {:<20} {:<22} {:<10} {:>8}  DETAIL",
+            "NODE", "WHY", "OUTCOME", "TIME"
+        );
+        for r in results {
+            let (o, d) = match &r.outcome {
+                Outcome::Passed { summary, .. } => ("passed", summary.clone()),
+                Outcome::Failed { why, .. } => ("FAILED", why.clone()),
+                Outcome::Stopped { why } => ("stopped", why.clone()),
+            };
+            println!(
+                "  {:<20} {:<22} {:<10} {:>7.0}s  {d}",
+                r.node, r.why, o, r.elapsed_s
+            );
+        }
+        if let Some(h) = &rec.halt {
+            println!("\n{}", record::halt_text(h));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! One node's step: begin it on the node's agent, delete the cilium pod under a UID
+//! precondition, follow the replacement and the verdict through the state machine
+//! (`machine.rs`), the record on the lock kept current throughout.
+use super::*;
+
+/// What every step of a run shares.
+pub(super) struct StepCx<'a> {
+    pub(super) c: &'a Cluster,
+    pub(super) ds: &'a DaemonSet,
+    pub(super) held: &'a Held,
+    pub(super) shared: &'a Mutex<Record>,
+    pub(super) run_id: &'a str,
+    pub(super) n: usize,
+    pub(super) json_out: bool,
+}
+
+pub(super) async fn step_node(
+    cx: &StepCx<'_>,
+    view: &ClusterView,
+    st: &PlannedStep,
+    target: (String, i64),
+    resumed: Option<InFlight>,
+) -> NodeResult {
+    let t0 = Instant::now();
+    let c = cx.c;
+    let (n, json_out) = (cx.n, cx.json_out);
+    let lost = &cx.held.lost;
+    let mut st = st.clone();
+    let result = |st: &PlannedStep, outcome: Outcome, stages: &Stages| NodeResult {
+        node: st.node.clone(),
+        why: st.why.clone(),
+        moves: st.moves.clone(),
+        outcome,
+        elapsed_s: t0.elapsed().as_secs_f64(),
+        replacement: stages.durations(),
+    };
+    let stages = Stages::default();
+    let sel = Cluster::selector(cx.ds);
+    let agent = match view
+        .agents
+        .get(&st.node)
+        .ok_or_else(|| anyhow::anyhow!("no stepguard agent on node {}", st.node))
+        .and_then(|url| c.agent(url))
+    {
+        Ok(a) => a,
+        Err(e) => {
+            return result(
+                &st,
+                Outcome::Failed {
+                    step: resumed.as_ref().map(|i| i.step.clone()),
+                    why: format!("cannot reach the node's agent to verify the step: {e:#}"),
+                },
+                &stages,
+            )
+        }
+    };
+    let t = Timeouts {
+        replace: c.args.replace_timeout.as_secs_f64(),
+        verdict: c.args.step_timeout.as_secs_f64() + 60.0,
+        pull: c.args.pull_timeout.as_secs_f64(),
+    };
+    let forever = Duration::MAX;
+    let phase = match &resumed {
+        Some(i) => {
+            let knows = match agent
+                .call(
+                    "GET",
+                    &format!("/v1/steps/{}", i.step),
+                    None,
+                    Duration::from_secs(5),
+                )
+                .await
+            {
+                Ok((200 | 202, _)) => Some(true),
+                Ok((404, _)) => Some(false),
+                _ => None,
+            };
+            let old = patient(
+                "read the interrupted step's pod",
+                forever,
+                Some(lost),
+                || c.old_pod(&sel, i),
+            )
+            .await;
+            match old {
+                Ok((old, pod)) => {
+                    if let Some((name, uid)) = pod {
+                        st.pod = name;
+                        st.pod_uid = uid;
+                    }
+                    let replaced = c
+                        .replaced(cx.ds, &sel, &st.node, &st.pod_uid, (&target.0, target.1))
+                        .await
+                        .is_ok_and(|(found, _)| found.is_some());
+                    machine::resume(&i.step, knows, old, replaced, now_s())
+                }
+                Err(e) if lost.load(Ordering::SeqCst) => Phase::Done(Outcome::Stopped {
+                    why: format!("the rollout lock was lost: {e:#}"),
+                }),
+                Err(e) => Phase::Done(Outcome::Failed {
+                    step: Some(i.step.clone()),
+                    why: format!("cannot read the interrupted step's pod: {e:#}"),
+                }),
+            }
+        }
+        None => Phase::Begin,
+    };
+    let mut live = actions::Live::new(cx, view, st, target, agent, t0);
+    let outcome = actions::drive(&mut live, phase, t).await;
+    let (st, stages) = (live.st, live.stages);
+    let (warn, reason, msg) = match &outcome {
+        Outcome::Passed { step, summary } => (
+            false,
+            "StepguardStepPassed",
+            format!("node {}: step {step} passed: {summary}", st.node),
+        ),
+        Outcome::Failed { step, why } => (
+            true,
+            "StepguardStepFailed",
+            format!(
+                "node {}: step {} failed: {why}; the rollout halts here",
+                st.node,
+                step.as_deref().unwrap_or("-")
+            ),
+        ),
+        Outcome::Stopped { why } => (
+            true,
+            "StepguardRolloutStopped",
+            format!("node {}: {why}", st.node),
+        ),
+    };
+    c.event(cx.ds, warn, reason, &msg).await;
+    say(
+        json_out,
+        format!(
+            "[{n:>2}] {:<20} {} ({:.1}s)",
+            st.node,
+            match &outcome {
+                Outcome::Passed { summary, .. } => format!("passed: {summary}"),
+                Outcome::Failed { why, .. } => format!("FAILED: {why}"),
+                Outcome::Stopped { why } => format!("stopped: {why}"),
+            },
+            t0.elapsed().as_secs_f64()
+        ),
+    );
+    result(&st, outcome, &stages)
+}

@@ -1,0 +1,208 @@
+//! The cluster as the stepper sees it, read in one pass: the DaemonSet and its newest
+//! revision, the nodes, the cilium pods (foreign ones shown, never lost), the operator, each
+//! node's agent and its selected devices, the L2-announcement leases.
+use super::*;
+
+impl Cluster {
+    /// Everything the plan needs, read now.
+    pub async fn view(&self) -> Result<(ClusterView, DaemonSet)> {
+        let ds = self.daemonset().await?;
+        let sel = Self::selector(&ds);
+        let numbers = self.revisions(&ds).await?;
+        let revision = numbers
+            .iter()
+            .max_by_key(|(_, n)| **n)
+            .map(|(h, n)| (h.clone(), *n));
+        let image = agent_image(ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()));
+        let ds_uid = ds.metadata.uid.clone().unwrap_or_default();
+        let nodes: Vec<NodeInfo> = Api::<Node>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .context("list Nodes")?
+            .items
+            .into_iter()
+            .map(|n| {
+                let labels = n.metadata.labels.clone().unwrap_or_default();
+                NodeInfo {
+                    name: n.metadata.name.clone().unwrap_or_default(),
+                    ready: n
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                        .is_some_and(|c| c.status == "True"),
+                    zone: labels.get("topology.kubernetes.io/zone").cloned(),
+                    control_plane: labels.contains_key("node-role.kubernetes.io/control-plane"),
+                    labels: labels.into_iter().collect(),
+                }
+            })
+            .collect();
+        let listed = self
+            .pods()
+            .list(&ListParams::default().labels(&sel))
+            .await
+            .context("list the cilium pods")?
+            .items;
+        let mut foreign = Vec::new();
+        let mut pods: Vec<CiliumPod> = Vec::new();
+        for p in listed {
+            if p.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let name = p.metadata.name.clone().unwrap_or_default();
+            if !owned(&p, &ds_uid) {
+                foreign.push(name);
+                continue;
+            }
+            // A pod of the DaemonSet for no node it names, or without a revision label, is
+            // the controller's business (it deletes or relabels it); it is shown, never lost.
+            let (Some(node), Some(revision)) = (target_node(&p), pod_revision(&p)) else {
+                foreign.push(format!("{name} (no node or revision)"));
+                continue;
+            };
+            pods.push(CiliumPod {
+                name,
+                uid: p.metadata.uid.clone().unwrap_or_default(),
+                node,
+                revision,
+                ready: pod_ready(&p),
+                image: agent_image(p.spec.as_ref()),
+                bound: p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_deref())
+                    .is_some_and(|n| !n.is_empty()),
+                crash_looping: crash_looping(&p),
+            });
+        }
+        let operator = self.operator().await;
+        let agent_pods = Api::<Pod>::namespaced(self.client.clone(), &self.args.agents_namespace)
+            .list(&ListParams::default().labels(&self.args.agents_selector))
+            .await
+            .context("list the stepguard agents")?;
+        let mut agents = BTreeMap::new();
+        for p in agent_pods.items {
+            let (Some(node), Some(ip)) = (
+                p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                p.status.as_ref().and_then(|s| s.pod_ip.clone()),
+            ) else {
+                continue;
+            };
+            let host = if ip.contains(':') {
+                format!("[{ip}]")
+            } else {
+                ip
+            };
+            agents.insert(node, format!("http://{host}:{}", self.args.agent_port));
+        }
+        let mut devices = BTreeMap::new();
+        for (node, url) in &agents {
+            devices.insert(node.clone(), self.devices_of(url).await);
+        }
+        let leases = Api::<Lease>::namespaced(self.client.clone(), &self.ns)
+            .list(&ListParams::default())
+            .await
+            .context("list the L2-announcement Leases")?
+            .items
+            .into_iter()
+            .filter_map(|l| {
+                let name = l.metadata.name.clone()?;
+                let service = name.strip_prefix(L2_PREFIX)?.to_string();
+                let spec = l.spec.clone().unwrap_or_default();
+                Some(L2Lease {
+                    service,
+                    holder: spec.holder_identity.filter(|h| !h.is_empty()),
+                    duration: Duration::from_secs(
+                        spec.lease_duration_seconds.unwrap_or(15).max(0) as u64
+                    ),
+                })
+            })
+            .collect();
+        let status = ds.status.clone().unwrap_or_default();
+        let view = ClusterView {
+            daemonset: format!("{}/{}", self.ns, self.ds),
+            update_strategy: ds
+                .spec
+                .as_ref()
+                .and_then(|s| s.update_strategy.as_ref())
+                .and_then(|u| u.type_.clone())
+                .unwrap_or_else(|| "RollingUpdate".into()),
+            number_unavailable: status.number_unavailable.unwrap_or(0),
+            operator,
+            foreign,
+            generation: ds.metadata.generation.unwrap_or(0),
+            observed_generation: ds
+                .status
+                .as_ref()
+                .and_then(|s| s.observed_generation)
+                .unwrap_or(0),
+            revision,
+            cilium_version: image_minor(&image),
+            nodes,
+            pods,
+            agents,
+            devices,
+            leases,
+        };
+        Ok((view, ds))
+    }
+
+    /// The cilium-operator Deployment's readiness (`--operator`).
+    pub(super) async fn operator(&self) -> plan::Operator {
+        let Some((ns, name)) = self.args.operator.split_once('/') else {
+            return plan::Operator::NotChecked;
+        };
+        let full = self.args.operator.clone();
+        match Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(self.client.clone(), ns)
+            .get_opt(name)
+            .await
+        {
+            Ok(Some(d)) => plan::Operator::Found {
+                name: full,
+                ready: d
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.ready_replicas)
+                    .unwrap_or(0),
+                desired: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+            },
+            Ok(None) => plan::Operator::Unknown {
+                name: full,
+                problem: "no such Deployment".into(),
+            },
+            Err(e) => plan::Operator::Unknown {
+                name: full,
+                problem: format!("cannot read it: {e}"),
+            },
+        }
+    }
+
+    pub(super) fn agent(&self, url: &str) -> Result<crate::client::Agent> {
+        crate::client::Agent::new(url, self.token.clone())
+    }
+
+    pub(super) async fn devices_of(&self, url: &str) -> Result<Vec<String>, String> {
+        let a = self.agent(url).map_err(|e| format!("{e:#}"))?;
+        let (_, v) = a
+            .call("GET", "/v1/verdict", None, Duration::from_secs(5))
+            .await
+            .map_err(|e| format!("{e:#}"))?;
+        let check = v["checks"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["check"] == "devices"))
+            .ok_or("the agent reports no devices check")?;
+        check["evidence"]["selected"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|d| d.as_str().map(String::from))
+                    .collect()
+            })
+            .ok_or_else(|| {
+                format!(
+                    "devices unknown: {}",
+                    check["reason"].as_str().unwrap_or("")
+                )
+            })
+    }
+}
