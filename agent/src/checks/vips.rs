@@ -8,14 +8,19 @@ use serde_json::json;
 
 pub const CHECK: &str = "vips";
 
+/// No targets configured: nothing to decide.
+fn no_targets() -> CheckResult {
+    CheckResult::unknown(
+        CHECK,
+        "no_targets",
+        "no VIP targets configured (`targets:`)",
+        json!({"targets": []}),
+    )
+}
+
 pub async fn run(targets: &[Target], bpffs: &std::path::Path) -> CheckResult {
     if targets.is_empty() {
-        return CheckResult::unknown(
-            CHECK,
-            "no_targets",
-            "no VIP targets configured (`targets:`)",
-            json!({"targets": []}),
-        );
+        return no_targets();
     }
     let outcomes = futures_util::future::join_all(targets.iter().map(probe::probe)).await;
     let ew = east_west_routes(targets, bpffs).await;
@@ -180,12 +185,7 @@ pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
     let started = std::time::Instant::now();
     let targets = &w.cfg.targets;
     if targets.is_empty() {
-        return CheckResult::unknown(
-            CHECK,
-            "no_targets",
-            "no VIP targets configured (`targets:`)",
-            json!({"targets": []}),
-        );
+        return no_targets();
     }
     let mut outcomes = Vec::with_capacity(targets.len());
     for t in targets {
