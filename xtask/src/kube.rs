@@ -49,7 +49,7 @@ fn staging_version(v: &str) -> Result<String> {
     }
 }
 
-fn go() -> Command {
+pub(crate) fn go() -> Command {
     // Below the Rust build's priority when they run side by side (`cargo xtask test`).
     let mut c = Command::new("nice");
     c.args(["-n", "10", "go"]);
@@ -61,7 +61,7 @@ fn go() -> Command {
     c
 }
 
-fn run(c: &mut Command, what: &str) -> Result<String> {
+pub(crate) fn run(c: &mut Command, what: &str) -> Result<String> {
     let out = c
         .output()
         .with_context(|| format!("{what}: cannot run go (is Go installed? `go version`)"))?;

@@ -1,6 +1,7 @@
 //! `cargo xtask`: set up a fresh machine, build (eBPF with Debian's rustc-web, userspace with
 //! rustup's stable), test, run the demo, drive the lab, benchmark, build the image.
 mod bench;
+mod cilium;
 mod demo;
 mod image;
 mod kube;
@@ -55,6 +56,16 @@ enum Cmd {
     /// a cache by version outside the clone (`$STEPGUARD_CACHE`, default /var/cache/stepguard);
     /// only what is missing. Prints the binaries' directory.
     Kube,
+    /// Build the real cilium-agent and cilium-cni (the pinned 1.20 and 1.19 releases, or the
+    /// one named) from `github.com/cilium/cilium` on the Go module proxy into the same cache;
+    /// only what is missing. Prints each release's binaries' directory and the agent's lib
+    /// dir (the module's own directory, holding `bpf/`). Not part of `setup` yet: the tests
+    /// that run the real agent are to come (issue 30).
+    Cilium {
+        /// One release only (e.g. 1.20).
+        #[arg(long)]
+        release: Option<String>,
+    },
     /// Drive the lab (a simulated Cilium node): up | status | restart | config | down. See `cargo xtask lab --help`.
     #[command(disable_help_flag = true)]
     Lab {
@@ -321,6 +332,17 @@ fn main() {
         Cmd::Demo => demo(),
         Cmd::Layers => layers::check(&root()),
         Cmd::Kube => kube::ensure().map(|d| println!("{}", d.display())),
+        Cmd::Cilium { release } => (|| {
+            let releases: Vec<&cilium::Release> = match &release {
+                Some(v) => vec![cilium::release(v)?],
+                None => cilium::RELEASES.iter().collect(),
+            };
+            for r in releases {
+                let (bin, lib) = cilium::ensure(r)?;
+                println!("{} {} {}", r.version, bin.display(), lib.display());
+            }
+            Ok(())
+        })(),
         Cmd::Lab { args } => lab(args),
         Cmd::Bench { quick, only } => {
             if !is_root() {
