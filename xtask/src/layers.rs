@@ -51,6 +51,28 @@ pub const AGENT_LAYERS: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// Modules that must stay pure: no clock, file, socket, process, randomness or runtime, so
+/// their rules are tested without a daemon (the caller passes the time and the readings in).
+/// Each with the paths its code (outside tests) must not name.
+pub const PURE: &[(&str, &[&str])] = &[(
+    "step",
+    &[
+        "std::fs",
+        "std::net::Tcp",
+        "std::net::Udp",
+        "std::process",
+        "std::thread",
+        "SystemTime",
+        "Instant::now",
+        "unix_now",
+        "clock::",
+        "getrandom",
+        "tokio",
+        "bpffs::read",
+        "observe_via",
+    ],
+)];
+
 /// Workspace crates, lowest first: a crate may depend only on crates before it.
 pub const CRATES: &[&str] = &[
     "agent-common",
@@ -379,6 +401,36 @@ fn test_files(src: &Path, files: &[PathBuf]) -> Result<BTreeSet<PathBuf>> {
     Ok(out)
 }
 
+/// Where the pure modules (`rules`) name what they must not, outside test code: one line each.
+pub fn impure(src: &Path, rules: &[(&str, &[&str])]) -> Result<Vec<String>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files)?;
+    files.sort();
+    let tests = test_files(src, &files)?;
+    let mut out = Vec::new();
+    for f in files.iter().filter(|f| !tests.contains(*f)) {
+        let module = module_path(src, f);
+        let Some((m, banned)) = rules
+            .iter()
+            .find(|(m, _)| module.first().map(String::as_str) == Some(*m))
+        else {
+            continue;
+        };
+        let text = std::fs::read_to_string(f).with_context(|| format!("read {}", f.display()))?;
+        let code = strip_test_items(&strip_comments_and_strings(&text));
+        for (n, line) in code.lines().enumerate() {
+            for b in banned.iter().filter(|b| line.contains(**b)) {
+                out.push(format!(
+                    "{}:{}: `{m}` must stay pure, but names `{b}` (pass the time or the reading in)",
+                    f.strip_prefix(src).unwrap_or(f).display(),
+                    n + 1
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Every import between top-level modules of the crate whose sources are in `src`.
 pub fn imports(src: &Path) -> Result<Vec<Import>> {
     let mut files = Vec::new();
@@ -596,6 +648,7 @@ pub fn judge_crates(crates: &[(String, Vec<String>)]) -> Vec<String> {
 pub fn check(root: &Path) -> Result<()> {
     let agent = imports(&root.join("agent/src"))?;
     let mut problems = judge(AGENT_LAYERS, &agent);
+    problems.extend(impure(&root.join("agent/src"), PURE)?);
     let mut crates = Vec::new();
     for m in [
         "agent-common",
@@ -620,9 +673,10 @@ pub fn check(root: &Path) -> Result<()> {
         );
     }
     println!(
-        "== layers: {} imports between the agent's modules point down; {} crates in order",
+        "== layers: {} imports between the agent's modules point down; {} crates in order; {} pure",
         agent.len(),
-        crates.len()
+        crates.len(),
+        PURE.iter().map(|(m, _)| *m).collect::<Vec<_>>().join(", ")
     );
     Ok(())
 }
@@ -652,6 +706,42 @@ mod tests {
         let im = imports(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         judge(LAYERS, &im)
+    }
+
+    /// A pure module naming the clock or a file fails, with the file and line; the same in
+    /// its tests, a comment or a string passes.
+    #[test]
+    fn a_pure_module_reading_the_clock_or_a_file_fails() {
+        let dir = std::env::temp_dir().join(format!("stepguard-pure-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("step")).unwrap();
+        std::fs::write(
+            dir.join("step/mod.rs"),
+            "mod a;\n#[cfg(test)]\nmod tests;\n// std::fs is fine in a comment\nconst S: &str = \"unix_now\";\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("step/a.rs"),
+            "fn f() -> f64 { crate::probe::unix_now() }\nfn g() { let _ = std::fs::read(\"x\"); }\n#[cfg(test)]\nmod t { fn h() { std::fs::read(\"y\"); } }\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("step/tests.rs"),
+            "fn t() { std::fs::read(\"z\"); }\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("other.rs"), "fn o() { std::fs::read(\"z\"); }\n").unwrap();
+        let p = impure(&dir, &[("step", &["std::fs", "unix_now"])]).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(
+            p[0].starts_with("step/a.rs:1:") && p[0].contains("unix_now"),
+            "{p:?}"
+        );
+        assert!(
+            p[1].starts_with("step/a.rs:2:") && p[1].contains("std::fs"),
+            "{p:?}"
+        );
     }
 
     #[test]
