@@ -68,6 +68,13 @@ pub struct KubeletState {
     pub hook_failures: usize,
 }
 
+impl KubeletState {
+    /// No node's agent is being restarted for a deletion now.
+    pub fn settled(&self) -> bool {
+        self.restarting.values().all(|n| *n == 0)
+    }
+}
+
 /// What the kubelet reported for a pod last, so it patches only on a change.
 #[derive(Clone, PartialEq, Debug)]
 struct Reported {

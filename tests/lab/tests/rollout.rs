@@ -1585,11 +1585,18 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
         st.unready.clear();
     }
     delete_pod(&e, &foreign);
+    // The lab kubelet restarts node-0's agent for that deletion (a pod with Cilium's labels):
+    // healthy means after that restart, not in the moment before the kubelet reacts to it.
     wait_until(
         "healthy again",
         Duration::from_secs(60),
         || {
-            observed(&e.k)
+            let settled = {
+                let st = e.kubelet.as_ref().unwrap().state.lock().unwrap();
+                st.deletions.len() == 2 && st.settled()
+            };
+            settled
+                && observed(&e.k)
                 && operator_ready(&e) == 2
                 && ds_status(&e).number_unavailable.unwrap_or(0) == 0
                 && cilium_pods(&e).values().filter(|p| p.2 && !p.3).count() == 3
