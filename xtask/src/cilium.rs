@@ -80,6 +80,14 @@ pub fn release(v: &str) -> Result<&'static Release> {
         })
 }
 
+/// The environment variable that gives the tests a release's bin dir:
+/// `STEPGUARD_CILIUM_1_20` for v1.20.x (`stepguard_lab::realnode::Release::from_env`).
+pub fn env_var(r: &Release) -> String {
+    let v = r.version.trim_start_matches('v');
+    let minor: Vec<&str> = v.split('.').take(2).collect();
+    format!("STEPGUARD_CILIUM_{}", minor.join("_"))
+}
+
 /// Where a release's binaries are kept.
 pub fn bin_dir(r: &Release) -> PathBuf {
     cache_root()
@@ -124,6 +132,16 @@ pub fn module_dir(r: &Release) -> Result<(PathBuf, String)> {
     Ok((dir, date))
 }
 
+/// Writes `version` and `libdir` beside the release's `bin/`: what the lab reads to run it
+/// (`stepguard_lab::realnode::Release::at`).
+fn describe(r: &Release, module: &Path) -> Result<()> {
+    let dir = bin_dir(r);
+    let top = dir.parent().expect("bin has a parent");
+    std::fs::write(top.join("version"), format!("{}\n", r.version))?;
+    std::fs::write(top.join("libdir"), format!("{}\n", module.display()))?;
+    Ok(())
+}
+
 fn reports(bin: &Path, want: &str) -> bool {
     Command::new(bin)
         .arg("--version")
@@ -145,6 +163,7 @@ pub fn ensure(r: &Release) -> Result<(PathBuf, PathBuf)> {
     let bin = bin_dir(r);
     let (module, date) = module_dir(r)?;
     if built(r) {
+        describe(r, &module)?;
         return Ok((bin, module));
     }
     let started = std::time::Instant::now();
@@ -234,6 +253,7 @@ pub fn ensure(r: &Release) -> Result<(PathBuf, PathBuf)> {
             bin.display()
         );
     }
+    describe(r, &module)?;
     println!(
         "cilium: built cilium-agent and cilium-cni {version} into {} in {:.0}s; lib dir {}",
         bin.display(),

@@ -59,8 +59,8 @@ enum Cmd {
     /// Build the real cilium-agent and cilium-cni (the pinned 1.20 and 1.19 releases, or the
     /// one named) from `github.com/cilium/cilium` on the Go module proxy into the same cache;
     /// only what is missing. Prints each release's binaries' directory and the agent's lib
-    /// dir (the module's own directory, holding `bpf/`). Not part of `setup` yet: the tests
-    /// that run the real agent are to come (issue 30).
+    /// dir (the module's own directory, holding `bpf/`). `cargo xtask test` builds them too
+    /// (in the background, after the control plane) for the real-agent tests.
     Cilium {
         /// One release only (e.g. 1.20).
         #[arg(long)]
@@ -198,7 +198,19 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
     // The real control plane for the rollout tests (Go, from the module proxy; cached by
     // version) builds in the background, at a lower priority, while the workspace builds and
     // the unprivileged tests run: the Rust build leaves cores idle that the Go build fills.
-    let kube_build = (!unit_only).then(|| std::thread::spawn(kube::ensure));
+    // Then the real cilium-agent releases (issue 30), in the same background thread: one Go
+    // build at a time.
+    let kube_build = (!unit_only).then(|| {
+        std::thread::spawn(|| -> Result<(PathBuf, Vec<(String, PathBuf)>)> {
+            let kube = kube::ensure()?;
+            let mut agents = Vec::new();
+            for r in cilium::RELEASES {
+                let (bin, _) = cilium::ensure(r)?;
+                agents.push((cilium::env_var(r), bin));
+            }
+            Ok((kube, agents))
+        })
+    });
     build(false)?;
     let packages = testrun::discover(&root())?;
     let all: Vec<testrun::Target> = packages
@@ -246,15 +258,20 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
         println!("== the OCI image (static binary, FROM scratch, buildah)");
         let archive = image::image()?;
         let waited = std::time::Instant::now();
-        let kube_bin = kube_build
+        let (kube_bin, agents) = kube_build
             .expect("started unless unit-only")
             .join()
             .map_err(|_| anyhow::anyhow!("the control plane's build panicked"))??;
         println!(
-            "== the control plane (Kubernetes {}, etcd {}) in {}; waited {:.0}s for it",
+            "== the control plane (Kubernetes {}, etcd {}) in {} and cilium-agent {}; waited {:.0}s for them",
             kube::KUBERNETES,
             kube::ETCD,
             kube_bin.display(),
+            cilium::RELEASES
+                .iter()
+                .map(|r| r.version)
+                .collect::<Vec<_>>()
+                .join(", "),
             waited.elapsed().as_secs_f64()
         );
         let bin = root().join("target/debug");
@@ -269,7 +286,10 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
                 ("STEPGUARD_LAB_BIN".into(), bin.join("stepguard-lab")),
                 ("STEPGUARD_IMAGE".into(), archive),
                 ("STEPGUARD_KUBE_BIN".into(), kube_bin.clone()),
-            ],
+            ]
+            .into_iter()
+            .chain(agents)
+            .collect(),
             test_args,
         };
         for p in &packages {

@@ -51,6 +51,14 @@ const PACKAGES: &[(&str, &str)] = &[
     ),
     ("file", "tells a static binary in the image test"),
     (
+        "clang-19",
+        "the real cilium-agent compiles its datapath with clang at every start (Cilium 1.19/1.20 need LLVM >= 18.1)",
+    ),
+    (
+        "ipset",
+        "the real cilium-agent runs `ipset restore` at start",
+    ),
+    (
         "openssl",
         "keys and certificates for the tests' control plane and admission webhook",
     ),

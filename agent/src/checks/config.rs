@@ -30,6 +30,8 @@ fn same(a: &str, b: &str) -> bool {
 struct Classified {
     sources: String,
     verified: usize,
+    /// The verified keys, by name (the count is `verified`).
+    verified_keys: Vec<String>,
     /// Rows `{key, declared, loaded}`.
     not_applied: Vec<serde_json::Value>,
     overrides: Vec<serde_json::Value>,
@@ -53,6 +55,7 @@ fn classify(
     let mut c = Classified {
         sources,
         verified: 0,
+        verified_keys: vec![],
         not_applied: vec![],
         overrides: vec![],
         unsure: vec![],
@@ -69,6 +72,7 @@ fn classify(
         };
         if same(have, want) {
             c.verified += 1;
+            c.verified_keys.push(k.clone());
             continue;
         }
         let earlier = store
@@ -182,6 +186,7 @@ pub fn evaluate(
     let Classified {
         sources,
         verified,
+        verified_keys,
         not_applied,
         overrides,
         unsure,
@@ -197,6 +202,7 @@ pub fn evaluate(
         "config_version": snap.version,
         "config_sources": sources,
         "verified": verified,
+        "verified_keys": verified_keys,
         "not_applied": not_applied,
         "per_node_overrides": overrides,
         "override_or_not_applied": unsure,

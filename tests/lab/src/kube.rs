@@ -367,6 +367,12 @@ impl ControlPlane {
         self.dir.join("admin.kubeconfig")
     }
 
+    /// An admin kubeconfig at `path` reaching the API server at `server` (e.g. a
+    /// [`Forward`]'s address in a node's namespace, for a real cilium-agent).
+    pub fn kubeconfig_for(&self, path: &Path, server: &str) -> Result<()> {
+        kubeconfig(path, server, &self.admin_token)
+    }
+
     /// A kubeconfig for the stepper's ServiceAccount token, reaching the API server at
     /// `server` (e.g. a [`Forward`]'s address).
     pub fn stepper_kubeconfig(&self, server: &str) -> Result<PathBuf> {

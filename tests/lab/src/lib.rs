@@ -14,6 +14,7 @@ pub mod maps;
 pub mod netns;
 mod nodemaps;
 mod overlay;
+pub mod realnode;
 mod restart;
 pub use restart::*;
 pub mod services;

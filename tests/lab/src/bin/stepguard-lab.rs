@@ -522,7 +522,17 @@ fn real_main() -> Result<()> {
                 println!("LAN lab {p} removed");
                 return Ok(());
             }
+            let reals = stepguard_lab::realnode::RealNode::list();
+            if let Some(p) = prefix.as_deref().filter(|p| reals.iter().any(|l| l == p)) {
+                stepguard_lab::realnode::RealNode::open(p)?.down()?;
+                println!("real-agent node {p} removed");
+                return Ok(());
+            }
             if all {
+                for p in &reals {
+                    stepguard_lab::realnode::RealNode::open(p)?.down()?;
+                    println!("real-agent node {p} removed");
+                }
                 for p in &lans {
                     stepguard_lab::lan::LanLab::open(p)?.down()?;
                     println!("LAN lab {p} removed");

@@ -1,0 +1,215 @@
+//! stepguard against the **real cilium-agent** (issue 30): a lab node runs cilium-agent 1.20
+//! built from its Go module (`cargo xtask cilium`), against the lab's real control plane, in
+//! its own network, mount and cgroup namespaces (`stepguard_lab::realnode`). The checks must
+//! pass on the healthy node with the agent's own devices, programs, maps and config keys as
+//! evidence, and its restarts — SIGTERM as the kubelet sends it, and SIGKILL — must be seen
+//! and verified as implicit steps with no false alarm.
+//!
+//! `STEPGUARD_REAL_RESTARTS` (default 2: one SIGTERM, one SIGKILL) sets how many restarts the
+//! restart test makes; issue 30 asks for ten, run as
+//! `STEPGUARD_REAL_RESTARTS=10 cargo xtask test --filter real_restarts` (README, "Tests").
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use stepguard_lab::realnode::{RealGuard, RealNode, RealSpec, Release};
+
+fn real_node() -> RealGuard {
+    require_root();
+    let release = Release::from_env("1.20").expect("the real cilium-agent 1.20");
+    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
+        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
+    ));
+    let t0 = Instant::now();
+    let node = RealNode::up(RealSpec {
+        prefix: stepguard_lab::unique_prefix(),
+        release,
+        kube_bin,
+        tunnel: true,
+    })
+    .expect("a lab node with the real cilium-agent");
+    eprintln!(
+        "real node {} up in {:.1}s (cilium-agent {})",
+        node.state.spec.prefix,
+        t0.elapsed().as_secs_f64(),
+        node.state.spec.release.version
+    );
+    RealGuard(node)
+}
+
+/// `stepguard check --format json` in the node's namespace with its config.
+fn check_real(node: &RealNode, config: &std::path::Path) -> (i32, Value, String) {
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", node.node_ns()))
+        .arg("--")
+        .arg(bin("STEPGUARD_BIN", "stepguard"))
+        .args(["check", "--format", "json", "--config"])
+        .arg(config)
+        .output()
+        .expect("run stepguard check");
+    (
+        out.status.code().unwrap_or(-1),
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The id of the program behind the agent's pinned tcx link for `program` on `dev`, as
+/// bpftool reads the pin (`<bpffs>/cilium/devices/<dev>/links/<program>`).
+fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
+    let pin = node
+        .state
+        .bpffs
+        .join("cilium/devices")
+        .join(dev)
+        .join("links")
+        .join(program);
+    let v = bpftool_json(&["link", "show", "pinned", &pin.display().to_string()]);
+    v["prog_id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("bpftool link show pinned {}: {v}", pin.display()))
+}
+
+#[test]
+fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
+    let node = real_node();
+    // The socket-LB is the node's own: attached to its cgroup, to nothing outside it.
+    let outside = node.cgroup_attachments_outside().unwrap();
+    assert!(outside.is_empty(), "attached outside the node: {outside:?}");
+    let mine = node.cgroup_attachments().unwrap();
+    assert!(
+        mine.contains("cil_sock4_connect"),
+        "kube-proxy replacement's socket-LB on the node's cgroup: {mine}"
+    );
+
+    let cfg = node.write_stepguard_config().unwrap();
+    let (code, v, err) = check_real(&node, &cfg);
+    eprintln!("stepguard check on the real node:\n{v:#}\n{err}");
+    assert_eq!(code, 0, "every check passes on a healthy real node: {v:#}\n{err}");
+    for c in ["devices", "maps", "vips", "dns", "config"] {
+        assert_eq!(result(&v, c)["status"], "pass", "{c}: {}", result(&v, c));
+    }
+    // Devices: the ones the agent selected, with the program ids the kernel shows.
+    let dev = &result(&v, "devices")["evidence"];
+    assert_eq!(dev["selected"], serde_json::json!(["eth0", "eth1"]), "{dev}");
+    for d in ["eth0", "eth1"] {
+        let want = pinned_link_program(&node, d, "cil_from_netdev");
+        let e = dev["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["device"] == d)
+            .unwrap_or_else(|| panic!("{d} in the evidence: {dev}"));
+        let p = e["programs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["hook"] == "ingress")
+            .unwrap_or_else(|| panic!("{d}'s ingress program: {e}"));
+        assert_eq!(p["prog_id"].as_u64(), Some(want), "{d}: {e}");
+        assert_eq!(p["via"], "tcx", "{d}: {e}");
+    }
+    // Maps: the release's profile, inferred from what the agent pinned.
+    let maps = &result(&v, "maps")["evidence"];
+    assert_eq!(maps["cilium"], "1.20", "{maps}");
+    let names: Vec<&str> = maps["maps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    for m in ["cilium_lxc", "cilium_ipcache_v2", "cilium_lb4_services_v2"] {
+        assert!(names.contains(&m), "{m} among {names:?}");
+    }
+    // Config: what the running agent loaded, by key, against the mounted ConfigMap.
+    let config = result(&v, "config").to_string();
+    for key in ["kube-proxy-replacement", "routing-mode", "devices"] {
+        assert!(config.contains(key), "{key} in the config evidence: {config}");
+    }
+}
+
+/// Waits (bounded) for a decided implicit step other than those in `seen`; returns it.
+fn implicit_verdict(agent: &Daemon, seen: &[String]) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (_, list) = agent.get_json("/v1/steps");
+        let found = list["steps"].as_array().and_then(|a| {
+            a.iter()
+                .find(|s| {
+                    s["origin"] == "implicit"
+                        && !seen.iter().any(|x| Some(x.as_str()) == s["id"].as_str())
+                })
+                .cloned()
+        });
+        if let Some(s) = found {
+            return agent.verdict(s["id"].as_str().unwrap());
+        }
+        assert!(Instant::now() < deadline, "no implicit step: {list}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn real_restarts_pass_as_implicit_steps_with_no_false_alarm() {
+    let restarts: usize = std::env::var("STEPGUARD_REAL_RESTARTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let mut node = real_node();
+    let cfg = node.write_stepguard_config().unwrap();
+    let agent = Daemon::start_with(
+        node.node_ns(),
+        cfg,
+        node.state.run_dir.join("stepguard-state"),
+        free_port(),
+        &[],
+    );
+    // A steady snapshot first (the agent polls every 250 ms).
+    std::thread::sleep(Duration::from_secs(3));
+    let mut seen = Vec::new();
+    let mut rows = Vec::new();
+    for i in 0..restarts {
+        let (sig, name) = if i % 2 == 0 {
+            (libc::SIGTERM, "SIGTERM")
+        } else {
+            (libc::SIGKILL, "SIGKILL")
+        };
+        let exited = node.stop_agent(sig, Duration::from_secs(30)).unwrap();
+        node.start_agent().unwrap();
+        let ready = node.wait_ready(Duration::from_secs(240)).unwrap();
+        let v = implicit_verdict(&agent, &seen);
+        seen.push(v["id"].as_str().unwrap().to_string());
+        assert_eq!(v["verdict"]["status"], "passed", "restart {i} ({name}): {v:#}");
+        let trigger = v["trigger"].as_str().unwrap_or("").to_string();
+        assert!(!trigger.is_empty(), "the trigger is named: {v:#}");
+        let gaps: Vec<String> = v["gaps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| format!("{}: {} gaps, longest {}", g["target"], g["count"], g["longest"]))
+            .collect();
+        let row = format!(
+            "restart {i} ({name}): exited in {:.2}s; API healthy {:.1}s and endpoints regenerated {:.1}s after start; trigger {trigger:?}; {}",
+            exited.as_secs_f64(),
+            ready.api.as_secs_f64(),
+            ready.ready.as_secs_f64(),
+            gaps.join("; ")
+        );
+        eprintln!("{row}");
+        rows.push(row);
+    }
+    let (_, m) = agent.get("/metrics");
+    assert!(
+        m.contains(&format!(
+            "stepguard_steps_total{{verdict=\"passed\",origin=\"implicit\"}} {restarts}"
+        )),
+        "every restart passed, none failed: {}",
+        m.lines()
+            .filter(|l| l.starts_with("stepguard_steps_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    eprintln!("{}", rows.join("\n"));
+}
