@@ -460,7 +460,10 @@ impl RealNode {
         std::fs::create_dir_all(self.agent_run_dir())?;
         let sysctls = self.state.run_dir.join("sysctl-masks");
         std::fs::create_dir_all(&sysctls)?;
-        for (f, v) in [("unprivileged_bpf_disabled", "2\n"), ("timer_migration", "1\n")] {
+        for (f, v) in [
+            ("unprivileged_bpf_disabled", "2\n"),
+            ("timer_migration", "1\n"),
+        ] {
             std::fs::write(sysctls.join(f), v)?;
         }
         if !Path::new("/run/cilium").exists() {
@@ -658,6 +661,13 @@ impl RealNode {
         }
     }
 
+    pub fn sampler(&self) -> Sampler {
+        Sampler {
+            socket: self.agent_socket(),
+            bpffs: self.state.bpffs.clone(),
+        }
+    }
+
     /// Whether every endpoint the agent knows is `ready` (at least the host endpoint).
     pub fn endpoints_ready(&self) -> Result<bool> {
         let (code, body) = api_get(&self.agent_socket(), "/v1/endpoint")?;
@@ -696,7 +706,10 @@ impl RealNode {
             }
             if t.starts_with('/') {
                 current = t.to_string();
-            } else if t.split_whitespace().last().is_some_and(|n| n.starts_with("cil_"))
+            } else if t
+                .split_whitespace()
+                .last()
+                .is_some_and(|n| n.starts_with("cil_"))
                 && !current.starts_with(&mine)
             {
                 outside.push(format!("{current}: {t}"));
@@ -765,10 +778,7 @@ impl RealNode {
         }
         // Unpinning everything releases the agent's links (cgroup, tcx) and maps.
         if self.state.bpffs_mounted {
-            if let Err(e) = netns::run(
-                "umount",
-                &["-l", &self.state.bpffs.display().to_string()],
-            ) {
+            if let Err(e) = netns::run("umount", &["-l", &self.state.bpffs.display().to_string()]) {
                 errors.push(format!("{e:#}"));
             }
             self.state.bpffs_mounted = false;
@@ -815,6 +825,101 @@ impl RealNode {
             let _ = self.save();
             bail!("{}", errors.join("; "))
         }
+    }
+}
+
+/// What a restart looks like from outside the agent, sampled: the API socket, the ids of the
+/// recreated ipcache map, of `cilium_lxc`, and of the programs behind `eth0`'s and
+/// `cilium_host`'s pinned links.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sample {
+    pub api: bool,
+    pub ipcache: Option<u32>,
+    pub lxc: Option<u32>,
+    pub eth0_prog: Option<u32>,
+    pub host_prog: Option<u32>,
+}
+
+/// Paths the sampler reads (cloneable into a thread).
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    socket: PathBuf,
+    bpffs: PathBuf,
+}
+
+impl Sampler {
+    pub fn sample(&self) -> Sample {
+        let map_id = |name: &str| {
+            crate::sys::obj_get(&self.bpffs.join("tc/globals").join(name))
+                .and_then(|fd| crate::sys::obj_id(&fd))
+                .ok()
+        };
+        let link_prog = |dev: &str, prog: &str| {
+            crate::sys::obj_get(
+                &self
+                    .bpffs
+                    .join("cilium/devices")
+                    .join(dev)
+                    .join("links")
+                    .join(prog),
+            )
+            .and_then(|fd| crate::sys::link_prog_id(&fd))
+            .ok()
+        };
+        Sample {
+            api: UnixStream::connect(&self.socket).is_ok(),
+            ipcache: map_id("cilium_ipcache_v2"),
+            lxc: map_id("cilium_lxc"),
+            eth0_prog: link_prog("eth0", "cil_from_netdev"),
+            host_prog: link_prog("cilium_host", "cil_to_host"),
+        }
+    }
+
+    /// Samples every `every` until `stop` is set; returns each change with its time since
+    /// `t0`: `(seconds, what changed)`.
+    pub fn timeline(
+        &self,
+        t0: Instant,
+        every: Duration,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Vec<(f64, String)> {
+        let mut out = Vec::new();
+        let mut last = self.sample();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(every);
+            let now = self.sample();
+            let at = t0.elapsed().as_secs_f64();
+            let mut note = |what: String| out.push((at, what));
+            if now.api != last.api {
+                note(format!(
+                    "API socket {}",
+                    if now.api { "accepts" } else { "refuses" }
+                ));
+            }
+            if now.ipcache != last.ipcache {
+                note(format!(
+                    "cilium_ipcache_v2 id {:?} -> {:?}",
+                    last.ipcache, now.ipcache
+                ));
+            }
+            if now.lxc != last.lxc {
+                note(format!("cilium_lxc id {:?} -> {:?}", last.lxc, now.lxc));
+            }
+            if now.eth0_prog != last.eth0_prog {
+                note(format!(
+                    "eth0 cil_from_netdev program {:?} -> {:?}",
+                    last.eth0_prog, now.eth0_prog
+                ));
+            }
+            if now.host_prog != last.host_prog {
+                note(format!(
+                    "cilium_host cil_to_host program {:?} -> {:?}",
+                    last.host_prog, now.host_prog
+                ));
+            }
+            last = now;
+        }
+        out
     }
 }
 
