@@ -198,13 +198,13 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
     // The real control plane for the rollout tests (Go, from the module proxy; cached by
     // version) builds in the background, at a lower priority, while the workspace builds and
     // the unprivileged tests run: the Rust build leaves cores idle that the Go build fills.
-    // Then the real cilium-agent releases (issue 30), in the same background thread: one Go
-    // build at a time.
+    // Then the real cilium-agent releases the tests run (issue 30), in the same background
+    // thread: one Go build at a time.
     let kube_build = (!unit_only).then(|| {
         std::thread::spawn(|| -> Result<(PathBuf, Vec<(String, PathBuf)>)> {
             let kube = kube::ensure()?;
             let mut agents = Vec::new();
-            for r in cilium::RELEASES {
+            for r in cilium::RELEASES.iter().filter(|r| r.tested) {
                 let (bin, _) = cilium::ensure(r)?;
                 agents.push((cilium::env_var(r), bin));
             }
@@ -269,6 +269,7 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
             kube_bin.display(),
             cilium::RELEASES
                 .iter()
+                .filter(|r| r.tested)
                 .map(|r| r.version)
                 .collect::<Vec<_>>()
                 .join(", "),
