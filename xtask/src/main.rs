@@ -66,7 +66,8 @@ enum Cmd {
         #[arg(long)]
         release: Option<String>,
     },
-    /// Drive the lab (a simulated Cilium node): up | status | restart | config | down. See `cargo xtask lab --help`.
+    /// Drive the lab (a simulated Cilium node): up | status | restart | config | down, or
+    /// `real-node` (the real cilium-agent, in the foreground). See `cargo xtask lab --help`.
     #[command(disable_help_flag = true)]
     Lab {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -337,7 +338,17 @@ fn test(unit_only: bool, filter: Option<String>) -> Result<()> {
 
 fn lab(args: Vec<String>) -> Result<()> {
     build(false)?;
-    let status = Command::new(root().join("target/debug/stepguard-lab"))
+    let mut cmd = Command::new(root().join("target/debug/stepguard-lab"));
+    if args.first().is_some_and(|a| a == "real-node") {
+        // The real agent's node needs the control plane and the agent: built when missing.
+        cmd.env("STEPGUARD_KUBE_BIN", kube::ensure()?);
+        for r in cilium::RELEASES.iter().filter(|r| {
+            r.tested || args.iter().any(|a| r.version.contains(a.trim_start_matches('v')))
+        }) {
+            cmd.env(cilium::env_var(r), cilium::ensure(r)?.0);
+        }
+    }
+    let status = cmd
         .args(&args)
         .status()
         .context("run stepguard-lab")?;

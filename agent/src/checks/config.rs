@@ -40,8 +40,17 @@ struct Classified {
 }
 
 /// Whether the agent's config came with a per-node source (a CiliumNodeConfig, Node labels).
+/// `cilium-dbg build-config` writes `config-sources` as JSON, `[{"kind": …, "namespace": …,
+/// "name": …}]` with kinds `config-map`, `cilium-node-config`, `node` (1.19.7 and 1.20.2:
+/// `pkg/option/resolver/resolver.go` l. 33-46, 110; measured on the real 1.20.2 agent); the
+/// `KIND:NS/NAME` list (`ConfigSource.String()`) is read too.
 fn per_node(loaded: &BTreeMap<String, String>) -> bool {
     let sources = loaded.get(CONFIG_SOURCES).map(String::as_str).unwrap_or("");
+    if let Ok(serde_json::Value::Array(list)) = serde_json::from_str(sources) {
+        return list
+            .iter()
+            .any(|s| matches!(s["kind"].as_str(), Some("cilium-node-config" | "node")));
+    }
     sources.contains("cilium-node-config") || sources.contains("node:")
 }
 
@@ -401,5 +410,24 @@ mod tests {
         assert_eq!(r.evidence["verified"], 1);
         assert_eq!(evaluate(Some(Ok(&now)), None, None).status, Status::Unknown);
         assert_eq!(evaluate(None, Some(Ok(&l)), None).status, Status::Unknown);
+    }
+
+    /// The JSON form the real agent reports (1.19/1.20): a Node-label source is per-node too,
+    /// the ConfigMap alone is not.
+    #[test]
+    fn config_sources_as_the_real_agent_writes_them() {
+        let with = |v: &str| BTreeMap::from([("config-sources".to_string(), v.to_string())]);
+        assert!(!per_node(&with(
+            r#"[{"kind":"config-map","namespace":"kube-system","name":"cilium-config"}]"#
+        )));
+        assert!(per_node(&with(
+            r#"[{"kind":"config-map","namespace":"kube-system","name":"cilium-config"},{"kind":"node","namespace":"","name":"n1"}]"#
+        )));
+        assert!(per_node(&with(
+            r#"[{"kind":"config-map","namespace":"kube-system","name":"cilium-config"},{"kind":"cilium-node-config","namespace":"kube-system","name":"n1"}]"#
+        )));
+        assert!(per_node(&with(
+            "config-map:kube-system/cilium-config,node:/n1"
+        )));
     }
 }

@@ -22,11 +22,17 @@ impl Lab {
     /// CiliumNodeConfigs, later sources winning, and records `config-sources`).
     pub(crate) fn load_agent_config(&self) -> Result<()> {
         let mut values = self.effective_config(true)?;
-        let mut sources = vec!["config-map:kube-system/cilium-config".to_string()];
+        // As `cilium-dbg build-config` records it (JSON, `pkg/option/resolver/resolver.go`;
+        // the real 1.20.2 agent reports this form).
+        let mut sources =
+            vec![serde_json::json!({"kind": "config-map", "namespace": "kube-system", "name": "cilium-config"})];
         if !self.state.spec.node_overrides.is_empty() {
-            sources.push("cilium-node-config:kube-system/lab-node".into());
+            sources.push(serde_json::json!({"kind": "cilium-node-config", "namespace": "kube-system", "name": "lab-node"}));
         }
-        values.insert("config-sources".into(), sources.join(","));
+        values.insert(
+            "config-sources".into(),
+            serde_json::Value::Array(sources).to_string(),
+        );
         std::fs::create_dir_all(self.agent_run_dir())?;
         std::fs::write(
             services::agent_endpoints_file(&self.agent_settings()),

@@ -215,7 +215,7 @@ impl ControlPlane {
             bin.join("kube-controller-manager").as_os_str(),
             &[
                 format!("--kubeconfig={}", s(&d.join("kcm.kubeconfig"))),
-                "--controllers=daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller".into(),
+                "--controllers=daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,endpointslice-controller".into(),
                 "--leader-elect=false".into(),
                 // Each controller as its own ServiceAccount with its bootstrap RBAC role, as
                 // kubeadm runs it (the manager's own user may not write ControllerRevisions).

@@ -15,6 +15,7 @@ pub mod netns;
 mod nodemaps;
 mod overlay;
 pub mod realnode;
+pub mod realpods;
 mod restart;
 pub use restart::*;
 pub mod services;

@@ -129,6 +129,12 @@ pub struct RealState {
     pub procs: Vec<Proc>,
     pub agent: Option<Proc>,
     pub control_plane: Option<ControlPlane>,
+    /// Pods made through CNI ([`crate::realpods`]).
+    #[serde(default)]
+    pub pods: Vec<crate::realpods::RealPod>,
+    /// The Services over them exist (their VIPs are stepguard targets).
+    #[serde(default)]
+    pub services: bool,
 }
 
 /// A running real-agent node. [`RealNode::down`] (or dropping a [`RealGuard`]) removes
@@ -274,6 +280,16 @@ impl RealNode {
         })
     }
 
+    pub(crate) fn state_pods(&mut self) -> &mut Vec<crate::realpods::RealPod> {
+        &mut self.state.pods
+    }
+    pub(crate) fn save_state(&self) -> Result<()> {
+        self.save()
+    }
+    pub(crate) fn kube_opt(&self) -> Option<&Kube> {
+        self.kube.as_ref()
+    }
+
     fn save(&self) -> Result<()> {
         let path = self.state.run_dir.join("real.json");
         let tmp = path.with_extension("json.tmp");
@@ -307,6 +323,8 @@ impl RealNode {
                 procs: vec![],
                 agent: None,
                 control_plane: None,
+                pods: vec![],
+                services: false,
             },
             child: None,
             forward: None,
@@ -661,6 +679,22 @@ impl RealNode {
         }
     }
 
+    /// A command prefix that moves the process into the node's cgroup, then execs the rest:
+    /// what runs "on the node" (stepguard's agent, as a hostNetwork pod does) is under the
+    /// cgroup the node's socket-LB is attached to, as on a real node (Cilium attaches at the
+    /// host's cgroup2 root), so its connects to Service addresses are translated by it.
+    pub fn in_node_cgroup(&self) -> Vec<String> {
+        vec![
+            "sh".into(),
+            "-c".into(),
+            format!(
+                "echo $$ > {} && exec \"$@\"",
+                self.state.cgroup.join("cgroup.procs").display()
+            ),
+            "sh".into(),
+        ]
+    }
+
     pub fn sampler(&self) -> Sampler {
         Sampler {
             socket: self.agent_socket(),
@@ -742,7 +776,13 @@ impl RealNode {
              targets:\n\
              \x20 - name: gateway\n    address: {gw}\n    port: {gwp}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\
              \x20 - name: dns\n    address: {dns}\n    port: 53\n    probe: dns\n    query: gateway.{z}\n    timeout: 500ms\n\
+             {services}\
              dns:\n  resolvers: [\"{dns}:53\"]\n  names: [\"gateway.{z}\", \"dns.{z}\"]\n",
+            services = if self.state.services {
+                Self::service_targets_yaml()
+            } else {
+                String::new()
+            },
             prefix = self.state.spec.prefix,
             node = self.node_ns(),
             bpffs = self.state.bpffs.display(),
@@ -760,6 +800,13 @@ impl RealNode {
     /// servers, the mounts, the cgroup, the namespaces, the run dir.
     pub fn down(&mut self) -> Result<()> {
         let mut errors = Vec::new();
+        // Pods first, by CNI DEL while the agent still runs (a runtime's order).
+        let names: Vec<String> = self.state.pods.iter().map(|p| p.name.clone()).collect();
+        for name in names.into_iter().rev() {
+            if let Err(e) = self.remove_pod(&name) {
+                errors.push(format!("remove pod {name}: {e:#}"));
+            }
+        }
         if self.child.is_some() {
             let _ = self.signal_agent(libc::SIGCONT);
             if let Err(e) = self.stop_agent(libc::SIGTERM, Duration::from_secs(10)) {

@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use stepguard_lab::realnode::{RealGuard, RealNode, RealSpec, Release};
+use stepguard_lab::realpods::Workload;
 
 fn real_node() -> RealGuard {
     require_root();
@@ -37,6 +38,27 @@ fn real_node() -> RealGuard {
         node.state.spec.release.version
     );
     RealGuard(node)
+}
+
+/// A real node with pods made through `cilium-cni` (two nginx, one dnsmasq) and the Services
+/// over them (ClusterIP, a LoadBalancer with a hand-set ingress IP, DNS).
+fn real_node_with_pods() -> RealGuard {
+    let mut node = real_node();
+    let t0 = Instant::now();
+    for (name, w) in [
+        ("web-0", Workload::Web),
+        ("web-1", Workload::Web),
+        ("dns-0", Workload::Dns),
+    ] {
+        let p = node.add_pod(name, w).expect("a pod through CNI ADD");
+        eprintln!("pod {name}: {} (CNI ADD)", p.ip);
+    }
+    node.add_services().expect("the Services, served by the agent");
+    eprintln!(
+        "pods and Services up in {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
+    node
 }
 
 /// Keeps the agent's log past the node's removal: `target/real-cilium/<test>.log`.
@@ -69,11 +91,13 @@ impl std::ops::DerefMut for Kept {
     }
 }
 
-/// `stepguard check --format json` in the node's namespace with its config.
+/// `stepguard check --format json` on the node (its network namespace and cgroup) with its
+/// config.
 fn check_real(node: &RealNode, config: &std::path::Path) -> (i32, Value, String) {
     let out = Command::new("nsenter")
         .arg(format!("--net=/run/netns/{}", node.node_ns()))
         .arg("--")
+        .args(node.in_node_cgroup())
         .arg(bin("STEPGUARD_BIN", "stepguard"))
         .args(["check", "--format", "json", "--config"])
         .arg(config)
@@ -104,7 +128,7 @@ fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
 
 #[test]
 fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
-    let node = Kept(real_node(), "healthy");
+    let node = Kept(real_node_with_pods(), "healthy");
     // The socket-LB is the node's own: attached to its cgroup, to nothing outside it.
     let outside = node.cgroup_attachments_outside().unwrap();
     assert!(outside.is_empty(), "attached outside the node: {outside:?}");
@@ -116,6 +140,20 @@ fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
 
     let cfg = node.write_stepguard_config().unwrap();
     let (code, v, err) = check_real(&node, &cfg);
+    if code != 0 {
+        for args in [
+            &["route", "show", "table", "all"][..],
+            &["rule"][..],
+            &["addr"][..],
+        ] {
+            let out = Command::new("ip")
+                .args(["-n", &node.node_ns()])
+                .args(args)
+                .output()
+                .unwrap();
+            eprintln!("ip {args:?} in the node:\n{}", String::from_utf8_lossy(&out.stdout));
+        }
+    }
     eprintln!("stepguard check on the real node:\n{v:#}\n{err}");
     assert_eq!(
         code, 0,
@@ -160,6 +198,23 @@ fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
     for m in ["cilium_lxc", "cilium_ipcache_v2", "cilium_lb4_services_v2"] {
         assert!(names.contains(&m), "{m} among {names:?}");
     }
+    // VIPs: the fabric's, and the Services' through Cilium's own service maps and socket-LB.
+    let vips = result(&v, "vips").to_string();
+    for t in ["gateway", "dns", "web-clusterip", "web-lb", "dns-svc"] {
+        assert!(vips.contains(&format!("\"{t}\"")), "{t} probed: {vips}");
+    }
+    // Endpoints: the pods the agent made through CNI, ready, with their programs.
+    let (_, eps) = stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/endpoint").unwrap();
+    let eps: Value = serde_json::from_str(&eps).unwrap();
+    for p in node.pods() {
+        assert!(
+            eps.as_array().unwrap().iter().any(|e| e.to_string().contains(&p.ip.to_string())
+                && e["status"]["state"] == "ready"),
+            "pod {} ({}) is a ready endpoint: {eps}",
+            p.name,
+            p.ip
+        );
+    }
     // Config: what the running agent loaded, by key, against the mounted ConfigMap.
     let config = result(&v, "config").to_string();
     for key in ["kube-proxy-replacement", "routing-mode", "devices"] {
@@ -197,14 +252,17 @@ fn real_restarts_pass_as_implicit_steps_with_no_false_alarm() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
-    let mut node = Kept(real_node(), "restarts");
+    let mut node = Kept(real_node_with_pods(), "restarts");
     let cfg = node.write_stepguard_config().unwrap();
-    let agent = Daemon::start_with(
+    let wrapper = node.in_node_cgroup();
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let agent = Daemon::start_wrapped(
         node.node_ns(),
         cfg,
         node.state.run_dir.join("stepguard-state"),
         free_port(),
         &[],
+        &wrapper,
     );
     // A steady snapshot first (the agent polls every 250 ms).
     std::thread::sleep(Duration::from_secs(3));

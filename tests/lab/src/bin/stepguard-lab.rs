@@ -221,6 +221,20 @@ enum Cmd {
         action: String,
         name: String,
     },
+    /// A lab node running the real cilium-agent (built by `cargo xtask cilium`) against its
+    /// own real control plane, in the foreground until Ctrl-C (then everything is removed):
+    /// prints how to run stepguard on it. `cargo xtask lab real-node` builds what is missing
+    /// and sets STEPGUARD_CILIUM_1_20 and STEPGUARD_KUBE_BIN.
+    RealNode {
+        #[arg(long)]
+        prefix: Option<String>,
+        /// The Cilium minor (its bin dir from STEPGUARD_CILIUM_<MINOR>, e.g. STEPGUARD_CILIUM_1_20).
+        #[arg(long, default_value = "1.20")]
+        release: String,
+        /// routing-mode: tunnel (VXLAN) or native.
+        #[arg(long, default_value = "tunnel", value_parser = ["tunnel", "native"])]
+        routing: String,
+    },
     /// Remove a lab and everything it created.
     Down {
         #[arg(long)]
@@ -288,6 +302,55 @@ fn print_status(lab: &Lab) {
     );
 }
 
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// `real-node`: up, tell the user how to use it, wait for Ctrl-C (or SIGTERM), down.
+fn real_node(prefix: Option<String>, release: &str, routing: &str) -> Result<()> {
+    use stepguard_lab::realnode::{RealNode, RealSpec, Release};
+    stepguard_lab::check_root()?;
+    let kube_bin = std::env::var_os("STEPGUARD_KUBE_BIN")
+        .map(std::path::PathBuf::from)
+        .context("STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask lab real-node` sets it)")?;
+    let spec = RealSpec {
+        prefix: prefix.unwrap_or_else(stepguard_lab::unique_prefix),
+        release: Release::from_env(release)?,
+        kube_bin,
+        tunnel: routing == "tunnel",
+    };
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_interrupt as *const () as libc::sighandler_t);
+    }
+    let mut node = RealNode::up(spec)?;
+    let cfg = node.write_stepguard_config()?;
+    println!(
+        "real-agent node {p} up: cilium-agent {v} in network namespace {ns}\n         \n  stepguard check: nsenter --net=/run/netns/{ns} target/debug/stepguard check --config {cfg}\n         \x20 the agent's log: {log}\n  its API socket: {sock}\n  kubectl: {kubectl} --kubeconfig {kc}\n\n         Ctrl-C removes it.",
+        p = node.state.spec.prefix,
+        v = node.state.spec.release.version,
+        ns = node.node_ns(),
+        cfg = cfg.display(),
+        log = node.agent_log().display(),
+        sock = node.agent_socket().display(),
+        kubectl = node.state.spec.kube_bin.join("kubectl").display(),
+        kc = node.control_plane().admin_kubeconfig().display(),
+    );
+    while !INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        if !node.agent_running() {
+            eprintln!("the cilium-agent exited; see {}", node.agent_log().display());
+            break;
+        }
+    }
+    node.down()?;
+    println!("real-agent node removed");
+    Ok(())
+}
+
 fn main() {
     if let Err(e) = real_main() {
         eprintln!("stepguard-lab: {e:#}");
@@ -298,6 +361,11 @@ fn main() {
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::RealNode {
+            prefix,
+            release,
+            routing,
+        } => real_node(prefix, &release, &routing)?,
         Cmd::AgentApi { socket, settings } => {
             stepguard_lab::services::serve_agent_api(&socket, &settings)?;
         }
