@@ -343,15 +343,15 @@ fn lab(args: Vec<String>) -> Result<()> {
         // The real agent's node needs the control plane and the agent: built when missing.
         cmd.env("STEPGUARD_KUBE_BIN", kube::ensure()?);
         for r in cilium::RELEASES.iter().filter(|r| {
-            r.tested || args.iter().any(|a| r.version.contains(a.trim_start_matches('v')))
+            r.tested
+                || args
+                    .iter()
+                    .any(|a| r.version.contains(a.trim_start_matches('v')))
         }) {
             cmd.env(cilium::env_var(r), cilium::ensure(r)?.0);
         }
     }
-    let status = cmd
-        .args(&args)
-        .status()
-        .context("run stepguard-lab")?;
+    let status = cmd.args(&args).status().context("run stepguard-lab")?;
     std::process::exit(status.code().unwrap_or(1));
 }
 

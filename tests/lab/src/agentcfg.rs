@@ -24,8 +24,9 @@ impl Lab {
         let mut values = self.effective_config(true)?;
         // As `cilium-dbg build-config` records it (JSON, `pkg/option/resolver/resolver.go`;
         // the real 1.20.2 agent reports this form).
-        let mut sources =
-            vec![serde_json::json!({"kind": "config-map", "namespace": "kube-system", "name": "cilium-config"})];
+        let mut sources = vec![
+            serde_json::json!({"kind": "config-map", "namespace": "kube-system", "name": "cilium-config"}),
+        ];
         if !self.state.spec.node_overrides.is_empty() {
             sources.push(serde_json::json!({"kind": "cilium-node-config", "namespace": "kube-system", "name": "lab-node"}));
         }

@@ -268,9 +268,27 @@ impl RealNode {
         let api = k.ns::<k8s_openapi::api::core::v1::Service>(POD_NAMESPACE);
         let port = |name: &str, proto: &str, p: u16| json!({"name": name, "protocol": proto, "port": p, "targetPort": p});
         for (name, ty, ip, ports, app) in [
-            ("web", "ClusterIP", WEB_CLUSTER_IP, vec![port("http", "TCP", 80)], "web"),
-            ("web-lb", "LoadBalancer", Ipv4Addr::new(198, 51, 100, 81), vec![port("http", "TCP", 80)], "web"),
-            ("dns", "ClusterIP", DNS_CLUSTER_IP, vec![port("dns", "UDP", 53), port("dns-tcp", "TCP", 53)], "dns"),
+            (
+                "web",
+                "ClusterIP",
+                WEB_CLUSTER_IP,
+                vec![port("http", "TCP", 80)],
+                "web",
+            ),
+            (
+                "web-lb",
+                "LoadBalancer",
+                Ipv4Addr::new(198, 51, 100, 81),
+                vec![port("http", "TCP", 80)],
+                "web",
+            ),
+            (
+                "dns",
+                "ClusterIP",
+                DNS_CLUSTER_IP,
+                vec![port("dns", "UDP", 53), port("dns-tcp", "TCP", 53)],
+                "dns",
+            ),
         ] {
             k.create(
                 &api,
@@ -290,6 +308,21 @@ impl RealNode {
             json!({"status": {"loadBalancer": {"ingress": [{"ip": WEB_LB_IP.to_string()}]}}}),
             true,
         )?;
+        // A pod's endpoint starts with the identity `reserved:init` when the agent's pod
+        // informer has not seen the pod yet ("Unable to fetch kubernetes labels ... not
+        // found", measured); its labels are resolved about a second later. Until then a DNS
+        // query through the ClusterIP was measured to time out: the lab waits for it.
+        services::wait_until(
+            "every pod's endpoint ready with its labels' identity",
+            Duration::from_secs(60),
+            || {
+                if self.pods_settled()? {
+                    Ok(())
+                } else {
+                    bail!("not yet")
+                }
+            },
+        )?;
         for addr in [WEB_CLUSTER_IP, WEB_LB_IP, DNS_CLUSTER_IP] {
             services::wait_until(
                 &format!("the agent's service {addr} with a backend"),
@@ -304,6 +337,30 @@ impl RealNode {
             )?;
         }
         Ok(())
+    }
+
+    /// Whether every pod's endpoint is `ready` with an identity from its labels (`k8s:app=…`),
+    /// not `reserved:init`.
+    pub fn pods_settled(&self) -> Result<bool> {
+        let (code, body) = crate::realnode::api_get(&self.agent_socket(), "/v1/endpoint")?;
+        if code != 200 {
+            bail!("GET /v1/endpoint: {code}");
+        }
+        let eps: Value = serde_json::from_str(&body).context("parse /v1/endpoint")?;
+        let eps = eps.as_array().context("/v1/endpoint is no list")?;
+        Ok(self.state.pods.iter().all(|p| {
+            eps.iter().any(|e| {
+                let addrs = e["status"]["networking"]["addressing"].to_string();
+                addrs.contains(&format!("\"{}\"", p.ip))
+                    && e["status"]["state"] == "ready"
+                    && e["status"]["identity"]["labels"]
+                        .as_array()
+                        .is_some_and(|l| {
+                            l.iter()
+                                .any(|x| x.as_str().is_some_and(|x| x.starts_with("k8s:app=")))
+                        })
+            })
+        }))
     }
 
     /// Whether the agent's service list (`GET /v1/service`) has a frontend `addr` with at

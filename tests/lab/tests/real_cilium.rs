@@ -18,6 +18,10 @@ use stepguard_lab::realnode::{RealGuard, RealNode, RealSpec, Release};
 use stepguard_lab::realpods::Workload;
 
 fn real_node() -> RealGuard {
+    real_node_routed(true)
+}
+
+fn real_node_routed(tunnel: bool) -> RealGuard {
     require_root();
     let release = Release::from_env("1.20").expect("the real cilium-agent 1.20");
     let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
@@ -28,7 +32,7 @@ fn real_node() -> RealGuard {
         prefix: stepguard_lab::unique_prefix(),
         release,
         kube_bin,
-        tunnel: true,
+        tunnel,
     })
     .expect("a lab node with the real cilium-agent");
     eprintln!(
@@ -42,8 +46,8 @@ fn real_node() -> RealGuard {
 
 /// A real node with pods made through `cilium-cni` (two nginx, one dnsmasq) and the Services
 /// over them (ClusterIP, a LoadBalancer with a hand-set ingress IP, DNS).
-fn real_node_with_pods() -> RealGuard {
-    let mut node = real_node();
+fn real_node_with_pods(tunnel: bool) -> RealGuard {
+    let mut node = real_node_routed(tunnel);
     let t0 = Instant::now();
     for (name, w) in [
         ("web-0", Workload::Web),
@@ -53,11 +57,9 @@ fn real_node_with_pods() -> RealGuard {
         let p = node.add_pod(name, w).expect("a pod through CNI ADD");
         eprintln!("pod {name}: {} (CNI ADD)", p.ip);
     }
-    node.add_services().expect("the Services, served by the agent");
-    eprintln!(
-        "pods and Services up in {:.1}s",
-        t0.elapsed().as_secs_f64()
-    );
+    node.add_services()
+        .expect("the Services, served by the agent");
+    eprintln!("pods and Services up in {:.1}s", t0.elapsed().as_secs_f64());
     node
 }
 
@@ -128,7 +130,20 @@ fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
 
 #[test]
 fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
-    let node = Kept(real_node_with_pods(), "healthy");
+    healthy(true);
+}
+
+/// The second routing mode: native routing (no overlay device, no overlay programs).
+#[test]
+fn a_healthy_real_node_in_native_routing_passes_every_check() {
+    healthy(false);
+}
+
+fn healthy(tunnel: bool) {
+    let node = Kept(
+        real_node_with_pods(tunnel),
+        if tunnel { "healthy" } else { "healthy-native" },
+    );
     // The socket-LB is the node's own: attached to its cgroup, to nothing outside it.
     let outside = node.cgroup_attachments_outside().unwrap();
     assert!(outside.is_empty(), "attached outside the node: {outside:?}");
@@ -141,6 +156,26 @@ fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
     let cfg = node.write_stepguard_config().unwrap();
     let (code, v, err) = check_real(&node, &cfg);
     if code != 0 {
+        let dig = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", node.node_ns()))
+            .arg("--")
+            .args(node.in_node_cgroup())
+            .args([
+                "dig",
+                "+tries=1",
+                "+time=1",
+                "@198.51.100.54",
+                "web.lab.stepguard.test",
+            ])
+            .output()
+            .unwrap();
+        eprintln!(
+            "dig from the node: {}",
+            String::from_utf8_lossy(&dig.stdout)
+        );
+        let (_, svc) =
+            stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/service").unwrap();
+        eprintln!("the agent's services: {svc}");
         for args in [
             &["route", "show", "table", "all"][..],
             &["rule"][..],
@@ -151,7 +186,10 @@ fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
                 .args(args)
                 .output()
                 .unwrap();
-            eprintln!("ip {args:?} in the node:\n{}", String::from_utf8_lossy(&out.stdout));
+            eprintln!(
+                "ip {args:?} in the node:\n{}",
+                String::from_utf8_lossy(&out.stdout)
+            );
         }
     }
     eprintln!("stepguard check on the real node:\n{v:#}\n{err}");
@@ -186,9 +224,21 @@ fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
         assert_eq!(p["prog_id"].as_u64(), Some(want), "{d}: {e}");
         assert_eq!(p["via"], "tcx", "{d}: {e}");
     }
+    // The overlay device exists, with its programs, only in tunnel routing.
+    let has_overlay = dev["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["device"] == "cilium_vxlan");
+    assert_eq!(has_overlay, tunnel, "cilium_vxlan in the evidence: {dev}");
     // Maps: the release's profile, inferred from what the agent pinned.
     let maps = &result(&v, "maps")["evidence"];
     assert_eq!(maps["cilium"], "1.20", "{maps}");
+    assert_eq!(maps["features"]["tunnel"], tunnel, "{maps}");
+    assert_eq!(
+        maps["features"]["snat"], true,
+        "kube-proxy replacement: {maps}"
+    );
     let names: Vec<&str> = maps["maps"]
         .as_array()
         .unwrap()
@@ -208,8 +258,11 @@ fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {
     let eps: Value = serde_json::from_str(&eps).unwrap();
     for p in node.pods() {
         assert!(
-            eps.as_array().unwrap().iter().any(|e| e.to_string().contains(&p.ip.to_string())
-                && e["status"]["state"] == "ready"),
+            eps.as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e.to_string().contains(&p.ip.to_string())
+                    && e["status"]["state"] == "ready"),
             "pod {} ({}) is a ready endpoint: {eps}",
             p.name,
             p.ip
@@ -252,7 +305,7 @@ fn real_restarts_pass_as_implicit_steps_with_no_false_alarm() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
-    let mut node = Kept(real_node_with_pods(), "restarts");
+    let mut node = Kept(real_node_with_pods(true), "restarts");
     let cfg = node.write_stepguard_config().unwrap();
     let wrapper = node.in_node_cgroup();
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();

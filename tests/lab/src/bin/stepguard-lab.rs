@@ -234,6 +234,10 @@ enum Cmd {
         /// routing-mode: tunnel (VXLAN) or native.
         #[arg(long, default_value = "tunnel", value_parser = ["tunnel", "native"])]
         routing: String,
+        /// No pods (by default two nginx pods and a dnsmasq pod are made through cilium-cni,
+        /// with Services over them whose VIPs are stepguard targets).
+        #[arg(long)]
+        no_pods: bool,
     },
     /// Remove a lab and everything it created.
     Down {
@@ -309,7 +313,7 @@ extern "C" fn on_interrupt(_: libc::c_int) {
 }
 
 /// `real-node`: up, tell the user how to use it, wait for Ctrl-C (or SIGTERM), down.
-fn real_node(prefix: Option<String>, release: &str, routing: &str) -> Result<()> {
+fn real_node(prefix: Option<String>, release: &str, routing: &str, pods: bool) -> Result<()> {
     use stepguard_lab::realnode::{RealNode, RealSpec, Release};
     stepguard_lab::check_root()?;
     let kube_bin = std::env::var_os("STEPGUARD_KUBE_BIN")
@@ -323,13 +327,43 @@ fn real_node(prefix: Option<String>, release: &str, routing: &str) -> Result<()>
     };
     // SAFETY: the handler only stores to an atomic.
     unsafe {
-        libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_interrupt as *const () as libc::sighandler_t);
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGTERM,
+            on_interrupt as *const () as libc::sighandler_t,
+        );
     }
     let mut node = RealNode::up(spec)?;
+    if pods {
+        let made = (|| -> Result<()> {
+            use stepguard_lab::realpods::Workload;
+            for (name, w) in [
+                ("web-0", Workload::Web),
+                ("web-1", Workload::Web),
+                ("dns-0", Workload::Dns),
+            ] {
+                let p = node.add_pod(name, w)?;
+                println!("pod {name}: {} (CNI ADD)", p.ip);
+            }
+            node.add_services()
+        })();
+        if let Err(e) = made {
+            let _ = node.down();
+            return Err(e);
+        }
+    }
     let cfg = node.write_stepguard_config()?;
+    let cgroup = node.in_node_cgroup();
     println!(
-        "real-agent node {p} up: cilium-agent {v} in network namespace {ns}\n         \n  stepguard check: nsenter --net=/run/netns/{ns} target/debug/stepguard check --config {cfg}\n         \x20 the agent's log: {log}\n  its API socket: {sock}\n  kubectl: {kubectl} --kubeconfig {kc}\n\n         Ctrl-C removes it.",
+        "real-agent node {p} up: cilium-agent {v} in network namespace {ns}\n\n\
+         stepguard check, on the node (its netns and cgroup, under the node's socket-LB):\n  \
+         nsenter --net=/run/netns/{ns} -- sh -c '{wrap}' sh target/debug/stepguard check --config {cfg}\n\
+         the agent's log: {log}\nits API socket: {sock}\n\
+         kubectl: {kubectl} --kubeconfig {kc}\n\nCtrl-C removes it.",
+        wrap = cgroup[2],
         p = node.state.spec.prefix,
         v = node.state.spec.release.version,
         ns = node.node_ns(),
@@ -342,7 +376,10 @@ fn real_node(prefix: Option<String>, release: &str, routing: &str) -> Result<()>
     while !INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
         std::thread::sleep(std::time::Duration::from_millis(200));
         if !node.agent_running() {
-            eprintln!("the cilium-agent exited; see {}", node.agent_log().display());
+            eprintln!(
+                "the cilium-agent exited; see {}",
+                node.agent_log().display()
+            );
             break;
         }
     }
@@ -365,7 +402,8 @@ fn real_main() -> Result<()> {
             prefix,
             release,
             routing,
-        } => real_node(prefix, &release, &routing)?,
+            no_pods,
+        } => real_node(prefix, &release, &routing, !no_pods)?,
         Cmd::AgentApi { socket, settings } => {
             stepguard_lab::services::serve_agent_api(&socket, &settings)?;
         }
