@@ -521,6 +521,12 @@ impl RealNode {
     /// in the node's network namespace, then its mounts, then `cilium-agent`. One process
     /// throughout (each step execs the next), so its pid is the agent's.
     pub fn start_agent(&mut self) -> Result<()> {
+        self.start_agent_with(true)
+    }
+
+    /// Starts the agent; `clang: false` leaves clang off its PATH (a fault: it cannot compile
+    /// its datapath).
+    pub fn start_agent_with(&mut self, clang: bool) -> Result<()> {
         if self.agent_running() {
             bail!("the agent is already running");
         }
@@ -558,8 +564,12 @@ impl RealNode {
             .env(
                 "PATH",
                 format!(
-                    "{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    clang_dir().display()
+                    "{}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    if clang {
+                        format!("{}:", clang_dir().display())
+                    } else {
+                        String::new()
+                    }
                 ),
             )
             .stdin(Stdio::null())
@@ -616,6 +626,75 @@ impl RealNode {
         self.state.agent = None;
         self.save()?;
         Ok(t0.elapsed())
+    }
+
+    /// Runs another release at the next start (an upgrade or a downgrade): applies that
+    /// release's CRDs (server-side, as its chart or operator would) and switches the binaries
+    /// and lib dir. The agent must be stopped.
+    pub fn switch_release(&mut self, release: Release) -> Result<()> {
+        if self.agent_running() {
+            bail!("stop the agent before switching its release");
+        }
+        for v in ["v2", "v2alpha1"] {
+            let dir = release
+                .lib
+                .join("pkg/k8s/apis/cilium.io/client/crds")
+                .join(v);
+            self.control_plane()
+                .kubectl(&[
+                    "apply",
+                    "--server-side",
+                    "--force-conflicts",
+                    "-f",
+                    &dir.display().to_string(),
+                ])
+                .with_context(|| format!("apply Cilium {}'s CRDs", release.version))?;
+        }
+        self.state.spec.release = release;
+        self.save()
+    }
+
+    /// Changes the ConfigMap the way kubelet updates a mounted one (the agent reads it only
+    /// at its next start).
+    pub fn config_set(&self, changes: &[(String, String)]) -> Result<BTreeMap<String, String>> {
+        crate::ciliumconfig::set(&self.state.cilium_config, changes)
+    }
+
+    /// Deletes every entry of the pinned global map `name` with bpftool (a fault made from
+    /// outside the agent; stepguard itself never writes Cilium's maps). Returns how many.
+    pub fn empty_map(&self, name: &str) -> Result<usize> {
+        let pin = self.state.bpffs.join("tc/globals").join(name);
+        let pin = pin.display().to_string();
+        let dump: Value = serde_json::from_str(&netns::run(
+            "bpftool",
+            &["-j", "map", "dump", "pinned", &pin],
+        )?)
+        .context("parse bpftool's dump")?;
+        let mut n = 0;
+        for e in dump.as_array().into_iter().flatten() {
+            let key: Vec<String> = e["key"]
+                .as_array()
+                .context("a key as bytes")?
+                .iter()
+                .filter_map(|b| b.as_str().map(|s| s.trim_start_matches("0x").to_string()))
+                .collect();
+            let mut args = vec!["map", "delete", "pinned", &pin, "key", "hex"];
+            args.extend(key.iter().map(String::as_str));
+            netns::run("bpftool", &args)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Entries of the pinned global map `name` (bpftool).
+    pub fn map_entries(&self, name: &str) -> Result<usize> {
+        let pin = self.state.bpffs.join("tc/globals").join(name);
+        let dump: Value = serde_json::from_str(&netns::run(
+            "bpftool",
+            &["-j", "map", "dump", "pinned", &pin.display().to_string()],
+        )?)
+        .context("parse bpftool's dump")?;
+        Ok(dump.as_array().map(|a| a.len()).unwrap_or(0))
     }
 
     /// Sends a signal (SIGSTOP, SIGCONT) to the running agent without waiting.
@@ -745,6 +824,7 @@ impl RealNode {
                 .last()
                 .is_some_and(|n| n.starts_with("cil_"))
                 && !current.starts_with(&mine)
+                && !another_nodes_cgroup(&self.state.cgroup_mount, &current)
             {
                 outside.push(format!("{current}: {t}"));
             }
@@ -968,6 +1048,24 @@ impl Sampler {
         }
         out
     }
+}
+
+/// Whether `path` (a cgroup as `bpftool cgroup tree` prints it from the lab's mount `mount`)
+/// is another real-agent node's cgroup: `<mount>/<prefix>-node` with a recorded real node of
+/// that prefix. Such a node's socket-LB is confined to it as this one's is; only attachments
+/// at the root or elsewhere reach other processes.
+fn another_nodes_cgroup(mount: &Path, path: &str) -> bool {
+    let p = Path::new(path);
+    p.parent() == Some(mount)
+        && p.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix("-node"))
+            .is_some_and(|prefix| {
+                Path::new(crate::RUN_ROOT)
+                    .join(prefix)
+                    .join("real.json")
+                    .exists()
+            })
 }
 
 /// How long an agent start took until its API answered healthy and until it was ready (host

@@ -229,7 +229,9 @@ impl RealNode {
         if let Some(s) = &pod.server {
             services::stop(s);
         }
-        if self.agent_socket().exists() {
+        // CNI DEL needs the agent (without it cilium-cni queues the deletion and waits):
+        // a node whose agent is gone just loses the namespace.
+        if self.agent_running() {
             if let Err(e) = self.cni(&pod, "DEL") {
                 errors.push(format!("{e:#}"));
             }

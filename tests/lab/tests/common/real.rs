@@ -1,0 +1,143 @@
+//! Helpers for the tests that run the real cilium-agent on a lab node (`real_*.rs`).
+use super::*;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use stepguard_lab::realnode::{RealGuard, RealNode, RealSpec, Release};
+use stepguard_lab::realpods::Workload;
+
+pub fn real_node_on(minor: &str, tunnel: bool) -> RealGuard {
+    require_root();
+    let release = Release::from_env(minor).expect("the real cilium-agent");
+    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
+        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
+    ));
+    let t0 = Instant::now();
+    let node = RealNode::up(RealSpec {
+        prefix: stepguard_lab::unique_prefix(),
+        release,
+        kube_bin,
+        tunnel,
+    })
+    .expect("a lab node with the real cilium-agent");
+    eprintln!(
+        "real node {} up in {:.1}s (cilium-agent {})",
+        node.state.spec.prefix,
+        t0.elapsed().as_secs_f64(),
+        node.state.spec.release.version
+    );
+    RealGuard(node)
+}
+
+pub fn real_node_routed(tunnel: bool) -> RealGuard {
+    real_node_on("1.20", tunnel)
+}
+
+/// Makes the lab's pods through `cilium-cni` (two nginx, one dnsmasq) and the Services over
+/// them (ClusterIP, a LoadBalancer with a hand-set ingress IP, DNS).
+pub fn add_pods(node: &mut RealNode) {
+    let t0 = Instant::now();
+    for (name, w) in [
+        ("web-0", Workload::Web),
+        ("web-1", Workload::Web),
+        ("dns-0", Workload::Dns),
+    ] {
+        let p = node.add_pod(name, w).expect("a pod through CNI ADD");
+        eprintln!("pod {name}: {} (CNI ADD)", p.ip);
+    }
+    node.add_services()
+        .expect("the Services, served by the agent");
+    eprintln!("pods and Services up in {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+/// A real node (1.20) with the lab's pods and Services.
+pub fn real_node_with_pods(tunnel: bool) -> RealGuard {
+    let mut node = real_node_routed(tunnel);
+    add_pods(&mut node);
+    node
+}
+
+/// Keeps the agent's log past the node's removal: `target/real-cilium/<test>.log`.
+pub fn keep_log(node: &RealNode, test: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/real-cilium");
+    let _ = std::fs::create_dir_all(&dir);
+    let to = dir.join(format!("{test}.log"));
+    match std::fs::copy(node.agent_log(), &to) {
+        Ok(_) => eprintln!("the cilium-agent's log: {}", to.display()),
+        Err(e) => eprintln!("could not keep the cilium-agent's log: {e}"),
+    }
+}
+
+/// Takes the node down at the end of a test (also when it panics), keeping the agent's log.
+pub struct Kept(pub RealGuard, pub &'static str);
+impl Drop for Kept {
+    fn drop(&mut self) {
+        keep_log(&self.0, self.1);
+    }
+}
+impl std::ops::Deref for Kept {
+    type Target = RealNode;
+    fn deref(&self) -> &RealNode {
+        &self.0
+    }
+}
+impl std::ops::DerefMut for Kept {
+    fn deref_mut(&mut self) -> &mut RealNode {
+        &mut self.0
+    }
+}
+
+/// `stepguard check --format json` on the node (its network namespace and cgroup).
+pub fn check_real(node: &RealNode, config: &std::path::Path) -> (i32, Value, String) {
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", node.node_ns()))
+        .arg("--")
+        .args(node.in_node_cgroup())
+        .arg(bin("STEPGUARD_BIN", "stepguard"))
+        .args(["check", "--format", "json", "--config"])
+        .arg(config)
+        .output()
+        .expect("run stepguard check");
+    (
+        out.status.code().unwrap_or(-1),
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// stepguard's agent on the node (its network namespace and cgroup), with the node's config.
+pub fn real_agent_on(node: &RealNode) -> Daemon {
+    let cfg = node.write_stepguard_config().unwrap();
+    let wrapper = node.in_node_cgroup();
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    Daemon::start_wrapped(
+        node.node_ns(),
+        cfg,
+        node.state.run_dir.join("stepguard-state"),
+        free_port(),
+        &[],
+        &wrapper,
+    )
+}
+
+/// Waits (bounded) for a decided implicit step other than those in `seen`; returns it.
+pub fn implicit_verdict(agent: &Daemon, seen: &[String]) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (_, list) = agent.get_json("/v1/steps");
+        let found = list["steps"].as_array().and_then(|a| {
+            a.iter()
+                .find(|s| {
+                    s["origin"] == "implicit"
+                        && !seen.iter().any(|x| Some(x.as_str()) == s["id"].as_str())
+                })
+                .cloned()
+        });
+        if let Some(s) = found {
+            return agent.verdict(s["id"].as_str().unwrap());
+        }
+        assert!(Instant::now() < deadline, "no implicit step: {list}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
