@@ -15,7 +15,8 @@ pub mod netns;
 mod nodemaps;
 mod overlay;
 pub mod realnode;
-pub mod realpods;
+/// The real-agent node's pods and Services ([`realnode::pods`]).
+pub use realnode::pods as realpods;
 mod restart;
 pub use restart::*;
 pub mod services;

@@ -22,6 +22,8 @@
 //!
 //! The agent's configuration is a kubelet-style ConfigMap mount (`--config-dir`, as the chart
 //! deploys it) that stepguard's `cilium_config` reads too; only per-node paths are flags.
+pub mod pods;
+
 use crate::kube::{self as lkube, ControlPlane, Forward, Kube};
 use crate::netns;
 use crate::services::{self, Proc};
@@ -131,7 +133,7 @@ pub struct RealState {
     pub control_plane: Option<ControlPlane>,
     /// Pods made through CNI ([`crate::realpods`]).
     #[serde(default)]
-    pub pods: Vec<crate::realpods::RealPod>,
+    pub pods: Vec<pods::RealPod>,
     /// The Services over them exist (their VIPs are stepguard targets).
     #[serde(default)]
     pub services: bool,
@@ -280,7 +282,7 @@ impl RealNode {
         })
     }
 
-    pub(crate) fn state_pods(&mut self) -> &mut Vec<crate::realpods::RealPod> {
+    pub(crate) fn state_pods(&mut self) -> &mut Vec<pods::RealPod> {
         &mut self.state.pods
     }
     pub(crate) fn save_state(&self) -> Result<()> {

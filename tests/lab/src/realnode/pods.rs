@@ -9,8 +9,8 @@
 //! [`WEB_LB_IP`] is set by hand on its status, as no LB-IPAM runs without the operator) selects
 //! the nginx pods; `dns` ([`DNS_CLUSTER_IP`], UDP and TCP 53) the dnsmasq pod. A probe from
 //! the node to these addresses goes through Cilium's real service maps and socket-LB.
+use super::{RealNode, NODE_NAME};
 use crate::netns;
-use crate::realnode::{RealNode, NODE_NAME};
 use crate::services::{self, Proc};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -207,7 +207,7 @@ impl RealNode {
             &pod.name,
             json!({"status": {
                 "phase": "Running",
-                "hostIP": crate::realnode::NODE_IP,
+                "hostIP": super::NODE_IP,
                 "podIP": pod.ip.to_string(),
                 "podIPs": [{"ip": pod.ip.to_string()}],
                 "startTime": now,
@@ -344,7 +344,7 @@ impl RealNode {
     /// Whether every pod's endpoint is `ready` with an identity from its labels (`k8s:app=…`),
     /// not `reserved:init`.
     pub fn pods_settled(&self) -> Result<bool> {
-        let (code, body) = crate::realnode::api_get(&self.agent_socket(), "/v1/endpoint")?;
+        let (code, body) = super::api_get(&self.agent_socket(), "/v1/endpoint")?;
         if code != 200 {
             bail!("GET /v1/endpoint: {code}");
         }
@@ -368,7 +368,7 @@ impl RealNode {
     /// Whether the agent's service list (`GET /v1/service`) has a frontend `addr` with at
     /// least one backend.
     pub fn serves(&self, addr: Ipv4Addr) -> Result<bool> {
-        let (code, body) = crate::realnode::api_get(&self.agent_socket(), "/v1/service")?;
+        let (code, body) = super::api_get(&self.agent_socket(), "/v1/service")?;
         if code != 200 {
             bail!("GET /v1/service: {code}");
         }
