@@ -1,4 +1,4 @@
-//! The real cilium-agent and cilium-cni for the tests (issue 30), built by the ordinary `go`
+//! The real cilium-agent, cilium-cni and cilium-dbg for the tests (issues 30, 31), built by the ordinary `go`
 //! command from `github.com/cilium/cilium` on the Go module proxy, kept by version under the
 //! cache directory outside the clone (like the control plane, `kube.rs`). Nothing upstream is
 //! committed or copied: the agent's lib dir is the module's own directory in the module cache
@@ -156,14 +156,23 @@ fn reports(bin: &Path, want: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// Whether the release's cilium-agent and cilium-cni are there and the agent reports it.
+/// What is built of a release: the agent, the CNI plugin, and `cilium-dbg` (its
+/// `build-config` is the agent pod's init container, merging the ConfigMap with the
+/// node's CiliumNodeConfigs).
+const BINARIES: [(&str, &str); 3] = [
+    ("github.com/cilium/cilium/daemon", "cilium-agent"),
+    ("github.com/cilium/cilium/plugins/cilium-cni", "cilium-cni"),
+    ("github.com/cilium/cilium/cilium-dbg", "cilium-dbg"),
+];
+
+/// Whether the release's binaries are there and the agent reports the release.
 pub fn built(r: &Release) -> bool {
     let bin = bin_dir(r);
     reports(&bin.join("cilium-agent"), r.version.trim_start_matches('v'))
-        && bin.join("cilium-cni").exists()
+        && BINARIES.iter().all(|(_, name)| bin.join(name).exists())
 }
 
-/// Builds the release's cilium-agent and cilium-cni when missing; returns their directory and
+/// Builds the release's cilium-agent, cilium-cni and cilium-dbg when missing; returns their directory and
 /// the agent's lib dir (the module directory, holding `bpf/`).
 pub fn ensure(r: &Release) -> Result<(PathBuf, PathBuf)> {
     let bin = bin_dir(r);
@@ -232,10 +241,12 @@ pub fn ensure(r: &Release) -> Result<(PathBuf, PathBuf)> {
     let ldflags = format!(
         "-s -w -X \"github.com/cilium/cilium/pkg/version.ciliumVersion={version} go-module-proxy {date}\""
     );
-    for (pkg, name) in [
-        ("github.com/cilium/cilium/daemon", "cilium-agent"),
-        ("github.com/cilium/cilium/plugins/cilium-cni", "cilium-cni"),
-    ] {
+    // Binaries already built for this release stay (a cache that predates cilium-dbg).
+    let current = reports(&bin.join("cilium-agent"), version);
+    for (pkg, name) in BINARIES {
+        if current && bin.join(name).exists() {
+            continue;
+        }
         println!("cilium: building {name} {version} (minutes on 2 cores)");
         run(
             go().current_dir(&work)
@@ -261,7 +272,7 @@ pub fn ensure(r: &Release) -> Result<(PathBuf, PathBuf)> {
     }
     describe(r, &module)?;
     println!(
-        "cilium: built cilium-agent and cilium-cni {version} into {} in {:.0}s; lib dir {}",
+        "cilium: built cilium-agent, cilium-cni and cilium-dbg {version} into {} in {:.0}s; lib dir {}",
         bin.display(),
         started.elapsed().as_secs_f64(),
         module.display()

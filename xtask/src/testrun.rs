@@ -251,8 +251,14 @@ pub struct Outcome {
     pub passed: u64,
     pub failed: u64,
     pub ignored: u64,
+    /// Ignored tests whose reason names the flag that runs them ([`RUNS_IGNORED`]).
+    pub ignored_for_flag: u64,
     pub ok: bool,
 }
+
+/// The `cargo xtask test` flag that runs the `#[ignore]`d tests; an ignored test's reason
+/// must name it, or the run fails.
+pub const RUNS_IGNORED: &str = "cargo xtask test --all-releases";
 
 /// Reads cargo test output: `Running <src> (…)` or `Doc-tests <crate>` opens a target, the
 /// next `test result:` line closes it. Returns (key, outcome) in order; key is the src path
@@ -260,13 +266,20 @@ pub struct Outcome {
 pub fn parse_output(lines: &[String]) -> Vec<(String, Outcome)> {
     let mut out = Vec::new();
     let mut open: Option<String> = None;
+    let mut flagged = 0;
     for line in lines {
         let l = line.trim();
-        if let Some(rest) = l.strip_prefix("Running ") {
+        if l.starts_with("test ") && l.contains(" ... ignored") {
+            if l.contains(RUNS_IGNORED) {
+                flagged += 1;
+            }
+        } else if let Some(rest) = l.strip_prefix("Running ") {
+            flagged = 0;
             let rest = rest.strip_prefix("unittests ").unwrap_or(rest);
             let src = rest.split(" (").next().unwrap_or(rest).trim();
             open = Some(src.to_string());
         } else if let Some(krate) = l.strip_prefix("Doc-tests ") {
+            flagged = 0;
             open = Some(format!("doc:{}", krate.trim()));
         } else if let Some(rest) = l.strip_prefix("test result: ") {
             if let Some(key) = open.take() {
@@ -288,6 +301,7 @@ pub fn parse_output(lines: &[String]) -> Vec<(String, Outcome)> {
                         passed: num("passed"),
                         failed: num("failed"),
                         ignored: num("ignored"),
+                        ignored_for_flag: std::mem::take(&mut flagged),
                         ok: rest.starts_with("ok"),
                     },
                 ));
@@ -358,10 +372,21 @@ impl Ledger {
                 Some(o) if !o.ok || o.failed > 0 => {
                     p.push(format!("{}: {} failed", t.label(), o.failed))
                 }
-                Some(o) if t.kind == Kind::Integration && o.passed == 0 => p.push(format!(
-                    "{}: ran no test (an integration target must test something)",
-                    t.label()
+                Some(o) if o.ignored > o.ignored_for_flag => p.push(format!(
+                    "{}: {} ignored test(s) whose reason does not name `{RUNS_IGNORED}`",
+                    t.label(),
+                    o.ignored - o.ignored_for_flag
                 )),
+                // A target whose every test waits for the flag is accounted for (the table
+                // says so); one that ran nothing else is not.
+                Some(o)
+                    if t.kind == Kind::Integration && o.passed == 0 && o.ignored_for_flag == 0 =>
+                {
+                    p.push(format!(
+                        "{}: ran no test (an integration target must test something)",
+                        t.label()
+                    ))
+                }
                 _ => {}
             }
         }
@@ -378,7 +403,7 @@ impl Ledger {
                     o.passed,
                     o.failed,
                     if o.ignored > 0 {
-                        format!(", {} ignored", o.ignored)
+                        format!(", {} ignored (they run with `{RUNS_IGNORED}`)", o.ignored)
                     } else {
                         String::new()
                     }
@@ -474,7 +499,10 @@ mod tests {
         let out = lines(
             "   Compiling x v0.1.0\n\
              \x20    Running unittests src/lib.rs (target/debug/deps/stepguard-1)\n\
-             running 2 tests\n\
+             running 3 tests\n\
+             test a ... ok\n\
+             test b ... ignored, needs cilium-agent 1.19: cargo xtask test --all-releases\n\
+             test c ... ok\n\
              test result: ok. 2 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s\n\
              \x20    Running tests/deploy.rs (target/debug/deps/deploy-2)\n\
              running 3 tests\n\
@@ -491,6 +519,7 @@ mod tests {
                 passed: 2,
                 failed: 0,
                 ignored: 1,
+                ignored_for_flag: 1,
                 ok: true
             }
         );
@@ -510,6 +539,33 @@ mod tests {
             src: src.into(),
             privileged: false,
         }
+    }
+
+    /// An ignored test must name the flag that runs it; a target whose every test waits for
+    /// that flag is accounted for, one with an unexplained ignore is not.
+    #[test]
+    fn an_ignored_test_must_name_the_flag_that_runs_it() {
+        let out = lines(
+            "     Running tests/real_upgrade.rs (target/debug/deps/real_upgrade-1)\n\
+             test up ... ignored, needs cilium-agent 1.19: cargo xtask test --all-releases\n\
+             test result: ok. 0 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out\n\
+             \x20    Running tests/other.rs (target/debug/deps/other-2)\n\
+             test quiet ... ignored\n\
+             test fine ... ok\n\
+             test result: ok. 1 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out\n",
+        );
+        let mut l = Ledger::new([
+            target("a", Kind::Integration, "tests/real_upgrade.rs"),
+            target("a", Kind::Integration, "tests/other.rs"),
+        ]);
+        l.record("a", &parse_output(&out));
+        let p = l.problems();
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].contains("tests/other.rs") && p[0].contains("does not name"),
+            "{p:?}"
+        );
+        assert!(l.table().contains("1 ignored (they run with"));
     }
 
     #[test]

@@ -20,8 +20,11 @@
 //!   `kernel.timer_migration=0`; `pkg/datapath/loader/base.go` `Reinitialize`), so the
 //!   machine's kernel settings stay as they were.
 //!
-//! The agent's configuration is a kubelet-style ConfigMap mount (`--config-dir`, as the chart
-//! deploys it) that stepguard's `cilium_config` reads too; only per-node paths are flags.
+//! The agent's configuration comes as a Cilium pod's does ([`config`]): the ConfigMap object
+//! and the node's CiliumNodeConfigs merged by the release's `cilium-dbg build-config` before
+//! each start (`--config-dir`); stepguard's `cilium_config` reads the ConfigMap's kubelet-style
+//! mount. Only per-node paths are flags.
+pub mod config;
 pub mod pods;
 
 use crate::kube::{self as lkube, ControlPlane, Forward, Kube};
@@ -473,10 +476,7 @@ impl RealNode {
             .kubeconfig_for(&self.kubeconfig, &format!("https://{}", fwd.addr))?;
         self.forward = Some(fwd);
 
-        crate::ciliumconfig::write(
-            &self.state.cilium_config,
-            &cilium_config(self.state.spec.tunnel),
-        )?;
+        self.create_config()?;
         std::fs::create_dir_all(self.agent_run_dir())?;
         let sysctls = self.state.run_dir.join("sysctl-masks");
         std::fs::create_dir_all(&sysctls)?;
@@ -504,7 +504,7 @@ impl RealNode {
     fn agent_args(&self) -> Vec<String> {
         let s = &self.state;
         vec![
-            format!("--config-dir={}", s.cilium_config.display()),
+            format!("--config-dir={}", self.agent_config_dir().display()),
             format!("--k8s-kubeconfig-path={}", self.kubeconfig.display()),
             format!("--bpf-root={}", s.bpffs.display()),
             format!("--cgroup-root={}", self.agent_cgroup_root().display()),
@@ -532,6 +532,8 @@ impl RealNode {
         if self.agent_running() {
             bail!("the agent is already running");
         }
+        // The pod's init container, then the agent.
+        self.build_config()?;
         let s = &self.state;
         std::fs::create_dir_all(self.agent_cgroup_root())?;
         let sysctls = s.run_dir.join("sysctl-masks");
@@ -656,12 +658,6 @@ impl RealNode {
         self.save()
     }
 
-    /// Changes the ConfigMap the way kubelet updates a mounted one (the agent reads it only
-    /// at its next start).
-    pub fn config_set(&self, changes: &[(String, String)]) -> Result<BTreeMap<String, String>> {
-        crate::ciliumconfig::set(&self.state.cilium_config, changes)
-    }
-
     /// Deletes every entry of the pinned global map `name` with bpftool (a fault made from
     /// outside the agent; stepguard itself never writes Cilium's maps). Returns how many.
     pub fn empty_map(&self, name: &str) -> Result<usize> {
@@ -710,10 +706,22 @@ impl RealNode {
         Ok(())
     }
 
+    /// The devices the agent was started with: `devices` as `build-config` resolved it (a
+    /// per-node override included).
+    pub fn agent_devices(&self) -> Vec<String> {
+        std::fs::read_to_string(self.agent_config_dir().join("devices"))
+            .unwrap_or_else(|_| "eth0 eth1".into())
+            .split([' ', ','])
+            .filter(|d| !d.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
     /// Waits until the agent's API says it is healthy and the host datapath is attached on
-    /// the selected devices (the pinned tcx links of `cil_from_netdev`).
+    /// the devices it was started with (the pinned tcx links of `cil_from_netdev`).
     pub fn wait_ready(&mut self, limit: Duration) -> Result<Readiness> {
         let t0 = Instant::now();
+        let devices = self.agent_devices();
         let mut api_at = None;
         loop {
             if !self.agent_running() {
@@ -732,7 +740,7 @@ impl RealNode {
             {
                 api_at = Some(t0.elapsed());
             }
-            let attached = ["eth0", "eth1"].iter().all(|d| {
+            let attached = devices.iter().all(|d| {
                 self.state
                     .bpffs
                     .join("cilium/devices")

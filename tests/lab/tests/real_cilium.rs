@@ -14,23 +14,6 @@ use common::*;
 use serde_json::Value;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use stepguard_lab::realnode::RealNode;
-
-/// The id of the program behind the agent's pinned tcx link for `program` on `dev`, as
-/// bpftool reads the pin (`<bpffs>/cilium/devices/<dev>/links/<program>`).
-fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
-    let pin = node
-        .state
-        .bpffs
-        .join("cilium/devices")
-        .join(dev)
-        .join("links")
-        .join(program);
-    let v = bpftool_json(&["link", "show", "pinned", &pin.display().to_string()]);
-    v["prog_id"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("bpftool link show pinned {}: {v}", pin.display()))
-}
 
 #[test]
 fn a_healthy_real_node_passes_every_check_with_the_agents_own_evidence() {

@@ -90,6 +90,15 @@ impl std::ops::DerefMut for Kept {
 
 /// `stepguard check --format json` on the node (its network namespace and cgroup).
 pub fn check_real(node: &RealNode, config: &std::path::Path) -> (i32, Value, String) {
+    check_real_with(node, config, &[])
+}
+
+/// `stepguard check --format json` with `extra` arguments on the node.
+pub fn check_real_with(
+    node: &RealNode,
+    config: &std::path::Path,
+    extra: &[&str],
+) -> (i32, Value, String) {
     let out = Command::new("nsenter")
         .arg(format!("--net=/run/netns/{}", node.node_ns()))
         .arg("--")
@@ -97,6 +106,7 @@ pub fn check_real(node: &RealNode, config: &std::path::Path) -> (i32, Value, Str
         .arg(bin("STEPGUARD_BIN", "stepguard"))
         .args(["check", "--format", "json", "--config"])
         .arg(config)
+        .args(extra)
         .output()
         .expect("run stepguard check");
     (
@@ -140,4 +150,20 @@ pub fn implicit_verdict(agent: &Daemon, seen: &[String]) -> Value {
         assert!(Instant::now() < deadline, "no implicit step: {list}");
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// The id of the program behind the agent's pinned tcx link for `program` on `dev`, as
+/// bpftool reads the pin (`<bpffs>/cilium/devices/<dev>/links/<program>`).
+pub fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
+    let pin = node
+        .state
+        .bpffs
+        .join("cilium/devices")
+        .join(dev)
+        .join("links")
+        .join(program);
+    let v = bpftool_json(&["link", "show", "pinned", &pin.display().to_string()]);
+    v["prog_id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("bpftool link show pinned {}: {v}", pin.display()))
 }

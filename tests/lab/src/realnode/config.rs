@@ -1,0 +1,122 @@
+//! The real node's Cilium configuration, the way a Cilium pod gets it (issue 31):
+//! - the ConfigMap `kube-system/cilium-config` is an object in the lab's API server, and its
+//!   kubelet-style mount (`RealState::cilium_config`) is what stepguard's `cilium_config` reads,
+//!   as the DaemonSet in `deploy/` mounts it;
+//! - before every agent start, the agent pod's init container runs: the release's own
+//!   `cilium-dbg build-config` merges the ConfigMap with the CiliumNodeConfigs that select the
+//!   node (later sources win; it adds `config-sources`) into a fresh directory, the agent's
+//!   `--config-dir` (the chart's `/tmp/cilium/config-map` emptyDir, new with each pod).
+//!
+//! So an edit of the ConfigMap reaches the agent only at its next start, and a per-node
+//! override only through Cilium's own resolver (`pkg/option/resolver`), not the lab's reading
+//! of it.
+use super::*;
+use k8s_openapi::api::core::v1::ConfigMap;
+
+/// Cilium's namespace in the lab (the chart's default).
+pub const CILIUM_NAMESPACE: &str = "kube-system";
+
+impl RealNode {
+    /// The directory `cilium-dbg build-config` writes and the agent reads (`--config-dir`).
+    pub fn agent_config_dir(&self) -> PathBuf {
+        self.state.run_dir.join("agent-config")
+    }
+
+    /// Creates the ConfigMap object and its kubelet-style mount.
+    pub(super) fn create_config(&self) -> Result<()> {
+        let values = cilium_config(self.state.spec.tunnel);
+        self.kube().create(
+            &self.kube().ns::<ConfigMap>(CILIUM_NAMESPACE),
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": "cilium-config", "namespace": CILIUM_NAMESPACE},
+                   "data": values}),
+        )?;
+        crate::ciliumconfig::write(&self.state.cilium_config, &values)
+    }
+
+    /// The agent pod's init container: `cilium-dbg build-config` of the node's release into a
+    /// fresh `agent_config_dir`, reaching the API server as the agent does (the node's
+    /// kubeconfig, from its network namespace).
+    pub(super) fn build_config(&self) -> Result<()> {
+        let dest = self.agent_config_dir();
+        if dest.exists() {
+            std::fs::remove_dir_all(&dest)
+                .with_context(|| format!("remove the last start's {}", dest.display()))?;
+        }
+        let out = Command::new("nsenter")
+            .arg(format!(
+                "--net={}",
+                netns::netns_path(&self.node_ns()).display()
+            ))
+            .arg("--")
+            .arg(self.state.spec.release.bin.join("cilium-dbg"))
+            .arg("build-config")
+            .arg(format!("--k8s-kubeconfig-path={}", self.kubeconfig.display()))
+            .arg(format!("--dest={}", dest.display()))
+            .arg(format!("--node-name={NODE_NAME}"))
+            .arg(format!(
+                "--source=config-map:{CILIUM_NAMESPACE}/cilium-config,cilium-node-config:{CILIUM_NAMESPACE}"
+            ))
+            .env("K8S_NODE_NAME", NODE_NAME)
+            .env("CILIUM_K8S_NAMESPACE", CILIUM_NAMESPACE)
+            .output()
+            .context("run cilium-dbg build-config")?;
+        if !out.status.success() || !dest.join("config-sources").exists() {
+            bail!(
+                "cilium-dbg build-config failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .rev()
+                    .take(5)
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Edits the ConfigMap (the object, and its mount as kubelet updates it); the agent reads
+    /// it only at its next start. Returns the mount's values.
+    pub fn config_set(&self, changes: &[(String, String)]) -> Result<BTreeMap<String, String>> {
+        let data: serde_json::Map<String, Value> = changes
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect();
+        self.kube().merge(
+            &self.kube().ns::<ConfigMap>(CILIUM_NAMESPACE),
+            "cilium-config",
+            json!({ "data": data }),
+            false,
+        )?;
+        crate::ciliumconfig::set(&self.state.cilium_config, changes)
+    }
+
+    /// A per-node override: a CiliumNodeConfig `name` (v2) in Cilium's namespace selecting
+    /// this node by its hostname label, with `values` as its defaults. The agent loads it at
+    /// its next start (through `build-config`); the ConfigMap mount does not change.
+    pub fn node_override(&self, name: &str, values: &[(String, String)]) -> Result<()> {
+        let defaults: serde_json::Map<String, Value> = values
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect();
+        let obj = json!({
+            "apiVersion": "cilium.io/v2",
+            "kind": "CiliumNodeConfig",
+            "metadata": {"name": name, "namespace": CILIUM_NAMESPACE},
+            "spec": {
+                "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": NODE_NAME}},
+                "defaults": defaults,
+            },
+        });
+        let file = self
+            .state
+            .run_dir
+            .join(format!("ciliumnodeconfig-{name}.json"));
+        std::fs::write(&file, serde_json::to_vec_pretty(&obj)?)?;
+        self.control_plane()
+            .kubectl(&["apply", "-f", &file.display().to_string()])
+            .with_context(|| format!("apply CiliumNodeConfig {name}"))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,290 @@
+//! Faults on the **real cilium-agent** (issue 31, part 1): each is made on a lab node running
+//! cilium-agent 1.20 (`stepguard_lab::realnode`), and the verdict asserted is the one the
+//! agent's measured behaviour implies (recorded in `docs/cilium-fidelity.md`, "Faults on the
+//! real agent"). The agent's log of each case is kept in `target/real-cilium/`.
+mod common;
+use common::real::*;
+use common::*;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+use stepguard_lab::realnode::RealNode;
+
+/// The reasons of a decided step.
+fn step_reasons(v: &Value) -> Vec<String> {
+    v["verdict"]["reasons"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|r| r.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The program ids on the node's pinned host links (eth0, eth1, cilium_host).
+fn host_programs(node: &RealNode) -> Vec<(String, u64)> {
+    [
+        ("eth0", "cil_from_netdev"),
+        ("eth1", "cil_from_netdev"),
+        ("cilium_host", "cil_to_host"),
+    ]
+    .iter()
+    .map(|(d, p)| (d.to_string(), pinned_link_program(node, d, p)))
+    .collect()
+}
+
+/// Lines of the agent's log that say why it could not go on.
+fn agent_errors(node: &RealNode, needle: &str) -> Vec<String> {
+    std::fs::read_to_string(node.agent_log())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .take(5)
+        .map(|l| l.chars().take(300).collect())
+        .collect()
+}
+
+/// The agent cannot compile its datapath (clang off its PATH; Cilium clears its template cache
+/// at every start, so every start compiles): the old programs stay attached and serve, the
+/// node never reloads, and the step fails `datapath_not_reloaded` — whether the agent exits
+/// and is started again (as the kubelet does, here every 2 s) or keeps retrying.
+#[test]
+fn an_agent_that_cannot_compile_its_datapath_fails_datapath_not_reloaded() {
+    let mut node = Kept(real_node_routed(true), "fault-no-clang");
+    let agent = real_agent_on(&node);
+    let before = host_programs(&node);
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"45s"}"#);
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    node.start_agent_with(false).unwrap();
+    let t0 = Instant::now();
+    let mut starts = 1;
+    let v = loop {
+        let (s, v) = agent.get_json(&format!("/v1/steps/{id}"));
+        if s == 200 && v["verdict"].is_object() {
+            break v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no verdict: {v:#}");
+        if !node.agent_running() {
+            std::thread::sleep(Duration::from_secs(2));
+            node.start_agent_with(false).unwrap();
+            starts += 1;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    let after = host_programs(&node);
+    eprintln!(
+        "no clang: {starts} start(s) in {:.0}s; programs before {before:?}, after {after:?}; agent said: {:#?}\nverdict: {:#}",
+        t0.elapsed().as_secs_f64(),
+        agent_errors(&node, "clang"),
+        v["verdict"]
+    );
+    assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+    assert!(
+        step_reasons(&v).contains(&"datapath_not_reloaded".to_string()),
+        "{v:#}"
+    );
+    assert_eq!(before, after, "the old programs stay attached");
+    // They kept serving: no gap on the VIPs while the agent could not compile.
+    for g in v["gaps"].as_array().unwrap() {
+        assert_eq!(g["count"], 0, "the old datapath kept serving: {g}");
+    }
+}
+
+/// The agent stopped (SIGSTOP) once its API serves and before it replaced its programs: the
+/// node never reloads (`datapath_not_reloaded`); stepguard keeps answering meanwhile (its
+/// calls to the stopped agent's API time out instead of hanging), and the agent, continued,
+/// finishes.
+#[test]
+fn an_agent_stopped_after_its_api_serves_fails_datapath_not_reloaded() {
+    let mut node = Kept(real_node_routed(true), "fault-sigstop");
+    let agent = real_agent_on(&node);
+    let before = host_programs(&node);
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"30s"}"#);
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    node.start_agent().unwrap();
+    let t0 = Instant::now();
+    let api = loop {
+        if stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/healthz")
+            .is_ok_and(|(c, _)| c == 200)
+        {
+            break t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the API never served"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    node.signal_agent(libc::SIGSTOP).unwrap();
+    // stepguard answers while the agent it asks is stopped.
+    let t = Instant::now();
+    let (code, _) = agent.get("/v1/verdict?format=text");
+    let answered = t.elapsed();
+    assert!(code == 200 || code == 503, "verdict answered: {code}");
+    assert!(
+        answered < Duration::from_secs(5),
+        "stepguard answered in {answered:?} with the agent stopped"
+    );
+    let v = agent.verdict(&id);
+    let during = host_programs(&node);
+    node.signal_agent(libc::SIGCONT).unwrap();
+    let ready = node.wait_ready(Duration::from_secs(120)).unwrap();
+    let after = host_programs(&node);
+    eprintln!(
+        "SIGSTOP {:.2}s after the start (API serving); verdict {:#}; programs before {before:?}, while stopped {during:?}, after SIGCONT {after:?} (ready {:.1}s after the start)",
+        api.as_secs_f64(),
+        v["verdict"],
+        ready.ready.as_secs_f64()
+    );
+    assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+    assert!(
+        step_reasons(&v).contains(&"datapath_not_reloaded".to_string()),
+        "{v:#}"
+    );
+    assert_eq!(before, during, "nothing was replaced while it was stopped");
+    assert_ne!(before, after, "continued, the agent replaced its programs");
+}
+
+/// `cilium_lxc` (kept state: Cilium opens it, never recreates it) emptied with bpftool while
+/// the agent is down. What the real agent does with it at its start decides the verdict: see
+/// the fidelity table.
+#[test]
+fn a_kept_map_emptied_while_the_agent_is_down() {
+    let mut node = Kept(real_node_with_pods(true), "fault-map-emptied");
+    let agent = real_agent_on(&node);
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"60s"}"#);
+    let before = node.map_entries("cilium_lxc").unwrap();
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    let removed = node.empty_map("cilium_lxc").unwrap();
+    assert!(removed > 0 && removed == before, "{removed} of {before}");
+    assert_eq!(node.map_entries("cilium_lxc").unwrap(), 0);
+    node.start_agent().unwrap();
+    // The map's entries from the start on, every 100 ms until the agent is ready.
+    let t0 = Instant::now();
+    let mut seen = Vec::new();
+    let mut last = usize::MAX;
+    while t0.elapsed() < Duration::from_secs(60) {
+        let n = node.map_entries("cilium_lxc").unwrap_or(0);
+        if n != last {
+            seen.push(format!("{:+.1}s {n}", t0.elapsed().as_secs_f64()));
+            last = n;
+        }
+        if n >= before && node.endpoints_ready().unwrap_or(false) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let v = agent.verdict(&id);
+    eprintln!(
+        "cilium_lxc: {before} entries, {removed} deleted while down; after the start: {}; verdict {:#}; maps {:#}; gaps {:#}",
+        seen.join(", "),
+        v["verdict"],
+        v["maps"]["cilium_lxc"],
+        v["gaps"]
+    );
+    assert!(v["verdict"].is_object(), "{v:#}");
+}
+
+/// A ConfigMap edit the agent has not loaded (no restart): the config check fails
+/// `config_not_applied` naming the key; after a restart the agent loaded it and it passes.
+#[test]
+fn a_configmap_edit_without_a_restart_is_named_until_the_agent_restarts() {
+    let mut node = Kept(real_node_routed(true), "fault-config-edit");
+    let cfg = node.write_stepguard_config().unwrap();
+    let state = node.state.run_dir.join("check-state");
+    let config_check = |node: &RealNode| {
+        let (code, v, err) = check_real_with(
+            node,
+            &cfg,
+            &[
+                "--only",
+                "config",
+                "--state-dir",
+                &state.display().to_string(),
+            ],
+        );
+        (code, result(&v, "config").clone(), err)
+    };
+    let (code, c, err) = config_check(&node);
+    assert_eq!(code, 0, "before the edit: {c:#}\n{err}");
+    node.config_set(&[("enable-l2-announcements".into(), "true".into())])
+        .unwrap();
+    let (code, c, err) = config_check(&node);
+    eprintln!("after the edit, before a restart: {c:#}");
+    assert_eq!(code, 1, "{c:#}\n{err}");
+    assert_eq!(c["code"], "config_not_applied", "{c:#}");
+    assert!(
+        c["reason"]
+            .as_str()
+            .unwrap()
+            .contains("enable-l2-announcements"),
+        "the key is named: {c:#}"
+    );
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    node.start_agent().unwrap();
+    node.wait_ready(Duration::from_secs(180)).unwrap();
+    let (code, c, err) = config_check(&node);
+    eprintln!("after the restart: {c:#}");
+    assert_eq!(code, 0, "the agent loaded the edit: {c:#}\n{err}");
+}
+
+/// A per-node override (a CiliumNodeConfig selecting the node, `devices: eth0`), loaded by the
+/// agent at its restart through Cilium's own `build-config`: a step that declared the new
+/// device set passes, and the checks afterwards expect what the agent loaded (devices on
+/// `eth0` only, the override named), not the ConfigMap's `eth0 eth1`.
+#[test]
+fn a_per_node_override_loaded_at_a_restart_is_what_the_checks_expect() {
+    let mut node = Kept(real_node_routed(true), "fault-node-override");
+    let cfg = node.write_stepguard_config().unwrap();
+    let agent = real_agent_on(&node);
+    let state = node.state.run_dir.join("check-state");
+    let check = |node: &RealNode| {
+        check_real_with(node, &cfg, &["--state-dir", &state.display().to_string()])
+    };
+    let (code, v, err) = check(&node);
+    assert_eq!(code, 0, "before: {v:#}\n{err}");
+    node.node_override("lab-node-0-nic", &[("devices".into(), "eth0".into())])
+        .unwrap();
+    // Not loaded yet: the running agent still has the ConfigMap's devices.
+    let (code, v, _) = check(&node);
+    eprintln!(
+        "override made, no restart: exit {code}, config {:#}",
+        result(&v, "config")
+    );
+    assert_eq!(code, 0, "nothing changed on the node yet: {v:#}");
+    let id =
+        agent.begin_probing(r#"{"settle":"2s","timeout":"90s","expect":{"devices":["eth0"]}}"#);
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    node.start_agent().unwrap();
+    node.wait_ready(Duration::from_secs(180)).unwrap();
+    assert_eq!(node.agent_devices(), vec!["eth0".to_string()]);
+    let step = agent.verdict(&id);
+    let (code, v, err) = check(&node);
+    eprintln!(
+        "after the restart: step {:#} (reload {:#}); check exit {code}: devices {:#}, config {:#}",
+        step["verdict"],
+        step["checks"]["reload"],
+        result(&v, "devices"),
+        result(&v, "config")
+    );
+    assert_eq!(step["verdict"]["status"], "passed", "{step:#}");
+    assert_eq!(
+        code, 0,
+        "the checks expect what the agent loaded: {v:#}\n{err}"
+    );
+    assert_eq!(
+        result(&v, "devices")["evidence"]["selected"],
+        serde_json::json!(["eth0"]),
+        "{v:#}"
+    );
+    assert!(
+        result(&v, "config").to_string().contains("devices"),
+        "the override is named: {}",
+        result(&v, "config")
+    );
+}
