@@ -19,9 +19,9 @@
 //!   older than the lease duration, so two nodes answer during a move; its entries stay in
 //!   the pinned map and answer again once the new agent heartbeats;
 //! - the restarted agent's L2 responder reconciles the pinned map against a still-empty table
-//!   at its start ([`ResponderFlush`]): Cilium means to delete every entry, but through a
-//!   reused key pointer deletes only the one iterated last (cilium/cilium#45068, in every
-//!   version read; fixed by #45197); once its leases are (re)acquired
+//!   at its start ([`ResponderFlush`]): it deletes every entry (v1.19.7, v1.20.2; up to
+//!   1.19.0-dev, through a reused key pointer, only the one iterated last:
+//!   cilium/cilium#45068, fixed by #45197); once its leases are (re)acquired
 //!   ([`LanRestartOpts::reacquire_after`]) it re-adds the entries that are missing, each with
 //!   a gratuitous ARP, and none for an entry still there (`garpOnNewEntry`); a taker with a
 //!   stale entry of its own sends no gratuitous ARP either;
@@ -228,9 +228,10 @@ pub enum ResponderFlush {
     /// Cilium 1.16 to 1.19.0-dev as read: every undesired key is collected through one
     /// reused pointer, so only the entry iterated last is deleted (cilium/cilium#45068).
     /// The lab's iteration order is its VIP order (the real one is the hash map's).
-    #[default]
     Last,
-    /// After cilium/cilium#45197: every entry is deleted.
+    /// After cilium/cilium#45197, as v1.19.7 and v1.20.2 (the releases the users run) do:
+    /// every entry is deleted.
+    #[default]
     All,
     /// Nothing is deleted (the lab before issue 26).
     None,
@@ -299,7 +300,7 @@ impl Default for LanRestartOpts {
             crash: false,
             grace: Duration::from_secs(1),
             release_takes: Duration::ZERO,
-            flush: ResponderFlush::Last,
+            flush: ResponderFlush::All,
             reacquire_after: Duration::from_secs(1),
             forget: None,
         }

@@ -145,10 +145,10 @@ enum Cmd {
         /// --grace: killed first, nothing released (the leases expire as after a crash).
         #[arg(long, requires = "node", default_value = "0s", value_parser = parse_duration)]
         release_takes: std::time::Duration,
-        /// LAN lab: how the new agent's L2 responder reconciles its map at start: `last`
-        /// (Cilium 1.16 to 1.19.0-dev: only the entry iterated last is deleted,
-        /// cilium/cilium#45068), `all` (after #45197), `none`.
-        #[arg(long, requires = "node", default_value = "last")]
+        /// LAN lab: how the new agent's L2 responder reconciles its map at start: `all`
+        /// (every entry deleted: v1.19.7 and v1.20.2, after cilium/cilium#45197), `last`
+        /// (1.16 to 1.19.0-dev: only the entry iterated last, #45068), `none`.
+        #[arg(long, requires = "node", default_value = "all")]
         responder_flush: stepguard_lab::lan::ResponderFlush,
         /// LAN lab: from the new agent's start to its leases re-acquired, when it re-adds
         /// missing responder entries with a gratuitous ARP.
