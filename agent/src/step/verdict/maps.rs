@@ -161,6 +161,9 @@ pub fn judge_maps(
                 Some(v) if profile::removed_by_design(m, v) => {
                     format!("removed by design: Cilium {} has no {m}", v.as_str())
                 }
+                _ if profile::swept_when_disabled(m) => {
+                    "unpinned: Cilium's start-up sweep removes it when its feature is disabled (the maps check holds the node to its required maps)".into()
+                }
                 _ => {
                     fail(
                         Reason::MapMissing,
