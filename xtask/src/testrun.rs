@@ -258,7 +258,7 @@ pub struct Outcome {
 
 /// The `cargo xtask test` flag that runs the `#[ignore]`d tests; an ignored test's reason
 /// must name it, or the run fails.
-pub const RUNS_IGNORED: &str = "cargo xtask test --all-releases";
+pub const RUNS_IGNORED: &str = "cargo xtask test --real-extended";
 
 /// Reads cargo test output: `Running <src> (…)` or `Doc-tests <crate>` opens a target, the
 /// next `test result:` line closes it. Returns (key, outcome) in order; key is the src path
@@ -501,7 +501,7 @@ mod tests {
              \x20    Running unittests src/lib.rs (target/debug/deps/stepguard-1)\n\
              running 3 tests\n\
              test a ... ok\n\
-             test b ... ignored, needs cilium-agent 1.19: cargo xtask test --all-releases\n\
+             test b ... ignored, needs cilium-agent 1.19: cargo xtask test --real-extended\n\
              test c ... ok\n\
              test result: ok. 2 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s\n\
              \x20    Running tests/deploy.rs (target/debug/deps/deploy-2)\n\
@@ -547,7 +547,7 @@ mod tests {
     fn an_ignored_test_must_name_the_flag_that_runs_it() {
         let out = lines(
             "     Running tests/real_upgrade.rs (target/debug/deps/real_upgrade-1)\n\
-             test up ... ignored, needs cilium-agent 1.19: cargo xtask test --all-releases\n\
+             test up ... ignored, needs cilium-agent 1.19: cargo xtask test --real-extended\n\
              test result: ok. 0 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out\n\
              \x20    Running tests/other.rs (target/debug/deps/other-2)\n\
              test quiet ... ignored\n\

@@ -2,6 +2,9 @@
 //! cilium-agent 1.20 (`stepguard_lab::realnode`), and the verdict asserted is the one the
 //! agent's measured behaviour implies (recorded in `docs/cilium-fidelity.md`, "Faults on the
 //! real agent"). The agent's log of each case is kept in `target/real-cilium/`.
+//!
+//! They run with `cargo xtask test --real-extended` (about six minutes; beyond CI's budget,
+//! README "Tests"); a plain `cargo xtask test` lists them as ignored.
 mod common;
 use common::real::*;
 use common::*;
@@ -49,6 +52,7 @@ fn agent_errors(node: &RealNode, needle: &str) -> Vec<String> {
 /// node never reloads, and the step fails `datapath_not_reloaded` — whether the agent exits
 /// and is started again (as the kubelet does, here every 2 s) or keeps retrying.
 #[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
 fn an_agent_that_cannot_compile_its_datapath_fails_datapath_not_reloaded() {
     let mut node = Kept(real_node_routed(true), "fault-no-clang");
     let agent = real_agent_on(&node);
@@ -96,6 +100,7 @@ fn an_agent_that_cannot_compile_its_datapath_fails_datapath_not_reloaded() {
 /// calls to the stopped agent's API time out instead of hanging), and the agent, continued,
 /// finishes.
 #[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
 fn an_agent_stopped_after_its_api_serves_fails_datapath_not_reloaded() {
     let mut node = Kept(real_node_routed(true), "fault-sigstop");
     let agent = real_agent_on(&node);
@@ -148,9 +153,13 @@ fn an_agent_stopped_after_its_api_serves_fails_datapath_not_reloaded() {
 }
 
 /// `cilium_lxc` (kept state: Cilium opens it, never recreates it) emptied with bpftool while
-/// the agent is down. What the real agent does with it at its start decides the verdict: see
-/// the fidelity table.
+/// the agent is down. Measured on 1.20.2: the new agent refills it as it restores and
+/// regenerates the endpoints (the host's entries about 1.4 s after its start, the pods' about
+/// 10 s), and until then the pods behind the Services are unreachable from the node: the step
+/// fails `gap_over_budget` on the Service targets (5 s budget), while the fabric's VIPs, which
+/// need no endpoint, have no gap.
 #[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
 fn a_kept_map_emptied_while_the_agent_is_down() {
     let mut node = Kept(real_node_with_pods(true), "fault-map-emptied");
     let agent = real_agent_on(&node);
@@ -185,12 +194,36 @@ fn a_kept_map_emptied_while_the_agent_is_down() {
         v["maps"]["cilium_lxc"],
         v["gaps"]
     );
-    assert!(v["verdict"].is_object(), "{v:#}");
+    assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+    assert!(
+        step_reasons(&v).contains(&"gap_over_budget".to_string()),
+        "{v:#}"
+    );
+    let gap = |t: &str| {
+        v["gaps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["target"] == t)
+            .map(|g| g["longest_s"].as_f64().unwrap_or(0.0))
+            .unwrap_or_else(|| panic!("{t} in the gaps: {v:#}"))
+    };
+    for t in ["web-clusterip", "web-lb", "dns-svc"] {
+        assert!(gap(t) > 5.0, "{t}: the pods were unreachable: {v:#}");
+    }
+    for t in ["gateway", "dns"] {
+        assert_eq!(gap(t), 0.0, "{t} needs no endpoint: {v:#}");
+    }
+    assert!(
+        last >= before && last != usize::MAX,
+        "the agent refilled cilium_lxc: {seen:?}"
+    );
 }
 
 /// A ConfigMap edit the agent has not loaded (no restart): the config check fails
 /// `config_not_applied` naming the key; after a restart the agent loaded it and it passes.
 #[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
 fn a_configmap_edit_without_a_restart_is_named_until_the_agent_restarts() {
     let mut node = Kept(real_node_routed(true), "fault-config-edit");
     let cfg = node.write_stepguard_config().unwrap();
@@ -237,6 +270,7 @@ fn a_configmap_edit_without_a_restart_is_named_until_the_agent_restarts() {
 /// device set passes, and the checks afterwards expect what the agent loaded (devices on
 /// `eth0` only, the override named), not the ConfigMap's `eth0 eth1`.
 #[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
 fn a_per_node_override_loaded_at_a_restart_is_what_the_checks_expect() {
     let mut node = Kept(real_node_routed(true), "fault-node-override");
     let cfg = node.write_stepguard_config().unwrap();

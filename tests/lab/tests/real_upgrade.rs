@@ -4,7 +4,7 @@
 //! bpffs, and the step's verdict is asserted as the measured behaviour implies (the fidelity
 //! table, "Upgrades on the real agent").
 //!
-//! These tests need cilium-agent 1.19 besides 1.20: `cargo xtask test --all-releases` builds it
+//! These tests need cilium-agent 1.19 besides 1.20: `cargo xtask test --real-extended` builds it
 //! (about seven minutes more on a cold machine, beyond CI's budget) and runs them; a plain
 //! `cargo xtask test` lists them as ignored (README, "Tests").
 mod common;
@@ -89,7 +89,7 @@ fn report(what: &str, v: &Value, before: &BTreeMap<String, u64>, after: &BTreeMa
 /// 1.19 → 1.20 with the new version declared: passes, and the step names the maps 1.20
 /// renamed (the per-endpoint policy maps, `cilium_policy_v2_*` → `cilium_policy_v3_*`).
 #[test]
-#[ignore = "needs cilium-agent 1.19: cargo xtask test --all-releases"]
+#[ignore = "needs cilium-agent 1.19: cargo xtask test --real-extended"]
 fn an_upgrade_from_1_19_to_1_20_passes_naming_the_maps_cilium_changed() {
     let mut node = Kept(real_node_on("1.19", true), "upgrade-1.19-1.20");
     add_pods(&mut node);
@@ -124,7 +124,7 @@ fn an_upgrade_from_1_19_to_1_20_passes_naming_the_maps_cilium_changed() {
 /// Declared 1.20, restarted on 1.19 again: the node did not come back on the declared
 /// version, `cilium_version_mismatch`.
 #[test]
-#[ignore = "needs cilium-agent 1.19: cargo xtask test --all-releases"]
+#[ignore = "needs cilium-agent 1.19: cargo xtask test --real-extended"]
 fn a_node_that_did_not_come_back_on_the_declared_version_fails() {
     let mut node = Kept(real_node_on("1.19", true), "upgrade-not-upgraded");
     let agent = real_agent_on(&node);
@@ -147,7 +147,7 @@ fn a_node_that_did_not_come_back_on_the_declared_version_fails() {
 /// 1.20 → 1.19 with 1.19 declared: measured; the verdict follows from what 1.19 does with
 /// 1.20's pins (the fidelity table explains it).
 #[test]
-#[ignore = "needs cilium-agent 1.19: cargo xtask test --all-releases"]
+#[ignore = "needs cilium-agent 1.19: cargo xtask test --real-extended"]
 fn a_downgrade_from_1_20_to_1_19_is_measured() {
     let mut node = Kept(real_node_on("1.20", true), "downgrade-1.20-1.19");
     add_pods(&mut node);

@@ -541,6 +541,46 @@ fn declared_devices_carry_xdp_and_the_overlay_along() {
     assert!(wanted_devices(&s).contains("eth0:xdp"));
 }
 
+/// The real 1.20.2 agent after a per-node override dropped eth1: the overlay device reloads
+/// first, eth0 about five seconds later, and eth1's programs are detached only after that.
+/// Judged at the first quiet second after the overlay, the step failed
+/// `device_set_changed` ("still attached to eth1"); the device set is judged once the
+/// wanted devices have reloaded.
+#[test]
+fn a_dropped_device_is_judged_after_the_wanted_ones_reloaded() {
+    let mut s = step();
+    s.params.expect_devices = Some(vec!["eth0".into()]);
+    s.baseline.programs.insert("cilium_vxlan".into(), 12);
+    let at = |t: f64| -> Option<BTreeMap<String, Option<u32>>> {
+        let (vx, e0, e1) = match t {
+            t if t < 1.0 => (12, Some(10), Some(11)),
+            t if t < 6.0 => (32, Some(10), Some(11)),
+            t if t < 6.2 => (32, Some(20), Some(11)),
+            _ => (32, Some(20), None),
+        };
+        Some(
+            [
+                ("eth0".to_string(), e0),
+                ("eth1".to_string(), e1),
+                ("cilium_vxlan".to_string(), Some(vx)),
+            ]
+            .into(),
+        )
+    };
+    for t in [0.5, 1.0, 2.5, 4.0, 6.0, 6.2, 7.5, 9.0, 12.0, 14.0] {
+        decide(&mut s, &obs(t, at(t)));
+        if t < 6.0 {
+            assert!(s.verdict.is_none(), "decided at {t}: {:?}", s.verdict);
+        }
+    }
+    assert_eq!(
+        s.verdict.as_ref().map(|v| v.status),
+        Some(Status::Passed),
+        "{:?}",
+        s.verdict
+    );
+}
+
 /// A rollout that drops eth1 on purpose: declared, the node coming back without eth1
 /// passes; coming back as before (eth1 reloaded too) fails with device_set_changed.
 #[test]
