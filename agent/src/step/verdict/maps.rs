@@ -158,11 +158,11 @@ pub fn judge_maps(
             .unwrap_or_default();
         let Some(after) = maps.get(m) else {
             let judged = match v {
-                Some(v) if profile::removed_by_design(m, v) => {
-                    format!("removed by design: Cilium {} has no {m}", v.as_str())
-                }
                 _ if profile::swept_when_disabled(m) => {
                     "unpinned: Cilium's start-up sweep removes it when its feature is disabled (the maps check holds the node to its required maps)".into()
+                }
+                Some(v) if profile::removed_by_design(m, v) => {
+                    format!("removed by design: Cilium {} has no {m}", v.as_str())
                 }
                 _ => {
                     fail(
