@@ -1601,7 +1601,21 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
                 && ds_status(&e).number_unavailable.unwrap_or(0) == 0
                 && cilium_pods(&e).values().filter(|p| p.2 && !p.3).count() == 3
         },
-        || format!("{:?} {:?}", cilium_pods(&e), ds_status(&e)),
+        // Each condition, so a failure says which one (this wait timed out once in a
+        // fresh-clone CI run with every cilium pod Ready).
+        || {
+            let (deleted, settled) = {
+                let st = e.kubelet.as_ref().unwrap().state.lock().unwrap();
+                (st.deletions.clone(), st.settled())
+            };
+            format!(
+                "kubelet deletions {deleted:?} (want 2), settled {settled}, observed {}, operator ready {} (want 2)\n{:?} {:?}",
+                observed(&e.k),
+                operator_ready(&e),
+                cilium_pods(&e),
+                ds_status(&e)
+            )
+        },
     );
     let (code, out) = rollout(&e, &["--dry-run"]);
     assert_eq!(code, 0, "{out}");
