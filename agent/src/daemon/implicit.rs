@@ -9,6 +9,7 @@
 //!
 //! An agent that was itself down while the cilium-agent restarted finds, at its own start,
 //! program ids other than its persisted snapshot's: that step is `evidence_incomplete`.
+use super::loads::ProgramLoads;
 use super::{lock, watch, Daemon};
 use crate::kernel::links;
 use crate::probe::unix_now;
@@ -117,34 +118,6 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
     }
 }
 
-/// Whether BPF programs were loaded since the last look (see
-/// [`crate::kernel::bpf::highest_prog_id_above`]).
-#[derive(Default)]
-struct ProgramLoads {
-    highest: u32,
-    /// Programs are loaded before they are attached: after a load, devices are looked at
-    /// every second until this time, so an attach a few seconds later is not missed.
-    looking_until: f64,
-}
-
-/// How long after a program load devices are looked at every second.
-const LOOK_AFTER_LOAD_S: f64 = 30.0;
-
-impl ProgramLoads {
-    fn since_last_look(&mut self, now: f64) -> bool {
-        match crate::kernel::bpf::highest_prog_id_above(self.highest) {
-            Ok(Some(h)) => {
-                self.highest = h;
-                self.looking_until = now + LOOK_AFTER_LOAD_S;
-                true
-            }
-            Ok(None) => now < self.looking_until,
-            // Cannot enumerate programs (no CAP_SYS_ADMIN): look every second, as before.
-            Err(_) => true,
-        }
-    }
-}
-
 /// Watches for restarts nobody stepped; runs forever.
 pub async fn run(d: Arc<Daemon>) {
     if !d.cfg.implicit_steps.enabled {
@@ -172,13 +145,7 @@ pub async fn run(d: Arc<Daemon>) {
     let mut last_api: Option<bool> = None;
     let mut saved_at = 0.0;
     let mut n: u64 = 0;
-    let mut loads = ProgramLoads {
-        highest: crate::kernel::bpf::highest_prog_id_above(0)
-            .ok()
-            .flatten()
-            .unwrap_or(0),
-        looking_until: 0.0,
-    };
+    let mut loads = ProgramLoads::from_now();
     loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
         n += 1;

@@ -2,6 +2,7 @@
 //! slower one, the step protocol, and the state behind the HTTP API.
 pub mod api;
 pub mod implicit;
+mod loads;
 mod loops;
 pub mod runner;
 pub mod store;

@@ -4,6 +4,7 @@
 //! export), and publishes a snapshot that everything else reads. Nothing else mutates a
 //! step; the rules are the step's, the I/O is here.
 
+use super::loads::ProgramLoads;
 use super::watch::{self, current_programs, map_counts};
 use super::{lock, Daemon};
 use crate::kernel::links;
@@ -12,6 +13,7 @@ pub use crate::step::lifecycle::Sample;
 use crate::step::lifecycle::{Moment, Next, Readings};
 use crate::step::verdict;
 use crate::step::Step;
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,6 +98,8 @@ struct Runner {
     readings: Readings,
     /// When the resumed step's record was last written.
     resumed_from: Option<f64>,
+    /// Program loads since the last device reading.
+    loads: ProgramLoads,
 }
 
 /// Runs the step runner until the daemon goes away. Call once per daemon.
@@ -110,6 +114,7 @@ pub async fn run(d: Arc<Daemon>) {
         n: 0,
         readings: Readings::default(),
         resumed_from: None,
+        loads: ProgramLoads::from_now(),
         d,
     };
     r.resume();
@@ -343,19 +348,37 @@ impl Runner {
         self.publish();
     }
 
-    /// The tracked devices' programs and every endpoint's (endpoints read only in part are
-    /// marked so, `raced`, and judged next time).
+    /// The tracked devices' programs, and the programs of the endpoints still to regenerate
+    /// (endpoints read only in part are marked so, `raced`, and judged next time).
+    ///
+    /// Only what can still change is read: an endpoint regenerates onto a program loaded
+    /// for it, so the endpoints still to regenerate are read here (every 200 ms) only while
+    /// programs are being loaded ([`ProgramLoads`]); otherwise the node checks' observation
+    /// of every endpoint, once a second, serves ([`Runner::read_maps`]: a deleted pod). On a
+    /// node with 1,000 endpoints these queries were most of a step's own kernel time.
     async fn read_devices(&mut self, tracked: &[String]) {
+        let now = unix_now();
+        let pending: BTreeSet<String> = self
+            .active()
+            .map(|s| verdict::pending_endpoints(s).into_iter().cloned().collect())
+            .unwrap_or_default();
+        let due = !pending.is_empty() && self.loads.since_last_look(now);
+        let scan = links::EndpointScan::Only(if due { pending } else { BTreeSet::new() });
         let path = self.d.cfg.bpffs.clone();
         let topo = self.d.topology.clone();
         let obs = self
             .d
             .kernel
-            .spawn(async move { links::observe_via(Some(&topo), &path).await })
+            .spawn(async move { links::observe_scan_via(&topo, &path, &scan).await })
             .await
             .ok()
             .and_then(|r| r.ok());
-        self.readings.endpoints = obs.as_ref().map(watch::endpoint_programs);
+        self.readings.endpoints = if due {
+            obs.as_ref().map(watch::endpoint_programs)
+        } else {
+            None
+        };
+
         self.readings.programs = obs
             .filter(|o| !o.prog_details_unreadable)
             .map(|o| current_programs(&o, tracked));
@@ -366,9 +389,16 @@ impl Runner {
     async fn read_maps(&mut self) {
         let d = self.d.clone();
         let d2 = d.clone();
+        let before = unix_now();
         let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
         {
             let node = lock(&d.node);
+            if self.readings.endpoints.is_none() && node.checked_at >= before {
+                // The node checks just observed every endpoint (an older observation is not
+                // taken: it would date old programs now). No program was loaded since the
+                // last device reading, so what it shows changed is deleted pods.
+                self.readings.endpoints = node.links.as_ref().map(watch::endpoint_programs);
+            }
             self.readings.maps = node.maps.as_ref().map(map_counts);
             self.readings.map_ids = node.maps.as_ref().map(watch::map_ids);
             self.readings.endpoint_maps = node.maps.as_ref().map(|m| m.endpoint_maps.clone());

@@ -132,7 +132,14 @@ pub async fn observe(bpffs: &Path) -> Result<Observation, LinkError> {
                     "programs kept changing during {RACE_RETRIES} observations in a row (a reload in progress)"
                 ));
             }
-            scan_endpoints(&handle, &t, &mut o, &mut ProgNames::default()).await;
+            scan_endpoints(
+                &handle,
+                &t,
+                &mut o,
+                &mut ProgNames::default(),
+                &EndpointScan::All,
+            )
+            .await;
             Ok(o)
         }
         Err(e) => Err(e),

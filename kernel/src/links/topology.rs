@@ -64,10 +64,19 @@ impl TopologyCache {
 
     /// Observes like [`observe`], dumping the topology only when it may have changed.
     pub async fn observe(&mut self, bpffs: &Path) -> Result<Observation, LinkError> {
+        self.observe_scan(bpffs, &EndpointScan::All).await
+    }
+
+    /// [`TopologyCache::observe`], querying only the endpoints `scan` selects.
+    pub async fn observe_scan(
+        &mut self,
+        bpffs: &Path,
+        scan: &EndpointScan,
+    ) -> Result<Observation, LinkError> {
         let (conn, handle, _) =
             rtnetlink::new_connection().map_err(|e| LinkError::Socket(e.to_string()))?;
         let task = tokio::spawn(conn);
-        let r = self.observe_with(&handle, bpffs).await;
+        let r = self.observe_with(&handle, bpffs, scan).await;
         task.abort();
         r
     }
@@ -76,6 +85,7 @@ impl TopologyCache {
         &mut self,
         handle: &rtnetlink::Handle,
         bpffs: &Path,
+        scan: &EndpointScan,
     ) -> Result<Observation, LinkError> {
         // Notifications are read before the dump: a change during the dump is seen next time.
         let endpoints: BTreeSet<u32> = self
@@ -129,7 +139,7 @@ impl TopologyCache {
                 ));
             }
             // Endpoints once per observation, after the host devices' retries.
-            scan_endpoints(handle, &t, o, &mut self.names).await;
+            scan_endpoints(handle, &t, o, &mut self.names, scan).await;
         }
         r
     }
@@ -163,6 +173,15 @@ pub async fn observe_via(
         Some(c) => c.lock().await.observe(bpffs).await,
         None => observe(bpffs).await,
     }
+}
+
+/// [`observe_via`] through `cache`, querying only the endpoints `scan` selects.
+pub async fn observe_scan_via(
+    cache: &SharedTopology,
+    bpffs: &Path,
+    scan: &EndpointScan,
+) -> Result<Observation, LinkError> {
+    cache.lock().await.observe_scan(bpffs, scan).await
 }
 
 impl Default for TopologyCache {

@@ -122,3 +122,43 @@ fn a_healthy_regeneration_of_1000_endpoints_passes() {
     );
     eprintln!("1,000 endpoints: the lab's restart took {regen:?}, slowest endpoint {slowest:.2}s after the host datapath");
 }
+
+/// A pod deleted during a step while nothing restarts is seen within seconds, whichever way
+/// the runner read the endpoints then (itself every 200 ms within 30 s of a program load —
+/// here the lab's and the agent's own loads at start may still count — otherwise through the
+/// node checks' observation of every endpoint, once a second); the other endpoints stay
+/// pending (nothing regenerated them).
+#[test]
+fn a_pod_deleted_during_a_quiet_step_is_seen_from_the_node_checks() {
+    let lab = lab(|s| s.pods = 3);
+    let names = endpoint_names(&lab);
+    let agent = Daemon::start(&lab, &[]);
+    let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "60s"}"#);
+    let (_, v) = agent.get_json(&format!("/v1/steps/{id}"));
+    assert_eq!(
+        (
+            v["endpoints"]["followed"].as_u64(),
+            v["endpoints"]["deleted"].as_u64()
+        ),
+        (Some(3), Some(0)),
+        "{}",
+        v["endpoints"]
+    );
+    let out = in_node(&lab, "ip", &["link", "del", &names[0]]);
+    assert!(out.status.success(), "ip link del: {out:?}");
+    let t = Instant::now();
+    let mut e = serde_json::Value::Null;
+    while t.elapsed() < Duration::from_secs(10) {
+        let (_, v) = agent.get_json(&format!("/v1/steps/{id}"));
+        e = v["endpoints"].clone();
+        if e["deleted"].as_u64() == Some(1) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(e["deleted"].as_u64(), Some(1), "not seen in 10 s: {e}");
+    assert_eq!(e["pending_count"].as_u64(), Some(2), "{e}");
+    assert_eq!(e["regenerated"].as_u64(), Some(0), "{e}");
+    eprintln!("deleted pod seen after {:?}", t.elapsed());
+    agent.delete(&format!("/v1/steps/{id}"), None);
+}

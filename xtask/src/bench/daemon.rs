@@ -20,7 +20,11 @@ fn burst(ns: &str, url: &str, pid: u32, id: &str, window: Duration) -> Result<Va
     // the agent doing what the minimal loop does; the rest is the step runner observing the
     // node, deciding and persisting, and the runtime.
     let p0 = (thread_cpu_ns(pid, "stepguard-probe"), Instant::now());
+    let perf = perf_profile(pid, id, window)?;
     let (cpu, rss) = measure(pid, window)?;
+    if let Some(mut p) = perf {
+        let _ = p.wait();
+    }
     let probe_thread = (thread_cpu_ns(pid, "stepguard-probe") - p0.0) as f64
         / p0.1.elapsed().as_nanos() as f64
         * 100.0;
@@ -34,6 +38,27 @@ fn burst(ns: &str, url: &str, pid: u32, id: &str, window: Duration) -> Result<Va
         json!({"cpu_percent": cpu, "rss_mib": rss as f64 / 1024.0, "probes": probes, "us_per_probe": us,
                "probe_thread_cpu_percent": probe_thread, "probe_thread_us_per_probe": thread_us}),
     )
+}
+
+/// With `STEPGUARD_BENCH_PERF=DIR`, a `perf record` of the agent's threads for the window
+/// into `DIR/<id>.data` (it costs the agent a little: a profile, not a figure to report). Read
+/// it with `perf report -i DIR/<id>.data --sort comm,dso,sym`.
+fn perf_profile(pid: u32, id: &str, window: Duration) -> Result<Option<std::process::Child>> {
+    let Some(dir) = std::env::var_os("STEPGUARD_BENCH_PERF") else {
+        return Ok(None);
+    };
+    std::fs::create_dir_all(&dir)?;
+    let out = std::path::Path::new(&dir).join(format!("{id}.data"));
+    println!("  perf record of pid {pid} into {}", out.display());
+    Ok(Some(
+        Command::new("perf")
+            .args(["record", "-q", "-F", "1999", "-p", &pid.to_string(), "-o"])
+            .arg(&out)
+            .args(["--", "sleep", &window.as_secs().to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("start perf record (Debian's linux-perf)")?,
+    ))
 }
 
 /// Gap error over `reps` restarts with a 300 ms datapath outage, per target.
