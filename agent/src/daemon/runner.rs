@@ -378,7 +378,6 @@ impl Runner {
         } else {
             None
         };
-
         self.readings.programs = obs
             .filter(|o| !o.prog_details_unreadable)
             .map(|o| current_programs(&o, tracked));
