@@ -24,6 +24,7 @@
 //! and the node's CiliumNodeConfigs merged by the release's `cilium-dbg build-config` before
 //! each start (`--config-dir`); stepguard's `cilium_config` reads the ConfigMap's kubelet-style
 //! mount. Only per-node paths are flags.
+pub mod cluster;
 pub mod config;
 pub mod pods;
 
@@ -113,6 +114,22 @@ pub struct RealSpec {
     pub kube_bin: PathBuf,
     /// Tunnel (VXLAN) routing; native routing otherwise.
     pub tunnel: bool,
+    /// A node of a [`cluster::RealCluster`]: its `eth1` on the cluster's LAN, the cluster's
+    /// control plane and ConfigMap. None: a node with a control plane of its own.
+    #[serde(default)]
+    pub member: Option<Member>,
+}
+
+/// A node's place in a cluster of real-agent nodes (issue 31 part 3).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Member {
+    pub index: u8,
+    /// The namespace holding the LAN bridge `br0` its `eth1` joins.
+    pub lan_ns: String,
+    /// The cluster's control plane (not this node's to take down).
+    pub control_plane: ControlPlane,
+    /// The cluster's ConfigMap (created by the cluster; each node writes its mount).
+    pub config: BTreeMap<String, String>,
 }
 
 /// Everything a real node created, recorded before it is created.
@@ -207,6 +224,27 @@ pub fn cilium_config(tunnel: bool) -> BTreeMap<String, String> {
     m
 }
 
+/// Creates a release's CRDs (only Cilium's operator registers them; the agent waits for
+/// them) and waits until they are established.
+pub(crate) fn apply_crds(cp: &ControlPlane, release: &Release) -> Result<()> {
+    for v in ["v2", "v2alpha1"] {
+        let dir = release
+            .lib
+            .join("pkg/k8s/apis/cilium.io/client/crds")
+            .join(v);
+        cp.kubectl(&["create", "-f", &dir.display().to_string()])
+            .with_context(|| format!("apply Cilium's CRDs from {}", dir.display()))?;
+    }
+    cp.kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "crd",
+        "--all",
+        "--timeout=60s",
+    ])?;
+    Ok(())
+}
+
 /// One HTTP/1.0 GET on the agent's API socket: (status, body).
 pub fn api_get(socket: &Path, path: &str) -> Result<(u16, String)> {
     let mut s =
@@ -230,6 +268,29 @@ impl RealNode {
     pub fn node_ns(&self) -> String {
         format!("{}-node", self.state.spec.prefix)
     }
+    /// The node's name in Kubernetes: `lab-node-<index>` ([`NODE_NAME`] alone).
+    pub fn node_name(&self) -> String {
+        match &self.state.spec.member {
+            Some(m) => format!("lab-node-{}", m.index),
+            None => NODE_NAME.to_string(),
+        }
+    }
+    /// The node's InternalIP: `eth0`'s alone, its LAN address (`eth1`) in a cluster, where
+    /// every node's `eth0` has the same address into a fabric of its own.
+    pub fn node_ip(&self) -> String {
+        match &self.state.spec.member {
+            Some(m) => cluster::node_lan_addr(m.index).to_string(),
+            None => NODE_IP.to_string(),
+        }
+    }
+    /// The node's pod CIDR (IPAM `kubernetes`): [`POD_CIDR`] alone, a /26 of it per node in
+    /// a cluster.
+    pub fn pod_cidr(&self) -> String {
+        match &self.state.spec.member {
+            Some(m) => format!("203.0.113.{}/26", 64 * u32::from(m.index)),
+            None => POD_CIDR.to_string(),
+        }
+    }
     pub fn fabric_ns(&self) -> String {
         format!("{}-fabric", self.state.spec.prefix)
     }
@@ -244,10 +305,14 @@ impl RealNode {
         self.state.run_dir.join("cilium-agent.log")
     }
     pub fn control_plane(&self) -> &ControlPlane {
-        self.state
-            .control_plane
-            .as_ref()
-            .expect("a real node has a control plane")
+        match &self.state.spec.member {
+            Some(m) => &m.control_plane,
+            None => self
+                .state
+                .control_plane
+                .as_ref()
+                .expect("a real node has a control plane"),
+        }
     }
     pub fn kube(&self) -> &Kube {
         self.kube.as_ref().expect("a real node has an API client")
@@ -362,9 +427,24 @@ impl RealNode {
         netns::add_veth(&node, "eth0", &fabric, "fab0")?;
         netns::add_addr(&node, "eth0", &format!("{NODE_IP}/25"))?;
         netns::add_addr(&fabric, "fab0", &format!("{FABRIC0}/25"))?;
-        netns::add_veth(&node, "eth1", &fabric, "fab1")?;
-        netns::add_addr(&node, "eth1", &format!("{NODE_IP1}/25"))?;
-        netns::add_addr(&fabric, "fab1", &format!("{FABRIC1}/25"))?;
+        match &self.state.spec.member {
+            // The second NIC on the cluster's LAN (a bridge port `n<index>`).
+            Some(m) => {
+                let port = format!("n{}", m.index);
+                netns::add_veth(&node, "eth1", &m.lan_ns, &port)?;
+                netns::ip(&m.lan_ns, &["link", "set", &port, "master", "br0"])?;
+                netns::add_addr(
+                    &node,
+                    "eth1",
+                    &format!("{}/25", cluster::node_lan_addr(m.index)),
+                )?;
+            }
+            None => {
+                netns::add_veth(&node, "eth1", &fabric, "fab1")?;
+                netns::add_addr(&node, "eth1", &format!("{NODE_IP1}/25"))?;
+                netns::add_addr(&fabric, "fab1", &format!("{FABRIC1}/25"))?;
+            }
+        }
         for vip in [crate::GATEWAY_VIP, crate::DNS_VIP] {
             netns::add_addr(&fabric, "lo", &format!("{vip}/32"))?;
         }
@@ -374,7 +454,7 @@ impl RealNode {
         )?;
         netns::sysctl(&fabric, &["net.ipv4.ip_forward=1"])?;
         // The fabric returns pod traffic to the node.
-        netns::ip(&fabric, &["route", "add", POD_CIDR, "via", NODE_IP])?;
+        netns::ip(&fabric, &["route", "add", &self.pod_cidr(), "via", NODE_IP])?;
 
         // The VIPs' servers, as in the simulated lab: nginx on the gateway, dnsmasq on DNS.
         let dir = self.state.run_dir.join("servers");
@@ -435,38 +515,30 @@ impl RealNode {
             );
         }
 
-        // The control plane, Cilium's CRDs, the Node with its pod CIDR.
-        let cp = ControlPlane::up(
-            &self.state.run_dir.join("kube"),
-            &self.state.spec.kube_bin.clone(),
-        )?;
-        self.state.control_plane = Some(cp);
-        self.save()?;
-        let cp = self.control_plane();
-        let lib = self.state.spec.release.lib.clone();
-        for v in ["v2", "v2alpha1"] {
-            let dir = lib.join("pkg/k8s/apis/cilium.io/client/crds").join(v);
-            cp.kubectl(&["create", "-f", &dir.display().to_string()])
-                .with_context(|| format!("apply Cilium's CRDs from {}", dir.display()))?;
+        // The control plane (a cluster's member uses the cluster's), Cilium's CRDs, the Node
+        // with its pod CIDR.
+        if self.state.spec.member.is_none() {
+            let cp = ControlPlane::up(
+                &self.state.run_dir.join("kube"),
+                &self.state.spec.kube_bin.clone(),
+            )?;
+            self.state.control_plane = Some(cp);
+            self.save()?;
+            apply_crds(self.control_plane(), &self.state.spec.release)?;
         }
-        cp.kubectl(&[
-            "wait",
-            "--for=condition=Established",
-            "crd",
-            "--all",
-            "--timeout=60s",
-        ])?;
+        let cp = self.control_plane();
         let server: std::net::SocketAddr = cp
             .server
             .trim_start_matches("https://")
             .parse()
             .context("the API server's address")?;
         let kube = Kube::connect(&cp.admin_kubeconfig())?;
-        lkube::create_nodes(&kube, &[(NODE_NAME.to_string(), NODE_IP.to_string())])?;
+        lkube::create_nodes(&kube, &[(self.node_name(), self.node_ip())])?;
+        let cidr = self.pod_cidr();
         kube.merge(
             &kube.all::<k8s_openapi::api::core::v1::Node>(),
-            NODE_NAME,
-            json!({"spec": {"podCIDR": POD_CIDR, "podCIDRs": [POD_CIDR]}}),
+            &self.node_name(),
+            json!({"spec": {"podCIDR": cidr, "podCIDRs": [cidr]}}),
             false,
         )?;
         self.kube = Some(kube);
@@ -564,7 +636,10 @@ impl RealNode {
             .arg(inner)
             .arg(s.spec.release.bin.join("cilium-agent"))
             .args(self.agent_args())
-            .env("K8S_NODE_NAME", NODE_NAME)
+            .env("K8S_NODE_NAME", self.node_name())
+            // The chart sets it from the pod's namespace: where the agent keeps its
+            // L2-announcement leases (`l2announcer.go` `leaseNamespace`; "default" without).
+            .env("CILIUM_K8S_NAMESPACE", config::CILIUM_NAMESPACE)
             .env(
                 "PATH",
                 format!(

@@ -416,6 +416,10 @@ pub struct NeighEvent {
     pub state: u16,
     /// An `RTM_DELNEIGH`.
     pub deleted: bool,
+    /// The link-layer address the entry points at (`NDA_LLADDR`), when it has one: which
+    /// node a client's packets for the address go to.
+    #[serde(default)]
+    pub lladdr: Option<[u8; 6]>,
 }
 
 impl NeighEvent {
@@ -574,6 +578,7 @@ fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
     const RTM_NEWNEIGH: u16 = 28;
     const RTM_DELNEIGH: u16 = 29;
     const NDA_DST: u16 = 1;
+    const NDA_LLADDR: u16 = 2;
     let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
     let mut off = 0;
     while off + 16 <= buf.len() {
@@ -588,6 +593,7 @@ fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
             && msg[0] == libc::AF_INET as u8
         {
             let state = u16_at(msg, 8);
+            let (mut dst, mut lladdr) = (None, None);
             let mut a = 12;
             while a + 4 <= msg.len() {
                 let alen = u16_at(msg, a) as usize;
@@ -595,16 +601,22 @@ fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
                 if alen < 4 || a + alen > msg.len() {
                     break;
                 }
-                if aty == NDA_DST && alen == 8 {
-                    let d = &msg[a + 4..a + 8];
-                    out.push(NeighEvent {
-                        at_ns,
-                        addr: std::net::Ipv4Addr::new(d[0], d[1], d[2], d[3]),
-                        state,
-                        deleted: ty == RTM_DELNEIGH,
-                    });
+                let d = &msg[a + 4..a + alen];
+                if aty == NDA_DST && d.len() == 4 {
+                    dst = Some(std::net::Ipv4Addr::new(d[0], d[1], d[2], d[3]));
+                } else if aty == NDA_LLADDR && d.len() == 6 {
+                    lladdr = d.try_into().ok();
                 }
                 a += (alen + 3) & !3;
+            }
+            if let Some(addr) = dst {
+                out.push(NeighEvent {
+                    at_ns,
+                    addr,
+                    state,
+                    deleted: ty == RTM_DELNEIGH,
+                    lladdr,
+                });
             }
         }
         off += (len + 3) & !3;

@@ -4,9 +4,9 @@
 //! witness's gaps must match within ± (cadence + 10 ms) (plus the lab's own recording
 //! windows), while the node's own probes (local, like socket-LB) see nothing.
 mod common;
+use common::witness::*;
 use common::*;
 use serde_json::Value;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use stepguard_lab::lan::{LanGuard, LanLab, LanRestartReport, LanSpec, LeaseTimings};
 use stepguard_lab::RestartOpts;
@@ -26,78 +26,13 @@ fn short_lease(duration_ms: u64) -> LeaseTimings {
     }
 }
 
-/// `stepguard witness` in the LAN client namespace; killed on drop.
-struct Witness {
-    child: Child,
-    url: String,
-}
-
-impl Witness {
-    fn start(lan: &LanLab) -> Witness {
-        Self::start_with(lan, &[])
-    }
-
-    fn start_with(lan: &LanLab, extra: &[&str]) -> Witness {
-        let addr = format!(
-            "{}:{}",
-            stepguard_lab::lan::CLIENT_ADDR,
-            stepguard_lab::lan::WITNESS_PORT
-        );
-        let child = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", lan.client_ns()))
-            .arg("--")
-            .arg(bin("STEPGUARD_BIN", "stepguard"))
-            .args(["witness", "--config"])
-            .arg(lan.witness_config())
-            .args(["--listen", &addr])
-            .args(if extra.contains(&"--token-file") {
-                &[][..]
-            } else {
-                &["--allow-unauthenticated"][..]
-            })
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start stepguard witness");
-        let w = Witness {
-            child,
-            url: format!("http://{addr}"),
-        };
-        // Ready: it answers, and every target has been probed once.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let ok = stepguard_lab::netns::in_netns(&lan.client_ns(), {
-                let addr = addr.clone();
-                move || {
-                    let out = std::process::Command::new("curl")
-                        .args(["-s", "-m", "1", &format!("http://{addr}/v1/status")])
-                        .output()?;
-                    Ok(serde_json::from_slice::<Value>(&out.stdout).unwrap_or(Value::Null))
-                }
-            })
-            .unwrap_or(Value::Null);
-            if ok["latest"].as_object().is_some_and(|l| l.len() == 3) {
-                return w;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the witness never became ready: {ok}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Witness {
-    fn drop(&mut self) {
-        self.kill();
-    }
+fn start_witness(lan: &LanLab, extra: &[&str]) -> Witness {
+    let addr = format!(
+        "{}:{}",
+        stepguard_lab::lan::CLIENT_ADDR,
+        stepguard_lab::lan::WITNESS_PORT
+    );
+    Witness::start_in(&lan.client_ns(), &lan.witness_config(), &addr, 3, extra)
 }
 
 fn witness_gaps<'a>(v: &'a Value, w: &Witness) -> &'a Vec<Value> {
@@ -171,7 +106,7 @@ fn step_body(w: &Witness, extra: &str) -> String {
 fn the_witness_measures_lease_moves_the_node_cannot_see() {
     for lease_ms in [2000u64, 3000] {
         let mut lab = lan(short_lease(lease_ms));
-        let w = Witness::start(&lab);
+        let w = start_witness(&lab, &[]);
         let cadence = 0.010;
 
         // Graceful: node 0 holds gateway and dns-a; its datapath is down (blackhole) while
@@ -249,7 +184,7 @@ fn the_witness_measures_lease_moves_the_node_cannot_see() {
 #[test]
 fn a_stopped_witness_makes_the_step_evidence_incomplete() {
     let mut lab = lan(short_lease(2000));
-    let mut w = Witness::start(&lab);
+    let mut w = start_witness(&lab, &[]);
     let a0 = agent_on(&lab, 0);
     let id = a0.begin_probing(&format!(
         r#"{{"settle":"1s","timeout":"8s","witnesses":["{}"]}}"#,
@@ -283,7 +218,7 @@ fn a_stopped_witness_makes_the_step_evidence_incomplete() {
 #[test]
 fn a_lan_gap_over_budget_fails_naming_the_witness_and_the_target() {
     let mut lab = lan(short_lease(2000));
-    let w = Witness::start(&lab);
+    let w = start_witness(&lab, &[]);
     let a0 = agent_on(&lab, 0);
     let id = a0.begin_probing(&step_body(&w, r#","max_gap":"200ms""#));
     restart(&mut lab, 0, 1500, true, false);
@@ -319,7 +254,7 @@ fn a_lan_gap_over_budget_fails_naming_the_witness_and_the_target() {
 #[test]
 fn an_always_on_witness_measures_an_unstepped_lease_move() {
     let mut lab = lan(short_lease(2000));
-    let w = Witness::start_with(&lab, &["--probe-interval", "100ms"]);
+    let w = start_witness(&lab, &["--probe-interval", "100ms"]);
     let cfg = lab.state.run_dir.join("node0-with-witness.yaml");
     let mut text = std::fs::read_to_string(lab.node_config(0)).unwrap();
     text.push_str(&format!("witnesses: [\"{}\"]\n", w.url));
@@ -384,7 +319,7 @@ fn an_always_on_witness_measures_an_unstepped_lease_move() {
 #[test]
 fn a_witness_step_planted_with_other_budgets_is_refused() {
     let lab = lan(short_lease(2000));
-    let w = Witness::start(&lab);
+    let w = start_witness(&lab, &[]);
     let a0 = agent_on(&lab, 0);
     let addr: std::net::SocketAddr = w.url.trim_start_matches("http://").parse().unwrap();
     let (s, b) = http(
@@ -418,7 +353,7 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
     let token = lab.state.run_dir.join("witness-token");
     std::fs::write(&token, "a-lan-token-0123456789abcdef\n").unwrap();
     let tok = token.to_str().unwrap().to_string();
-    let w = Witness::start_with(&lab, &["--token-file", &tok]);
+    let w = start_witness(&lab, &["--token-file", &tok]);
     let node = lab.node(0).unwrap();
     let a0 = Daemon::start_with(
         node.node_ns(),
@@ -485,34 +420,6 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
 
 /// Issue 26: the measured gap lies within its *reported* bound of the lab's truth (the lab's
 /// recording windows and 5 ms of clock reads aside).
-fn assert_within_reported_bound(
-    g: &Value,
-    stopped: (u128, u128),
-    resumed: (u128, u128),
-    what: &str,
-) {
-    let s = |ns: u128| ns as f64 / 1e9;
-    let longest = g["longest_s"].as_f64().unwrap();
-    let bound = g["error_bound_s"].as_f64().unwrap();
-    let (lo, hi) = (s(resumed.0) - s(stopped.1), s(resumed.1) - s(stopped.0));
-    let slack = 0.005;
-    eprintln!(
-        "{what}: measured {:.1} ± {:.1} ms, truth {:.1}..{:.1} ms",
-        longest * 1e3,
-        bound * 1e3,
-        lo * 1e3,
-        hi * 1e3
-    );
-    assert!(
-        longest >= lo - bound - slack && longest <= hi + bound + slack,
-        "{what}: measured {:.1} ± {:.1} ms, the lab's truth {:.1}..{:.1} ms: {g}",
-        longest * 1e3,
-        bound * 1e3,
-        lo * 1e3,
-        hi * 1e3,
-    );
-}
-
 fn restart_lan(
     lan: &mut LanLab,
     node: u8,
@@ -593,7 +500,7 @@ fn held_probes_are_measured_within_the_reported_bound() {
     use stepguard_lab::lan::{Forget, LanRestartOpts};
     for lease_ms in [2000u64, 4000] {
         let mut lab = lan(short_lease(lease_ms));
-        let w = Witness::start(&lab);
+        let w = start_witness(&lab, &[]);
         let forget = Some(Forget {
             on: None,
             after: Some(Duration::from_millis(300)),
@@ -681,7 +588,7 @@ fn held_probes_are_measured_within_the_reported_bound() {
 fn a_holders_responder_flush_at_start_is_a_lan_gap_measured_within_bound() {
     use stepguard_lab::lan::{Forget, LanRestartOpts, ResponderFlush};
     let mut lab = lan(short_lease(6000));
-    let w = Witness::start(&lab);
+    let w = start_witness(&lab, &[]);
     for (flush, want) in [
         (ResponderFlush::Last, vec!["dns-a"]),
         (ResponderFlush::All, vec!["gateway", "dns-a"]),

@@ -324,6 +324,7 @@ fn real_node(prefix: Option<String>, release: &str, routing: &str, pods: bool) -
         release: Release::from_env(release)?,
         kube_bin,
         tunnel: routing == "tunnel",
+        member: None,
     };
     // SAFETY: the handler only stores to an atomic.
     unsafe {
@@ -627,6 +628,22 @@ fn real_main() -> Result<()> {
                 stepguard_lab::lan::LanLab::open(p)?.down()?;
                 println!("LAN lab {p} removed");
                 return Ok(());
+            }
+            use stepguard_lab::realnode::cluster::RealCluster;
+            let clusters = RealCluster::list();
+            if let Some(p) = prefix
+                .as_deref()
+                .filter(|p| clusters.iter().any(|l| l == p))
+            {
+                RealCluster::open(p)?.down()?;
+                println!("real-agent cluster {p} removed");
+                return Ok(());
+            }
+            if all {
+                for p in &clusters {
+                    RealCluster::open(p)?.down()?;
+                    println!("real-agent cluster {p} removed");
+                }
             }
             let reals = stepguard_lab::realnode::RealNode::list();
             if let Some(p) = prefix.as_deref().filter(|p| reals.iter().any(|l| l == p)) {

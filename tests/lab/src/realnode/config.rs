@@ -22,8 +22,13 @@ impl RealNode {
         self.state.run_dir.join("agent-config")
     }
 
-    /// Creates the ConfigMap object and its kubelet-style mount.
+    /// Creates the ConfigMap object (a cluster's node: only the mount) and its kubelet-style
+    /// mount.
     pub(super) fn create_config(&self) -> Result<()> {
+        if let Some(m) = &self.state.spec.member {
+            // The cluster made the object; this node's kubelet mounts it.
+            return crate::ciliumconfig::write(&self.state.cilium_config, &m.config);
+        }
         let values = cilium_config(self.state.spec.tunnel);
         self.kube().create(
             &self.kube().ns::<ConfigMap>(CILIUM_NAMESPACE),
@@ -53,11 +58,11 @@ impl RealNode {
             .arg("build-config")
             .arg(format!("--k8s-kubeconfig-path={}", self.kubeconfig.display()))
             .arg(format!("--dest={}", dest.display()))
-            .arg(format!("--node-name={NODE_NAME}"))
+            .arg(format!("--node-name={}", self.node_name()))
             .arg(format!(
                 "--source=config-map:{CILIUM_NAMESPACE}/cilium-config,cilium-node-config:{CILIUM_NAMESPACE}"
             ))
-            .env("K8S_NODE_NAME", NODE_NAME)
+            .env("K8S_NODE_NAME", self.node_name())
             .env("CILIUM_K8S_NAMESPACE", CILIUM_NAMESPACE)
             .output()
             .context("run cilium-dbg build-config")?;
@@ -105,7 +110,7 @@ impl RealNode {
             "kind": "CiliumNodeConfig",
             "metadata": {"name": name, "namespace": CILIUM_NAMESPACE},
             "spec": {
-                "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": NODE_NAME}},
+                "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": self.node_name()}},
                 "defaults": defaults,
             },
         });

@@ -9,7 +9,7 @@
 //! [`WEB_LB_IP`] is set by hand on its status, as no LB-IPAM runs without the operator) selects
 //! the nginx pods; `dns` ([`DNS_CLUSTER_IP`], UDP and TCP 53) the dnsmasq pod. A probe from
 //! the node to these addresses goes through Cilium's real service maps and socket-LB.
-use super::{RealNode, NODE_NAME};
+use super::RealNode;
 use crate::netns;
 use crate::services::{self, Proc};
 use anyhow::{bail, Context, Result};
@@ -143,7 +143,7 @@ impl RealNode {
                 &api,
                 json!({"apiVersion": "v1", "kind": "Pod",
                        "metadata": {"name": name, "namespace": POD_NAMESPACE, "labels": {"app": app}},
-                       "spec": {"nodeName": NODE_NAME,
+                       "spec": {"nodeName": self.node_name(),
                                 "containers": [{"name": app, "image": format!("stepguard.invalid/lab-{app}:1")}],
                                 "terminationGracePeriodSeconds": 1}}),
             )
@@ -207,7 +207,7 @@ impl RealNode {
             &pod.name,
             json!({"status": {
                 "phase": "Running",
-                "hostIP": super::NODE_IP,
+                "hostIP": self.node_ip(),
                 "podIP": pod.ip.to_string(),
                 "podIPs": [{"ip": pod.ip.to_string()}],
                 "startTime": now,

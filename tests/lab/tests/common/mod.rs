@@ -10,6 +10,7 @@ use stepguard_lab::{Lab, LabGuard, LabSpec};
 
 pub mod real;
 pub mod webhook;
+pub mod witness;
 
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.

@@ -19,6 +19,7 @@ pub fn real_node_on(minor: &str, tunnel: bool) -> RealGuard {
         release,
         kube_bin,
         tunnel,
+        member: None,
     })
     .expect("a lab node with the real cilium-agent");
     eprintln!(
