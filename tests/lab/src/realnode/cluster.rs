@@ -461,9 +461,9 @@ impl RealCluster {
             .context("watch the LAN client's neighbour table")?;
         let kubeconfig = self.control_plane().admin_kubeconfig();
         let flag = stop.clone();
-        let leases = std::thread::spawn(move || -> Result<Vec<(u128, Option<u8>)>> {
+        let leases = std::thread::spawn(move || -> Result<HolderChanges> {
             let k = Kube::connect(&kubeconfig)?;
-            let mut out: Vec<(u128, Option<u8>)> = Vec::new();
+            let mut out: HolderChanges = Vec::new();
             let mut errors = 0;
             while !flag.load(Ordering::SeqCst) {
                 match lease_holder(&k) {
@@ -545,11 +545,14 @@ impl RealCluster {
     }
 }
 
+/// The lease holder's changes: (wall clock ns, node index; None: released or none).
+type HolderChanges = Vec<(u128, Option<u8>)>;
+
 /// The lab's ground-truth recording; [`Watch::stop`] returns it.
 pub struct Watch {
     stop: Arc<AtomicBool>,
     neigh: crate::sys::NeighWatch,
-    leases: std::thread::JoinHandle<Result<Vec<(u128, Option<u8>)>>>,
+    leases: std::thread::JoinHandle<Result<HolderChanges>>,
     responders: std::thread::JoinHandle<Vec<(u128, u8, bool)>>,
 }
 
