@@ -3,7 +3,8 @@
 //!
 //! - A pod bound to a lab node (by the real scheduler) is reported Running, with the node's
 //!   address as its IP (the lab's pods are host-network: Cilium's and stepguard's are), and
-//!   Ready — a cilium pod only once that node's agent is back from its restart.
+//!   Ready — a cilium pod only once that node's agent is back from its restart. Pods a lab
+//!   runtime made through CNI ([`CNI_POD_LABEL`]) are left to it.
 //! - A deleted cilium pod stays Terminating for its grace period (`deletionGracePeriodSeconds`)
 //!   while the lab restarts that node's agent (the [`RestartHook`]); then the kubelet removes it
 //!   (a delete with grace 0 and a UID precondition, as the real kubelet finishes a graceful
@@ -91,6 +92,18 @@ pub struct Kubelet {
 
 const CILIUM_SELECTOR: &str = "k8s-app=cilium";
 
+/// The label of pods a lab runtime made through CNI (`realnode::pods`, value `cni`): their
+/// address and status are that runtime's to report, not the lab kubelet's.
+pub const CNI_POD_LABEL: &str = "stepguard.test/runtime";
+
+fn is_cni_pod(p: &Pod) -> bool {
+    p.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CNI_POD_LABEL))
+        .is_some_and(|v| v == "cni")
+}
+
 fn is_cilium(p: &Pod) -> bool {
     p.metadata
         .labels
@@ -159,7 +172,7 @@ impl Loop {
         // One pod's failed call does not starve the others: the first error is returned
         // after the pass.
         let mut first_err: Option<anyhow::Error> = None;
-        for p in pods.items {
+        for p in pods.items.into_iter().filter(|p| !is_cni_pod(p)) {
             let Some(node) = target_node(&p) else {
                 continue;
             };

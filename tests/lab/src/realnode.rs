@@ -224,6 +224,36 @@ pub fn cilium_config(tunnel: bool) -> BTreeMap<String, String> {
     m
 }
 
+/// Spawns `cmd` from a thread that lives as long as the process. The agent dies with the lab
+/// (`PR_SET_PDEATHSIG`), and the kernel sends that signal when the **thread** that forked it
+/// exits: an agent started from a short-lived thread (the lab kubelet's restart hook) would be
+/// killed as soon as the hook returned.
+fn spawn_durable(cmd: Command) -> std::io::Result<Child> {
+    use std::sync::mpsc::{channel, Sender};
+    use std::sync::{Mutex, OnceLock};
+    type Job = (Command, Sender<std::io::Result<Child>>);
+    static SPAWNER: OnceLock<Mutex<Sender<Job>>> = OnceLock::new();
+    let gone = || std::io::Error::other("the lab's agent spawner thread is gone");
+    let jobs = SPAWNER.get_or_init(|| {
+        let (tx, rx) = channel::<Job>();
+        std::thread::Builder::new()
+            .name("agent-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("start the lab's agent spawner thread");
+        Mutex::new(tx)
+    });
+    let (tx, rx) = channel();
+    jobs.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send((cmd, tx))
+        .map_err(|_| gone())?;
+    rx.recv().map_err(|_| gone())?
+}
+
 /// Creates a release's CRDs (only Cilium's operator registers them; the agent waits for
 /// them) and waits until they are established.
 pub(crate) fn apply_crds(cp: &ControlPlane, release: &Release) -> Result<()> {
@@ -661,7 +691,7 @@ impl RealNode {
                 Ok(())
             });
         }
-        let child = cmd.spawn().context("start cilium-agent")?;
+        let child = spawn_durable(cmd).context("start cilium-agent")?;
         let pid = child.id() as i32;
         self.child = Some(child);
         std::thread::sleep(Duration::from_millis(50));

@@ -30,61 +30,11 @@ use common::*;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use stepguard_lab::lan::LeaseTimings;
 use stepguard_lab::realnode::cluster::{
-    fmt_mac, ClusterGuard, ClusterSpec, RealCluster, Timeline, LAN_CLIENT, LAN_SERVICE,
-    WITNESS_PORT,
+    fmt_mac, RealCluster, Timeline, LAN_CLIENT, LAN_SERVICE, WITNESS_PORT,
 };
-use stepguard_lab::realnode::Release;
 
 const CADENCE_S: f64 = 0.1;
-
-fn cluster() -> ClusterGuard {
-    require_root();
-    let release = Release::from_env("1.20").expect("the real cilium-agent");
-    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
-        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
-    ));
-    let t0 = Instant::now();
-    let c = RealCluster::up(ClusterSpec {
-        prefix: stepguard_lab::unique_prefix(),
-        release,
-        kube_bin,
-        nodes: 2,
-        // Cilium's defaults (15 s, 5 s, 2 s): what the users run.
-        lease: LeaseTimings::default(),
-    })
-    .expect("a cluster of two real-agent nodes announcing a VIP");
-    eprintln!(
-        "real cluster {} up in {:.1}s; holder: node {:?}",
-        c.state.spec.prefix,
-        t0.elapsed().as_secs_f64(),
-        c.holder().unwrap()
-    );
-    ClusterGuard(c)
-}
-
-/// The cluster, taken down at the end of the test (also when it panics) after its agents'
-/// logs are kept in `target/real-cilium/`.
-struct Kept(ClusterGuard);
-impl Drop for Kept {
-    fn drop(&mut self) {
-        for (i, n) in self.0.nodes.iter().enumerate() {
-            keep_log(n, &format!("real_l2-node{i}"));
-        }
-    }
-}
-impl std::ops::Deref for Kept {
-    type Target = RealCluster;
-    fn deref(&self) -> &RealCluster {
-        &self.0
-    }
-}
-impl std::ops::DerefMut for Kept {
-    fn deref_mut(&mut self) -> &mut RealCluster {
-        &mut self.0
-    }
-}
 
 fn witness(c: &RealCluster) -> Witness {
     let addr = format!("{LAN_CLIENT}:{WITNESS_PORT}");
@@ -152,7 +102,7 @@ fn show(what: &str, t: &Timeline, t0: u128) {
 #[test]
 #[ignore = "two real cilium-agents: run with `cargo xtask test --real-extended`"]
 fn two_real_agents_move_the_vip_and_the_witness_measures_it() {
-    let mut c = Kept(cluster());
+    let mut c = real_cluster(2, "real_l2");
     let w = witness(&c);
     let h = c.holder().unwrap().expect("a holder");
     let o = 1 - h;

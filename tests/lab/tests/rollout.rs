@@ -5,6 +5,7 @@
 //! as a process in the LAN client namespace. Each test is one promise: the stepper never walks
 //! past a node whose verdict it did not read as passed.
 mod common;
+use common::cluster::*;
 use common::webhook;
 use common::*;
 use k8s_openapi::api::apps::v1::{ControllerRevision, DaemonSet};
@@ -25,7 +26,6 @@ fn node_name(i: u8) -> String {
     format!("node-{i}")
 }
 
-const KS: &str = "kube-system";
 const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.18.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 const OPERATOR_IMAGE: &str = "quay.io/cilium/operator-generic:v1.18.2@sha256:fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
 
@@ -92,76 +92,6 @@ fn sync_leases(k: &Kube, lan: &LanLab) {
 
 /// The DaemonSet's newest revision (hash, number), once the controller has observed the
 /// template.
-fn current_revision(k: &Kube) -> (String, i64) {
-    revision_now(k).expect("the DaemonSet has a revision")
-}
-
-fn revision_now(k: &Kube) -> Option<(String, i64)> {
-    let ds = k.block(k.ns::<DaemonSet>(KS).get("cilium")).unwrap();
-    let uid = ds.metadata.uid.clone().unwrap();
-    let revs = k
-        .block(k.ns::<ControllerRevision>(KS).list(&Default::default()))
-        .unwrap();
-    revs.items
-        .iter()
-        .filter(|r| {
-            r.metadata
-                .owner_references
-                .iter()
-                .flatten()
-                .any(|o| o.uid == uid)
-        })
-        .max_by_key(|r| r.revision)
-        .map(|r| {
-            (
-                r.metadata.labels.as_ref().unwrap()["controller-revision-hash"].clone(),
-                r.revision,
-            )
-        })
-}
-
-fn observed(k: &Kube) -> bool {
-    let ds = k.block(k.ns::<DaemonSet>(KS).get("cilium")).unwrap();
-    ds.status.and_then(|s| s.observed_generation) == ds.metadata.generation
-}
-
-/// Merges `patch` into the DaemonSet; the current revision's hash once the controller
-/// observed it.
-fn patch_daemonset(k: &Kube, patch: Value) -> String {
-    k.merge(&k.ns::<DaemonSet>(KS), "cilium", patch, false)
-        .expect("change the DaemonSet");
-    wait_until(
-        "the controller observes the template",
-        Duration::from_secs(20),
-        || observed(k),
-        String::new,
-    );
-    current_revision(k).0
-}
-
-/// Sets the template's bump annotation (a new template, or back to an old one); returns the
-/// revision the controller made or reused for it, once observed.
-fn set_template(k: &Kube, bump: u32, approve: bool) -> String {
-    let hash = patch_daemonset(
-        k,
-        json!({"spec": {"template": {"metadata": {"annotations": {"stepguard.test/bump": bump.to_string()}}}}}),
-    );
-    if approve {
-        approve_revision(k, &hash);
-    }
-    hash
-}
-
-fn approve_revision(k: &Kube, hash: &str) {
-    k.merge(
-        &k.ns::<DaemonSet>(KS),
-        "cilium",
-        json!({"metadata": {"annotations": {"stepguard.io/approve-revision": hash}}}),
-        false,
-    )
-    .expect("approve");
-}
-
 fn env() -> Env {
     env_with(None)
 }
@@ -199,39 +129,8 @@ fn env_with(revision_history_limit: Option<i32>) -> Env {
     };
     let k = Arc::new(Kube::connect(&admin).expect("admin client"));
 
-    // The manifests as shipped (server-side apply): the namespace, the agents' DaemonSet and
-    // the stepper's ServiceAccount and RBAC.
-    {
-        let c = cp.lock().unwrap();
-        let root = repo_root();
-        for crd in [
-            "monitoring.coreos.com_servicemonitors.yaml",
-            "monitoring.coreos.com_prometheusrules.yaml",
-        ] {
-            let f = root
-                .join("third_party/prometheus-operator-v0.93.0")
-                .join(crd);
-            c.kubectl(&["apply", "--server-side", "-f", f.to_str().unwrap()])
-                .expect("CRD");
-        }
-        c.kubectl(&[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=30s",
-            "crd/servicemonitors.monitoring.coreos.com",
-            "crd/prometheusrules.monitoring.coreos.com",
-        ])
-        .expect("CRDs established");
-        for d in ["deploy/base", "deploy/rollout"] {
-            c.kubectl(&[
-                "apply",
-                "--server-side",
-                "-k",
-                root.join(d).to_str().unwrap(),
-            ])
-            .unwrap_or_else(|e| panic!("apply {d}: {e:#}"));
-        }
-    }
+    // The manifests as shipped: the namespace, the agents' DaemonSet, the stepper's RBAC.
+    apply_shipped_manifests(&cp.lock().unwrap());
     let nodes: Vec<(String, String)> = (0..3u8)
         .map(|i| (node_name(i), stepguard_lab::lan::node_addr(i).to_string()))
         .collect();
@@ -584,10 +483,6 @@ fn deployment_args() -> Vec<String> {
     args
 }
 
-fn repo_root() -> PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn deletions(e: &Env) -> Vec<String> {
     e.kubelet
         .as_ref()
@@ -712,19 +607,6 @@ fn assert_rbac_sufficed(e: &Env) {
         denied.is_empty(),
         "the shipped RBAC denied the stepper: {denied:#?}"
     );
-}
-
-/// Waits (bounded) until `ok`; panics with `what` and `context()` otherwise.
-fn wait_until(what: &str, limit: Duration, ok: impl Fn() -> bool, context: impl Fn() -> String) {
-    let deadline = Instant::now() + limit;
-    while !ok() {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {limit:?}\n{}",
-            context()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Every node stepped exactly once since `from_del`, and every verdict read (one passed Event

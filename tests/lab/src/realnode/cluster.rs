@@ -185,8 +185,9 @@ impl RealCluster {
     /// removed again.
     pub fn up(spec: ClusterSpec) -> Result<RealCluster> {
         crate::check_root()?;
-        if spec.nodes < 2 || spec.nodes > 8 {
-            bail!("a real cluster has 2 to 8 nodes, not {}", spec.nodes);
+        // Each node's pod CIDR is a /26 of 203.0.113.0/24.
+        if !(2..=4).contains(&spec.nodes) {
+            bail!("a real cluster has 2 to 4 nodes, not {}", spec.nodes);
         }
         let run_dir = Path::new(crate::RUN_ROOT).join(&spec.prefix);
         if run_dir.exists() || netns::netns_exists(&format!("{}-lan", spec.prefix)) {

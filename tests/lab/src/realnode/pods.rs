@@ -142,7 +142,8 @@ impl RealNode {
             .create(
                 &api,
                 json!({"apiVersion": "v1", "kind": "Pod",
-                       "metadata": {"name": name, "namespace": POD_NAMESPACE, "labels": {"app": app}},
+                       "metadata": {"name": name, "namespace": POD_NAMESPACE,
+                                    "labels": {"app": app, crate::kubelet::CNI_POD_LABEL: "cni"}},
                        "spec": {"nodeName": self.node_name(),
                                 "containers": [{"name": app, "image": format!("stepguard.invalid/lab-{app}:1")}],
                                 "terminationGracePeriodSeconds": 1}}),

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stepguard_lab::{Lab, LabGuard, LabSpec};
 
+pub mod cluster;
 pub mod real;
 pub mod webhook;
 pub mod witness;

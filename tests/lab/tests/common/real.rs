@@ -168,3 +168,56 @@ pub fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
         .as_u64()
         .unwrap_or_else(|| panic!("bpftool link show pinned {}: {v}", pin.display()))
 }
+
+/// A real-agent cluster, taken down at the end of a test (also when it panics) after its
+/// agents' logs are kept (`target/real-cilium/<test>-node<i>.log`).
+pub struct KeptCluster(
+    pub stepguard_lab::realnode::cluster::ClusterGuard,
+    pub &'static str,
+);
+impl Drop for KeptCluster {
+    fn drop(&mut self) {
+        for (i, n) in self.0.nodes.iter().enumerate() {
+            keep_log(n, &format!("{}-node{i}", self.1));
+        }
+    }
+}
+impl std::ops::Deref for KeptCluster {
+    type Target = stepguard_lab::realnode::cluster::RealCluster;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+impl std::ops::DerefMut for KeptCluster {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+/// A cluster of `nodes` real-agent nodes (1.20) on one LAN, announcing its VIP with Cilium's
+/// default lease timings.
+pub fn real_cluster(nodes: u8, test: &'static str) -> KeptCluster {
+    use stepguard_lab::realnode::cluster::{ClusterGuard, ClusterSpec, RealCluster};
+    require_root();
+    let release = Release::from_env("1.20").expect("the real cilium-agent");
+    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
+        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
+    ));
+    let t0 = Instant::now();
+    let c = RealCluster::up(ClusterSpec {
+        prefix: stepguard_lab::unique_prefix(),
+        release,
+        kube_bin,
+        nodes,
+        // Cilium's defaults (15 s, 5 s, 2 s): what the users run.
+        lease: stepguard_lab::lan::LeaseTimings::default(),
+    })
+    .expect("a cluster of real-agent nodes announcing a VIP");
+    eprintln!(
+        "real cluster {} of {nodes} nodes up in {:.1}s; the VIP's lease holder: node {:?}",
+        c.state.spec.prefix,
+        t0.elapsed().as_secs_f64(),
+        c.holder().unwrap()
+    );
+    KeptCluster(ClusterGuard(c), test)
+}

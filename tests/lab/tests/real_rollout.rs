@@ -1,0 +1,324 @@
+//! `stepguard rollout` over **real cilium-agents** (issue 31, part 4): a cluster of three lab
+//! nodes each running the real cilium-agent 1.20 (`stepguard_lab::realnode::cluster`), the real
+//! API server, DaemonSet and Deployment controllers and scheduler, the shipped manifests
+//! (`deploy/base`, `deploy/rollout`), Cilium's DaemonSet as the chart renders it with
+//! `updateStrategy: OnDelete`, and the lab kubelet: when the stepper deletes a node's cilium
+//! pod, the kubelet keeps it Terminating for its grace period while the lab restarts **that
+//! node's real agent** (SIGTERM, the chart's 1 s grace, then a new agent), and reports the
+//! replacement Ready once the agent is ready again. stepguard's agent on each node verifies
+//! its node's step against the real restart; the stepper, a LAN client, reads each verdict.
+//!
+//! It runs with `cargo xtask test --real-extended` (three real agents; beyond CI's budget,
+//! README "Tests"); a plain `cargo xtask test` lists it as ignored.
+mod common;
+use common::cluster::*;
+use common::real::*;
+use common::*;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use stepguard_lab::kube::{Forward, Kube};
+use stepguard_lab::kubelet::Kubelet;
+use stepguard_lab::realnode::cluster::{node_lan_addr, LAN_CLIENT};
+
+const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.20.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+const OPERATOR_IMAGE: &str = "quay.io/cilium/operator-generic:v1.20.2@sha256:fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+const NODES: u8 = 3;
+
+fn node_name(i: u8) -> String {
+    format!("lab-node-{i}")
+}
+
+/// The cilium pods: name → (node, revision hash, Ready, Terminating).
+fn cilium_pods(k: &Kube) -> BTreeMap<String, (String, String, bool, bool)> {
+    let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
+    let pods = k.block(k.ns::<Pod>(KS).list(&lp)).unwrap();
+    pods.items
+        .into_iter()
+        .map(|p| {
+            let ready = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                .is_some_and(|c| c.status == "True");
+            (
+                p.metadata.name.clone().unwrap(),
+                (
+                    stepguard_lab::kubelet::target_node(&p).unwrap_or_default(),
+                    p.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get("controller-revision-hash").cloned())
+                        .unwrap_or_default(),
+                    ready,
+                    p.metadata.deletion_timestamp.is_some(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// Every node runs one Ready cilium pod of revision `rev`, none terminating.
+fn all_on(k: &Kube, rev: &str) -> bool {
+    let pods = cilium_pods(k);
+    pods.len() == usize::from(NODES)
+        && pods
+            .values()
+            .all(|(_, h, ready, term)| h == rev && *ready && !*term)
+}
+
+fn stepguard_pods_running(k: &Kube) -> usize {
+    let lp = kube::api::ListParams::default().labels("app.kubernetes.io/name=stepguard");
+    let pods = k.block(k.ns::<Pod>("stepguard").list(&lp)).unwrap();
+    pods.items
+        .iter()
+        .filter(|p| p.status.as_ref().and_then(|s| s.pod_ip.as_ref()).is_some())
+        .count()
+}
+
+fn operator_ready(k: &Kube) -> i32 {
+    k.block(
+        k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS)
+            .get("cilium-operator"),
+    )
+    .ok()
+    .and_then(|d| d.status?.ready_replicas)
+    .unwrap_or(0)
+}
+
+fn rollout(client_ns: &str, kubeconfig: &std::path::Path, extra: &[&str]) -> (i32, String) {
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{client_ns}"))
+        .arg("--")
+        .arg(bin("STEPGUARD_BIN", "stepguard"))
+        .arg("rollout")
+        // The lock's default duration: three real agents compiling their datapaths on two
+        // cores slow the API server past a 3 s lock's 2 s renew deadline (measured).
+        .args([
+            "--settle",
+            "2s",
+            "--step-timeout",
+            "120s",
+            "--replace-timeout",
+            "120s",
+        ])
+        .args(extra)
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run stepguard rollout");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// The steps stepguard's agent on a node decided: (origin, status) of each; each step's
+/// record is kept in `target/real-cilium/<name>-<id>.json`.
+fn steps_of(agent: &Daemon, name: &str) -> Vec<(String, String)> {
+    let (_, list) = agent.get_json("/v1/steps");
+    list["steps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| {
+            let id = s["id"].as_str().unwrap_or_default().to_string();
+            let v: Value = agent.get_json(&format!("/v1/steps/{id}")).1;
+            let dir = repo_root().join("target/real-cilium");
+            let _ = std::fs::create_dir_all(&dir);
+            let _ = std::fs::write(
+                dir.join(format!("{name}-{id}.json")),
+                serde_json::to_vec_pretty(&v).unwrap_or_default(),
+            );
+            (
+                s["origin"].as_str().unwrap_or_default().to_string(),
+                v["verdict"]["status"]
+                    .as_str()
+                    .unwrap_or("none")
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "three real cilium-agents: run with `cargo xtask test --real-extended`"]
+fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
+    let c = Arc::new(Mutex::new(real_cluster(NODES, "real_rollout")));
+    let (cp, client_ns) = {
+        let g = c.lock().unwrap();
+        (g.control_plane().clone(), g.client_ns())
+    };
+    let admin = cp.admin_kubeconfig();
+    apply_shipped_manifests(&cp);
+    let k = Kube::connect(&admin).expect("admin client");
+    k.create(
+        &k.ns::<k8s_openapi::api::core::v1::ServiceAccount>(KS),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "cilium", "namespace": KS}}),
+    )
+    .expect("cilium ServiceAccount");
+    k.create(
+        &k.ns::<DaemonSet>(KS),
+        stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, None),
+    )
+    .expect("the Cilium DaemonSet");
+    k.create(
+        &k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS),
+        stepguard_lab::kube::cilium_operator(OPERATOR_IMAGE),
+    )
+    .expect("the cilium-operator Deployment");
+
+    // A deleted cilium pod restarts that node's real agent: SIGTERM with the chart's 1 s
+    // grace, then a new agent, ready (API healthy, datapath attached, endpoints regenerated).
+    let restarts: Arc<Mutex<Vec<String>>> = Arc::default();
+    let restart = {
+        let (c, restarts) = (c.clone(), restarts.clone());
+        Arc::new(move |node: &str, nth: usize| {
+            let i: usize = node.trim_start_matches("lab-node-").parse().unwrap();
+            let mut g = c.lock().unwrap();
+            let n = &mut g.nodes[i];
+            let exited = n
+                .stop_agent(libc::SIGTERM, Duration::from_secs(1))
+                .expect("stop the agent");
+            n.start_agent().expect("start the agent");
+            let r = n
+                .wait_ready(Duration::from_secs(180))
+                .expect("the agent ready again");
+            let row = format!(
+                "deletion {nth}: {node}'s cilium-agent exited in {:.2}s; API healthy {:.1}s and ready {:.1}s after its start",
+                exited.as_secs_f64(),
+                r.api.as_secs_f64(),
+                r.ready.as_secs_f64()
+            );
+            eprintln!("the lab kubelet: {row}");
+            restarts.lock().unwrap().push(row);
+        })
+    };
+    let nodes: BTreeMap<String, String> = (0..NODES)
+        .map(|i| (node_name(i), node_lan_addr(i).to_string()))
+        .collect();
+    let kubelet = Kubelet::start(&admin, nodes, restart, None).expect("lab kubelet");
+
+    // stepguard's agent on every node, at the node's address (its pod's, host network).
+    let agents: Vec<Daemon> = (0..NODES)
+        .map(|i| {
+            let g = c.lock().unwrap();
+            let n = &g.nodes[usize::from(i)];
+            let cfg = n.write_stepguard_config().unwrap();
+            let wrapper = n.in_node_cgroup();
+            let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+            Daemon::start_at(
+                n.node_ns(),
+                cfg,
+                n.state.run_dir.join("stepguard-state"),
+                std::net::SocketAddr::new(node_lan_addr(i).into(), 9969),
+                &[],
+                &wrapper,
+            )
+        })
+        .collect();
+    // The stepper is a LAN client; the API server is forwarded to it.
+    let server: std::net::SocketAddr = cp.server.trim_start_matches("https://").parse().unwrap();
+    let forward = Forward::start(&client_ns, &LAN_CLIENT.to_string(), server)
+        .expect("forward the API server into the LAN");
+    let kubeconfig = cp
+        .stepper_kubeconfig(&format!("https://{}", forward.addr))
+        .unwrap();
+
+    wait_until(
+        "the controller's first revision",
+        Duration::from_secs(30),
+        || observed(&k) && revision_now(&k).is_some(),
+        String::new,
+    );
+    let first = current_revision(&k).0;
+    wait_until(
+        "a Ready cilium pod on every node, stepguard on every node, the operator Ready",
+        Duration::from_secs(90),
+        || all_on(&k, &first) && stepguard_pods_running(&k) == 3 && operator_ready(&k) == 2,
+        || format!("{:?}", cilium_pods(&k)),
+    );
+    let pids: Vec<i32> = {
+        let g = c.lock().unwrap();
+        g.nodes
+            .iter()
+            .map(|n| n.state.agent.as_ref().unwrap().pid)
+            .collect()
+    };
+    let holder = c.lock().unwrap().holder().unwrap().expect("a lease holder");
+
+    // A new template (its image digest unchanged: the agents run what they ran).
+    let target = set_template(&k, 1, false);
+    assert_ne!(target, first);
+    let (code, out) = rollout(&client_ns, &kubeconfig, &["--dry-run"]);
+    eprintln!("--- stepguard rollout --dry-run ---\n{out}");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("3 of 3 nodes to step"), "{out}");
+    // The real agents' lease, read by the stepper: the holder's step moves the VIP.
+    let holder_line = out
+        .lines()
+        .find(|l| l.contains(&node_name(holder)) && l.contains("moves L2 VIPs"))
+        .unwrap_or_else(|| panic!("the plan names {}'s L2 VIP: {out}", node_name(holder)));
+    assert!(holder_line.contains("web-lan"), "{holder_line}");
+
+    let t0 = Instant::now();
+    let (code, out) = rollout(&client_ns, &kubeconfig, &[]);
+    eprintln!(
+        "--- stepguard rollout ({:.1}s) ---\n{out}",
+        t0.elapsed().as_secs_f64()
+    );
+    for r in restarts.lock().unwrap().iter() {
+        eprintln!("{r}");
+    }
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("3 nodes stepped and verified"), "{out}");
+    // Each node's cilium pod deleted once, each real agent restarted once (a new process).
+    let deletions = kubelet.state.lock().unwrap().deletions.clone();
+    let mut once: Vec<String> = deletions.clone();
+    once.sort();
+    once.dedup();
+    assert_eq!(
+        (deletions.len(), once.len()),
+        (3, 3),
+        "each node once: {deletions:?}"
+    );
+    assert!(kubelet.wait_idle(Duration::from_secs(30)));
+    {
+        let mut g = c.lock().unwrap();
+        for (i, n) in g.nodes.iter_mut().enumerate() {
+            assert!(n.agent_running(), "node {i}'s agent runs");
+            assert_ne!(
+                n.state.agent.as_ref().unwrap().pid,
+                pids[i],
+                "node {i}'s agent was restarted"
+            );
+        }
+    }
+    // Each node's step was verified by its own stepguard agent, against its real restart.
+    for (i, a) in agents.iter().enumerate() {
+        let steps = steps_of(a, &format!("real_rollout-node{i}"));
+        let explicit: Vec<&(String, String)> =
+            steps.iter().filter(|(o, _)| o != "implicit").collect();
+        assert_eq!(
+            explicit.len(),
+            1,
+            "node {i}: one step by the stepper: {steps:?}"
+        );
+        assert_eq!(explicit[0].1, "passed", "node {i}: {steps:?}");
+    }
+    assert!(all_on(&k, &target), "{:?}", cilium_pods(&k));
+    let g = c.lock().unwrap();
+    wait_until(
+        "the VIP answering the LAN client",
+        Duration::from_secs(30),
+        || g.client_get_ok().unwrap_or(false),
+        String::new,
+    );
+    drop(g);
+    drop(forward);
+    drop(kubelet);
+}
