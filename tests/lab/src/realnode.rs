@@ -486,7 +486,9 @@ impl RealNode {
         // The fabric returns pod traffic to the node.
         netns::ip(&fabric, &["route", "add", &self.pod_cidr(), "via", NODE_IP])?;
 
-        // The VIPs' servers, as in the simulated lab: nginx on the gateway, dnsmasq on DNS.
+        // The VIPs' servers, as in the simulated lab: nginx on the gateway, dnsmasq on DNS; they
+        // stand for other machines, so a restart's CPU load on this one must not slow them
+        // ([`services::realtime`]).
         let dir = self.state.run_dir.join("servers");
         std::fs::create_dir_all(&dir)?;
         let z = crate::DNS_ZONE;
@@ -495,8 +497,9 @@ impl RealNode {
             (format!("dns.{z}"), crate::DNS_VIP.to_string()),
         ];
         let p = services::start_dnsmasq(&fabric, &dir, &crate::DNS_VIP.to_string(), &records)?;
-        self.state.procs.push(p);
+        self.state.procs.push(p.clone());
         self.save()?;
+        services::realtime(&p)?;
         let p = services::start_nginx(
             &fabric,
             &dir,
@@ -504,8 +507,9 @@ impl RealNode {
             crate::GATEWAY_PORT,
             None,
         )?;
-        self.state.procs.push(p);
+        self.state.procs.push(p.clone());
         self.save()?;
+        services::realtime(&p)?;
 
         // The private bpffs.
         std::fs::create_dir_all(&self.state.bpffs)?;

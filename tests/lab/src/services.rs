@@ -36,6 +36,41 @@ fn spawn_in(ns: &str, what: &str, program: &str, args: &[String], log: &Path) ->
     spawn_detached(cmd, what, log)
 }
 
+/// Runs a lab server and its child processes (nginx's workers) under `SCHED_RR` priority 1:
+/// the real-agent lab's fabric stands for **other machines** (the LAN's gateway and DNS), which
+/// a node's restart does not slow. On the lab's two cores they share the CPU with the restarting
+/// cilium-agent's clang jobs and the control plane: measured in the real-agent rollout, dnsmasq
+/// answered queries that had reached it on time (pcap on both ends of the veth) in batches up to
+/// 0.6 s late, and stepguard rightly reported 0.6–2.5 s gaps of a datapath that had none. They
+/// use little CPU (a probe every 10 ms at most), and the kernel's RT throttling bounds them.
+pub fn realtime(p: &Proc) -> Result<()> {
+    let mut pids = vec![p.pid];
+    let tasks = format!("/proc/{}/task", p.pid);
+    for t in std::fs::read_dir(&tasks)
+        .with_context(|| format!("read {tasks}"))?
+        .flatten()
+    {
+        let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        pids.extend(
+            children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<i32>().ok()),
+        );
+    }
+    for pid in pids {
+        let param = libc::sched_param { sched_priority: 1 };
+        // SAFETY: sched_setscheduler on a pid with a valid parameter struct.
+        if unsafe { libc::sched_setscheduler(pid, libc::SCHED_RR, &param) } != 0 {
+            bail!(
+                "SCHED_RR for {} (pid {pid}): {}",
+                p.what,
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Starts `program args` in the host's namespaces, output to `log`, in a session of its own
 /// (see [`spawn_detached`]) but tied to the calling thread: it is killed when that thread ends,
 /// so a test killed mid-run leaves no control plane behind. It runs at nice 10.
