@@ -117,9 +117,9 @@ fn rollout(client_ns: &str, kubeconfig: &std::path::Path, extra: &[&str]) -> (i3
     (out.status.code().unwrap_or(-1), text)
 }
 
-/// The steps stepguard's agent on a node decided: (origin, status) of each; each step's
-/// record is kept in `target/real-cilium/<name>-<id>.json`.
-fn steps_of(agent: &Daemon, name: &str) -> Vec<(String, String)> {
+/// The steps stepguard's agent on a node decided: (origin, status, the targets with a gap)
+/// of each; each step's record is kept in `target/real-cilium/<name>-<id>.json`.
+fn steps_of(agent: &Daemon, name: &str) -> Vec<(String, String, Vec<String>)> {
     let (_, list) = agent.get_json("/v1/steps");
     list["steps"]
         .as_array()
@@ -140,6 +140,13 @@ fn steps_of(agent: &Daemon, name: &str) -> Vec<(String, String)> {
                     .as_str()
                     .unwrap_or("none")
                     .to_string(),
+                v["gaps"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|g| g["count"] != 0)
+                    .map(|g| g.to_string())
+                    .collect(),
             )
         })
         .collect()
@@ -301,14 +308,20 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
     // Each node's step was verified by its own stepguard agent, against its real restart.
     for (i, a) in agents.iter().enumerate() {
         let steps = steps_of(a, &format!("real_rollout-node{i}"));
-        let explicit: Vec<&(String, String)> =
-            steps.iter().filter(|(o, _)| o != "implicit").collect();
+        let explicit: Vec<_> = steps.iter().filter(|s| s.0 != "implicit").collect();
         assert_eq!(
             explicit.len(),
             1,
             "node {i}: one step by the stepper: {steps:?}"
         );
         assert_eq!(explicit[0].1, "passed", "node {i}: {steps:?}");
+        // A real restart drops nothing on the node's way to the fabric (its servers stand for
+        // other machines: `services::realtime`).
+        assert!(
+            explicit[0].2.is_empty(),
+            "node {i}: no gap: {:?}",
+            explicit[0].2
+        );
     }
     assert!(all_on(&k, &target), "{:?}", cilium_pods(&k));
     let g = c.lock().unwrap();
