@@ -67,6 +67,10 @@ pub struct NodeResult {
     pub elapsed_s: f64,
     /// The replacement pod's stages as seen, each with how long it lasted (seconds).
     pub replacement: Vec<(String, f64)>,
+    /// What LAN clients were expected to see (a lease holder's step), beside the witnesses'
+    /// measurement in the verdict's summary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blip: Option<plan::ExpectedBlip>,
 }
 
 /// Runs `stepguard rollout`; the exit code.
@@ -141,6 +145,7 @@ fn resumed_step(i: &InFlight) -> PlannedStep {
         },
         moves: vec![],
         pause_before: Duration::ZERO,
+        blip: None,
     }
 }
 

@@ -33,6 +33,7 @@ pub(super) async fn step_node(
         outcome,
         elapsed_s: t0.elapsed().as_secs_f64(),
         replacement: stages.durations(),
+        blip: st.blip.clone(),
     };
     let stages = Stages::default();
     let sel = Cluster::selector(cx.ds);

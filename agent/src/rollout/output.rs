@@ -290,10 +290,30 @@ pub(super) fn print_end(
                 "  {:<20} {:<22} {:<10} {:>7.0}s  {d}",
                 r.node, r.why, o, r.elapsed_s
             );
+            if let Some(b) = &r.blip {
+                println!(
+                    "  {:<20} {}; measured: {}",
+                    "",
+                    b.text(),
+                    measured_lan_gaps(&r.outcome)
+                );
+            }
         }
         if let Some(h) = &rec.halt {
             println!("\n{}", record::halt_text(h));
         }
     }
     Ok(())
+}
+
+/// The witnesses' part of a passed step's summary (`as a LAN client sees it …`), or why there
+/// is none.
+fn measured_lan_gaps(o: &Outcome) -> String {
+    match o {
+        Outcome::Passed { summary, .. } => match summary.find("as a LAN client sees it") {
+            Some(i) => summary[i..].to_string(),
+            None => "no witness (--witness URL measures it as LAN clients see it)".into(),
+        },
+        Outcome::Failed { .. } | Outcome::Stopped { .. } => "no verdict".into(),
+    }
 }

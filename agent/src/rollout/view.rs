@@ -118,6 +118,7 @@ impl Cluster {
                 })
             })
             .collect();
+        let l2_timings = self.l2_timings(&ds).await;
         let status = ds.status.clone().unwrap_or_default();
         let view = ClusterView {
             daemonset: format!("{}/{}", self.ns, self.ds),
@@ -143,8 +144,54 @@ impl Cluster {
             agents,
             devices,
             leases,
+            l2_timings,
         };
         Ok((view, ds))
+    }
+
+    /// Cilium's L2-announcement renew deadline and retry period from its ConfigMap
+    /// (`cilium-config` in the DaemonSet's namespace, the chart's name), else Cilium's
+    /// defaults with the reason; the agent pod's grace from the DaemonSet's template.
+    async fn l2_timings(&self, ds: &DaemonSet) -> plan::L2Timings {
+        let mut t = plan::L2Timings::default();
+        if let Some(pod) = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()) {
+            // The API's default when the template sets none.
+            let g = pod.termination_grace_period_seconds.unwrap_or(30).max(0);
+            t.grace = Duration::from_secs(g as u64);
+        }
+        let cm =
+            Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(self.client.clone(), &self.ns)
+                .get_opt("cilium-config")
+                .await;
+        t.source = match cm {
+            Ok(Some(cm)) => {
+                let data = cm.data.unwrap_or_default();
+                let mut bad = Vec::new();
+                for (key, slot) in [
+                    ("l2-announcements-renew-deadline", &mut t.renew),
+                    ("l2-announcements-retry-period", &mut t.retry),
+                ] {
+                    if let Some(v) = data.get(key) {
+                        match crate::duration::parse(v) {
+                            Ok(d) => *slot = d,
+                            Err(e) => bad.push(format!("{key}: {e}")),
+                        }
+                    }
+                }
+                if bad.is_empty() {
+                    format!("{}/cilium-config", self.ns)
+                } else {
+                    format!(
+                        "{}/cilium-config, Cilium's defaults for {}",
+                        self.ns,
+                        bad.join("; ")
+                    )
+                }
+            }
+            Ok(None) => format!("Cilium's defaults ({}/cilium-config not found)", self.ns),
+            Err(e) => format!("Cilium's defaults ({}/cilium-config: {e})", self.ns),
+        };
+        t
     }
 
     /// The cilium-operator Deployment's readiness (`--operator`).

@@ -7,6 +7,9 @@
 //! node's real agent** (SIGTERM, the chart's 1 s grace, then a new agent), and reports the
 //! replacement Ready once the agent is ready again. stepguard's agent on each node verifies
 //! its node's step against the real restart; the stepper, a LAN client, reads each verdict.
+//! The plan (issue 33) names what will blip from the lease timings the agents run with (not
+//! Cilium's defaults, so the numbers show they were read), and the summary puts it beside what
+//! a witness on the LAN measured in the holder's step.
 //!
 //! It runs with `cargo xtask test --real-extended` (three real agents; beyond CI's budget,
 //! README "Tests"); a plain `cargo xtask test` lists it as ignored.
@@ -155,7 +158,13 @@ fn steps_of(agent: &Daemon, name: &str) -> Vec<(String, String, Vec<String>)> {
 #[test]
 #[ignore = "three real cilium-agents: run with `cargo xtask test --real-extended`"]
 fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
-    let c = Arc::new(Mutex::new(real_cluster(NODES, "real_rollout")));
+    // Lease timings other than Cilium's defaults, so the plan's numbers show they were read.
+    let lease = stepguard_lab::lan::LeaseTimings {
+        duration: Duration::from_secs(6),
+        renew: Duration::from_secs(3),
+        retry: Duration::from_secs(1),
+    };
+    let c = Arc::new(Mutex::new(real_cluster_with(NODES, "real_rollout", lease)));
     let (cp, client_ns) = {
         let g = c.lock().unwrap();
         (g.control_plane().clone(), g.client_ns())
@@ -209,6 +218,20 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
         .map(|i| (node_name(i), node_lan_addr(i).to_string()))
         .collect();
     let kubelet = Kubelet::start(&admin, nodes, restart, None).expect("lab kubelet");
+    // A witness on the LAN, which every step names: the measured blip beside the expected.
+    let witness = {
+        let g = c.lock().unwrap();
+        common::witness::Witness::start_in(
+            &g.client_ns(),
+            &g.witness_config(),
+            &format!(
+                "{LAN_CLIENT}:{}",
+                stepguard_lab::realnode::cluster::WITNESS_PORT
+            ),
+            1,
+            &["--probe-interval", "100ms"],
+        )
+    };
 
     // stepguard's agent on every node, at the node's address (its pod's, host network).
     let agents: Vec<Daemon> = (0..NODES)
@@ -271,9 +294,13 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
         .find(|l| l.contains(&node_name(holder)) && l.contains("moves L2 VIPs"))
         .unwrap_or_else(|| panic!("the plan names {}'s L2 VIP: {out}", node_name(holder)));
     assert!(holder_line.contains("web-lan"), "{holder_line}");
+    // What will blip, from the timings the agents run with (the ConfigMap's 1 s retry, the
+    // lease's 6 s, the chart's 1 s grace): 1 × 2.2 s, and 6 to 6 + 2 × 2.2 s.
+    let expected = "up to 2.2s for a client resolving it meanwhile; 6.0-10.4s if the lease is not released within the 1s grace (lease 6s, retry 1s: kube-system/cilium-config)";
+    assert!(out.contains(expected), "{out}");
 
     let t0 = Instant::now();
-    let (code, out) = rollout(&client_ns, &kubeconfig, &[]);
+    let (code, out) = rollout(&client_ns, &kubeconfig, &["--witness", &witness.url]);
     eprintln!(
         "--- stepguard rollout ({:.1}s) ---\n{out}",
         t0.elapsed().as_secs_f64()
@@ -283,6 +310,19 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
     }
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("3 nodes stepped and verified"), "{out}");
+    // The summary: the holder's expected blip beside the witness's measurement, within it (a
+    // graceful move: the old holder forwards the witness until the takeover).
+    let row = out
+        .lines()
+        .find(|l| l.contains(expected) && l.contains("measured: as a LAN client sees it"))
+        .unwrap_or_else(|| panic!("the expected beside the measured: {out}"));
+    let measured_ms: f64 = row
+        .split("web-lan ")
+        .nth(1)
+        .and_then(|r| r.split('±').next())
+        .and_then(|m| m.trim_end_matches("ms").parse().ok())
+        .unwrap_or_else(|| panic!("the witness's web-lan gap in {row}"));
+    assert!(measured_ms <= 2200.0, "within the expected blip: {row}");
     // Each node's cilium pod deleted once, each real agent restarted once (a new process).
     let deletions = kubelet.state.lock().unwrap().deletions.clone();
     let mut once: Vec<String> = deletions.clone();

@@ -82,6 +82,103 @@ pub struct ClusterView {
     /// The device set each agent reports (`devices` check), or why it could not be read.
     pub devices: BTreeMap<String, Result<Vec<String>, String>>,
     pub leases: Vec<L2Lease>,
+    /// The timings the expected blips are computed from.
+    pub l2_timings: L2Timings,
+}
+
+/// Cilium's L2-announcement timings beyond each lease's duration, and the agent pod's grace.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct L2Timings {
+    /// `l2-announcements-renew-deadline`.
+    #[serde(with = "crate::step::secs")]
+    pub renew: Duration,
+    /// `l2-announcements-retry-period`.
+    #[serde(with = "crate::step::secs")]
+    pub retry: Duration,
+    /// The cilium-agent pod's `terminationGracePeriodSeconds` (the DaemonSet's template).
+    #[serde(with = "crate::step::secs")]
+    pub grace: Duration,
+    /// Where `renew` and `retry` came from: the ConfigMap, or Cilium's defaults and why.
+    pub source: String,
+}
+
+impl Default for L2Timings {
+    /// Cilium's defaults (5 s, 2 s) and the chart's grace (1 s).
+    fn default() -> Self {
+        Self {
+            renew: Duration::from_secs(5),
+            retry: Duration::from_secs(2),
+            grace: Duration::from_secs(1),
+            source: "Cilium's defaults".into(),
+        }
+    }
+}
+
+/// client-go's `leaderelection.JitterFactor`: a candidate tries again after
+/// `retry × (1 + rand × 1.2)` (`wait.JitterUntil`).
+pub const LEASE_JITTER: f64 = 1.2;
+
+/// What a lease holder's step is expected to do to the VIPs it announces (seconds), from the
+/// lease timings and what two real cilium-agents 1.20.2 were measured to do
+/// (`docs/cilium-fidelity.md`, "L2 announcements on two real agents"). Clients that resolved a
+/// VIP keep reaching this node's datapath until the new holder's gratuitous ARP: no outage for
+/// them while it forwards.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ExpectedBlip {
+    /// A client that resolves a moving VIP before the takeover waits at most this long: the
+    /// stopping agent deletes its responder entry and releases the lease at once, and the
+    /// next node takes it at its next jittered retry (`retry × (1 + 1.2)`).
+    pub resolving_max_s: f64,
+    /// When the release does not land within the grace (the API server slow or away) the
+    /// lease expires first: from a lease duration to a lease duration and two jittered retries
+    /// (the candidate counts from its own observation of the last renewal).
+    pub unreleased_min_s: f64,
+    pub unreleased_max_s: f64,
+    /// The longest lease among the VIPs that move.
+    pub lease_s: f64,
+    pub retry_s: f64,
+    pub grace_s: f64,
+    pub timings: String,
+}
+
+/// The expected blip of a step that moves VIPs whose longest lease is `lease`. The timings
+/// are first made sane as the agent makes them (`pkg/l2announcer/l2announcer.go`
+/// `leaseTimings`, v1.20.2): a lease not above the renew deadline halves it, a renew deadline
+/// not above `1.2 × retry` halves the retry period.
+pub fn expected_blip(lease: Duration, t: &L2Timings) -> ExpectedBlip {
+    let lease = lease.max(Duration::from_secs(1));
+    let renew = if lease <= t.renew { lease / 2 } else { t.renew };
+    let retry = if renew.as_secs_f64() <= LEASE_JITTER * t.retry.as_secs_f64() {
+        renew / 2
+    } else {
+        t.retry
+    };
+    let jittered = retry.as_secs_f64() * (1.0 + LEASE_JITTER);
+    ExpectedBlip {
+        resolving_max_s: jittered,
+        unreleased_min_s: lease.as_secs_f64(),
+        unreleased_max_s: lease.as_secs_f64() + 2.0 * jittered,
+        lease_s: lease.as_secs_f64(),
+        retry_s: retry.as_secs_f64(),
+        grace_s: t.grace.as_secs_f64(),
+        timings: t.source.clone(),
+    }
+}
+
+impl ExpectedBlip {
+    /// One line for people.
+    pub fn text(&self) -> String {
+        format!(
+            "expected LAN blip: none for clients that resolved the VIP (this node forwards until the takeover); up to {:.1}s for a client resolving it meanwhile; {:.1}-{:.1}s if the lease is not released within the {}s grace (lease {}s, retry {}s: {})",
+            self.resolving_max_s,
+            self.unreleased_min_s,
+            self.unreleased_max_s,
+            self.grace_s,
+            self.lease_s,
+            self.retry_s,
+            self.timings
+        )
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -114,6 +211,9 @@ pub struct PlannedStep {
     /// least a lease duration).
     #[serde(with = "crate::step::secs")]
     pub pause_before: Duration,
+    /// For a step that moves VIPs: what LAN clients should expect.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blip: Option<ExpectedBlip>,
 }
 
 /// Why a rollout must not start. Listed in this order (README, "Stepping a Cilium rollout").
@@ -461,6 +561,16 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
         } else {
             o.pause_between
         };
+        let blip = (!moves.is_empty()).then(|| {
+            let lease = v
+                .leases
+                .iter()
+                .filter(|l| moves.contains(&l.service))
+                .map(|l| l.duration)
+                .max()
+                .unwrap_or(Duration::ZERO);
+            expected_blip(lease, &v.l2_timings)
+        });
         out.push(PlannedStep {
             node: p.node.clone(),
             pod: p.name.clone(),
@@ -468,6 +578,7 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
             why,
             moves,
             pause_before,
+            blip,
         });
     }
     if let Some(m) = o.max_nodes {
@@ -525,6 +636,9 @@ pub fn render(v: &ClusterView, steps: &[PlannedStep]) -> String {
                 format!(" (after a {}s pause)", st.pause_before.as_secs())
             }
         ));
+        if let Some(b) = &st.blip {
+            s.push_str(&format!("      {}\n", b.text()));
+        }
     }
     s
 }

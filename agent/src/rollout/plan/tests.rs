@@ -65,6 +65,7 @@ fn view() -> ClusterView {
                 duration: Duration::from_secs(15),
             },
         ],
+        l2_timings: L2Timings::default(),
     }
 }
 
@@ -89,6 +90,48 @@ fn canary_first_workers_by_zone_then_holders_apart_then_control_plane() {
     );
     assert_eq!(p[2].moves, ["net-pihole-a"]);
     assert!(render(&view(), &p).contains("moves L2 VIPs: net-pihole-a"));
+}
+
+/// Issue 33: a lease holder's step says what LAN clients should expect, from the lease
+/// timings: retry × 2.2 for a client resolving the VIP meanwhile; a lease duration to a lease
+/// duration and two jittered retries when the release misses the grace. Workers expect none.
+#[test]
+fn a_holders_step_names_its_expected_blip_from_the_lease_timings() {
+    let mut v = view();
+    v.leases[0].duration = Duration::from_secs(6);
+    v.l2_timings = L2Timings {
+        renew: Duration::from_secs(3),
+        retry: Duration::from_secs(1),
+        grace: Duration::from_secs(1),
+        source: "kube-system/cilium-config".into(),
+    };
+    let p = plan(&v, &PlanOpts::default()).unwrap();
+    let holder = p.iter().find(|s| s.node == "a1").unwrap();
+    let b = holder.blip.as_ref().expect("a holder's blip");
+    assert!((b.resolving_max_s - 2.2).abs() < 1e-9, "{b:?}");
+    assert!((b.unreleased_min_s - 6.0).abs() < 1e-9, "{b:?}");
+    assert!((b.unreleased_max_s - 10.4).abs() < 1e-9, "{b:?}");
+    assert!(p
+        .iter()
+        .filter(|s| s.moves.is_empty())
+        .all(|s| s.blip.is_none()));
+    let text = render(&v, &p);
+    assert!(
+        text.contains("up to 2.2s for a client resolving it meanwhile; 6.0-10.4s if the lease is not released within the 1s grace (lease 6s, retry 1s: kube-system/cilium-config)"),
+        "{text}"
+    );
+    // Timings the agent would correct are corrected as it does: a renew deadline not above
+    // 1.2 × retry halves the retry period (5 s / 2 = 2.5 s).
+    let t = L2Timings {
+        renew: Duration::from_secs(5),
+        retry: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let b = expected_blip(Duration::from_secs(15), &t);
+    assert!(
+        (b.retry_s - 2.5).abs() < 1e-9 && (b.resolving_max_s - 5.5).abs() < 1e-9,
+        "{b:?}"
+    );
 }
 
 #[test]

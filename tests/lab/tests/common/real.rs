@@ -195,8 +195,17 @@ impl std::ops::DerefMut for KeptCluster {
 }
 
 /// A cluster of `nodes` real-agent nodes (1.20) on one LAN, announcing its VIP with Cilium's
-/// default lease timings.
+/// default lease timings (15 s, 5 s, 2 s: what the users run).
 pub fn real_cluster(nodes: u8, test: &'static str) -> KeptCluster {
+    real_cluster_with(nodes, test, stepguard_lab::lan::LeaseTimings::default())
+}
+
+/// A cluster of `nodes` real-agent nodes with the lease timings `lease` in its ConfigMap.
+pub fn real_cluster_with(
+    nodes: u8,
+    test: &'static str,
+    lease: stepguard_lab::lan::LeaseTimings,
+) -> KeptCluster {
     use stepguard_lab::realnode::cluster::{ClusterGuard, ClusterSpec, RealCluster};
     require_root();
     let release = Release::from_env("1.20").expect("the real cilium-agent");
@@ -209,8 +218,7 @@ pub fn real_cluster(nodes: u8, test: &'static str) -> KeptCluster {
         release,
         kube_bin,
         nodes,
-        // Cilium's defaults (15 s, 5 s, 2 s): what the users run.
-        lease: stepguard_lab::lan::LeaseTimings::default(),
+        lease,
     })
     .expect("a cluster of real-agent nodes announcing a VIP");
     eprintln!(
