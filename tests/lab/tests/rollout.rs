@@ -140,6 +140,14 @@ fn env_with(revision_history_limit: Option<i32>) -> Env {
         json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "cilium", "namespace": KS}}),
     )
     .expect("cilium ServiceAccount");
+    // Cilium's ConfigMap with the lab's lease timings (the plan's expected blips read them).
+    k.create(
+        &k.ns::<k8s_openapi::api::core::v1::ConfigMap>(KS),
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cilium-config", "namespace": KS},
+               "data": {"enable-l2-announcements": "true", "l2-announcements-lease-duration": "2s",
+                        "l2-announcements-renew-deadline": "1s", "l2-announcements-retry-period": "500ms"}}),
+    )
+    .expect("cilium-config");
     k.create(
         &k.ns::<DaemonSet>(KS),
         stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, revision_history_limit),
@@ -660,6 +668,12 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
     assert_eq!(code, 0, "{out}");
     assert!(
         out.contains("3 of 3 nodes to step") && out.contains("moves L2 VIPs"),
+        "{out}"
+    );
+    // What will blip, from the lab's lease timings (2 s, 1 s, 500 ms) and the chart's 1 s
+    // grace: 0.5 × 2.2 s for a resolving client, 2 to 2 + 2 × 1.1 s when the release misses.
+    assert!(
+        out.contains("up to 1.1s for a client resolving it meanwhile; 2.0-4.2s if the lease is not released within the 1s grace (lease 2s, retry 0.5s: kube-system/cilium-config)"),
         "{out}"
     );
     // node-2's agent gone (its replacement never started), node-1 NotReady, and the
