@@ -218,6 +218,10 @@ pub struct VipTruth {
     /// The restarted node, still the holder, re-added the entry with a gratuitous ARP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reannounced: Option<(u128, u128)>,
+    /// The holder's agent, stopping gracefully, withdrew its entry (nobody answers ARP for
+    /// the VIP until a taker announces it or the restarted holder re-adds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withdrawn: Option<(u128, u128)>,
     /// The LAN client's kernel resolved the VIP again after forgetting it (rtnetlink).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_resolved_ns: Option<u128>,

@@ -224,6 +224,16 @@ pub fn cilium_config(tunnel: bool) -> BTreeMap<String, String> {
     m
 }
 
+/// [`services::realtime`], or a warning when the kernel refuses it (RT group scheduling
+/// without a budget): the lab still works, but gaps under load may then be the lab's servers.
+fn realtime_or_warn(p: &Proc) {
+    if let Err(e) = services::realtime(p) {
+        eprintln!(
+            "real node: {e:#}: the fabric's servers share the CPU with the restarting agent (a gap under load may be theirs)"
+        );
+    }
+}
+
 /// Spawns `cmd` from a thread that lives as long as the process. The agent dies with the lab
 /// (`PR_SET_PDEATHSIG`), and the kernel sends that signal when the **thread** that forked it
 /// exits: an agent started from a short-lived thread (the lab kubelet's restart hook) would be
@@ -499,7 +509,7 @@ impl RealNode {
         let p = services::start_dnsmasq(&fabric, &dir, &crate::DNS_VIP.to_string(), &records)?;
         self.state.procs.push(p.clone());
         self.save()?;
-        services::realtime(&p)?;
+        realtime_or_warn(&p);
         let p = services::start_nginx(
             &fabric,
             &dir,
@@ -509,7 +519,7 @@ impl RealNode {
         )?;
         self.state.procs.push(p.clone());
         self.save()?;
-        services::realtime(&p)?;
+        realtime_or_warn(&p);
 
         // The private bpffs.
         std::fs::create_dir_all(&self.state.bpffs)?;

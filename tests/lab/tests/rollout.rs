@@ -671,9 +671,10 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
         "{out}"
     );
     // What will blip, from the lab's lease timings (2 s, 1 s, 500 ms) and the chart's 1 s
-    // grace: 0.5 × 2.2 s for a resolving client, 2 to 2 + 2 × 1.1 s when the release misses.
+    // grace: 0.5 × 2.2 s for a resolving client, 2 − 0.5 to 2 + 2 × 1.1 s when the release
+    // misses.
     assert!(
-        out.contains("up to 1.1s for a client resolving it meanwhile; 2.0-4.2s if the lease is not released within the 1s grace (lease 2s, retry 0.5s: kube-system/cilium-config)"),
+        out.contains("up to 1.1s for a client resolving it meanwhile; 1.5-4.2s if the lease is not released within the 1s grace (lease 2s, retry 0.5s: kube-system/cilium-config)"),
         "{out}"
     );
     // node-2's agent gone (its replacement never started), node-1 NotReady, and the

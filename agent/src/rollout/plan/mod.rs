@@ -130,8 +130,10 @@ pub struct ExpectedBlip {
     /// next node takes it at its next jittered retry (`retry × (1 + 1.2)`).
     pub resolving_max_s: f64,
     /// When the release does not land within the grace (the API server slow or away) the
-    /// lease expires first: from a lease duration to a lease duration and two jittered retries
-    /// (the candidate counts from its own observation of the last renewal).
+    /// lease expires first: from a lease duration less one retry period (the holder renews
+    /// every retry period, so its last renewal may precede the stop by one) to a lease
+    /// duration and two jittered retries (the candidate counts from its own observation of the
+    /// last renewal, then tries at its next jittered retry).
     pub unreleased_min_s: f64,
     pub unreleased_max_s: f64,
     /// The longest lease among the VIPs that move.
@@ -156,7 +158,7 @@ pub fn expected_blip(lease: Duration, t: &L2Timings) -> ExpectedBlip {
     let jittered = retry.as_secs_f64() * (1.0 + LEASE_JITTER);
     ExpectedBlip {
         resolving_max_s: jittered,
-        unreleased_min_s: lease.as_secs_f64(),
+        unreleased_min_s: (lease.as_secs_f64() - retry.as_secs_f64()).max(0.0),
         unreleased_max_s: lease.as_secs_f64() + 2.0 * jittered,
         lease_s: lease.as_secs_f64(),
         retry_s: retry.as_secs_f64(),

@@ -93,8 +93,9 @@ fn canary_first_workers_by_zone_then_holders_apart_then_control_plane() {
 }
 
 /// Issue 33: a lease holder's step says what LAN clients should expect, from the lease
-/// timings: retry × 2.2 for a client resolving the VIP meanwhile; a lease duration to a lease
-/// duration and two jittered retries when the release misses the grace. Workers expect none.
+/// timings: retry × 2.2 for a client resolving the VIP meanwhile; a lease duration less a retry
+/// to a lease duration and two jittered retries when the release misses the grace. Workers
+/// expect none.
 #[test]
 fn a_holders_step_names_its_expected_blip_from_the_lease_timings() {
     let mut v = view();
@@ -109,7 +110,7 @@ fn a_holders_step_names_its_expected_blip_from_the_lease_timings() {
     let holder = p.iter().find(|s| s.node == "a1").unwrap();
     let b = holder.blip.as_ref().expect("a holder's blip");
     assert!((b.resolving_max_s - 2.2).abs() < 1e-9, "{b:?}");
-    assert!((b.unreleased_min_s - 6.0).abs() < 1e-9, "{b:?}");
+    assert!((b.unreleased_min_s - 5.0).abs() < 1e-9, "{b:?}");
     assert!((b.unreleased_max_s - 10.4).abs() < 1e-9, "{b:?}");
     assert!(p
         .iter()
@@ -117,7 +118,7 @@ fn a_holders_step_names_its_expected_blip_from_the_lease_timings() {
         .all(|s| s.blip.is_none()));
     let text = render(&v, &p);
     assert!(
-        text.contains("up to 2.2s for a client resolving it meanwhile; 6.0-10.4s if the lease is not released within the 1s grace (lease 6s, retry 1s: kube-system/cilium-config)"),
+        text.contains("up to 2.2s for a client resolving it meanwhile; 5.0-10.4s if the lease is not released within the 1s grace (lease 6s, retry 1s: kube-system/cilium-config)"),
         "{text}"
     );
     // Timings the agent would correct are corrected as it does: a renew deadline not above

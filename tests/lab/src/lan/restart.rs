@@ -135,6 +135,7 @@ impl LanLab {
                 .copied()
                 .filter(|_| clock.held_at_start.contains(&v.name));
             let reannounced = clock.reannounced.get(&v.name).copied();
+            let withdrawn = clock.withdrawn.get(&v.name).copied();
             let client_resolved_ns = client_forgot.and_then(|_| resolved(v.addr));
             // The client's entry points at the holder; while that node's datapath drops,
             // the VIP is down for it, until the gratuitous ARP of a taker without an entry
@@ -159,10 +160,11 @@ impl LanLab {
                     (Some(st), Some(res)) if f.at.1 >= st.0 && f.at.0 <= res.1 => {
                         resumed = client_resolved_ns.map(|t| (t, t));
                     }
-                    // Forgotten while the holder's responder, flushed at its start, answers
-                    // nothing for the VIP (until it re-adds the entry): down for the client
-                    // from the moment it forgot until its kernel resolved the VIP again.
-                    (None, _) if flushed.is_some_and(|fl| f.at.0 >= fl.0) => {
+                    // Forgotten while nobody answers ARP for the VIP — the holder's responder
+                    // flushed at its start, or its entry withdrawn at a graceful stop — until
+                    // it re-adds the entry or a taker announces: down for the client from the
+                    // moment it forgot until its kernel resolved the VIP again.
+                    (None, _) if flushed.or(withdrawn).is_some_and(|fl| f.at.0 >= fl.0) => {
                         let silent_until = reannounced
                             .map(|x| x.0)
                             .or(took.filter(|t| t.2).map(|t| t.0));
@@ -185,6 +187,7 @@ impl LanLab {
                 resumed,
                 flushed,
                 reannounced,
+                withdrawn,
                 client_resolved_ns,
             });
         }
@@ -263,7 +266,9 @@ impl LanLab {
             // was seen; docs/cilium-fidelity.md, "L2 announcements on two real agents"). Its
             // stale entries stay, quiet once its liveness is a lease duration old.
             for v in &held {
+                let t0 = now_ns();
                 self.withdraw(i, v)?;
+                c.withdrawn.insert(v.name.clone(), (t0, now_ns()));
                 if let Some(e) = c.entries.get_mut(&i) {
                     e.remove(&v.name);
                 }
@@ -410,6 +415,8 @@ struct LeaseClock {
     /// VIP → (before, after, gratuitous ARP sent) of its takeover.
     taken: BTreeMap<String, (u128, u128, bool)>,
     flushed: BTreeMap<String, (u128, u128)>,
+    /// VIP → (before, after) its entry was withdrawn at a graceful stop.
+    withdrawn: BTreeMap<String, (u128, u128)>,
     reannounced: BTreeMap<String, (u128, u128)>,
     forgot: Option<(String, &'static str, (u128, u128))>,
 }

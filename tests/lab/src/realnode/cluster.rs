@@ -168,8 +168,13 @@ impl RealCluster {
             serde_json::from_slice(&data).with_context(|| format!("parse {}", path.display()))?;
         let mut nodes = Vec::new();
         for p in &state.nodes {
-            if let Ok(n) = RealNode::open(p) {
-                nodes.push(n);
+            // A node whose `up` failed removed itself (no state file): nothing to open.
+            if Path::new(crate::RUN_ROOT)
+                .join(p)
+                .join("real.json")
+                .exists()
+            {
+                nodes.push(RealNode::open(p)?);
             }
         }
         Ok(RealCluster {
@@ -190,8 +195,30 @@ impl RealCluster {
             bail!("a real cluster has 2 to 4 nodes, not {}", spec.nodes);
         }
         let run_dir = Path::new(crate::RUN_ROOT).join(&spec.prefix);
-        if run_dir.exists() || netns::netns_exists(&format!("{}-lan", spec.prefix)) {
-            bail!("lab prefix {:?} is already in use", spec.prefix);
+        // Everything the cluster and its nodes will name must be free: `down` removes what
+        // the state records, and must never remove another lab's.
+        let mut taken: Vec<String> = [
+            format!("{}-lan", spec.prefix),
+            format!("{}-client", spec.prefix),
+        ]
+        .into_iter()
+        .filter(|ns| netns::netns_exists(ns))
+        .collect();
+        for i in 0..spec.nodes {
+            let p = format!("{}n{i}", spec.prefix);
+            if Path::new(crate::RUN_ROOT).join(&p).exists()
+                || netns::netns_exists(&format!("{p}-node"))
+                || netns::netns_exists(&format!("{p}-fabric"))
+            {
+                taken.push(p);
+            }
+        }
+        if run_dir.exists() || !taken.is_empty() {
+            bail!(
+                "lab prefix {:?} is already in use ({})",
+                spec.prefix,
+                taken.join(", ")
+            );
         }
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("create {}", run_dir.display()))?;
@@ -247,8 +274,7 @@ impl RealCluster {
                    "data": config}),
         )?;
 
-        // The nodes one after another: each agent's start compiles its datapath, and the
-        // agent is a child of this thread (it dies with it: `PR_SET_PDEATHSIG`).
+        // The nodes one after another: each agent's start compiles its datapath (two cores).
         for i in 0..spec.nodes {
             let prefix = format!("{}n{i}", spec.prefix);
             self.state.nodes.push(prefix.clone());
@@ -516,9 +542,14 @@ impl RealCluster {
         let mut errors = Vec::new();
         let mut nodes = std::mem::take(&mut self.nodes);
         for p in &self.state.nodes {
-            if !nodes.iter().any(|n| &n.state.spec.prefix == p) {
-                if let Ok(n) = RealNode::open(p) {
-                    nodes.push(n);
+            let recorded = Path::new(crate::RUN_ROOT)
+                .join(p)
+                .join("real.json")
+                .exists();
+            if recorded && !nodes.iter().any(|n| &n.state.spec.prefix == p) {
+                match RealNode::open(p) {
+                    Ok(n) => nodes.push(n),
+                    Err(e) => errors.push(format!("node {p}: {e:#}")),
                 }
             }
         }
