@@ -13,9 +13,11 @@
 //!    the VIP is silent for the client until the holder re-adds it with a gratuitous ARP. The
 //!    witness's gap, in a step on the holder's stepguard agent, is within its reported bound
 //!    of that truth; the node's own probes see nothing and the step passes;
-//! 2. **the holder restarts gracefully** (SIGTERM): it releases the lease, the other node takes
-//!    it and moves the client with a gratuitous ARP while the old holder's datapath still
-//!    forwards: the witness reports the move, with no outage;
+//! 2. **the holder restarts gracefully** (SIGTERM): it withdraws its responder entry and
+//!    releases the lease at once; the other node takes it at its next jittered retry and moves
+//!    the client with a gratuitous ARP — or the restarted agent, whose announcer runs ~1.4 s
+//!    after its start, takes it back first (both were measured). Either way the witness, in a
+//!    step on the holder, sees no outage: the old holder's datapath forwards it meanwhile;
 //! 3. **the holder crashes and drops off the LAN** (SIGKILL, its cable pulled): nothing is
 //!    released; the lease expires, the other node takes it and moves the client: the witness's
 //!    outage around the move matches the truth (the cable pulled → the client's entry on the
