@@ -1484,13 +1484,17 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
     delete_pod(&e, &foreign);
     // The lab kubelet restarts node-0's agent for that deletion (a pod with Cilium's labels):
     // healthy means after that restart, not in the moment before the kubelet reacts to it.
+    // The controller may delete pods too: resumed with two template updates queued (to
+    // RollingUpdate and the skipped minor, then back), it can sync between them and start a
+    // rolling update of the unhealthy pods (seen in a run: deletions node-2, node-0, node-2,
+    // node-1). Who deleted what is the audit log's to say (below), not the kubelet's count.
     wait_until(
         "healthy again",
         Duration::from_secs(60),
         || {
             let settled = {
                 let st = e.kubelet.as_ref().unwrap().state.lock().unwrap();
-                st.deletions.len() == 2 && st.settled()
+                st.deletions.len() >= 2 && st.settled()
             };
             settled
                 && observed(&e.k)
@@ -1506,7 +1510,7 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
                 (st.deletions.clone(), st.settled())
             };
             format!(
-                "kubelet deletions {deleted:?} (want 2), settled {settled}, observed {}, operator ready {} (want 2)\n{:?} {:?}",
+                "kubelet deletions {deleted:?} (want at least 2), settled {settled}, observed {}, operator ready {} (want 2)\n{:?} {:?}",
                 observed(&e.k),
                 operator_ready(&e),
                 cilium_pods(&e),
@@ -1516,10 +1520,21 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
     );
     let (code, out) = rollout(&e, &["--dry-run"]);
     assert_eq!(code, 0, "{out}");
-    assert_eq!(
-        deletions(&e).len(),
-        2,
-        "only the test's own deletes (node-2's pod, the foreign pod): nothing was stepped while refused"
+    // Nothing was stepped while refused: the stepper deleted no pod (the audit log).
+    let deletes: Vec<String> = e
+        .cp
+        .lock()
+        .unwrap()
+        .stepper_requests()
+        .expect("the audit log")
+        .iter()
+        .filter(|r| r["verb"] == "delete")
+        .map(|r| r["requestURI"].to_string())
+        .collect();
+    assert!(
+        deletes.is_empty(),
+        "the stepper deleted {deletes:?} (kubelet deletions: {:?})",
+        deletions(&e)
     );
     assert_rbac_sufficed(&e);
 }
