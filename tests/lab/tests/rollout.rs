@@ -1521,16 +1521,15 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
     let (code, out) = rollout(&e, &["--dry-run"]);
     assert_eq!(code, 0, "{out}");
     // Nothing was stepped while refused: the stepper deleted no pod (the audit log).
-    let deletes: Vec<String> = e
-        .cp
-        .lock()
-        .unwrap()
-        .stepper_requests()
-        .expect("the audit log")
-        .iter()
-        .filter(|r| r["verb"] == "delete")
-        .map(|r| r["requestURI"].to_string())
-        .collect();
+    let deletes: Vec<String> =
+        e.cp.lock()
+            .unwrap()
+            .stepper_requests()
+            .expect("the audit log")
+            .iter()
+            .filter(|r| r["verb"] == "delete")
+            .map(|r| r["requestURI"].to_string())
+            .collect();
     assert!(
         deletes.is_empty(),
         "the stepper deleted {deletes:?} (kubelet deletions: {:?})",
