@@ -51,21 +51,20 @@ fn witness(c: &RealCluster) -> Witness {
 
 /// stepguard's agent on node `i`, with the node's config and the witness.
 fn stepguard_on(c: &RealCluster, i: u8, w: &Witness) -> Daemon {
-    let node = &c.nodes[usize::from(i)];
-    let cfg = node.write_stepguard_config().unwrap();
-    let mut text = std::fs::read_to_string(&cfg).unwrap();
-    text.push_str(&format!("witnesses: [\"{}\"]\n", w.url));
-    std::fs::write(&cfg, text).unwrap();
-    let wrapper = node.in_node_cgroup();
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    Daemon::start_wrapped(
-        node.node_ns(),
-        cfg,
-        node.state.run_dir.join("stepguard-state"),
-        free_port(),
-        &[],
-        &wrapper,
+    real_agent_with(
+        &c.nodes[usize::from(i)],
+        &format!("witnesses: [\"{}\"]\n", w.url),
     )
+}
+
+/// The witness's gap row for the VIP in a step's verdict.
+fn witness_gap<'a>(v: &'a Value, w: &Witness) -> &'a Value {
+    let gaps = v["witnesses"][&w.url]["report"]["gaps"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no witness report: {v:#}"));
+    gaps.iter()
+        .find(|g| g["target"] == LAN_SERVICE)
+        .unwrap_or_else(|| panic!("no gap for {LAN_SERVICE}: {gaps:?}"))
 }
 
 /// Waits (bounded) until `cond` holds, polling every 50 ms.
@@ -177,13 +176,7 @@ fn two_real_agents_move_the_vip_and_the_witness_measures_it() {
         resolved > gone && resolved < readded + 100_000_000,
         "the client resolved the VIP with the re-added entry's gratuitous ARP"
     );
-    let gaps = v["witnesses"][&w.url]["report"]["gaps"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no witness report: {v:#}"));
-    let g = gaps
-        .iter()
-        .find(|g| g["target"] == LAN_SERVICE)
-        .unwrap_or_else(|| panic!("no gap for {LAN_SERVICE}: {gaps:?}"));
+    let g = witness_gap(&v, &w);
     assert_within_reported_bound(
         g,
         forgot,
@@ -279,13 +272,7 @@ fn two_real_agents_move_the_vip_and_the_witness_measures_it() {
             "no move to node {o}: {m:?}"
         );
     }
-    let gaps = v["witnesses"][&w.url]["report"]["gaps"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no witness report: {v:#}"));
-    let g = gaps
-        .iter()
-        .find(|g| g["target"] == LAN_SERVICE)
-        .unwrap_or_else(|| panic!("no gap for {LAN_SERVICE}: {gaps:?}"));
+    let g = witness_gap(&v, &w);
     assert_eq!(g["count"], 0, "no outage for a resolved client: {g}");
     assert_eq!(v["verdict"]["status"], "passed", "{:#}", v["verdict"]);
     drop(sg);

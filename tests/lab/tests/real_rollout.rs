@@ -36,39 +36,9 @@ fn node_name(i: u8) -> String {
     format!("lab-node-{i}")
 }
 
-/// The cilium pods: name → (node, revision hash, Ready, Terminating).
-fn cilium_pods(k: &Kube) -> BTreeMap<String, (String, String, bool, bool)> {
-    let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
-    let pods = k.block(k.ns::<Pod>(KS).list(&lp)).unwrap();
-    pods.items
-        .into_iter()
-        .map(|p| {
-            let ready = p
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
-                .is_some_and(|c| c.status == "True");
-            (
-                p.metadata.name.clone().unwrap(),
-                (
-                    stepguard_lab::kubelet::target_node(&p).unwrap_or_default(),
-                    p.metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get("controller-revision-hash").cloned())
-                        .unwrap_or_default(),
-                    ready,
-                    p.metadata.deletion_timestamp.is_some(),
-                ),
-            )
-        })
-        .collect()
-}
-
 /// Every node runs one Ready cilium pod of revision `rev`, none terminating.
 fn all_on(k: &Kube, rev: &str) -> bool {
-    let pods = cilium_pods(k);
+    let pods = cilium_pods_in(k);
     pods.len() == usize::from(NODES)
         && pods
             .values()
@@ -270,7 +240,7 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
         "a Ready cilium pod on every node, stepguard on every node, the operator Ready",
         Duration::from_secs(90),
         || all_on(&k, &first) && stepguard_pods_running(&k) == 3 && operator_ready(&k) == 2,
-        || format!("{:?}", cilium_pods(&k)),
+        || format!("{:?}", cilium_pods_in(&k)),
     );
     let pids: Vec<i32> = {
         let g = c.lock().unwrap();
@@ -364,7 +334,7 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
             explicit[0].2
         );
     }
-    assert!(all_on(&k, &target), "{:?}", cilium_pods(&k));
+    assert!(all_on(&k, &target), "{:?}", cilium_pods_in(&k));
     let g = c.lock().unwrap();
     wait_until(
         "the VIP answering the LAN client",

@@ -309,32 +309,7 @@ impl Drop for Env {
 
 /// The cilium pods: name → (node it is for, revision hash, Ready, Terminating).
 fn cilium_pods(e: &Env) -> BTreeMap<String, (String, String, bool, bool)> {
-    let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
-    let pods = e.k.block(e.k.ns::<Pod>(KS).list(&lp)).unwrap();
-    pods.items
-        .into_iter()
-        .map(|p| {
-            let ready = p
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
-                .is_some_and(|c| c.status == "True");
-            (
-                p.metadata.name.clone().unwrap(),
-                (
-                    stepguard_lab::kubelet::target_node(&p).unwrap_or_default(),
-                    p.metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get("controller-revision-hash").cloned())
-                        .unwrap_or_default(),
-                    ready,
-                    p.metadata.deletion_timestamp.is_some(),
-                ),
-            )
-        })
-        .collect()
+    cilium_pods_in(&e.k)
 }
 
 /// A cilium pod is bound to its node.

@@ -2,7 +2,9 @@
 //! `real_rollout.rs` with real agents): the shipped manifests, the Cilium DaemonSet's
 //! revisions and template, bounded waits.
 use k8s_openapi::api::apps::v1::{ControllerRevision, DaemonSet};
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stepguard_lab::kube::{ControlPlane, Kube};
@@ -133,4 +135,34 @@ pub fn wait_until(
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The cilium pods: name → (node it is for, revision hash, Ready, Terminating).
+pub fn cilium_pods_in(k: &Kube) -> BTreeMap<String, (String, String, bool, bool)> {
+    let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
+    let pods = k.block(k.ns::<Pod>(KS).list(&lp)).unwrap();
+    pods.items
+        .into_iter()
+        .map(|p| {
+            let ready = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                .is_some_and(|c| c.status == "True");
+            (
+                p.metadata.name.clone().unwrap(),
+                (
+                    stepguard_lab::kubelet::target_node(&p).unwrap_or_default(),
+                    p.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get("controller-revision-hash").cloned())
+                        .unwrap_or_default(),
+                    ready,
+                    p.metadata.deletion_timestamp.is_some(),
+                ),
+            )
+        })
+        .collect()
 }

@@ -119,7 +119,17 @@ pub fn check_real_with(
 
 /// stepguard's agent on the node (its network namespace and cgroup), with the node's config.
 pub fn real_agent_on(node: &RealNode) -> Daemon {
+    real_agent_with(node, "")
+}
+
+/// stepguard's agent on the node, with the node's config and `extra` YAML appended.
+pub fn real_agent_with(node: &RealNode, extra: &str) -> Daemon {
     let cfg = node.write_stepguard_config().unwrap();
+    if !extra.is_empty() {
+        let mut text = std::fs::read_to_string(&cfg).unwrap();
+        text.push_str(extra);
+        std::fs::write(&cfg, text).unwrap();
+    }
     let wrapper = node.in_node_cgroup();
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
     Daemon::start_wrapped(
