@@ -88,6 +88,10 @@ enum Cmd {
         /// has only them.
         #[arg(long, value_delimiter = ',', value_parser = ["devmaps", "daemon", "witness", "config"])]
         only: Vec<String>,
+        /// How many times each agent/reference pair is measured (the report gives each run and
+        /// the median of their ratios).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=9))]
+        runs: u16,
     },
     /// Build the OCI image.
     Image,
@@ -396,14 +400,14 @@ fn main() {
             Ok(())
         })(),
         Cmd::Lab { args } => lab(args),
-        Cmd::Bench { quick, only } => {
+        Cmd::Bench { quick, only, runs } => {
             if !is_root() {
                 eprintln!("xtask: the benchmarks build labs: run as root");
                 std::process::exit(1);
             }
             setup::setup_with(false, false)
                 .and_then(|_| build(true))
-                .and_then(|_| bench::bench(quick, &only))
+                .and_then(|_| bench::bench(quick, &only, runs as usize))
         }
         Cmd::Image => image::image().map(|_| ()),
     };

@@ -4,12 +4,14 @@
 mod config;
 mod daemon;
 mod devmaps;
+mod ratios;
 mod witness;
 use crate::root;
 use anyhow::{bail, Context, Result};
 use config::*;
 use daemon::*;
 use devmaps::*;
+use ratios::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -226,18 +228,101 @@ fn thread_cpu_ns(pid: u32, comm: &str) -> u64 {
         .sum()
 }
 
+/// A process's CPU time in nanoseconds, exactly: the process is moved into a cpu-accounting
+/// cgroup of its own (cgroup v1 `cpuacct`, or cgroup v2 `cpu.stat`), which also counts the
+/// threads that exited (a runtime's blocking threads come and go). Where neither can be made,
+/// `/proc/PID/stat` in clock ticks (10 ms each: ±20 ms per window, too coarse for the steady
+/// figures, so the report says which was used).
+struct CpuMeter {
+    pid: u32,
+    cgroup: Option<(std::path::PathBuf, bool)>,
+}
+
+impl CpuMeter {
+    fn new(pid: u32) -> CpuMeter {
+        let name = format!("stepguard-bench-{}-{pid}", std::process::id());
+        for (root, v2) in [
+            ("/sys/fs/cgroup/cpuacct", false),
+            ("/sys/fs/cgroup/unified", true),
+            ("/sys/fs/cgroup", true),
+        ] {
+            let dir = std::path::Path::new(root).join(&name);
+            let usable = if v2 {
+                std::path::Path::new(root)
+                    .join("cgroup.controllers")
+                    .exists()
+            } else {
+                std::path::Path::new(root).join("cpuacct.usage").exists()
+            };
+            if usable
+                && std::fs::create_dir_all(&dir).is_ok()
+                && std::fs::write(dir.join("cgroup.procs"), pid.to_string()).is_ok()
+            {
+                return CpuMeter {
+                    pid,
+                    cgroup: Some((dir, v2)),
+                };
+            }
+            let _ = std::fs::remove_dir(&dir);
+        }
+        CpuMeter { pid, cgroup: None }
+    }
+
+    fn exact(&self) -> bool {
+        self.cgroup.is_some()
+    }
+
+    /// CPU time so far, in nanoseconds.
+    fn cpu_ns(&self) -> Result<u64> {
+        match &self.cgroup {
+            Some((dir, false)) => Ok(std::fs::read_to_string(dir.join("cpuacct.usage"))?
+                .trim()
+                .parse()?),
+            Some((dir, true)) => std::fs::read_to_string(dir.join("cpu.stat"))?
+                .lines()
+                .find_map(|l| l.strip_prefix("usage_usec "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(|us| us * 1000)
+                .context("cpu.stat has no usage_usec"),
+            None => Ok(proc_usage(self.pid)?.0 * 10_000_000),
+        }
+    }
+}
+
+impl Drop for CpuMeter {
+    fn drop(&mut self) {
+        if let Some((dir, _)) = &self.cgroup {
+            // Whatever is still in it goes back to the parent; then the cgroup is removed.
+            let parent = dir.parent().map(|p| p.join("cgroup.procs"));
+            if let (Ok(procs), Some(parent)) =
+                (std::fs::read_to_string(dir.join("cgroup.procs")), parent)
+            {
+                for p in procs.lines() {
+                    let _ = std::fs::write(&parent, p);
+                }
+            }
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
 /// CPU share of one core and peak RSS over `window`.
 fn measure(pid: u32, window: Duration) -> Result<(f64, u64)> {
-    let hz = 100.0; // USER_HZ on Linux
-    let (t0, mut peak) = proc_usage(pid)?;
+    let meter = CpuMeter::new(pid);
+    measure_with(&meter, window)
+}
+
+fn measure_with(meter: &CpuMeter, window: Duration) -> Result<(f64, u64)> {
+    let pid = meter.pid;
+    let (c0, mut peak) = (meter.cpu_ns()?, proc_usage(pid)?.1);
     let start = Instant::now();
     while start.elapsed() < window {
         std::thread::sleep(Duration::from_millis(500));
         peak = peak.max(proc_usage(pid)?.1);
     }
-    let (t1, rss) = proc_usage(pid)?;
+    let (c1, rss) = (meter.cpu_ns()?, proc_usage(pid)?.1);
     Ok((
-        (t1 - t0) as f64 / hz / start.elapsed().as_secs_f64() * 100.0,
+        (c1 - c0) as f64 / 1e9 / start.elapsed().as_secs_f64() * 100.0,
         peak.max(rss),
     ))
 }
@@ -339,31 +424,6 @@ fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// The smallest bucket bound holding fraction `q` of the observations between two scrapes,
-/// and the fraction at or below 1 ms.
-fn quantile_bound(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> (f64, f64, f64) {
-    let d: Vec<(f64, f64)> = after
-        .iter()
-        .map(|(le, a)| {
-            let b = before.iter().find(|(l, _)| l == le).map_or(0.0, |x| x.1);
-            (*le, a - b)
-        })
-        .collect();
-    let total = d.last().map_or(0.0, |x| x.1);
-    let bound = d
-        .iter()
-        .find(|(_, c)| total > 0.0 && *c / total >= q)
-        .map_or(f64::NAN, |x| x.0);
-    let within_1ms = d
-        .iter()
-        .find(|(le, _)| (*le - 0.001).abs() < 1e-12)
-        .map_or(
-            f64::NAN,
-            |x| if total > 0.0 { x.1 / total } else { f64::NAN },
-        );
-    (bound, within_1ms, total)
-}
-
 fn benchref(ns: &str, args: &[&str]) -> Result<Value> {
     let out = run_ok(nsenter(ns).arg(benchref_bin()).args(args))?;
     Ok(serde_json::from_slice(&out.stdout)?)
@@ -412,7 +472,8 @@ fn fping_cost(ns: &str, addrs: &[&str], window: Duration) -> Result<(f64, u64, f
     Ok((cpu, sent, us))
 }
 
-pub fn bench(quick: bool, only: &[String]) -> Result<()> {
+pub fn bench(quick: bool, only: &[String], runs: usize) -> Result<()> {
+    let runs = runs.max(1);
     let want = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
     let sizes: Vec<Size> = if quick {
         vec![
@@ -447,12 +508,12 @@ pub fn bench(quick: bool, only: &[String]) -> Result<()> {
         Value::Null
     };
     let daemon = if want("daemon") {
-        daemon(quick)?
+        daemon(quick, runs)?
     } else {
         Value::Null
     };
     let witness = if want("witness") {
-        witness(quick)?
+        witness(quick, runs)?
     } else {
         Value::Null
     };

@@ -8,7 +8,10 @@
 //! (the same, then send the request, poll, recv), `dns:ADDR:PORT:NAME` (socket, connect,
 //! send, poll, recv, close), `icmp:ADDR` (ping socket, sendto, poll, recv, close). Prints one
 //! JSON line: probes, failures, user and system CPU, µs per probe, % of a core, and how late
-//! each tick woke against its schedule (p50/p99/max).
+//! each tick woke against its schedule (p50/p99/max). With `--observe BPFFS` (every
+//! `--observe-every`, 10 s by default; `--count MAP,MAP` the maps whose entries it counts) it
+//! also makes the steady agent's node observation, and with `--watch` the implicit-step
+//! watcher's one program-id query per tick: the steady agent's own syscalls at its cadence.
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
@@ -248,14 +251,40 @@ fn main() {
     let mut interval = Duration::from_millis(10);
     let mut seconds = 15u64;
     let mut targets = Vec::new();
+    // The steady agent's other work, at its cadence: an observation of the node every
+    // `observe_every` (`--observe BPFFS`), and the implicit-step watcher's one program-id
+    // query per tick (`--watch`).
+    let mut observe_at: Option<String> = None;
+    let mut observe_every = Duration::from_secs(10);
+    let mut scope = observe::Scope {
+        endpoints: true,
+        count: Some(Vec::new()),
+    };
+    let mut watch = false;
     let mut it = args[1..].iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--interval" => interval = duration(it.next().expect("--interval VALUE")),
             "--seconds" => seconds = it.next().expect("--seconds N").parse().expect("seconds"),
+            "--observe" => observe_at = Some(it.next().expect("--observe BPFFS").clone()),
+            "--observe-every" => {
+                observe_every = duration(it.next().expect("--observe-every VALUE"))
+            }
+            "--count" => {
+                scope.count = Some(
+                    it.next()
+                        .expect("--count MAP,MAP")
+                        .split(',')
+                        .filter(|n| !n.is_empty())
+                        .map(str::to_string)
+                        .collect(),
+                )
+            }
+            "--watch" => watch = true,
             t => targets.push(parse(t)),
         }
     }
+    let mut observations = 0u64;
     // SAFETY: prctl with integer arguments: no slack on this thread's sleeps.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
     let mut buf = [0u8; 1500];
@@ -266,6 +295,7 @@ fn main() {
     let (mut probes, mut failures) = (0u64, 0u64);
     let mut late = Vec::new();
     let mut due = start;
+    let mut observe_due = start;
     while due < end {
         sleep_until(due);
         late.push(mono_ns().saturating_sub(due));
@@ -275,6 +305,14 @@ fn main() {
                 failures += 1;
             }
         }
+        if watch {
+            observe::next_prog_id(u32::MAX / 2);
+        }
+        if let Some(bpffs) = observe_at.as_deref().filter(|_| mono_ns() >= observe_due) {
+            observe::run_scoped(bpffs, &scope);
+            observations += 1;
+            observe_due += observe_every.as_nanos() as u64;
+        }
         due += step;
     }
     let wall = (mono_ns() - start) as f64 / 1e9;
@@ -282,8 +320,20 @@ fn main() {
     let (user, sys) = (u1 - u0, s1 - s0);
     late.sort();
     let q = |f: f64| late[((late.len() - 1) as f64 * f) as usize] as f64 / 1e3;
+    // Cumulative counts at the agent's send-delay histogram bounds (then +Inf), so both are
+    // read into a quantile the same way.
+    let bounds_us = [
+        50u64, 100, 250, 500, 1000, 2000, 5000, 10000, 25000, 50000, 100000,
+    ];
+    let late_buckets: Vec<String> = bounds_us
+        .iter()
+        .map(|b| late.partition_point(|l| *l <= b * 1000))
+        .chain([late.len()])
+        .map(|c| c.to_string())
+        .collect();
+    let late_buckets = late_buckets.join(",");
     println!(
-        "{{\"probes\":{probes},\"failures\":{failures},\"user_us\":{user},\"sys_us\":{sys},\"wall_s\":{wall:.3},\"us_per_probe\":{:.2},\"user_us_per_probe\":{:.2},\"sys_us_per_probe\":{:.2},\"cpu_percent\":{:.3},\"late_p50_us\":{:.1},\"late_p99_us\":{:.1},\"late_max_us\":{:.1}}}",
+        "{{\"probes\":{probes},\"failures\":{failures},\"observations\":{observations},\"user_us\":{user},\"sys_us\":{sys},\"wall_s\":{wall:.3},\"us_per_probe\":{:.2},\"user_us_per_probe\":{:.2},\"sys_us_per_probe\":{:.2},\"cpu_percent\":{:.3},\"late_p50_us\":{:.1},\"late_p99_us\":{:.1},\"late_max_us\":{:.1},\"late_buckets\":[{late_buckets}]}}",
         (user + sys) as f64 / probes.max(1) as f64,
         user as f64 / probes.max(1) as f64,
         sys as f64 / probes.max(1) as f64,
@@ -390,6 +440,35 @@ mod observe {
         bpf(15, &mut a);
     }
 
+    /// A tcx query of one device and direction (ids only: the names are known): programs.
+    fn tcx_query(ifindex: u32, attach: u32) -> usize {
+        #[repr(C)]
+        #[derive(Default)]
+        struct Q {
+            ifindex: u32,
+            attach: u32,
+            qflags: u32,
+            aflags: u32,
+            ids: u64,
+            count: u32,
+            pad: u32,
+            f: [u64; 4],
+        }
+        let mut ids = [0u32; 64];
+        let mut q = Q {
+            ifindex,
+            attach,
+            ids: ids.as_mut_ptr() as u64,
+            count: 64,
+            ..Default::default()
+        };
+        if bpf(16, &mut q) == 0 {
+            q.count as usize
+        } else {
+            0
+        }
+    }
+
     fn prog(id: u32) {
         #[repr(C)]
         struct A {
@@ -411,11 +490,44 @@ mod observe {
         }
     }
 
+    /// What one observation covers beyond the host devices and the map pins.
+    #[derive(Default)]
+    pub struct Scope {
+        /// Every endpoint device (`lxc*`) too: a tcx query per direction, as the agent's
+        /// steady observation reads every endpoint's programs (their names already known).
+        pub endpoints: bool,
+        /// The maps whose entries are counted (None: every hash-like map, as a person's
+        /// one-off check counts; the agent's steady loop counts only the maps it names).
+        pub count: Option<Vec<String>>,
+    }
+
     /// Returns (host devices, programs, maps opened, entries counted).
     pub fn run(bpffs: &str) -> (usize, usize, usize, u64) {
+        run_scoped(bpffs, &Scope::default())
+    }
+
+    /// One BPF_PROG_GET_NEXT_ID: whether a program above `id` exists (the agent's
+    /// implicit-step watcher asks this once a second).
+    pub fn next_prog_id(id: u32) -> bool {
+        #[repr(C)]
+        struct A {
+            id: u32,
+            next: u32,
+            flags: u32,
+        }
+        let mut a = A {
+            id,
+            next: 0,
+            flags: 0,
+        };
+        bpf(11, &mut a) == 0
+    }
+
+    pub fn run_scoped(bpffs: &str, scope: &Scope) -> (usize, usize, usize, u64) {
         let fd = nl();
         let mut buf = vec![0u8; 1 << 16];
         let mut host = Vec::new();
+        let mut lxc = Vec::new();
         dump(&fd, libc::RTM_GETLINK, &[0u8; 16], &mut buf, |_, b| {
             if b.len() < 16 {
                 return;
@@ -425,6 +537,8 @@ mod observe {
                 if t == libc::IFLA_IFNAME {
                     if !v.starts_with(b"lxc") {
                         host.push(index);
+                    } else {
+                        lxc.push(index);
                     }
                     break;
                 }
@@ -492,6 +606,13 @@ mod observe {
                 }
             }
         }
+        if scope.endpoints {
+            for &ifindex in &lxc {
+                for attach in [46u32, 47] {
+                    progs += tcx_query(ifindex as u32, attach);
+                }
+            }
+        }
         let (mut maps, mut entries) = (0, 0u64);
         let dir = format!("{bpffs}/tc/globals");
         for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
@@ -526,8 +647,12 @@ mod observe {
             let ty = u32::from_ne_bytes(info[0..4].try_into().unwrap());
             let ks = u32::from_ne_bytes(info[8..12].try_into().unwrap()) as usize;
             let vs = u32::from_ne_bytes(info[12..16].try_into().unwrap()) as usize;
+            let counted = scope
+                .count
+                .as_ref()
+                .is_none_or(|names| names.iter().any(|n| *n == name));
             // hash, lru hash, lpm trie (percpu variants excluded for brevity: same syscalls)
-            if matches!(ty, 1 | 9 | 11) {
+            if counted && matches!(ty, 1 | 9 | 11) {
                 let chunk = ((1usize << 20) / (ks + vs).max(1)).clamp(64, 8192);
                 let mut keys = vec![0u8; chunk * ks];
                 let mut vals = vec![0u8; chunk * vs];

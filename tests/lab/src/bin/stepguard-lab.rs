@@ -238,6 +238,11 @@ enum Cmd {
         /// with Services over them whose VIPs are stepguard targets).
         #[arg(long)]
         no_pods: bool,
+        /// Restart the cilium-agent (SIGTERM, then a new agent, until it is ready) over and
+        /// over while this file exists: the load of a real restart, its datapath compiled,
+        /// for `cargo xtask bench`. Checked every 200 ms.
+        #[arg(long, value_name = "FILE")]
+        restart_while: Option<std::path::PathBuf>,
     },
     /// Remove a lab and everything it created.
     Down {
@@ -313,7 +318,13 @@ extern "C" fn on_interrupt(_: libc::c_int) {
 }
 
 /// `real-node`: up, tell the user how to use it, wait for Ctrl-C (or SIGTERM), down.
-fn real_node(prefix: Option<String>, release: &str, routing: &str, pods: bool) -> Result<()> {
+fn real_node(
+    prefix: Option<String>,
+    release: &str,
+    routing: &str,
+    pods: bool,
+    restart_while: Option<&std::path::Path>,
+) -> Result<()> {
     use stepguard_lab::realnode::{RealNode, RealSpec, Release};
     stepguard_lab::check_root()?;
     let kube_bin = std::env::var_os("STEPGUARD_KUBE_BIN")
@@ -374,8 +385,27 @@ fn real_node(prefix: Option<String>, release: &str, routing: &str, pods: bool) -
         kubectl = node.state.spec.kube_bin.join("kubectl").display(),
         kc = node.control_plane().admin_kubeconfig().display(),
     );
+    let mut restarts = 0u32;
     while !INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
         std::thread::sleep(std::time::Duration::from_millis(200));
+        if restart_while.is_some_and(|f| f.exists()) {
+            let restarted = (|| -> Result<std::time::Duration> {
+                node.stop_agent(libc::SIGTERM, std::time::Duration::from_secs(10))?;
+                node.start_agent()?;
+                Ok(node.wait_ready(std::time::Duration::from_secs(120))?.ready)
+            })();
+            restarts += 1;
+            match restarted {
+                Ok(ready) => {
+                    println!("restart {restarts}: the cilium-agent was ready after {ready:.1?}")
+                }
+                Err(e) => {
+                    eprintln!("restart {restarts} failed: {e:#}");
+                    break;
+                }
+            }
+            continue;
+        }
         if !node.agent_running() {
             eprintln!(
                 "the cilium-agent exited; see {}",
@@ -404,7 +434,14 @@ fn real_main() -> Result<()> {
             release,
             routing,
             no_pods,
-        } => real_node(prefix, &release, &routing, !no_pods)?,
+            restart_while,
+        } => real_node(
+            prefix,
+            &release,
+            &routing,
+            !no_pods,
+            restart_while.as_deref(),
+        )?,
         Cmd::AgentApi { socket, settings } => {
             stepguard_lab::services::serve_agent_api(&socket, &settings)?;
         }
