@@ -146,8 +146,15 @@ pub async fn run(d: Arc<Daemon>) {
     let mut saved_at = 0.0;
     let mut n: u64 = 0;
     let mut loads = ProgramLoads::from_now();
+    // The API socket is tried every 250 ms (its going down starts a step at once); the
+    // programs are looked at every second. Without a socket to try, a wake-up a second.
+    let (period, looks_every) = if d.cfg.cilium_api.is_some() {
+        (Duration::from_millis(250), 4)
+    } else {
+        (Duration::from_secs(1), 1)
+    };
     loop {
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(period).await;
         n += 1;
         if busy(&d) {
             // After a step, a fresh snapshot: the programs changed by design.
@@ -158,7 +165,7 @@ pub async fn run(d: Arc<Daemon>) {
         let api = api_up(&d);
         let api_went_down = last_api == Some(true) && api == Some(false);
         last_api = api;
-        if !(api_went_down || n.is_multiple_of(4) || last.is_none()) {
+        if !(api_went_down || n.is_multiple_of(looks_every) || last.is_none()) {
             continue;
         }
         // Dumping every device each second cost ~35 ms of kernel time on a node with 1,000

@@ -2,71 +2,77 @@
 //! queries, the slow loop of node checks, the runner and the implicit-step watcher.
 use super::*;
 
-/// Steady DNS queries (`dns.burst` per name and type per interval) into the window.
+/// Steady DNS queries (`dns.burst` per name and type per interval) into the window: one
+/// round per interval, sent one after another on one blocking-pool task.
 pub(super) async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
     let mut tick = tokio::time::interval(d.opts.probe_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // `dns.burst` queries per name and type each interval, as the one-shot check sends.
+    let dns = &d.cfg.dns;
+    let round: Vec<(String, String)> = dns
+        .names
+        .iter()
+        .flat_map(|name| {
+            dns.types.iter().flat_map(move |t| {
+                std::iter::repeat_n((name.clone(), t.clone()), dns.burst as usize)
+            })
+        })
+        .collect();
     loop {
         tick.tick().await;
-        // `dns.burst` queries per name and type each interval, as the one-shot check sends.
-        for name in &d.cfg.dns.names {
-            for t in d
-                .cfg
-                .dns
-                .types
-                .iter()
-                .flat_map(|t| std::iter::repeat_n(t, d.cfg.dns.burst as usize))
+        let questions = round
+            .iter()
+            .map(|(name, t)| dns_probe::RoundQuestion {
+                name: name.clone(),
+                kind: dns_probe::RecordKind::parse(t).unwrap_or(dns_probe::RecordKind::A),
+                expect: d
+                    .cfg
+                    .dns
+                    .expect
+                    .get(name)
+                    .and_then(|a| a.set())
+                    .map(<[std::net::IpAddr]>::to_vec),
+            })
+            .collect();
+        let answers = dns_probe::query_round(resolver, questions, d.cfg.dns.timeout).await;
+        for ((name, t), a) in round.iter().zip(answers) {
+            // `baseline`: a changed answer during a step is a failed query.
+            let r = match (d.cfg.dns.expect.get(name), a.result) {
+                (Some(crate::config::Answers::Baseline), Ok(mut ans)) => {
+                    ans.addresses.sort();
+                    match d.answer_changed(&format!("{resolver}/{name}/{t}"), &ans.addresses) {
+                        Some(p) => Err(crate::probe::ProbeError::Answer(p)),
+                        None => Ok(ans),
+                    }
+                }
+                (_, r) => r,
+            };
+            let latency = a.latency;
             {
-                let kind = dns_probe::RecordKind::parse(t).unwrap_or(dns_probe::RecordKind::A);
-                let at = unix_now();
-                let start = Instant::now();
-                let expect = d.cfg.dns.expect.get(name);
-                let r = dns_probe::query(
-                    resolver,
-                    name,
-                    kind,
-                    d.cfg.dns.timeout,
-                    expect.and_then(|a| a.set()),
-                    None,
-                )
-                .await;
-                // `baseline`: a changed answer during a step is a failed query.
-                let r = match (expect, r) {
-                    (Some(crate::config::Answers::Baseline), Ok(mut a)) => {
-                        a.addresses.sort();
-                        match d.answer_changed(&format!("{resolver}/{name}/{t}"), &a.addresses) {
-                            Some(p) => Err(crate::probe::ProbeError::Answer(p)),
-                            None => Ok(a),
-                        }
-                    }
-                    (_, r) => r,
+                let m = lock(&d.metrics);
+                let l = ProbeLabels {
+                    kind: "dns_resolver".into(),
+                    target: resolver.to_string(),
                 };
-                let latency = start.elapsed();
-                {
-                    let m = lock(&d.metrics);
-                    let l = ProbeLabels {
-                        kind: "dns_resolver".into(),
-                        target: resolver.to_string(),
-                    };
-                    m.probes
-                        .duration
-                        .get_or_create(&l)
-                        .observe(latency.as_secs_f64());
-                    if r.is_err() {
-                        m.probes.failures.get_or_create(&l).inc();
-                    }
+                m.probes
+                    .duration
+                    .get_or_create(&l)
+                    .observe(latency.as_secs_f64());
+                if r.is_err() {
+                    m.probes.failures.get_or_create(&l).inc();
                 }
-                let mut p = lock(&d.probes);
-                p.dns.push_back(DnsSample {
-                    at,
-                    resolver: resolver.to_string(),
-                    latency: r.as_ref().ok().map(|_| latency),
-                    timed_out: matches!(r, Err(crate::probe::ProbeError::Timeout { .. })),
-                    error: r.err().map(|e| e.to_string()),
-                });
-                while p.dns.front().is_some_and(|s| s.at < at - DNS_WINDOW_S) {
-                    p.dns.pop_front();
-                }
+            }
+            let mut p = lock(&d.probes);
+            let at = a.at;
+            p.dns.push_back(DnsSample {
+                at,
+                resolver: resolver.to_string(),
+                latency: r.as_ref().ok().map(|_| latency),
+                timed_out: matches!(r, Err(crate::probe::ProbeError::Timeout { .. })),
+                error: r.err().map(|e| e.to_string()),
+            });
+            while p.dns.front().is_some_and(|s| s.at < at - DNS_WINDOW_S) {
+                p.dns.pop_front();
             }
         }
     }

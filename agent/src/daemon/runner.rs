@@ -100,7 +100,25 @@ struct Runner {
     resumed_from: Option<f64>,
     /// Program loads since the last device reading.
     loads: ProgramLoads,
+    /// The node checks and drop counters as last read (every second, and at every decision
+    /// once a pass is near: [`Step::pass_near`]).
+    slow: Option<SlowReadings>,
 }
+
+/// Readings a step needs every second, not every decision: the node checks (the kernel
+/// ones are refreshed every second; the probe ones are judged over windows of seconds) and
+/// the drop counters (cumulative: a read a second later misses nothing). Reading them at
+/// every 100 ms decision was a tenth of a step's own CPU on a big node (two batched map
+/// walks and every check result copied, ten times a second).
+struct SlowReadings {
+    node_checks: Vec<crate::checks::CheckResult>,
+    kernel_drops: Option<std::collections::BTreeMap<String, u64>>,
+    cilium_drops: Option<std::collections::BTreeMap<String, u64>>,
+}
+
+/// How far ahead of a possible pass the slow readings are taken at every decision (more than
+/// the one second between their regular reads).
+const PASS_NEAR_S: f64 = 1.5;
 
 /// Runs the step runner until the daemon goes away. Call once per daemon.
 pub async fn run(d: Arc<Daemon>) {
@@ -115,22 +133,41 @@ pub async fn run(d: Arc<Daemon>) {
         readings: Readings::default(),
         resumed_from: None,
         loads: ProgramLoads::from_now(),
+        slow: None,
         d,
     };
     r.resume();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut next = tokio::time::Instant::now();
     loop {
         tokio::select! {
-            Some(c) = commands.recv() => r.command(c),
+            Some(c) = commands.recv() => {
+                r.command(c);
+                // A step just begun is decided from the next 100 ms on.
+                if r.active().is_some() {
+                    next = next.min(tokio::time::Instant::now() + TICK);
+                }
+            }
             Some(w) = witness.recv() => r.witness_poll(w),
             // Samples are drained at each tick (every 100 ms; decisions are only taken
             // there): waking this task for each of a thousand samples a second cost more
             // CPU than the probes' own bookkeeping. The buffer holds seconds of them.
-            _ = tick.tick() => r.tick(&mut samples).await,
+            _ = tokio::time::sleep_until(next) => {
+                r.tick(&mut samples).await;
+                // Without a step there is nothing to decide: once a second (records the
+                // disk refused are retried then), not ten times.
+                let period = if r.active().is_some() { TICK } else { IDLE_TICK };
+                let (due, now) = (next + period, tokio::time::Instant::now());
+                // Late (a slow tick): the next one a period from now, none skipped into a burst.
+                next = if due <= now { now + period } else { due };
+            }
         }
     }
 }
+
+/// The runner's cadence while a step is active: samples drained and the step decided.
+const TICK: Duration = Duration::from_millis(100);
+/// Its cadence without one.
+const IDLE_TICK: Duration = Duration::from_secs(1);
 
 impl Runner {
     fn active(&self) -> Option<&Step> {
@@ -208,6 +245,7 @@ impl Runner {
                                 self.resumed = false;
                                 self.readings.maps = None;
                                 self.readings.programs = None;
+                                self.slow = None;
                                 self.publish();
                                 Begun::Created(Box::new(s))
                             }
@@ -274,8 +312,9 @@ impl Runner {
         }
         self.n += 1;
         let n = self.n;
-        // Records the disk refused are written again once it takes them (every second).
-        if n.is_multiple_of(10) && self.d.store.unsaved().is_some() {
+        // Records the disk refused are written again once it takes them (every second; every
+        // tick without a step, which is a second apart).
+        if (n.is_multiple_of(10) || self.active().is_none()) && self.d.store.unsaved().is_some() {
             let failed = self.d.store.retry_unsaved();
             if failed > 0 {
                 lock(&self.d.metrics)
@@ -286,6 +325,7 @@ impl Runner {
         let Some(tracked) = self.active().map(Step::tracked_keys) else {
             self.readings.maps = None;
             self.readings.programs = None;
+            self.slow = None;
             return;
         };
         let d = self.d.clone();
@@ -299,10 +339,19 @@ impl Runner {
         if n.is_multiple_of(10) || self.readings.maps.is_none() {
             self.read_maps().await;
         }
-        let node_checks = d.node_results();
         let now = unix_now();
-        let kd = d.kernel_drops_now();
-        let cd = d.cilium_drops_now();
+        let pass_near = self.active().is_some_and(|s| s.pass_near(now, PASS_NEAR_S));
+        if n.is_multiple_of(10) || pass_near || self.slow.is_none() {
+            self.slow = Some(SlowReadings {
+                node_checks: d.node_results(),
+                kernel_drops: d.kernel_drops_now(),
+                cilium_drops: d.cilium_drops_now(),
+            });
+        }
+        // Out of `self` while the step is decided (put back below).
+        let Some(slow) = self.slow.take() else {
+            return;
+        };
         // Results that arrived while the kernel was observed are read before anything is
         // decided: "every probe sent before `complete_until` is recorded" must hold.
         while let Ok(s) = samples.try_recv() {
@@ -322,14 +371,15 @@ impl Runner {
         }
         let moment = Moment {
             now,
-            node_checks: &node_checks,
-            kernel_drops: kd.as_ref(),
-            cilium_drops: cd.as_ref(),
+            node_checks: &slow.node_checks,
+            kernel_drops: slow.kernel_drops.as_ref(),
+            cilium_drops: slow.cilium_drops.as_ref(),
             // Every probe sent before this has answered or timed out, and been recorded (a
             // little slack for the recording itself on a busy node).
             complete_until: crate::timeline::complete_until(now, &d.cfg.targets),
         };
         let next = s.observe(&mut self.readings, &moment, |t| d.dns_p50_since(t));
+        self.slow = Some(slow);
         publish_endpoints(&d, s);
         if next == Next::Finished || n.is_multiple_of(5) {
             // Probes older than the longest timeout have all answered: fold them into

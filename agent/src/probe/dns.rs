@@ -256,6 +256,74 @@ pub async fn query(
     }
 }
 
+/// One question of a [`query_round`]: name, record type, expected answers.
+pub struct RoundQuestion {
+    pub name: String,
+    pub kind: RecordKind,
+    pub expect: Option<Vec<IpAddr>>,
+}
+
+/// What one query of a round found: sent at (agent clock), its latency, its answer.
+pub struct RoundAnswer {
+    pub at: f64,
+    pub latency: Duration,
+    pub result: Result<Answer, ProbeError>,
+}
+
+/// Sends `questions` to `resolver` one after another, each waiting for its answer up to
+/// `timeout`, all on one blocking-pool task: a round of the agent's steady resolver queries
+/// costs one hand-off to the pool, not one per query. The latency is the probe's own, from
+/// its send to its answer (no scheduling between the runtime and the pool in it).
+pub async fn query_round(
+    resolver: SocketAddr,
+    questions: Vec<RoundQuestion>,
+    timeout: Duration,
+) -> Vec<RoundAnswer> {
+    let n = questions.len();
+    let run = move || {
+        questions
+            .into_iter()
+            .map(|q| {
+                let question = match Question::new(&q.name, q.kind, q.expect) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        return RoundAnswer {
+                            at: crate::probe::unix_now(),
+                            latency: Duration::ZERO,
+                            result: Err(e),
+                        }
+                    }
+                };
+                let spec =
+                    crate::probe::engine::Spec::with(resolver, None, timeout, Arc::new(question));
+                let (at, latency, r) = crate::probe::engine::run_once_raw(&spec);
+                let result = if latency > timeout {
+                    Err(ProbeError::timeout(timeout))
+                } else {
+                    r.map(|(_, addrs)| Answer {
+                        addresses: addrs.unwrap_or_default(),
+                    })
+                };
+                RoundAnswer {
+                    at,
+                    latency,
+                    result,
+                }
+            })
+            .collect()
+    };
+    match tokio::task::spawn_blocking(run).await {
+        Ok(v) => v,
+        Err(e) => (0..n)
+            .map(|_| RoundAnswer {
+                at: crate::probe::unix_now(),
+                latency: Duration::ZERO,
+                result: Err(ProbeError::unsupported("dns task", e.to_string())),
+            })
+            .collect(),
+    }
+}
+
 /// Judges a reply that carries our id.
 pub fn check_reply(
     reply: &Message,

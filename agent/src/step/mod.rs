@@ -89,6 +89,49 @@ fn is_zero(n: &usize) -> bool {
     *n == 0
 }
 
+impl Baseline {
+    /// A copy without the endpoints (the API's view shows their progress instead, and a big
+    /// node has thousands of them: not copied only to be dropped).
+    pub fn without_endpoints(&self) -> Baseline {
+        let Baseline {
+            programs,
+            selected,
+            maps,
+            dns_p50_ms,
+            kernel_drops,
+            cilium_drops,
+            node_checks,
+            map_ids,
+            drops_unknown_at_start,
+            cilium,
+            cilium_from,
+            endpoint_maps,
+            map_entries,
+            endpoints: _,
+            endpoints_followed,
+            endpoints_excluded,
+        } = self;
+        Baseline {
+            programs: programs.clone(),
+            selected: selected.clone(),
+            maps: maps.clone(),
+            dns_p50_ms: *dns_p50_ms,
+            kernel_drops: kernel_drops.clone(),
+            cilium_drops: cilium_drops.clone(),
+            node_checks: node_checks.clone(),
+            map_ids: map_ids.clone(),
+            drops_unknown_at_start: drops_unknown_at_start.clone(),
+            cilium: cilium.clone(),
+            cilium_from: cilium_from.clone(),
+            endpoint_maps: endpoint_maps.clone(),
+            map_entries: map_entries.clone(),
+            endpoints: BTreeMap::new(),
+            endpoints_followed: endpoints_followed.clone(),
+            endpoints_excluded: *endpoints_excluded,
+        }
+    }
+}
+
 /// Cilium's programs on one endpoint device (Cilium's loader: `cil_from_container` on the
 /// device's ingress, or netkit's peer hook; `cil_to_container` on egress or netkit's
 /// primary hook only when the endpoint needs it). See docs/cilium-fidelity.md, "Endpoints".
@@ -265,7 +308,7 @@ pub struct Step {
     pub created_at: f64,
     pub params: StepParams,
     pub phase: Phase,
-    pub baseline: Baseline,
+    pub baseline: std::sync::Arc<Baseline>,
     pub reload: Reload,
     pub targets: BTreeMap<String, TargetTimeline>,
     /// Periods the agent was not watching (down), unix seconds.
@@ -345,7 +388,7 @@ impl Step {
             created_at: now,
             params,
             phase: Phase::Watching,
-            baseline,
+            baseline: baseline.into(),
             reload: Default::default(),
             targets,
             holes: vec![],
@@ -367,6 +410,18 @@ impl Step {
             updated_at: now,
             boot_id: None,
         }
+    }
+
+    /// Whether this step could pass within `within_s` seconds from `now`: it has been green
+    /// for all but that much of its settle window (or the window is that short). Readings
+    /// taken less often than every decision (drop counters, node checks) are taken at every
+    /// decision then, so a pass is never decided on readings older than its window's end.
+    pub fn pass_near(&self, now: f64, within_s: f64) -> bool {
+        let settle = self.params.settle.as_secs_f64();
+        settle <= within_s
+            || self
+                .green_since
+                .is_some_and(|g| now - g + within_s >= settle)
     }
 
     pub fn is_final(&self) -> bool {

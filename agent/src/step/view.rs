@@ -136,10 +136,7 @@ impl StepView {
                 lost: s.reload.lost.clone(),
                 complete_at: s.reload.complete_at,
             },
-            baseline: Baseline {
-                endpoints: BTreeMap::new(),
-                ..s.baseline.clone()
-            },
+            baseline: s.baseline.without_endpoints(),
             endpoints: EndpointsView::of(s),
             drops: s.drops.clone(),
             dns_p50_after_ms: s.dns_p50_after_ms,

@@ -223,7 +223,7 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
     let metrics = curl(&ns, &[&format!("{url}/metrics")])?;
     let mut counted: Vec<String> = metrics
         .lines()
-        .filter_map(|l| l.strip_prefix("stepguard_map_entries{map=\""))
+        .filter_map(|l| l.strip_prefix("stepguard_bpf_map_entries{map=\""))
         .filter_map(|r| r.split('"').next())
         .map(str::to_string)
         .collect();

@@ -154,15 +154,14 @@ pub fn decide(step: &mut Step, o: &Observed) {
         return;
     }
     let now = o.now;
+    // The baseline is shared, never changed: one handle for the reads below.
+    let base = step.baseline.clone();
     if let Some(p) = &o.programs {
-        let base = step.baseline.programs.clone();
         let want = wanted_devices(step);
-        update_reload(&mut step.reload, &base, &want, p, now);
+        update_reload(&mut step.reload, &base.programs, &want, p, now);
     }
     if let Some(eps) = &o.endpoints {
-        let base = std::mem::take(&mut step.baseline.endpoints);
-        update_endpoints(&mut step.endpoints, &base, eps, now);
-        step.baseline.endpoints = base;
+        update_endpoints(&mut step.endpoints, &base.endpoints, eps, now);
     }
     step.gaps = gap_rows(step, o.complete_until.min(now));
     step.drops = o.drops.clone();

@@ -79,8 +79,9 @@ fn ep(ifindex: u32, from: u32, to: Option<u32>) -> crate::step::EndpointPrograms
 /// Four endpoints at the baseline (lxc3 also has `cil_to_container`).
 fn with_endpoints() -> Step {
     let mut s = step();
-    s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Followed;
-    s.baseline.endpoints = [
+    std::sync::Arc::make_mut(&mut s.baseline).endpoints_followed =
+        crate::step::EndpointsFollowed::Followed;
+    std::sync::Arc::make_mut(&mut s.baseline).endpoints = [
         ("lxc0", ep(100, 10, None)),
         ("lxc1", ep(101, 11, None)),
         ("lxc2", ep(102, 12, None)),
@@ -167,7 +168,7 @@ fn endpoints_that_keep_their_old_programs_fail_the_step_by_the_end_of_settle() {
 /// endpoint read while its program was being replaced waits for the next observation.
 #[test]
 fn endpoint_regeneration_rules() {
-    let base = with_endpoints().baseline.endpoints;
+    let base = with_endpoints().baseline.endpoints.clone();
     let mut p = crate::step::EndpointProgress::default();
     let mut raced = ep(102, 52, None);
     raced.raced = true;
@@ -223,9 +224,11 @@ fn endpoint_regeneration_rules() {
     // endpoint programs unreadable at the start: unknown, never a pass.
     let mut s = step();
     assert!(check_endpoints(&s, 1.0).green());
-    s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Followed;
+    std::sync::Arc::make_mut(&mut s.baseline).endpoints_followed =
+        crate::step::EndpointsFollowed::Followed;
     assert!(check_endpoints(&s, 1.0).green());
-    s.baseline.endpoints_followed = crate::step::EndpointsFollowed::Unknown("EPERM".into());
+    std::sync::Arc::make_mut(&mut s.baseline).endpoints_followed =
+        crate::step::EndpointsFollowed::Unknown("EPERM".into());
     let j = check_endpoints(&s, 1.0);
     assert!(!j.green() && j.shown.unwrap().status == CheckStatus::Unknown);
 }
@@ -471,8 +474,12 @@ fn churn_maps_are_reported_not_judged() {
 
 fn ipcache_step() -> Step {
     let mut s = step();
-    s.baseline.maps.insert("cilium_ipcache_v2".into(), Some(30));
-    s.baseline.map_ids.insert("cilium_ipcache_v2".into(), 7);
+    std::sync::Arc::make_mut(&mut s.baseline)
+        .maps
+        .insert("cilium_ipcache_v2".into(), Some(30));
+    std::sync::Arc::make_mut(&mut s.baseline)
+        .map_ids
+        .insert("cilium_ipcache_v2".into(), 7);
     s
 }
 
@@ -522,7 +529,9 @@ fn ipcache_recreated_must_refill_by_the_end_of_settle() {
 fn declared_devices_carry_xdp_and_the_overlay_along() {
     let mut s = step();
     for k in ["eth0:xdp", "cilium_vxlan", "cilium_host"] {
-        s.baseline.programs.insert(k.into(), 9);
+        std::sync::Arc::make_mut(&mut s.baseline)
+            .programs
+            .insert(k.into(), 9);
     }
     s.params.expect_devices = Some(vec!["eth0".into(), "eth2".into()]);
     let w: Vec<String> = wanted_devices(&s).into_iter().collect();
@@ -550,7 +559,9 @@ fn declared_devices_carry_xdp_and_the_overlay_along() {
 fn a_dropped_device_is_judged_after_the_wanted_ones_reloaded() {
     let mut s = step();
     s.params.expect_devices = Some(vec!["eth0".into()]);
-    s.baseline.programs.insert("cilium_vxlan".into(), 12);
+    std::sync::Arc::make_mut(&mut s.baseline)
+        .programs
+        .insert("cilium_vxlan".into(), 12);
     let at = |t: f64| -> Option<BTreeMap<String, Option<u32>>> {
         let (vx, e0, e1) = match t {
             t if t < 1.0 => (12, Some(10), Some(11)),
@@ -630,7 +641,9 @@ fn a_declared_version_is_what_the_maps_are_held_to() {
 #[test]
 fn maps_removed_by_design_in_the_new_version_are_expected() {
     let mut s = step();
-    s.baseline.maps.insert("cilium_tunnel_map".into(), Some(3));
+    std::sync::Arc::make_mut(&mut s.baseline)
+        .maps
+        .insert("cilium_tunnel_map".into(), Some(3));
     for t in [1.0, 2.5, 5.0, 8.0] {
         let mut o = obs(t, progs(Some(20), Some(21)));
         let mut m = maps(100).unwrap();
@@ -657,7 +670,9 @@ fn maps_removed_by_design_in_the_new_version_are_expected() {
 fn maps_swept_for_a_disabled_feature_may_vanish() {
     let run = |extra: &str| {
         let mut s = step();
-        s.baseline.maps.insert(extra.into(), None);
+        std::sync::Arc::make_mut(&mut s.baseline)
+            .maps
+            .insert(extra.into(), None);
         for t in [1.0, 2.5, 5.0, 8.0] {
             decide(&mut s, &obs(t, progs(Some(20), Some(21))));
         }
