@@ -89,6 +89,9 @@ pub struct Daemon {
     /// The targets' probes as recorded: metrics, latest outcomes, and the steady samples of
     /// the last minute (the evidence an implicit step has from before it was detected).
     pub recorder: crate::timeline::Recorder,
+    /// `stepguard_probe_send_delay_seconds` (a handle on the registered series: the probe
+    /// thread records each send into it without taking the metrics lock).
+    send_delay: prometheus_client::metrics::histogram::Histogram,
     /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
     /// map counts), so they never hold up the probes' send times on the main workers.
     pub kernel: tokio::runtime::Handle,
@@ -162,6 +165,7 @@ impl Daemon {
             }
         }
         let metrics_probes = metrics.probes.clone();
+        let send_delay = metrics.probe_send_delay.clone();
         let (tx, _) = tokio::sync::watch::channel(0u64);
         let max_long_polls = opts.max_long_polls;
         // Per-CPU reads size their buffers by this: read it now, while descriptors are free.
@@ -203,6 +207,7 @@ impl Daemon {
                     max: RECENT_MAX,
                 },
             ),
+            send_delay,
             kernel: kernel_runtime()?,
             baseline_answers,
             engine: std::sync::OnceLock::new(),
@@ -475,9 +480,7 @@ impl crate::timeline::Vantage for Daemon {
         self.record_probe(target, o);
     }
     fn late(&self, late: Duration) {
-        lock(&self.metrics)
-            .probe_send_delay
-            .observe(late.as_secs_f64());
+        self.send_delay.observe(late.as_secs_f64());
     }
 }
 

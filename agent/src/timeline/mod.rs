@@ -326,6 +326,17 @@ pub struct Recorder {
     ring: Mutex<BTreeMap<String, VecDeque<Sample>>>,
     floors: Mutex<BTreeMap<String, RttFloor>>,
     bounds: RingBounds,
+    /// Each target's two series, looked up once (a probe then records into them without
+    /// building, hashing and dropping its labels: at a thousand probes a second that was
+    /// most of the recording's own cost).
+    handles: Mutex<BTreeMap<String, SeriesHandles>>,
+}
+
+/// A target's probe series (handles share the family's series).
+#[derive(Clone)]
+struct SeriesHandles {
+    duration: Histogram,
+    failures: Counter,
 }
 
 impl Recorder {
@@ -338,32 +349,53 @@ impl Recorder {
             ring: Mutex::new(BTreeMap::new()),
             floors: Mutex::new(BTreeMap::new()),
             bounds,
+            handles: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    fn series(&self, target: &Target) -> SeriesHandles {
+        let mut h = lock(&self.handles);
+        if let Some(s) = h.get(&target.name) {
+            return s.clone();
+        }
+        let l = ProbeLabels::of(target);
+        let s = SeriesHandles {
+            duration: self.metrics.duration.get_or_create(&l).clone(),
+            failures: self.metrics.failures.get_or_create(&l).clone(),
+        };
+        h.insert(target.name.clone(), s.clone());
+        s
     }
 
     /// Records `o` (already judged: an answer that changed is a failure by now) into the
     /// metrics, the latest outcomes and, when `into_ring`, the ring; returns its sample.
     pub fn record(&self, target: &Target, o: &ProbeOutcome, into_ring: bool) -> Recorded {
-        let l = ProbeLabels::of(target);
-        self.metrics
-            .duration
-            .get_or_create(&l)
-            .observe(o.latency.as_secs_f64());
+        let series = self.series(target);
+        series.duration.observe(o.latency.as_secs_f64());
         if !o.ok {
-            self.metrics.failures.get_or_create(&l).inc();
+            series.failures.inc();
         }
         {
             // Probes overlap and finish out of order: a late timeout must not overwrite the
             // result of a probe sent after it.
             let mut latest = lock(&self.latest);
-            if supersedes(latest.get(&target.name), o) {
-                latest.insert(target.name.clone(), o.clone());
+            match latest.get_mut(&target.name) {
+                Some(old) if supersedes(Some(old), o) => old.clone_from(o),
+                Some(_) => {}
+                None => {
+                    latest.insert(target.name.clone(), o.clone());
+                }
             }
         }
         let sample = self.sample_of(&target.name, o);
         if o.ran && into_ring {
             let mut ring = lock(&self.ring);
-            let q = ring.entry(target.name.clone()).or_default();
+            if !ring.contains_key(&target.name) {
+                ring.insert(target.name.clone(), VecDeque::new());
+            }
+            let Some(q) = ring.get_mut(&target.name) else {
+                return Recorded { ran: o.ran, sample };
+            };
             while q.len() >= self.bounds.max
                 || q.front()
                     .is_some_and(|s| s.sent < o.sent_at - self.bounds.age_s)
@@ -380,10 +412,13 @@ impl Recorder {
     fn sample_of(&self, target: &str, o: &ProbeOutcome) -> Sample {
         let rtt = o.latency.as_secs_f64();
         let floor = if o.ok && o.ran {
-            lock(&self.floors)
-                .entry(target.to_string())
-                .or_default()
-                .observe(o.sent_at, rtt)
+            let mut floors = lock(&self.floors);
+            if !floors.contains_key(target) {
+                floors.insert(target.to_string(), RttFloor::default());
+            }
+            floors
+                .get_mut(target)
+                .map_or(rtt, |f| f.observe(o.sent_at, rtt))
         } else {
             rtt
         };
