@@ -115,6 +115,28 @@ fn bare(boot: Option<&str>) -> Step {
     s
 }
 
+/// The readings taken every second are taken at every decision once a pass is near: not
+/// before the step has been green for all but the lead of its settle window, always when the
+/// window itself is that short.
+#[test]
+fn a_pass_is_near_only_within_the_lead_of_the_settle_window() {
+    let mut s = bare(None);
+    s.params.settle = Duration::from_secs(5);
+    assert!(!s.pass_near(100.0, 1.5), "not green: no pass this tick");
+    s.green_since = Some(97.0);
+    assert!(!s.pass_near(100.0, 1.5), "green 3 s of 5");
+    s.green_since = Some(96.5);
+    assert!(s.pass_near(100.0, 1.5), "green 3.5 s of 5");
+    s.green_since = Some(90.0);
+    assert!(s.pass_near(100.0, 1.5));
+    s.green_since = None;
+    s.params.settle = Duration::from_secs(1);
+    assert!(
+        s.pass_near(100.0, 1.5),
+        "a 1 s window can pass at any green tick"
+    );
+}
+
 /// A step persisted on one boot and resumed on another (the node rebooted with the
 /// agent): CLOCK_BOOTTIME restarted and nothing was watched, so incomplete evidence
 /// (before the fix the boot was not recorded and the step could pass).

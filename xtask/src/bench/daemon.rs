@@ -212,12 +212,6 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
         per_kind["icmp"].as_f64().unwrap_or(f64::NAN)
     );
 
-    let reps = if quick { 5 } else { 20 };
-    println!(
-        "bench: gap accuracy at the default 10 ms cadence over {reps} restarts with a 300 ms gap"
-    );
-    let acc = gap_accuracy(&ns, &url, &prefix, reps, "acc")?;
-
     // The maps the steady agent counts (it exports their entries) and the drop counters it
     // reads: what the steady minimal loop counts too.
     let metrics = curl(&ns, &[&format!("{url}/metrics")])?;
@@ -255,8 +249,12 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
     burst_args.extend(&refs);
 
     let critical_sets = critical_sets();
-    let (mut steady, mut burst_s, mut rss) =
-        (Series::default(), Series::default(), Vec::<f64>::new());
+    let (mut steady, mut burst_s, mut rss, mut steady_rss) = (
+        Series::default(),
+        Series::default(),
+        Vec::<f64>::new(),
+        Vec::<f64>::new(),
+    );
     let mut crit: Vec<Series> = critical_sets.iter().map(|_| Series::default()).collect();
     let mut burst_runs = Vec::new();
     for run in 1..=runs {
@@ -264,7 +262,8 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
             "bench: ratios, run {run} of {runs}: steady ({}s each), burst and critical ({bwin_s}s each), agent then its minimal loop",
             steady_win.as_secs()
         );
-        let (cpu, _) = measure(pid, steady_win)?;
+        let (cpu, srss) = measure(pid, steady_win)?;
+        steady_rss.push(srss as f64 / 1024.0);
         let r = benchref(&ns, &steady_args)?;
         steady.push(cpu, f(&r["cpu_percent"]));
         println!(
@@ -359,6 +358,15 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
             "minimal_loop_late_p99_exact_ms": f(&r["late_p99_us"]) / 1e3, "agent_buckets": d.iter().map(|x| x.1).collect::<Vec<_>>()}));
     }
     drop(load);
+    // After the ratios: each finished step stays in the agent's memory (up to
+    // `KEEP_STEPS`), so the figures above are of an agent with no step behind it yet.
+    let reps = if quick { 5 } else { 20 };
+    println!(
+        "bench: gap accuracy at the default 10 ms cadence over {reps} restarts with a 300 ms gap"
+    );
+    let acc = gap_accuracy(&ns, &url, &prefix, reps, "acc")?;
+    let after_steps = proc_usage(pid)?.1 as f64 / 1024.0;
+    println!("  the agent's RSS after {reps} more steps: {after_steps:.1} MiB");
     drop(agent);
 
     // Gap accuracy of the critical targets (once).
@@ -382,13 +390,13 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
         "node": {"endpoints": pods, "pinned_maps": pinned, "ct_entries": ct},
         "runs": runs, "cpu_exact": exact,
         "windows_s": {"steady": steady_win.as_secs(), "burst": bwin.as_secs()},
-        "steady": steady.json(),
+        "steady": steady.json(), "steady_rss_mib": steady_rss, "median_steady_rss_mib": median_of(&steady_rss),
         "burst": {"cpu": burst_s.json(), "rss_mib": rss, "median_rss_mib": median_of(&rss), "runs": burst_runs,
                   "minimal_us_per_probe_by_kind": per_kind,
                   "icmp": {"agent_us_per_echo": icmp_agent["us_per_probe"], "agent_cpu_percent": icmp_agent["cpu_percent"], "minimal_us_per_echo": per_kind["icmp"], "fping_us_per_echo": fping_us, "fping_cpu_percent": fping_cpu, "fping_echoes_per_s": fping_rate}},
         "send_delay": {"load": load_said, "p99_ms": delay.json(), "runs": delay_runs},
         "metrics_under_load": {"p50": p50_str(&wrk_out, "50%"), "p99": p50_str(&wrk_out, "99%"), "requests_per_s": rps},
-        "gap_accuracy": acc,
+        "gap_accuracy": acc, "rss_after_accuracy_steps_mib": after_steps,
         "critical": critical,
     }))
 }
@@ -477,7 +485,7 @@ pub(super) fn report_daemon(d: &Value) -> String {
     let steady_cpu = d["steady"]["median_agent"].as_f64().unwrap_or(f64::NAN);
     let rss = d["burst"]["median_rss_mib"].as_f64().unwrap_or(f64::NAN);
     r.push_str(&format!(
-        "\n| absolute | stepguard: median (runs) | goal |\n|---|---:|---|\n| CPU steady | {steady_cpu:.3} % of a core ({}) | ≤ 0.25 % {} |\n| RSS burst | {rss:.1} MiB ({}) | ≤ 16 MiB {} |\n",
+        "\n| absolute | stepguard: median (runs) | goal |\n|---|---:|---|\n| CPU steady | {steady_cpu:.3} % of a core ({}) | ≤ 0.25 % {} |\n| RSS burst | {rss:.1} MiB ({}) | ≤ 16 MiB {} |\n| RSS steady | {:.1} MiB | — |\n| RSS after the gap-accuracy steps (finished steps are kept in memory) | {:.1} MiB | — |\n",
         each(&d["steady"], "agent"),
         if steady_cpu <= 0.25 { "✓" } else { "missed" },
         d["burst"]["rss_mib"]
@@ -488,6 +496,8 @@ pub(super) fn report_daemon(d: &Value) -> String {
             .collect::<Vec<_>>()
             .join(" / "),
         if rss <= 16.0 { "✓" } else { "missed" },
+        f(&d["median_steady_rss_mib"]),
+        f(&d["rss_after_accuracy_steps_mib"]),
     ));
     r.push_str("\n### Once per bench\n\n| measurement | stepguard | reference | goal |\n|---|---:|---:|---|\n");
     let b = &d["burst"];

@@ -225,7 +225,7 @@ pub(super) fn report_witness(w: &Value) -> String {
         "%",
         "≤ 1.2×",
     ));
-    r.push('\n');
+    r.push_str("\n| lease move | figure | target |\n|---|---:|---|\n");
     for m in w["lease_moves"].as_array().into_iter().flatten() {
         r.push_str(&format!(
             "| LAN gap, {} restart, {} | witness {:.0} ms vs lab {:.0} ms (error {:.1} ms) | ≤ cadence + 10 ms |\n",
