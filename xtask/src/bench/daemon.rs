@@ -2,8 +2,8 @@
 //! costs, send delays while checks run, gap accuracy; beside the minimal loop and fping.
 use super::*;
 
-/// One step at `cadence` open for `window`: CPU, RSS, probes sent, µs per probe.
-fn burst(ns: &str, url: &str, pid: u32, id: &str, window: Duration) -> Result<Value> {
+/// Opens step `id` on the agent at `url` (10 min timeout, 5 s settle): its probes burst.
+fn open_step(ns: &str, url: &str, id: &str) -> Result<()> {
     curl(
         ns,
         &[
@@ -14,6 +14,12 @@ fn burst(ns: &str, url: &str, pid: u32, id: &str, window: Duration) -> Result<Va
             &format!("{url}/v1/steps"),
         ],
     )?;
+    Ok(())
+}
+
+/// One step at `cadence` open for `window`: CPU, RSS, probes sent, µs per probe.
+fn burst(ns: &str, url: &str, pid: u32, id: &str, window: Duration) -> Result<Value> {
+    open_step(ns, url, id)?;
     std::thread::sleep(Duration::from_secs(2));
     let m0 = curl(ns, &[&format!("{url}/metrics")])?;
     // The probe engine's thread alone (kernel names it from "stepguard-probes"): the part of
@@ -321,16 +327,7 @@ pub(super) fn daemon(quick: bool, runs: usize) -> Result<Value> {
     for run in 1..=runs {
         load.on()?;
         let id = format!("bench-delay-{run}");
-        curl(
-            &ns,
-            &[
-                "-X",
-                "POST",
-                "-d",
-                &format!(r#"{{"id":"{id}","timeout":"10m","settle":"5s"}}"#),
-                &format!("{url}/v1/steps"),
-            ],
-        )?;
+        open_step(&ns, &url, &id)?;
         std::thread::sleep(Duration::from_secs(1));
         let name = "stepguard_probe_send_delay_seconds";
         let restarts0 = load.restarts();

@@ -440,8 +440,9 @@ mod observe {
         bpf(15, &mut a);
     }
 
-    /// A tcx query of one device and direction (ids only: the names are known): programs.
-    fn tcx_query(ifindex: u32, attach: u32) -> usize {
+    /// A tcx query of one device and direction: the attached programs' ids (up to 64) and
+    /// how many there are (no allocation: the loop stays minimal).
+    fn tcx_query(ifindex: u32, attach: u32) -> ([u32; 64], usize) {
         #[repr(C)]
         #[derive(Default)]
         struct Q {
@@ -462,11 +463,12 @@ mod observe {
             count: 64,
             ..Default::default()
         };
-        if bpf(16, &mut q) == 0 {
-            q.count as usize
+        let n = if bpf(16, &mut q) == 0 {
+            (q.count as usize).min(64)
         } else {
             0
-        }
+        };
+        (ids, n)
     }
 
     fn prog(id: u32) {
@@ -553,31 +555,11 @@ mod observe {
         let mut progs = 0;
         for &ifindex in &host {
             for attach in [46u32, 47] {
-                #[repr(C)]
-                #[derive(Default)]
-                struct Q {
-                    ifindex: u32,
-                    attach: u32,
-                    qflags: u32,
-                    aflags: u32,
-                    ids: u64,
-                    count: u32,
-                    pad: u32,
-                    f: [u64; 4],
-                }
-                let mut ids = [0u32; 64];
-                let mut q = Q {
-                    ifindex: ifindex as u32,
-                    attach,
-                    ids: ids.as_mut_ptr() as u64,
-                    count: 64,
-                    ..Default::default()
-                };
-                if bpf(16, &mut q) == 0 {
-                    for id in &ids[..q.count as usize] {
-                        prog(*id);
-                        progs += 1;
-                    }
+                // Per program found, an fd by id and its info (a host device's names are read).
+                let (ids, n) = tcx_query(ifindex as u32, attach);
+                for &id in &ids[..n] {
+                    prog(id);
+                    progs += 1;
                 }
             }
             for parent in [0xFFFF_FFF2u32, 0xFFFF_FFF3] {
@@ -609,7 +591,7 @@ mod observe {
         if scope.endpoints {
             for &ifindex in &lxc {
                 for attach in [46u32, 47] {
-                    progs += tcx_query(ifindex as u32, attach);
+                    progs += tcx_query(ifindex as u32, attach).1;
                 }
             }
         }
