@@ -59,11 +59,6 @@ fn bad_startup_input_exits_2_with_one_line_naming_the_field() {
         Some("targets:\n  - {name: t, address: 198.51.100.10, probe: icmp, port: 80}\n"),
         "targets[0].port",
     );
-    refused(
-        &[],
-        Some("targets:\n  - {name: t, address: '2001:db8::1', probe: icmp}\n"),
-        "targets[0].address",
-    );
     refused(&[], Some(&target(", timeout: 500us")), "targets[0].timeout");
     refused(&[], Some("dns: {timeout: 100us}\n"), "dns.timeout");
     // A bpffs or cilium_config path that exists but is a file.

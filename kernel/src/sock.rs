@@ -2,7 +2,7 @@
 //! eventfd and timerfd, CLOCK_MONOTONIC. What is sent, when and how an answer is judged is
 //! the engine's (`probe::engine`); nothing here keeps state.
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock the engine's timerfd runs on).
@@ -95,9 +95,9 @@ pub fn send(fd: RawFd, b: &[u8]) -> io::Result<usize> {
 }
 
 /// recvfrom(2) into `buf`: (length, IPv4 source if any).
-pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Ipv4Addr>)> {
-    // SAFETY: buf is valid for writes of buf.len() bytes; from is a zeroed sockaddr_in large
-    // enough for an IPv4 source (longer sources are truncated by the kernel, reported by len).
+pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<IpAddr>)> {
+    // SAFETY: buf is valid for writes of buf.len() bytes; from is a zeroed sockaddr_storage,
+    // large enough for any source address.
     unsafe {
         let mut from: libc::sockaddr_storage = std::mem::zeroed();
         let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
@@ -112,10 +112,19 @@ pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<Ipv4Addr>)> 
         if n < 0 {
             return Err(last_err());
         }
-        let src = (from.ss_family as i32 == libc::AF_INET).then(|| {
-            let sin = &from as *const _ as *const libc::sockaddr_in;
-            Ipv4Addr::from(u32::from_be((*sin).sin_addr.s_addr))
-        });
+        let src = match from.ss_family as i32 {
+            libc::AF_INET => {
+                let sin = &from as *const _ as *const libc::sockaddr_in;
+                Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                    (*sin).sin_addr.s_addr,
+                ))))
+            }
+            libc::AF_INET6 => {
+                let sin6 = &from as *const _ as *const libc::sockaddr_in6;
+                Some(IpAddr::V6(Ipv6Addr::from((*sin6).sin6_addr.s6_addr)))
+            }
+            _ => None,
+        };
         Ok((n as usize, src))
     }
 }

@@ -1,13 +1,13 @@
 //! `icmp`: an echo request; the echo reply is the answer, an unreachable is a failure.
-//! IPv4 only, no port, no options. This file builds the request and judges what comes back;
-//! the engine's echo transport sends it (an unprivileged ping socket when the kernel allows
-//! it, else a raw socket with CAP_NET_RAW; one socket shared by the targets without a
-//! `source`).
+//! IPv4 (ICMP) and IPv6 (ICMPv6), no port, no options. This file builds the request and
+//! judges what comes back; the engine's echo transport sends it (an unprivileged ping socket
+//! when the kernel allows it, else a raw socket with CAP_NET_RAW; for IPv4 one socket shared
+//! by the targets without a `source`, for IPv6 a socket per echo).
 use super::engine::Progress;
 use super::kind::{Exchange, Kind, Probe, Problem, Transport};
 use super::ProbeError;
 use crate::config::Target;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
@@ -32,15 +32,6 @@ impl Kind for Icmp {
     }
     fn prepare(&self, t: &Target) -> Result<Arc<dyn Probe>, Problem> {
         let Options {} = super::kind::options(t)?;
-        if t.address.is_ipv6() {
-            return Err(Problem::new(
-                "address",
-                format!(
-                    "{}: icmp probes support IPv4 only (use a tcp probe for IPv6)",
-                    t.address
-                ),
-            ));
-        }
         Ok(Arc::new(Echo))
     }
 }
@@ -89,6 +80,17 @@ pub fn echo_request(ident: u16, seq: u16) -> [u8; 16] {
     pkt[8..16].copy_from_slice(b"stepgrd!");
     let c = checksum(&pkt);
     pkt[2..4].copy_from_slice(&c.to_be_bytes());
+    pkt
+}
+
+/// An ICMPv6 echo request (type 128) with this ident and sequence number. The checksum is
+/// left zero: it covers the IPv6 pseudo-header, and the kernel fills it in for ping and raw
+/// ICMPv6 sockets alike (RFC 3542 section 3.1; Linux `rawv6_init_sk`).
+pub fn echo_request_v6(ident: u16, seq: u16) -> [u8; 16] {
+    let mut pkt = echo_request(ident, seq);
+    pkt[0] = 128;
+    pkt[2] = 0;
+    pkt[3] = 0;
     pkt
 }
 
@@ -153,6 +155,48 @@ pub fn classify(
             if proto == libc::IPPROTO_ICMP as u8
                 && qdst == dst
                 && inner[0] == 8
+                && ours(&inner[4..6], &inner[6..8])
+            {
+                Reply::Unreachable(icmp[1])
+            } else {
+                Reply::NotMine
+            }
+        }
+        _ => Reply::NotMine,
+    }
+}
+
+/// [`classify`] for ICMPv6 (RFC 4443): an echo reply is type 129; a Destination Unreachable
+/// (type 1) quotes our request after its fixed IPv6 header (40 bytes, next header 58, no
+/// extension headers: we send none). Raw and ping ICMPv6 sockets alike deliver the message
+/// without the IPv6 header.
+pub fn classify_v6(
+    icmp: &[u8],
+    from: Ipv6Addr,
+    dst: Ipv6Addr,
+    ident: u16,
+    seq: u16,
+    raw: bool,
+) -> Reply {
+    if icmp.len() < 8 {
+        return Reply::NotMine;
+    }
+    let ours =
+        |id: &[u8], sq: &[u8]| (!raw || id == ident.to_be_bytes()) && sq == seq.to_be_bytes();
+    match icmp[0] {
+        129 if from == dst && ours(&icmp[4..6], &icmp[6..8]) => Reply::Echo,
+        1 => {
+            let Some(quoted) = icmp.get(8..8 + 40 + 8) else {
+                return Reply::NotMine;
+            };
+            let next = quoted[6];
+            let mut q = [0u8; 16];
+            q.copy_from_slice(&quoted[24..40]);
+            let inner = &quoted[40..48];
+            if quoted[0] >> 4 == 6
+                && next == libc::IPPROTO_ICMPV6 as u8
+                && Ipv6Addr::from(q) == dst
+                && inner[0] == 128
                 && ours(&inner[4..6], &inner[6..8])
             {
                 Reply::Unreachable(icmp[1])
@@ -259,5 +303,77 @@ mod tests {
             Reply::NotMine
         );
         assert_eq!(classify(&[0u8, 0], DST, DST, 7, 42, false), Reply::NotMine);
+    }
+
+    const DST6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 7);
+
+    /// ICMPv6 Destination Unreachable (code 3: address unreachable) quoting an echo request
+    /// (ident, seq) to `to` with next header `next`.
+    fn unreachable_v6(to: Ipv6Addr, next: u8, ident: u16, seq: u16) -> Vec<u8> {
+        let mut p = vec![1u8, 3, 0, 0, 0, 0, 0, 0];
+        let mut ip = vec![0x60u8, 0, 0, 0, 0, 16, next, 64];
+        ip.extend_from_slice(&Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1).octets());
+        ip.extend_from_slice(&to.octets());
+        p.extend(ip);
+        p.extend([128u8, 0, 0, 0]);
+        p.extend_from_slice(&ident.to_be_bytes());
+        p.extend_from_slice(&seq.to_be_bytes());
+        p
+    }
+
+    #[test]
+    fn icmpv6_echo_requests_carry_type_128_and_leave_the_checksum_to_the_kernel() {
+        let p = echo_request_v6(7, 42);
+        assert_eq!(p[0], 128);
+        assert_eq!(&p[2..4], &[0, 0]);
+        assert_eq!(&p[4..8], &[0, 7, 0, 42]);
+        // The IPv4 request is unchanged: type 8 with its checksum.
+        let v4 = echo_request(7, 42);
+        assert_eq!(v4[0], 8);
+        assert_eq!(checksum(&v4), 0);
+    }
+
+    #[test]
+    fn icmpv6_replies_and_unreachables_are_judged_like_icmp_ones() {
+        let mut reply = echo_reply(7, 42);
+        reply[0] = 129;
+        assert_eq!(classify_v6(&reply, DST6, DST6, 7, 42, true), Reply::Echo);
+        // Only from the probed address, with our sequence number (and ident, on raw sockets).
+        let other = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 66);
+        assert_eq!(classify_v6(&reply, other, DST6, 7, 42, true), Reply::NotMine);
+        assert_eq!(classify_v6(&reply, DST6, DST6, 8, 42, true), Reply::NotMine);
+        assert_eq!(classify_v6(&reply, DST6, DST6, 8, 42, false), Reply::Echo);
+        assert_eq!(classify_v6(&reply, DST6, DST6, 7, 43, false), Reply::NotMine);
+        // An IPv4 echo reply's type (0) means nothing in ICMPv6; nor does a neighbour
+        // advertisement (136) a raw socket also sees.
+        assert_eq!(
+            classify_v6(&echo_reply(7, 42), DST6, DST6, 7, 42, true),
+            Reply::NotMine
+        );
+        let mut na = echo_reply(7, 42);
+        na[0] = 136;
+        assert_eq!(classify_v6(&na, DST6, DST6, 7, 42, true), Reply::NotMine);
+        // This probe's request quoted: a failure with its code, from whichever router.
+        assert_eq!(
+            classify_v6(&unreachable_v6(DST6, 58, 7, 42), other, DST6, 7, 42, true),
+            Reply::Unreachable(3)
+        );
+        // Another destination, another protocol (UDP), another sequence, a truncated quote.
+        assert_eq!(
+            classify_v6(&unreachable_v6(other, 58, 7, 42), other, DST6, 7, 42, true),
+            Reply::NotMine
+        );
+        assert_eq!(
+            classify_v6(&unreachable_v6(DST6, 17, 7, 42), other, DST6, 7, 42, true),
+            Reply::NotMine
+        );
+        assert_eq!(
+            classify_v6(&unreachable_v6(DST6, 58, 7, 41), other, DST6, 7, 42, true),
+            Reply::NotMine
+        );
+        assert_eq!(
+            classify_v6(&unreachable_v6(DST6, 58, 7, 42)[..50], other, DST6, 7, 42, true),
+            Reply::NotMine
+        );
     }
 }

@@ -182,7 +182,7 @@ mod tests {
             ("{name: gw, address: 192.0.2.1, probe: tcp}", "targets[0].port: a tcp probe needs a port"),
             ("{name: gw, address: 192.0.2.1, probe: smoke}", "targets[0].probe: \"smoke\" is not a probe kind (one of tcp, http, https, icmp, dns)"),
             ("{name: gw, address: 192.0.2.1, probe: icmp, port: 7}", "targets[0].port: an icmp probe has no port"),
-            ("{name: gw, address: \"2001:db8::1\", probe: icmp}", "targets[0].address: 2001:db8::1: icmp probes support IPv4 only"),
+            ("{name: gw, address: \"2001:db8::1\", probe: icmp, source: 192.0.2.1}", "targets[0].source: 192.0.2.1 is not of the address family of 2001:db8::1"),
             ("{name: gw, address: 192.0.2.1, probe: http, path: healthz}", "targets[0].path: \"healthz\" must start with /"),
             ("{name: gw, address: 192.0.2.1, probe: http, expect: 700}", "targets[0].expect: an HTTP status is 100..599"),
             ("{name: gw, address: 192.0.2.1, probe: tcp, port: 80, answers: baseline}", "targets[0]: unknown field `answers`"),

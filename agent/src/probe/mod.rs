@@ -121,6 +121,21 @@ mod tests {
         assert_eq!(o.answers, Some(vec!["198.51.100.10".parse().unwrap()]));
     }
 
+    /// ICMPv6 echoes (issue 33): `::1` answers a one-shot echo; an IPv4 source for an IPv6
+    /// target is refused with the config, naming the field.
+    #[tokio::test]
+    async fn icmpv6_echoes_are_answered_and_a_foreign_source_refused() {
+        let t = target("  - {name: six, address: '::1', probe: icmp, timeout: 500ms}\n");
+        let o = probe(&t).await;
+        assert!(o.ran && o.ok && o.detail == "echo reply", "{o:?}");
+        let e = crate::probe::parse(
+            "targets:\n  - {name: six, address: '::1', probe: icmp, source: 127.0.0.1}\n",
+        )
+        .err()
+        .expect("an IPv4 source for an IPv6 target is refused");
+        assert!(e.to_string().contains("targets[0].source"), "{e}");
+    }
+
     /// `source:` is used by every probe kind (before, dns and icmp ignored it): a source
     /// address that is not on this host cannot be bound, and the probe says it did not run;
     /// a local one is bound, as a resolver sees.

@@ -218,9 +218,9 @@ fn start_with(
         }
         Transport::Echo => {
             let (own, raw_fd, raw) = match shared_icmp {
-                Some((fd, raw)) if spec.source.is_none() => (None, fd, raw),
+                Some((fd, raw)) if spec.source.is_none() && v4 => (None, fd, raw),
                 _ => {
-                    let (fd, raw) = icmp_socket()
+                    let (fd, raw) = icmp_socket(!v4)
                         .map_err(cannot(
                             "icmp socket (needs CAP_NET_RAW or net.ipv4.ping_group_range)",
                         ))
@@ -232,7 +232,11 @@ fn start_with(
             };
             let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let ident = icmp_ident();
-            let pkt = icmp::echo_request(ident, seq);
+            let pkt = if v4 {
+                icmp::echo_request(ident, seq)
+            } else {
+                icmp::echo_request_v6(ident, seq)
+            };
             let mut o = op(own, None, raw, seq);
             stamp(&mut o);
             if let Err(e) = send_to(raw_fd, &pkt, spec.addr) {
@@ -277,10 +281,8 @@ pub fn advance(spec: &Spec, op: &mut Op) -> Progress {
     if let Some(x) = op.exchange.as_mut() {
         return x.ready(fd);
     }
-    // An echo on a socket of its own (a target with a `source`).
-    let IpAddr::V4(dst) = spec.addr.ip() else {
-        return Progress::Done(Err(ProbeError::unsupported("icmp", "IPv4 only")));
-    };
+    // An echo on a socket of its own (a target with a `source`, or IPv6).
+    let dst = spec.addr.ip();
     let mut buf = [0u8; 1500];
     loop {
         match recv(fd, &mut buf) {

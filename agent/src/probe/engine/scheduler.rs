@@ -136,10 +136,11 @@ impl Loop {
         let now = mono_ns();
         let icmp = if specs
             .iter()
-            .any(|s| s.transport() == Some(Transport::Echo) && s.source.is_none())
+            .any(|s| s.transport() == Some(Transport::Echo) && s.source.is_none() && s.addr.is_ipv4())
         {
-            // Without one, each echo opens its own socket (and says why it cannot).
-            match icmp_socket() {
+            // Without one, each echo opens its own socket (and says why it cannot). IPv6
+            // echoes always do.
+            match icmp_socket(false) {
                 Ok((fd, raw)) => {
                     epoll_ctl(
                         epfd.as_raw_fd(),
@@ -360,10 +361,9 @@ impl Loop {
                 continue;
             };
             let done = match self.slots.get(slot) {
-                Some(Some(s)) if s.gen == gen => match self.specs[s.target].addr.ip() {
-                    IpAddr::V4(dst) => icmp_judge(datagram, from, dst, &s.op),
-                    IpAddr::V6(_) => None,
-                },
+                Some(Some(s)) if s.gen == gen => {
+                    icmp_judge(datagram, from, self.specs[s.target].addr.ip(), &s.op)
+                }
                 _ => None,
             };
             if let Some(done) = done {

@@ -56,7 +56,8 @@ fn http_server(status: u16) -> std::net::SocketAddr {
 
 /// The engine probes at the cadence it is given, switches to a finer one at once when
 /// woken (a step beginning), and every probe is a real exchange: tcp connects, http
-/// status lines judged, a refused port fails with the kernel's reason.
+/// status lines judged, a refused port fails with the kernel's reason, ICMP and ICMPv6
+/// echoes are answered (the IPv6 one on a socket of its own).
 #[test]
 fn the_engine_probes_at_its_cadence_and_switches_at_once() {
     let ok = http_server(200);
@@ -65,20 +66,20 @@ fn the_engine_probes_at_its_cadence_and_switches_at_once() {
     let closed_port = closed.local_addr().unwrap().port();
     drop(closed);
     let ts = targets(&format!(
-        "  - {{name: a, address: 127.0.0.1, port: {}, probe: tcp, timeout: 200ms}}\n  - {{name: b, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: c, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: d, address: 127.0.0.1, port: {closed_port}, probe: tcp, timeout: 200ms}}\n  - {{name: e, address: 127.0.0.1, probe: icmp, timeout: 200ms}}\n",
+        "  - {{name: a, address: 127.0.0.1, port: {}, probe: tcp, timeout: 200ms}}\n  - {{name: b, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: c, address: 127.0.0.1, port: {}, probe: http, timeout: 200ms}}\n  - {{name: d, address: 127.0.0.1, port: {closed_port}, probe: tcp, timeout: 200ms}}\n  - {{name: e, address: 127.0.0.1, probe: icmp, timeout: 200ms}}\n  - {{name: f, address: '::1', probe: icmp, timeout: 200ms}}\n",
         ok.port(), ok.port(), bad.port()
     ));
     let rec = Arc::new(Rec::default());
     *rec.interval.lock().unwrap() = Duration::from_secs(3600);
     let e = Engine::start(&ts, rec.clone()).unwrap();
     // The first probe of each target leaves at once, then nothing for an hour.
-    wait_for("first probes", || rec.outcomes.lock().unwrap().len() >= 5);
+    wait_for("first probes", || rec.outcomes.lock().unwrap().len() >= 6);
     std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(rec.outcomes.lock().unwrap().len(), 5);
+    assert_eq!(rec.outcomes.lock().unwrap().len(), 6);
     *rec.interval.lock().unwrap() = Duration::from_millis(10);
     e.wake();
     wait_for("a burst", || {
-        rec.outcomes.lock().unwrap().len() >= 5 + 5 * 20
+        rec.outcomes.lock().unwrap().len() >= 6 + 6 * 20
     });
     drop(e);
     let outcomes = rec.outcomes.lock().unwrap();
