@@ -1,8 +1,8 @@
 //! `dns`: one query over UDP with hickory-proto messages: no cache, no retry. SERVFAIL, a
 //! mismatched reply, an empty answer and a timeout are all failures. Options: `query` (the
-//! name, default `kubernetes.default.svc.cluster.local`) and `answers` (the addresses expected,
-//! or `baseline`: during a step the answer must stay what it was when the step began). Port
-//! 53 unless given. The `dns` check's resolver queries are the same exchange.
+//! name, default `kubernetes.default.svc.cluster.local`), `record` (`A`, the default, or
+//! `AAAA`) and `answers` (the addresses expected, or `baseline`: during a step the answer
+//! must stay what it was when the step began). Port 53 unless given. The `dns` check's resolver queries are the same exchange.
 use super::engine::{would_block, Progress};
 use super::kind::{Exchange, Kind, Probe, Problem, Transport};
 use super::ProbeError;
@@ -108,6 +108,8 @@ struct Options {
     #[serde(default)]
     query: Option<String>,
     #[serde(default)]
+    record: Option<String>,
+    #[serde(default)]
     answers: Option<Answers>,
 }
 
@@ -123,9 +125,27 @@ impl Kind for Dns {
         let name = o
             .query
             .unwrap_or_else(|| "kubernetes.default.svc.cluster.local".into());
+        let kind = match o.record.as_deref() {
+            None => RecordKind::A,
+            Some(r) => RecordKind::parse(r)
+                .ok_or_else(|| Problem::new("record", format!("{r:?}: expected A or AAAA")))?,
+        };
         let expect = o.answers.as_ref().and_then(|a| a.set()).map(|s| s.to_vec());
-        let q = Question::new(&name, RecordKind::A, expect)
-            .map_err(|e| Problem::new("query", e.to_string()))?;
+        if let Some(bad) = expect
+            .iter()
+            .flatten()
+            .find(|a| a.is_ipv4() != (kind == RecordKind::A))
+        {
+            return Err(Problem::new(
+                "answers",
+                format!(
+                    "{bad} cannot answer a {} query",
+                    if kind == RecordKind::A { "A" } else { "AAAA" }
+                ),
+            ));
+        }
+        let q =
+            Question::new(&name, kind, expect).map_err(|e| Problem::new("query", e.to_string()))?;
         Ok(Arc::new(q))
     }
 }

@@ -340,10 +340,16 @@ mod tests {
         assert_eq!(classify_v6(&reply, DST6, DST6, 7, 42, true), Reply::Echo);
         // Only from the probed address, with our sequence number (and ident, on raw sockets).
         let other = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 66);
-        assert_eq!(classify_v6(&reply, other, DST6, 7, 42, true), Reply::NotMine);
+        assert_eq!(
+            classify_v6(&reply, other, DST6, 7, 42, true),
+            Reply::NotMine
+        );
         assert_eq!(classify_v6(&reply, DST6, DST6, 8, 42, true), Reply::NotMine);
         assert_eq!(classify_v6(&reply, DST6, DST6, 8, 42, false), Reply::Echo);
-        assert_eq!(classify_v6(&reply, DST6, DST6, 7, 43, false), Reply::NotMine);
+        assert_eq!(
+            classify_v6(&reply, DST6, DST6, 7, 43, false),
+            Reply::NotMine
+        );
         // An IPv4 echo reply's type (0) means nothing in ICMPv6; nor does a neighbour
         // advertisement (136) a raw socket also sees.
         assert_eq!(
@@ -372,7 +378,14 @@ mod tests {
             Reply::NotMine
         );
         assert_eq!(
-            classify_v6(&unreachable_v6(DST6, 58, 7, 42)[..50], other, DST6, 7, 42, true),
+            classify_v6(
+                &unreachable_v6(DST6, 58, 7, 42)[..50],
+                other,
+                DST6,
+                7,
+                42,
+                true
+            ),
             Reply::NotMine
         );
     }

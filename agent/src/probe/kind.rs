@@ -190,6 +190,8 @@ mod tests {
             ("{name: gw, address: 192.0.2.1, probe: https, ca: /nonexistent/ca.pem}", "targets[0].ca: read /nonexistent/ca.pem"),
             ("{name: gw, address: 192.0.2.1, probe: https, server_name: \"bad name!\"}", "targets[0].server_name"),
             ("{name: gw, address: 192.0.2.1, probe: dns, query: \"a..b\"}", "targets[0].query"),
+            ("{name: gw, address: 192.0.2.1, probe: dns, record: MX}", "targets[0].record: \"MX\": expected A or AAAA"),
+            ("{name: gw, address: 192.0.2.1, probe: dns, record: AAAA, answers: [192.0.2.9]}", "targets[0].answers: 192.0.2.9 cannot answer a AAAA query"),
         ] {
             let e = parse(&format!("targets:\n  - {target}\n")).unwrap_err().to_string();
             assert!(e.contains(needle), "{target} -> {e}");

@@ -134,10 +134,9 @@ impl Loop {
         )?;
         let n = specs.len();
         let now = mono_ns();
-        let icmp = if specs
-            .iter()
-            .any(|s| s.transport() == Some(Transport::Echo) && s.source.is_none() && s.addr.is_ipv4())
-        {
+        let icmp = if specs.iter().any(|s| {
+            s.transport() == Some(Transport::Echo) && s.source.is_none() && s.addr.is_ipv4()
+        }) {
             // Without one, each echo opens its own socket (and says why it cannot). IPv6
             // echoes always do.
             match icmp_socket(false) {
