@@ -2,6 +2,7 @@
 //! rustup's stable), test, run the demo, drive the lab, benchmark, build the image.
 mod bench;
 mod cilium;
+mod cross;
 mod demo;
 mod image;
 mod kube;
@@ -93,8 +94,13 @@ enum Cmd {
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=9))]
         runs: u16,
     },
-    /// Build the OCI image.
+    /// Build the OCI image: one index with linux/amd64 and linux/arm64 (static binaries;
+    /// arm64 with Debian's rustc-web), target/image/stepguard-VERSION.oci.tar.
     Image,
+    /// The LAN witness for machines outside the cluster (a NAS, a Raspberry Pi): a static
+    /// binary for linux/amd64 and linux/arm64 with its systemd unit and an example config,
+    /// as target/dist/stepguard-witness-VERSION-linux-ARCH.tar.gz and SHA256SUMS.
+    WitnessDist,
 }
 
 pub fn root() -> PathBuf {
@@ -120,42 +126,54 @@ fn cargo() -> Command {
 
 const EBPF_CRATES: [&str; 2] = ["agent-ebpf", "tests/lab-ebpf"];
 
-/// Builds the eBPF crates with Debian's compiler; objects land in target/ebpf/bpfel-unknown-none/release.
-fn build_ebpf() -> Result<()> {
+/// rustup's (and cargo install's) bin directory, where bpf-linker lives.
+fn cargo_bin_dir() -> String {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    std::env::var("CARGO_HOME")
+        .map(|h| format!("{h}/bin"))
+        .unwrap_or_else(|_| format!("{home}/.cargo/bin"))
+}
+
+/// Debian's cargo (cargo-web, with rustc-web), with nothing of the outer rustup cargo's
+/// environment, bpf-linker's directory on its PATH.
+pub fn debian_cargo() -> Result<Command> {
     for tool in ["/usr/bin/rustc", "/usr/bin/cargo"] {
         if !Path::new(tool).exists() {
             bail!("{tool} (Debian's rustc-web/cargo-web) is missing: run `cargo xtask setup` as root first");
         }
     }
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-    let cargo_bin = std::env::var("CARGO_HOME")
-        .map(|h| format!("{h}/bin"))
-        .unwrap_or_else(|_| format!("{home}/.cargo/bin"));
-    if which("bpf-linker").is_none() && !Path::new(&cargo_bin).join("bpf-linker").exists() {
-        bail!("bpf-linker is missing: run `cargo xtask setup` as root first");
-    }
+    let cargo_bin = cargo_bin_dir();
     // Debian's tools first, then bpf-linker's directory; rustup's proxies must not shadow them.
     let path = format!(
         "/usr/bin:/bin:{cargo_bin}:{}",
         std::env::var("PATH").unwrap_or_default()
     );
+    let mut cmd = Command::new("/usr/bin/cargo");
+    // Drop what the outer (rustup) cargo exported, so the inner build is Debian's alone.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("CARGO")
+            || k.starts_with("RUSTUP")
+            || k.starts_with("RUSTC")
+            || k == "RUSTFLAGS"
+            || k == "RUSTDOC"
+        {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("PATH", &path).env("RUSTC", "/usr/bin/rustc");
+    Ok(cmd)
+}
+
+/// Builds the eBPF crates with Debian's compiler; objects land in target/ebpf/bpfel-unknown-none/release.
+fn build_ebpf() -> Result<()> {
+    let cargo_bin = cargo_bin_dir();
+    if which("bpf-linker").is_none() && !Path::new(&cargo_bin).join("bpf-linker").exists() {
+        bail!("bpf-linker is missing: run `cargo xtask setup` as root first");
+    }
     let target_dir = root().join("target/ebpf");
     for krate in EBPF_CRATES {
-        let mut cmd = Command::new("/usr/bin/cargo");
-        // Drop what the outer (rustup) cargo exported, so the inner build is Debian's alone.
-        for (k, _) in std::env::vars() {
-            if k.starts_with("CARGO")
-                || k.starts_with("RUSTUP")
-                || k.starts_with("RUSTC")
-                || k == "RUSTFLAGS"
-                || k == "RUSTDOC"
-            {
-                cmd.env_remove(k);
-            }
-        }
+        let mut cmd = debian_cargo()?;
         cmd.current_dir(root().join(krate))
-            .env("PATH", &path)
-            .env("RUSTC", "/usr/bin/rustc")
             .env("RUSTC_BOOTSTRAP", "1")
             .env("CARGO_TARGET_DIR", &target_dir)
             .env("RUSTFLAGS", "-C debuginfo=2 -C link-arg=--btf")
@@ -269,8 +287,18 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
         if !is_root() {
             bail!("the integration tests need root (network namespaces, bpffs, eBPF): run `sudo -E cargo xtask test` — they are never skipped");
         }
-        println!("== the OCI image (static binary, FROM scratch, buildah)");
+        println!("== the OCI image (static binaries for amd64 and arm64, FROM scratch, buildah)");
         let archive = image::image()?;
+        if filter.is_none() {
+            println!("== the arm64 binary and its unit tests under qemu-user");
+            if let Err(e) = cross::qemu_test(&root().join(format!(
+                "target/cross/{}/image/stepguard",
+                cross::Arch::Arm64.triple()
+            ))) {
+                eprintln!("{e:#}");
+                failed.push("arm64 under qemu-user".to_string());
+            }
+        }
         let waited = std::time::Instant::now();
         let (kube_bin, agents) = kube_build
             .expect("started unless unit-only")
@@ -342,7 +370,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
             "tests failed or did not run:\n  {}",
             failed
                 .iter()
-                .map(|f| format!("{f}: cargo test failed"))
+                .map(|f| format!("{f}: failed"))
                 .chain(problems)
                 .collect::<Vec<_>>()
                 .join("\n  ")
@@ -409,7 +437,8 @@ fn main() {
                 .and_then(|_| build(true))
                 .and_then(|_| bench::bench(quick, &only, runs as usize))
         }
-        Cmd::Image => image::image().map(|_| ()),
+        Cmd::Image => build_ebpf().and_then(|_| image::image()).map(|_| ()),
+        Cmd::WitnessDist => build_ebpf().and_then(|_| cross::witness_dist()).map(|_| ()),
     };
     if let Err(e) = r {
         eprintln!("xtask: {e:#}");

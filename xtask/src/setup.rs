@@ -66,7 +66,26 @@ const PACKAGES: &[(&str, &str)] = &[
         "faketime",
         "a stepper whose clock is minutes off, in the rollout lock's tests",
     ),
+    (
+        "libstd-rust-web-dev:arm64",
+        "rustc-web's standard library for arm64 (multiarch): the arm64 image and witness",
+    ),
+    (
+        "gcc-aarch64-linux-gnu",
+        "the arm64 linker and C compiler (ring's assembly)",
+    ),
+    (
+        "libc6-dev-arm64-cross",
+        "glibc for arm64, static (+crt-static)",
+    ),
+    (
+        "qemu-user-static",
+        "runs the arm64 binary and its unit tests on amd64 (cargo xtask test)",
+    ),
 ];
+
+/// The foreign architecture the packages above name (`:arm64`).
+const FOREIGN_ARCH: &str = "arm64";
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -189,6 +208,22 @@ fn install_packages(missing: &[&str]) -> Result<()> {
     let result = (|| -> Result<()> {
         for p in missing {
             println!("installing Debian package {p}");
+        }
+        if missing
+            .iter()
+            .any(|p| p.ends_with(&format!(":{FOREIGN_ARCH}")))
+        {
+            let have = Command::new("dpkg")
+                .arg("--print-foreign-architectures")
+                .output()
+                .context("dpkg --print-foreign-architectures")?;
+            if !String::from_utf8_lossy(&have.stdout)
+                .lines()
+                .any(|l| l.trim() == FOREIGN_ARCH)
+            {
+                println!("adding the Debian architecture {FOREIGN_ARCH} (multiarch: its Rust standard library)");
+                run(Command::new("dpkg").args(["--add-architecture", FOREIGN_ARCH]))?;
+            }
         }
         run(Command::new("apt-get").args(["update", "-q"]))?;
         run(Command::new("apt-get")

@@ -2,12 +2,22 @@
 //!
 //! Topology: a bridge `br0` in `<prefix>-lan`; every node (a full single-node [`Lab`] with
 //! prefix `<prefix>n<i>`) has its `eth1` on it at `203.0.113.<1+i>`; the client namespace
-//! `<prefix>-client` has `eth0` on it at `203.0.113.100`, where a witness runs.
+//! `<prefix>-client` has `eth0` on it at `203.0.113.100`, where a witness runs. With
+//! [`LanSpec::ipv6`] the segment is dual-stack (`2001:db8:113::<1+i>`, client
+//! `2001:db8:113::100`) and two IPv6 VIPs are announced beside the IPv4 ones.
 //!
 //! What it imitates (docs/cilium-fidelity.md, "L2 announcements"):
 //! - one lease per service VIP; the holder answers ARP for the VIP on its LAN NIC (Cilium: an
 //!   entry in `cilium_l2_responder_v4`, answered by `cil_from_netdev`; here: the VIP as an
 //!   address on `eth1` with `arp_ignore=1`, so only the holder answers);
+//! - IPv6 VIPs (Cilium 1.19+, `cilium_l2_responder_v6`): the holder answers Neighbor
+//!   Solicitations for the VIP (Cilium: `handle_l2_announcement` in `cil_from_netdev` answers
+//!   with a Neighbor Advertisement from the device's MAC; here: the VIP on `eth1`, `nodad`,
+//!   which the kernel answers only on that NIC); a new entry is announced with an unsolicited
+//!   NA to ff02::1 (`gneighOnNewEntry`) instead of a gratuitous ARP — with the Override flag
+//!   and a Target link-layer option on 1.20 (v1.20.2 `ndSender.Send`), without them on 1.19
+//!   as first released (a Linux client then only marks its entry stale: it moves when its own
+//!   neighbour probes fail); 1.16–1.18 have no IPv6 responder and a LAN lab refuses IPv6 there;
 //! - every node accepts traffic for every VIP whoever holds the lease (Cilium: `nodeport_lb4`
 //!   load-balances a LoadBalancer IP on any node; here: the VIP on `lo` of every node and a
 //!   backend on every node), so a client with a stale ARP entry is still served while that
@@ -47,7 +57,7 @@ use crate::{Lab, LabSpec, RestartOpts, RestartReport, RUN_ROOT};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -66,14 +76,50 @@ pub fn node_addr(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(203, 0, 113, 1 + i)
 }
 
+/// The LAN's IPv6 prefix (documentation range, RFC 3849), /64.
+const LAN6: [u16; 4] = [0x2001, 0xdb8, 0x113, 0];
+
+fn lan6(host: u16) -> Ipv6Addr {
+    Ipv6Addr::new(LAN6[0], LAN6[1], LAN6[2], LAN6[3], 0, 0, 0, host)
+}
+
+/// Node `i`'s IPv6 address on a dual-stack LAN.
+pub fn node_addr6(i: u8) -> Ipv6Addr {
+    lan6(1 + i as u16)
+}
+
+/// The LAN client's IPv6 address on a dual-stack LAN.
+pub fn client_addr6() -> Ipv6Addr {
+    lan6(0x100)
+}
+
 /// An L2-announced LoadBalancer VIP on the LAN.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct LanVip {
     pub name: String,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     /// `http` or `dns`.
     pub probe: String,
+}
+
+impl LanVip {
+    /// The VIP as an address with its host prefix length, as `ip addr` prints it.
+    fn cidr(&self) -> String {
+        match self.addr {
+            IpAddr::V4(a) => format!("{a}/32"),
+            IpAddr::V6(a) => format!("{a}/128"),
+        }
+    }
+
+    /// The node that holds its lease when the LAN comes up.
+    fn first_holder(&self) -> u8 {
+        if matches!(self.name.as_str(), "dns-b" | "dns6") {
+            1
+        } else {
+            0
+        }
+    }
 }
 
 /// The gateway (HTTP) and two DNS VIPs (two resolvers, like the PiHole replicas behind two
@@ -81,7 +127,7 @@ pub struct LanVip {
 pub fn vips() -> Vec<LanVip> {
     let v = |name: &str, last: u8, port: u16, probe: &str| LanVip {
         name: name.into(),
-        addr: Ipv4Addr::new(203, 0, 113, last),
+        addr: Ipv4Addr::new(203, 0, 113, last).into(),
         port,
         probe: probe.into(),
     };
@@ -90,6 +136,18 @@ pub fn vips() -> Vec<LanVip> {
         v("dns-a", 53, 53, "dns"),
         v("dns-b", 54, 53, "dns"),
     ]
+}
+
+/// The IPv6 VIPs of a dual-stack LAN: a gateway (HTTP) and a resolver; their leases start on
+/// nodes 0 and 1.
+pub fn vips6() -> Vec<LanVip> {
+    let v = |name: &str, host: u16, port: u16, probe: &str| LanVip {
+        name: name.into(),
+        addr: lan6(host).into(),
+        port,
+        probe: probe.into(),
+    };
+    vec![v("gateway6", 0xc8, 80, "http"), v("dns6", 0x35, 53, "dns")]
 }
 
 mod ms {
@@ -154,6 +212,10 @@ pub struct LanSpec {
     /// east-west targets.
     #[serde(default)]
     pub east_west: bool,
+    /// A dual-stack LAN: the nodes run with `enable-ipv6` and the IPv6 VIPs of [`vips6`]
+    /// are announced beside the IPv4 ones (Cilium 1.19 or later).
+    #[serde(default)]
+    pub ipv6: bool,
 }
 
 impl LanSpec {
@@ -165,6 +227,7 @@ impl LanSpec {
             attach: crate::AttachMode::Tcx,
             lease: LeaseTimings::default(),
             east_west: false,
+            ipv6: false,
         }
     }
 }
@@ -196,7 +259,7 @@ pub struct LanLab {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VipTruth {
     pub name: String,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub holder_before: u8,
     pub holder_after: u8,
     /// When the new holder announced itself: wall clock ns just before and just after its
@@ -208,8 +271,9 @@ pub struct VipTruth {
     /// When it answered again (the datapath back, the client moved by the gratuitous ARP, or
     /// the client's kernel resolved the VIP again after forgetting it).
     pub resumed: Option<(u128, u128)>,
-    /// The taker had no entry of its own and sent a gratuitous ARP (false: a stale entry of
-    /// its own was there, so it sent none and the client was not moved).
+    /// The taker had no entry of its own and sent a gratuitous ARP, or an unsolicited NA that
+    /// moves a client (1.20's; false: a stale entry of its own was there, so it sent none,
+    /// or 1.19's NA, which does not move a client: either way the client was not moved).
     #[serde(default)]
     pub takeover_garp: bool,
     /// The restarted node's responder reconciliation deleted its entry at the agent's start.
@@ -332,7 +396,7 @@ impl Forgotten {
     /// after its deletion (the kernel sends the packets it queued at that moment).
     /// Events are taken in the order the kernel sent them: the first valid one after the
     /// flush's deletion of `addr` (after the flush began, when there was nothing to delete).
-    pub fn resolved(&self, addr: Ipv4Addr) -> Option<u128> {
+    pub fn resolved(&self, addr: IpAddr) -> Option<u128> {
         let mine: Vec<&sys::NeighEvent> = self.events.iter().filter(|e| e.addr == addr).collect();
         let from = match mine.iter().position(|e| e.deleted && e.at_ns >= self.at.0) {
             Some(d) => d + 1,
@@ -376,6 +440,9 @@ impl LanLab {
         }
         if !(2..=4).contains(&spec.nodes) {
             bail!("--nodes {}: a LAN lab has 2 to 4 nodes", spec.nodes);
+        }
+        if spec.ipv6 && !matches!(spec.profile, crate::Profile::V1_19 | crate::Profile::V1_20) {
+            bail!("--ipv6: Cilium answers Neighbor Solicitations for L2-announced VIPs from 1.19 on (cilium_l2_responder_v6): use --cilium 1.19 or 1.20");
         }
         let run_dir = Path::new(RUN_ROOT).join(&spec.prefix);
         if run_dir.exists() {
@@ -445,6 +512,15 @@ impl LanLab {
         std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))
     }
 
+    /// The VIPs of this LAN: the IPv4 ones, and the IPv6 ones when dual-stack.
+    pub fn vips(&self) -> Vec<LanVip> {
+        let mut v = vips();
+        if self.state.spec.ipv6 {
+            v.extend(vips6());
+        }
+        v
+    }
+
     pub fn lan_ns(&self) -> String {
         format!("{}-lan", self.state.spec.prefix)
     }
@@ -485,6 +561,9 @@ impl LanLab {
         netns::add_veth(&client, "eth0", &lan, "client")?;
         netns::ip(&lan, &["link", "set", "client", "master", "br0"])?;
         netns::add_addr(&client, "eth0", &format!("{CLIENT_ADDR}/24"))?;
+        if self.state.spec.ipv6 {
+            add_addr6(&client, "eth0", &format!("{}/64", client_addr6()))?;
+        }
 
         let s = self.state.spec.clone();
         for i in 0..s.nodes {
@@ -495,6 +574,7 @@ impl LanLab {
             spec.profile = s.profile;
             spec.attach = s.attach;
             spec.pods = 2;
+            spec.features.ipv6 = s.ipv6;
             spec.lan = Some(crate::LanPort {
                 ns: lan.clone(),
                 index: i,
@@ -505,21 +585,32 @@ impl LanLab {
                 },
             });
             Lab::up(spec)?;
+            if s.ipv6 {
+                let ns = self.node(i)?.node_ns();
+                add_addr6(&ns, "eth1", &format!("{}/64", node_addr6(i)))?;
+            }
         }
-        // Every node accepts every VIP (on lo) and serves it; only the holder answers ARP.
-        let records: Vec<(String, String)> = vips()
+        // Every node accepts every VIP (on lo) and serves it; only the holder answers ARP
+        // (or NDP).
+        let records: Vec<(String, String)> = self
+            .vips()
             .iter()
             .map(|v| (format!("{}.{ZONE}", v.name), v.addr.to_string()))
             .collect();
         for i in 0..s.nodes {
             let node = self.node(i)?;
             let ns = node.node_ns();
-            for v in vips() {
-                netns::add_addr(&ns, "lo", &format!("{}/32", v.addr))?;
+            for v in self.vips() {
+                if v.addr.is_ipv6() {
+                    add_addr6(&ns, "lo", &v.cidr())?;
+                } else {
+                    netns::add_addr(&ns, "lo", &v.cidr())?;
+                }
             }
             let dir = self.state.run_dir.join(format!("services-n{i}"));
             std::fs::create_dir_all(&dir)?;
-            let dns: Vec<String> = vips()
+            let dns: Vec<String> = self
+                .vips()
                 .iter()
                 .filter(|v| v.probe == "dns")
                 .map(|v| v.addr.to_string())
@@ -527,14 +618,21 @@ impl LanLab {
             let p = services::start_dnsmasq(&ns, &dir, &dns.join(","), &records)?;
             self.state.procs.push(p);
             self.save()?;
-            let gw = &vips()[0];
-            let p = services::start_nginx(&ns, &dir, &gw.addr.to_string(), gw.port, None)?;
-            self.state.procs.push(p);
-            self.save()?;
+            for gw in self.vips().into_iter().filter(|v| v.probe == "http") {
+                // One nginx per gateway VIP (each with its own pid file and logs).
+                let (dir, listen) = match gw.addr {
+                    IpAddr::V4(a) => (dir.clone(), a.to_string()),
+                    IpAddr::V6(a) => (dir.join("v6"), format!("[{a}]")),
+                };
+                std::fs::create_dir_all(&dir)?;
+                let p = services::start_nginx(&ns, &dir, &listen, gw.port, None)?;
+                self.state.procs.push(p);
+                self.save()?;
+            }
             self.write_node_config(i, &node)?;
         }
-        for (k, v) in vips().iter().enumerate() {
-            let holder = if k == 2 { 1 } else { 0 };
+        for v in self.vips().iter() {
+            let holder = v.first_holder();
             self.announce(holder, v)?;
             self.state.holders.insert(v.name.clone(), holder);
             self.state
@@ -547,7 +645,7 @@ impl LanLab {
         self.write_witness_config()?;
         // Ready: the client reaches every VIP over the LAN.
         let client = self.client_ns();
-        for v in vips().into_iter().filter(|v| v.probe == "http") {
+        for v in self.vips().into_iter().filter(|v| v.probe == "http") {
             let c = client.clone();
             services::wait_until(
                 &format!("{} VIP from the LAN client", v.name),
@@ -566,7 +664,8 @@ impl LanLab {
     }
 
     /// Node `i` takes the VIP: the responder entry (the VIP on its LAN NIC) and a gratuitous
-    /// ARP. Returns the wall clock just before and after the ARP went out.
+    /// ARP (an unsolicited neighbour advertisement for an IPv6 VIP). Returns the wall clock
+    /// just before and after it went out.
     fn announce(&self, i: u8, v: &LanVip) -> Result<(u128, u128)> {
         let ns = self.node(i)?.node_ns();
         self.answer(i, v)?;
@@ -578,11 +677,19 @@ impl LanLab {
             self.state.spec.profile,
             crate::Profile::V1_16 | crate::Profile::V1_17 | crate::Profile::V1_18
         );
+        let standard_na = matches!(self.state.spec.profile, crate::Profile::V1_20);
+        let src6 = node_addr6(i);
         netns::in_netns(&ns, move || {
             let sock = sys::GarpSocket::open().context("open a packet socket")?;
             let before = now_ns();
-            sock.send(ifindex, mac, ip, reply)
-                .context("send a gratuitous ARP")?;
+            match ip {
+                IpAddr::V4(ip) => sock
+                    .send(ifindex, mac, ip, reply)
+                    .context("send a gratuitous ARP")?,
+                IpAddr::V6(ip) => sock
+                    .send_na(ifindex, mac, src6, ip, standard_na)
+                    .context("send an unsolicited neighbour advertisement")?,
+            }
             let after = now_ns();
             drop(sock);
             Ok((before, after))
@@ -593,8 +700,12 @@ impl LanLab {
     fn answer(&self, i: u8, v: &LanVip) -> Result<()> {
         let ns = self.node(i)?.node_ns();
         let have = netns::ip(&ns, &["-o", "addr", "show", "dev", "eth1"])?;
-        if !have.contains(&format!("{}/32", v.addr)) {
-            netns::add_addr(&ns, "eth1", &format!("{}/32", v.addr))?;
+        if !have.contains(&format!("{} ", v.cidr())) {
+            if v.addr.is_ipv6() {
+                add_addr6(&ns, "eth1", &v.cidr())?;
+            } else {
+                netns::add_addr(&ns, "eth1", &v.cidr())?;
+            }
         }
         Ok(())
     }
@@ -614,11 +725,8 @@ impl LanLab {
     fn withdraw(&self, i: u8, v: &LanVip) -> Result<()> {
         let ns = self.node(i)?.node_ns();
         let have = netns::ip(&ns, &["-o", "addr", "show", "dev", "eth1"])?;
-        if have.contains(&format!("{}/32", v.addr)) {
-            netns::ip(
-                &ns,
-                &["addr", "del", &format!("{}/32", v.addr), "dev", "eth1"],
-            )?;
+        if have.contains(&format!("{} ", v.cidr())) {
+            netns::ip(&ns, &["addr", "del", &v.cidr(), "dev", "eth1"])?;
         }
         Ok(())
     }
@@ -632,13 +740,18 @@ impl LanLab {
              cilium: auto\n\
              implicit_steps: {{settle: 1s, timeout: 20s}}\n\
              {targets}\
-             dns:\n  resolvers: [\"203.0.113.53:53\"]\n  names: [\"gateway.{ZONE}\"]\n",
+             dns:\n  resolvers: [{resolvers}]\n  names: [\"gateway.{ZONE}\"]\n",
+            resolvers = if self.state.spec.ipv6 {
+                format!("\"203.0.113.53:53\", \"[{}]:53\"", vips6()[1].addr)
+            } else {
+                "\"203.0.113.53:53\"".into()
+            },
             prefix = self.state.spec.prefix,
             ns = node.node_ns(),
             bpffs = node.state.bpffs.display(),
             cfg = node.state.cilium_config.display(),
             api = node.agent_socket().display(),
-            targets = targets_yaml()
+            targets = targets_yaml(&self.vips())
                 + &if self.state.spec.east_west {
                     east_west_yaml(i, self.state.spec.nodes)
                 } else {
@@ -653,7 +766,7 @@ impl LanLab {
             "# stepguard witness config for LAN lab {prefix} (run it in {ns}, a LAN client)\n{targets}",
             prefix = self.state.spec.prefix,
             ns = self.client_ns(),
-            targets = targets_yaml(),
+            targets = targets_yaml(&self.vips()),
         );
         std::fs::write(self.witness_config(), yaml).context("write the witness config")
     }
@@ -673,7 +786,8 @@ impl LanLab {
                 "netns": format!("{}-node", self.state.nodes[i as usize]),
                 "stepguard_config": self.node_config(i),
             })).collect::<Vec<_>>(),
-            "vips": vips(),
+            "vips": self.vips(),
+            "ipv6": self.state.spec.ipv6,
             "holders": self.state.holders,
             "lease": self.state.spec.lease,
         })
@@ -751,13 +865,27 @@ enum Act {
     Reacquire,
 }
 
-fn targets_yaml() -> String {
+/// The LAN's VIPs as stepguard targets; an IPv6 gateway also gets an ICMPv6 echo target,
+/// and an IPv6 resolver is asked for the IPv6 gateway's AAAA record.
+fn targets_yaml(vips: &[LanVip]) -> String {
     let mut out = String::from("targets:\n");
-    for v in vips() {
+    for v in vips {
         match v.probe.as_str() {
-            "http" => out.push_str(&format!(
-                "  - name: {}\n    address: {}\n    port: {}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 200ms\n",
-                v.name, v.addr, v.port
+            "http" => {
+                out.push_str(&format!(
+                    "  - name: {}\n    address: \"{}\"\n    port: {}\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 200ms\n",
+                    v.name, v.addr, v.port
+                ));
+                if v.addr.is_ipv6() {
+                    out.push_str(&format!(
+                        "  - name: {}-echo\n    address: \"{}\"\n    probe: icmp\n    timeout: 200ms\n",
+                        v.name, v.addr
+                    ));
+                }
+            }
+            _ if v.addr.is_ipv6() => out.push_str(&format!(
+                "  - name: {}\n    address: \"{}\"\n    port: {}\n    probe: dns\n    query: gateway6.{ZONE}\n    record: AAAA\n    answers: [\"{}\"]\n    timeout: 200ms\n",
+                v.name, v.addr, v.port, vips6()[0].addr
             )),
             _ => out.push_str(&format!(
                 "  - name: {}\n    address: {}\n    port: {}\n    probe: dns\n    query: gateway.{ZONE}\n    timeout: 200ms\n",
@@ -766,6 +894,12 @@ fn targets_yaml() -> String {
         }
     }
     out
+}
+
+/// Adds an IPv6 address without duplicate address detection (it is usable at once; the lab
+/// gives every address on its LAN once).
+fn add_addr6(ns: &str, dev: &str, cidr: &str) -> Result<()> {
+    netns::ip(ns, &["-6", "addr", "add", cidr, "dev", dev, "nodad"]).map(|_| ())
 }
 
 /// Node `i`'s east-west targets: every other node's health endpoint (HTTP on 4240, as

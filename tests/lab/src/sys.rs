@@ -333,11 +333,13 @@ fn netlink_request(msg: &[u8]) -> io::Result<()> {
     }
 }
 
-/// A packet socket for gratuitous ARPs, opened ahead so that sending is quick (closing a
-/// packet socket waits for an RCU grace period: do it after the timed part).
+/// A packet socket for gratuitous ARPs and unsolicited neighbour advertisements, opened ahead
+/// so that sending is quick (closing a packet socket waits for an RCU grace period: do it
+/// after the timed part).
 pub struct GarpSocket(OwnedFd);
 
 const ETH_P_ARP: u16 = 0x0806;
+const ETH_P_IPV6: u16 = 0x86dd;
 
 impl GarpSocket {
     pub fn open() -> io::Result<GarpSocket> {
@@ -379,13 +381,55 @@ impl GarpSocket {
         frame.extend_from_slice(&ip.octets());
         frame.extend_from_slice(&if reply { [0xff; 6] } else { [0; 6] });
         frame.extend_from_slice(&ip.octets());
+        self.send_frame(ifindex, ETH_P_ARP, [0xff; 6], &frame)
+    }
+
+    /// Sends one unsolicited neighbour advertisement for `target` from `mac` to all nodes
+    /// (ff02::1) on `ifindex`, from `src`, hop limit 255, as Cilium's `gneigh` ND sender does
+    /// when its L2 responder adds an IPv6 VIP's entry (`gneighOnNewEntry`): `standard`
+    /// (v1.20.2 `ndSender.Send`, cilium/cilium#46079): the Override flag and a *Target*
+    /// link-layer address option, which moves a client's existing entry; otherwise (1.19 as
+    /// first released, docs/research/issue-26-l2-responder.md): no Override flag and a
+    /// *Source* link-layer address option, which a Linux client reads as no address at all
+    /// (`ndisc_recv_na` takes only the target option) and only marks its entry stale.
+    pub fn send_na(
+        &self,
+        ifindex: u32,
+        mac: [u8; 6],
+        src: std::net::Ipv6Addr,
+        target: std::net::Ipv6Addr,
+        standard: bool,
+    ) -> io::Result<()> {
+        let dst = std::net::Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+        let mut icmp = Vec::with_capacity(32);
+        icmp.extend_from_slice(&[136, 0, 0, 0]); // type, code, checksum (below)
+        icmp.extend_from_slice(&[if standard { 0x20 } else { 0 }, 0, 0, 0]); // R=0 S=0 O
+        icmp.extend_from_slice(&target.octets());
+        icmp.extend_from_slice(&[if standard { 2 } else { 1 }, 1]); // option, 8 bytes
+        icmp.extend_from_slice(&mac);
+        let sum = icmpv6_checksum(src, dst, &icmp);
+        icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+        let mut frame = Vec::with_capacity(14 + 40 + icmp.len());
+        frame.extend_from_slice(&[0x33, 0x33, 0, 0, 0, 1]);
+        frame.extend_from_slice(&mac);
+        frame.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
+        frame.extend_from_slice(&[0x60, 0, 0, 0]);
+        frame.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
+        frame.extend_from_slice(&[58, 255]); // ICMPv6, hop limit 255 (RFC 4861 7.1.2)
+        frame.extend_from_slice(&src.octets());
+        frame.extend_from_slice(&dst.octets());
+        frame.extend_from_slice(&icmp);
+        self.send_frame(ifindex, ETH_P_IPV6, [0x33, 0x33, 0, 0, 0, 1], &frame)
+    }
+
+    fn send_frame(&self, ifindex: u32, proto: u16, to: [u8; 6], frame: &[u8]) -> io::Result<()> {
         // SAFETY: sockaddr_ll is plain data; zeroed is a valid value.
         let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         addr.sll_family = libc::AF_PACKET as u16;
-        addr.sll_protocol = ETH_P_ARP.to_be();
+        addr.sll_protocol = proto.to_be();
         addr.sll_ifindex = ifindex as i32;
         addr.sll_halen = 6;
-        addr.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+        addr.sll_addr[..6].copy_from_slice(&to);
         // SAFETY: frame and addr are valid for the call.
         let r = unsafe {
             libc::sendto(
@@ -405,12 +449,33 @@ impl GarpSocket {
     }
 }
 
+/// The ICMPv6 checksum of `msg` (its checksum field zero) from `src` to `dst` (RFC 8200 8.1).
+fn icmpv6_checksum(src: std::net::Ipv6Addr, dst: std::net::Ipv6Addr, msg: &[u8]) -> u16 {
+    let mut pseudo = Vec::with_capacity(40 + msg.len() + 1);
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, 58]);
+    pseudo.extend_from_slice(msg);
+    if pseudo.len() % 2 == 1 {
+        pseudo.push(0);
+    }
+    let mut sum: u32 = pseudo
+        .chunks(2)
+        .map(|c| u16::from_be_bytes([c[0], c[1]]) as u32)
+        .sum();
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
 /// A change of a neighbour entry, as rtnetlink reported it to a [`NeighWatch`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NeighEvent {
     /// Wall clock (ns since the epoch) when the watcher read it.
     pub at_ns: u128,
-    pub addr: std::net::Ipv4Addr,
+    pub addr: std::net::IpAddr,
     /// `NUD_*` state (0x01 INCOMPLETE, 0x02 REACHABLE, 0x04 STALE, 0x08 DELAY, 0x10 PROBE,
     /// 0x20 FAILED).
     pub state: u16,
@@ -429,7 +494,7 @@ impl NeighEvent {
     }
 }
 
-/// Watches a network namespace's IPv4 neighbour table (rtnetlink `RTNLGRP_NEIGH`) from a
+/// Watches a network namespace's neighbour tables (ARP and NDP) (rtnetlink `RTNLGRP_NEIGH`) from a
 /// thread of its own: the lab's ground truth for when a client's kernel resolved an address
 /// (and so released the packets it had queued for it).
 pub struct NeighWatch {
@@ -573,7 +638,7 @@ fn neigh_socket(ns: &std::fs::File) -> io::Result<OwnedFd> {
     Ok(sock)
 }
 
-/// IPv4 `RTM_NEWNEIGH`/`RTM_DELNEIGH` messages in a netlink datagram.
+/// IPv4 and IPv6 `RTM_NEWNEIGH`/`RTM_DELNEIGH` messages in a netlink datagram.
 fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
     const RTM_NEWNEIGH: u16 = 28;
     const RTM_DELNEIGH: u16 = 29;
@@ -590,7 +655,7 @@ fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
         let msg = &buf[off + 16..off + len];
         if (ty == RTM_NEWNEIGH || ty == RTM_DELNEIGH)
             && msg.len() >= 12
-            && msg[0] == libc::AF_INET as u8
+            && (msg[0] == libc::AF_INET as u8 || msg[0] == libc::AF_INET6 as u8)
         {
             let state = u16_at(msg, 8);
             let (mut dst, mut lladdr) = (None, None);
@@ -603,7 +668,10 @@ fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
                 }
                 let d = &msg[a + 4..a + alen];
                 if aty == NDA_DST && d.len() == 4 {
-                    dst = Some(std::net::Ipv4Addr::new(d[0], d[1], d[2], d[3]));
+                    dst = Some(std::net::IpAddr::from([d[0], d[1], d[2], d[3]]));
+                } else if aty == NDA_DST && d.len() == 16 {
+                    let o: [u8; 16] = d.try_into().unwrap_or([0; 16]);
+                    dst = Some(std::net::IpAddr::from(o));
                 } else if aty == NDA_LLADDR && d.len() == 6 {
                     lladdr = d.try_into().ok();
                 }

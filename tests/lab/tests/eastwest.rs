@@ -207,7 +207,7 @@ fn east_west_probes_held_by_a_resolving_neighbour_are_measured_within_the_bound(
     .unwrap();
     let v = agent.verdict(&id);
     let resolved = f
-        .resolved(stepguard_lab::lan::node_addr(1))
+        .resolved(stepguard_lab::lan::node_addr(1).into())
         .unwrap_or_else(|| panic!("node 1 never resolved again: {:?}", f.events));
     let s = |ns: u128| ns as f64 / 1e9;
     assert!(

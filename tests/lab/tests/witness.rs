@@ -180,6 +180,104 @@ fn the_witness_measures_lease_moves_the_node_cannot_see() {
     }
 }
 
+/// IPv6 VIPs (issue 33) on a dual-stack LAN: the holder answers NDP and a graceful restart
+/// moves its leases. On 1.20 the taker's unsolicited neighbour advertisement (Override,
+/// Target link-layer address) moves the LAN client as a gratuitous ARP does; on 1.19 it
+/// does not, and the IPv6 gateway stays down for the client until the old holder's datapath
+/// is back. Either way the witness measures the IPv6 gateway's gap over HTTP and ICMPv6
+/// within its bound against the lab's truth, learns the new MAC from the neighbour table
+/// (NDP), and the resolver's AAAA answer stays right; the node's own IPv6 probes (HTTP,
+/// ICMPv6, DNS AAAA) all answer and see no gap, and its checks pass with the IPv6 resolver.
+#[test]
+fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
+    require_root();
+    let lease_ms = 2000u64;
+    for profile in [stepguard_lab::Profile::V1_20, stepguard_lab::Profile::V1_19] {
+        let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
+        spec.lease = short_lease(lease_ms);
+        spec.ipv6 = true;
+        spec.profile = profile;
+        let mut lab = LanGuard(LanLab::up(spec).expect("dual-stack LAN lab up"));
+        let w = start_witness6(&lab);
+        let cadence = 0.010;
+        let a0 = agent_on(&lab, 0);
+        let id = a0.begin_probing(&step_body(&w, ""));
+        let r = restart(&mut lab, 0, lease_ms / 2 + 500, true, false);
+        let v = a0.verdict(&id);
+        assert_eq!(v["verdict"]["status"], "passed", "{profile:?}: {v:#}");
+        let gaps = witness_gaps(&v, &w);
+        let moved6 = profile == stepguard_lab::Profile::V1_20;
+        for vip in ["gateway", "gateway6"] {
+            let t = r.vips.iter().find(|x| x.name == vip).unwrap();
+            assert_eq!((t.holder_before, t.holder_after), (0, 1), "{vip} moved");
+            assert_eq!(
+                t.takeover_garp,
+                vip == "gateway" || moved6,
+                "{profile:?} {vip}: does the taker's announcement move the client? {t:?}"
+            );
+            assert_lan_gap(gap_of(gaps, vip), &r, vip, cadence);
+            let macs = v["witnesses"][&w.url]["report"]["macs"][vip]
+                .as_array()
+                .unwrap_or_else(|| panic!("no MACs for {vip}: {v:#}"));
+            if vip == "gateway" || moved6 {
+                assert!(
+                    macs.len() >= 2,
+                    "{profile:?} {vip}: the lease move is seen as a new MAC: {macs:?}"
+                );
+            }
+        }
+        // 1.19: the IPv6 gateway is down for the client until the old holder's datapath is
+        // back, longer than the IPv4 one, which the gratuitous ARP moved at the takeover.
+        let longest = |t: &str| gap_of(gaps, t)["longest_s"].as_f64().unwrap();
+        if !moved6 {
+            assert!(
+                longest("gateway6") > longest("gateway") + 0.1,
+                "1.19: gateway6 {:.3}s, gateway {:.3}s",
+                longest("gateway6"),
+                longest("gateway")
+            );
+        }
+        // ICMPv6 echoes to the IPv6 gateway: the same outage, within the same bound.
+        assert_lan_gap(gap_of(gaps, "gateway6-echo"), &r, "gateway6", cadence);
+        // The IPv6 resolver stayed with node 1: no gap, and its AAAA answer never changed.
+        assert_eq!(gap_of(gaps, "dns6")["count"], 0, "{gaps:?}");
+        for g in v["gaps"].as_array().unwrap() {
+            assert_eq!(g["count"], 0, "the node's own probes see no gap: {g}");
+        }
+        for t in ["gateway6", "gateway6-echo", "dns6"] {
+            let p = &v["probes"][t];
+            assert!(
+                p["sent"].as_u64().unwrap_or(0) >= 20 && p["failed"] == 0 && p["not_run"] == 0,
+                "{t}: the node's IPv6 probes answer: {p}"
+            );
+        }
+        // The node's checks pass with IPv6 targets and the IPv6 resolver.
+        let (_, checks) = a0.get_json("/v1/checks");
+        for c in ["vips", "dns"] {
+            let status = checks["checks"]
+                .as_array()
+                .and_then(|a| a.iter().find(|x| x["check"] == c))
+                .map(|x| x["status"].clone());
+            assert_eq!(status, Some("pass".into()), "{c}: {checks:#}");
+        }
+        let text = checks.to_string();
+        assert!(
+            text.contains("2001:db8:113::35") && text.contains("gateway6"),
+            "the IPv6 resolver and targets are checked: {checks:#}"
+        );
+    }
+}
+
+fn start_witness6(lan: &LanLab) -> Witness {
+    let addr = format!(
+        "{}:{}",
+        stepguard_lab::lan::CLIENT_ADDR,
+        stepguard_lab::lan::WITNESS_PORT
+    );
+    // Three IPv4 targets, and gateway6, gateway6-echo and dns6.
+    Witness::start_in(&lan.client_ns(), &lan.witness_config(), &addr, 6, &[])
+}
+
 /// A witness stopped during the step: the evidence is incomplete, never a pass.
 #[test]
 fn a_stopped_witness_makes_the_step_evidence_incomplete() {

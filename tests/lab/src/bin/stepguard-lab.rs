@@ -44,7 +44,8 @@ enum Cmd {
         /// Number of pods (lxc veths, each into its own namespace).
         #[arg(long, default_value_t = 3)]
         pods: u32,
-        /// enable-ipv6 (adds the IPv6 maps).
+        /// enable-ipv6 (adds the IPv6 maps); a LAN lab (--nodes 2+, --cilium 1.19 or 1.20) is
+        /// then dual-stack, with IPv6 VIPs (gateway6, dns6) announced over NDP.
         #[arg(long)]
         ipv6: bool,
         /// Turn kube-proxy replacement off (no SNAT map; with --no-l2, no cil_to_netdev).
@@ -473,6 +474,7 @@ fn real_main() -> Result<()> {
                 );
                 spec.nodes = nodes;
                 spec.east_west = east_west;
+                spec.ipv6 = ipv6;
                 spec.profile = cilium;
                 spec.attach = attach;
                 spec.lease = stepguard_lab::lan::LeaseTimings {

@@ -95,9 +95,12 @@ impl LanLab {
         // reply to a retransmitted request): watched until each has, or 5 s.
         let forgot = match (watch, clock.forgot) {
             (Some(w), Some((ns, dev, at))) => {
-                let addrs: Vec<Ipv4Addr> = match lo.forget.and_then(|f| f.on) {
-                    None => vips().iter().map(|v| v.addr).collect(),
-                    Some(j) => (0..n).filter(|k| *k != j).map(node_addr).collect(),
+                let addrs: Vec<IpAddr> = match lo.forget.and_then(|f| f.on) {
+                    None => self.vips().iter().map(|v| v.addr).collect(),
+                    Some(j) => (0..n)
+                        .filter(|k| *k != j)
+                        .map(|k| node_addr(k).into())
+                        .collect(),
                 };
                 let deadline = Instant::now() + Duration::from_secs(5);
                 let mut f = Forgotten {
@@ -120,12 +123,12 @@ impl LanLab {
             }
             _ => None,
         };
-        let resolved = |addr: Ipv4Addr| forgot.as_ref().and_then(|f| f.resolved(addr));
+        let resolved = |addr: IpAddr| forgot.as_ref().and_then(|f| f.resolved(addr));
         let client_forgot = forgot
             .as_ref()
             .filter(|_| lo.forget.is_some_and(|f| f.on.is_none()));
         let mut vips_out = Vec::new();
-        for v in vips() {
+        for v in self.vips() {
             let before = holders_before.get(&v.name).copied().unwrap_or(0);
             let after = self.state.holders.get(&v.name).copied().unwrap_or(before);
             let took = clock.taken.get(&v.name).copied();
@@ -203,9 +206,17 @@ impl LanLab {
         })
     }
 
+    /// Whether a new entry's announcement moves a LAN client's existing neighbour entry: a
+    /// gratuitous ARP does, and 1.20's unsolicited NA (Override, Target link-layer address);
+    /// 1.19's (neither) only marks it stale, so the client keeps sending to the old holder
+    /// until its own neighbour probes fail there (module documentation).
+    fn announcement_moves(&self, v: &LanVip) -> bool {
+        v.addr.is_ipv4() || matches!(self.state.spec.profile, crate::Profile::V1_20)
+    }
+
     /// Whether every address in `addrs` has a usable entry in the forgotten table now.
-    fn all_resolved(&self, f: &Forgotten, addrs: &[Ipv4Addr]) -> Result<bool> {
-        let out = netns::ip(&f.netns, &["-4", "neigh", "show", "dev", &f.dev])?;
+    fn all_resolved(&self, f: &Forgotten, addrs: &[IpAddr]) -> Result<bool> {
+        let out = netns::ip(&f.netns, &["neigh", "show", "dev", &f.dev])?;
         Ok(addrs.iter().all(|a| {
             out.lines().any(|l| {
                 l.split_whitespace().next() == Some(&a.to_string())
@@ -253,7 +264,8 @@ impl LanLab {
                 Err(_) => return Ok(()),
             }
         };
-        let held: Vec<LanVip> = vips()
+        let held: Vec<LanVip> = self
+            .vips()
             .into_iter()
             .filter(|v| c.holders.get(&v.name) == Some(&i))
             .collect();
@@ -317,7 +329,8 @@ impl LanLab {
                         // Its liveness stamp is fresh again: the entries that survive the
                         // reconciliation answer again; the reconciliation runs against an
                         // empty table.
-                        let present: Vec<LanVip> = vips()
+                        let present: Vec<LanVip> = self
+                            .vips()
                             .into_iter()
                             .filter(|v| c.entries.get(&i).is_some_and(|e| e.contains(&v.name)))
                             .collect();
@@ -357,7 +370,7 @@ impl LanLab {
                         // The stopped agent's liveness stamp is older than the lease: its
                         // responder goes quiet (its entries stay in the map).
                         if !started {
-                            for v in vips() {
+                            for v in self.vips() {
                                 self.withdraw(i, &v)?;
                             }
                         }
@@ -379,13 +392,15 @@ impl LanLab {
                             c.taken.insert(v.name.clone(), (t, t, false));
                         } else {
                             let (t0, t1) = self.announce(to, &v)?;
-                            c.taken.insert(v.name.clone(), (t0, t1, true));
+                            c.taken
+                                .insert(v.name.clone(), (t0, t1, self.announcement_moves(&v)));
                         }
                     }
                     Act::Reacquire => {
                         renewed = true;
                         sched.retain(|x| !matches!(x.1, Act::Takeover(_)));
-                        for v in vips()
+                        for v in self
+                            .vips()
                             .into_iter()
                             .filter(|v| c.holders.get(&v.name) == Some(&i))
                         {
