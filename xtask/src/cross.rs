@@ -154,6 +154,35 @@ pub fn witness_dist() -> Result<PathBuf> {
     Ok(dist)
 }
 
+/// The arm64 witness tarball of `witness-dist` in `dist`: unpacked, it holds the binary, the
+/// unit and the example config, and its binary passes [`qemu_test`].
+pub fn qemu_test_dist(dist: &std::path::Path) -> Result<usize> {
+    let name = format!(
+        "stepguard-witness-{}-linux-{}",
+        env!("CARGO_PKG_VERSION"),
+        Arch::Arm64.oci()
+    );
+    let tmp = root().join("target/dist/unpacked");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    run(Command::new("tar")
+        .arg("-xzf")
+        .arg(dist.join(format!("{name}.tar.gz")))
+        .arg("-C")
+        .arg(&tmp))?;
+    for f in [
+        "stepguard",
+        "stepguard-witness.service",
+        "witness.example.yaml",
+        "INSTALL",
+    ] {
+        if !tmp.join(&name).join(f).exists() {
+            bail!("{name}.tar.gz lacks {f}");
+        }
+    }
+    qemu_test(&tmp.join(&name).join("stepguard"))
+}
+
 /// The arm64 binary under qemu-user: `--version` and `--help` answer, and the agent's unit
 /// tests (the library's, as `cargo test` runs them on amd64) pass. Returns the number of
 /// unit tests that passed.

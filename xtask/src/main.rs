@@ -290,11 +290,10 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
         println!("== the OCI image (static binaries for amd64 and arm64, FROM scratch, buildah)");
         let archive = image::image()?;
         if filter.is_none() {
-            println!("== the arm64 binary and its unit tests under qemu-user");
-            if let Err(e) = cross::qemu_test(&root().join(format!(
-                "target/cross/{}/image/stepguard",
-                cross::Arch::Arm64.triple()
-            ))) {
+            println!(
+                "== the witness distribution; the arm64 binary and its unit tests under qemu-user"
+            );
+            if let Err(e) = cross::witness_dist().and_then(|d| cross::qemu_test_dist(&d)) {
                 eprintln!("{e:#}");
                 failed.push("arm64 under qemu-user".to_string());
             }

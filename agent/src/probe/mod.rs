@@ -131,8 +131,8 @@ mod tests {
         let e = crate::probe::parse(
             "targets:\n  - {name: six, address: '::1', probe: icmp, source: 127.0.0.1}\n",
         )
-        .err()
-        .expect("an IPv4 source for an IPv6 target is refused");
+        .map(|_| ())
+        .expect_err("an IPv4 source for an IPv6 target is refused");
         assert!(e.to_string().contains("targets[0].source"), "{e}");
     }
 

@@ -15,9 +15,10 @@
 //!   with a Neighbor Advertisement from the device's MAC; here: the VIP on `eth1`, `nodad`,
 //!   which the kernel answers only on that NIC); a new entry is announced with an unsolicited
 //!   NA to ff02::1 (`gneighOnNewEntry`) instead of a gratuitous ARP — with the Override flag
-//!   and a Target link-layer option on 1.20 (v1.20.2 `ndSender.Send`), without them on 1.19
-//!   as first released (a Linux client then only marks its entry stale: it moves when its own
-//!   neighbour probes fail); 1.16–1.18 have no IPv6 responder and a LAN lab refuses IPv6 there;
+//!   and a Target link-layer option in v1.19.7 and v1.20.2 (`ndSender.Send`), without them
+//!   in v1.19.0 ([`UnsolicitedNa::Early`]: a Linux client then only marks its entry stale and
+//!   keeps sending to the old holder until its own neighbour probes fail there); 1.16–1.18
+//!   have no IPv6 responder and a LAN lab refuses IPv6 there;
 //! - every node accepts traffic for every VIP whoever holds the lease (Cilium: `nodeport_lb4`
 //!   load-balances a LoadBalancer IP on any node; here: the VIP on `lo` of every node and a
 //!   backend on every node), so a client with a stale ARP entry is still served while that
@@ -216,6 +217,34 @@ pub struct LanSpec {
     /// are announced beside the IPv4 ones (Cilium 1.19 or later).
     #[serde(default)]
     pub ipv6: bool,
+    /// The unsolicited neighbour advertisement a taker sends for an IPv6 VIP.
+    #[serde(default)]
+    pub na: UnsolicitedNa,
+}
+
+/// Which unsolicited neighbour advertisement Cilium's `gneigh` sends for a new IPv6 entry
+/// (docs/cilium-fidelity.md, "IPv6 L2 announcements").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnsolicitedNa {
+    /// v1.19.7, v1.20.2: Override flag and a Target link-layer address option; it moves a
+    /// client's existing entry, as a gratuitous ARP does.
+    #[default]
+    Standard,
+    /// v1.19.0: no Override flag, a Source link-layer address option (which a Linux client
+    /// ignores in an NA): the client's entry only goes stale and keeps the old MAC.
+    Early,
+}
+
+impl std::str::FromStr for UnsolicitedNa {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "standard" => Ok(Self::Standard),
+            "early" => Ok(Self::Early),
+            _ => bail!("unsolicited NA {s:?}: expected standard or early"),
+        }
+    }
 }
 
 impl LanSpec {
@@ -228,6 +257,7 @@ impl LanSpec {
             lease: LeaseTimings::default(),
             east_west: false,
             ipv6: false,
+            na: UnsolicitedNa::Standard,
         }
     }
 }
@@ -272,8 +302,8 @@ pub struct VipTruth {
     /// the client's kernel resolved the VIP again after forgetting it).
     pub resumed: Option<(u128, u128)>,
     /// The taker had no entry of its own and sent a gratuitous ARP, or an unsolicited NA that
-    /// moves a client (1.20's; false: a stale entry of its own was there, so it sent none,
-    /// or 1.19's NA, which does not move a client: either way the client was not moved).
+    /// moves a client (false: a stale entry of its own was there, so it sent none, or it sent
+    /// v1.19.0's NA, which does not move a client: either way the client was not moved).
     #[serde(default)]
     pub takeover_garp: bool,
     /// The restarted node's responder reconciliation deleted its entry at the agent's start.
@@ -677,7 +707,7 @@ impl LanLab {
             self.state.spec.profile,
             crate::Profile::V1_16 | crate::Profile::V1_17 | crate::Profile::V1_18
         );
-        let standard_na = matches!(self.state.spec.profile, crate::Profile::V1_20);
+        let standard_na = self.state.spec.na == UnsolicitedNa::Standard;
         let src6 = node_addr6(i);
         netns::in_netns(&ns, move || {
             let sock = sys::GarpSocket::open().context("open a packet socket")?;

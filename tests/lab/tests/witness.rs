@@ -181,10 +181,10 @@ fn the_witness_measures_lease_moves_the_node_cannot_see() {
 }
 
 /// IPv6 VIPs (issue 33) on a dual-stack LAN: the holder answers NDP and a graceful restart
-/// moves its leases. On 1.20 the taker's unsolicited neighbour advertisement (Override,
-/// Target link-layer address) moves the LAN client as a gratuitous ARP does; on 1.19 it
-/// does not, and the IPv6 gateway stays down for the client until the old holder's datapath
-/// is back. Either way the witness measures the IPv6 gateway's gap over HTTP and ICMPv6
+/// moves its leases. The taker's unsolicited neighbour advertisement of v1.20.2 (and
+/// v1.19.7: Override, Target link-layer address) moves the LAN client as a gratuitous ARP
+/// does; v1.19.0's does not, and the IPv6 gateway stays down for the client until the old
+/// holder's datapath is back. Either way the witness measures the IPv6 gateway's gap over HTTP and ICMPv6
 /// within its bound against the lab's truth, learns the new MAC from the neighbour table
 /// (NDP), and the resolver's AAAA answer stays right; the node's own IPv6 probes (HTTP,
 /// ICMPv6, DNS AAAA) all answer and see no gap, and its checks pass with the IPv6 resolver.
@@ -192,11 +192,16 @@ fn the_witness_measures_lease_moves_the_node_cannot_see() {
 fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
     require_root();
     let lease_ms = 2000u64;
-    for profile in [stepguard_lab::Profile::V1_20, stepguard_lab::Profile::V1_19] {
+    use stepguard_lab::lan::UnsolicitedNa;
+    for (profile, na) in [
+        (stepguard_lab::Profile::V1_20, UnsolicitedNa::Standard),
+        (stepguard_lab::Profile::V1_19, UnsolicitedNa::Early),
+    ] {
         let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
         spec.lease = short_lease(lease_ms);
         spec.ipv6 = true;
         spec.profile = profile;
+        spec.na = na;
         let mut lab = LanGuard(LanLab::up(spec).expect("dual-stack LAN lab up"));
         let w = start_witness6(&lab);
         let cadence = 0.010;
@@ -206,7 +211,7 @@ fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
         let v = a0.verdict(&id);
         assert_eq!(v["verdict"]["status"], "passed", "{profile:?}: {v:#}");
         let gaps = witness_gaps(&v, &w);
-        let moved6 = profile == stepguard_lab::Profile::V1_20;
+        let moved6 = na == UnsolicitedNa::Standard;
         for vip in ["gateway", "gateway6"] {
             let t = r.vips.iter().find(|x| x.name == vip).unwrap();
             assert_eq!((t.holder_before, t.holder_after), (0, 1), "{vip} moved");
@@ -226,13 +231,13 @@ fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
                 );
             }
         }
-        // 1.19: the IPv6 gateway is down for the client until the old holder's datapath is
-        // back, longer than the IPv4 one, which the gratuitous ARP moved at the takeover.
+        // v1.19.0's NA: the IPv6 gateway is down for the client until the old holder's
+        // datapath is back, longer than the IPv4 one, which the gratuitous ARP moved.
         let longest = |t: &str| gap_of(gaps, t)["longest_s"].as_f64().unwrap();
         if !moved6 {
             assert!(
                 longest("gateway6") > longest("gateway") + 0.1,
-                "1.19: gateway6 {:.3}s, gateway {:.3}s",
+                "v1.19.0's NA: gateway6 {:.3}s, gateway {:.3}s",
                 longest("gateway6"),
                 longest("gateway")
             );

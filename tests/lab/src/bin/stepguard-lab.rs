@@ -84,6 +84,11 @@ enum Cmd {
         /// east-west targets.
         #[arg(long)]
         east_west: bool,
+        /// LAN lab with --ipv6: the unsolicited neighbour advertisement a taker sends,
+        /// `standard` (v1.19.7, v1.20.2: Override, Target link-layer address; moves clients)
+        /// or `early` (v1.19.0: neither; clients keep the old holder's MAC).
+        #[arg(long, default_value = "standard")]
+        unsolicited_na: stepguard_lab::lan::UnsolicitedNa,
     },
     /// Show a lab (or all labs) as text or JSON.
     Status {
@@ -463,6 +468,7 @@ fn real_main() -> Result<()> {
             lease_renew,
             lease_retry,
             east_west,
+            unsolicited_na,
         } => {
             stepguard_lab::check_root()?;
             if east_west && nodes < 2 {
@@ -475,6 +481,7 @@ fn real_main() -> Result<()> {
                 spec.nodes = nodes;
                 spec.east_west = east_west;
                 spec.ipv6 = ipv6;
+                spec.na = unsolicited_na;
                 spec.profile = cilium;
                 spec.attach = attach;
                 spec.lease = stepguard_lab::lan::LeaseTimings {

@@ -207,11 +207,11 @@ impl LanLab {
     }
 
     /// Whether a new entry's announcement moves a LAN client's existing neighbour entry: a
-    /// gratuitous ARP does, and 1.20's unsolicited NA (Override, Target link-layer address);
-    /// 1.19's (neither) only marks it stale, so the client keeps sending to the old holder
-    /// until its own neighbour probes fail there (module documentation).
+    /// gratuitous ARP does, and the standard unsolicited NA (Override, Target link-layer
+    /// address); v1.19.0's (neither) only marks it stale, so the client keeps sending to the
+    /// old holder until its own neighbour probes fail there (module documentation).
     fn announcement_moves(&self, v: &LanVip) -> bool {
-        v.addr.is_ipv4() || matches!(self.state.spec.profile, crate::Profile::V1_20)
+        v.addr.is_ipv4() || self.state.spec.na == UnsolicitedNa::Standard
     }
 
     /// Whether every address in `addrs` has a usable entry in the forgotten table now.
