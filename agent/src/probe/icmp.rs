@@ -132,38 +132,15 @@ pub fn classify(
     seq: u16,
     raw: bool,
 ) -> Reply {
-    if icmp.len() < 8 {
-        return Reply::NotMine;
-    }
-    let ours =
-        |id: &[u8], sq: &[u8]| (!raw || id == ident.to_be_bytes()) && sq == seq.to_be_bytes();
-    match icmp[0] {
-        0 if from == dst && ours(&icmp[4..6], &icmp[6..8]) => Reply::Echo,
-        3 => {
-            // The quoted datagram: its IP header, then the first 8 bytes of our echo request.
-            let quoted = &icmp[8..];
-            if quoted.len() < 20 {
-                return Reply::NotMine;
-            }
-            let ihl = ((quoted[0] & 0x0f) as usize) * 4;
-            if ihl < 20 || quoted.len() < ihl + 8 {
-                return Reply::NotMine;
-            }
-            let proto = quoted[9];
-            let qdst = Ipv4Addr::new(quoted[16], quoted[17], quoted[18], quoted[19]);
-            let inner = &quoted[ihl..ihl + 8];
-            if proto == libc::IPPROTO_ICMP as u8
-                && qdst == dst
-                && inner[0] == 8
-                && ours(&inner[4..6], &inner[6..8])
-            {
-                Reply::Unreachable(icmp[1])
-            } else {
-                Reply::NotMine
-            }
-        }
-        _ => Reply::NotMine,
-    }
+    let ours = Ours { ident, seq, raw };
+    // The quoted datagram: its IP header, then the first 8 bytes of our echo request.
+    ours.judge(icmp, (0, 3, 8), from == dst, |quoted| {
+        let ihl = ((*quoted.first()? & 0x0f) as usize) * 4;
+        let qdst = Ipv4Addr::from(<[u8; 4]>::try_from(quoted.get(16..20)?).ok()?);
+        (ihl >= 20 && quoted[9] == libc::IPPROTO_ICMP as u8 && qdst == dst)
+            .then(|| quoted.get(ihl..ihl + 8))
+            .flatten()
+    })
 }
 
 /// [`classify`] for ICMPv6 (RFC 4443): an echo reply is type 129; a Destination Unreachable
@@ -178,33 +155,57 @@ pub fn classify_v6(
     seq: u16,
     raw: bool,
 ) -> Reply {
-    if icmp.len() < 8 {
-        return Reply::NotMine;
+    let ours = Ours { ident, seq, raw };
+    ours.judge(icmp, (129, 1, 128), from == dst, |quoted| {
+        let qdst = Ipv6Addr::from(<[u8; 16]>::try_from(quoted.get(24..40)?).ok()?);
+        (quoted[0] >> 4 == 6 && quoted[6] == libc::IPPROTO_ICMPV6 as u8 && qdst == dst)
+            .then(|| quoted.get(40..48))
+            .flatten()
+    })
+}
+
+/// The echo a probe sent: a raw socket's replies must carry our ident (a ping socket's ident
+/// is the kernel's), and every reply our sequence number.
+struct Ours {
+    ident: u16,
+    seq: u16,
+    raw: bool,
+}
+
+impl Ours {
+    fn matches(&self, echo: &[u8]) -> bool {
+        (!self.raw || echo[4..6] == self.ident.to_be_bytes())
+            && echo[6..8] == self.seq.to_be_bytes()
     }
-    let ours =
-        |id: &[u8], sq: &[u8]| (!raw || id == ident.to_be_bytes()) && sq == seq.to_be_bytes();
-    match icmp[0] {
-        129 if from == dst && ours(&icmp[4..6], &icmp[6..8]) => Reply::Echo,
-        1 => {
-            let Some(quoted) = icmp.get(8..8 + 40 + 8) else {
-                return Reply::NotMine;
-            };
-            let next = quoted[6];
-            let mut q = [0u8; 16];
-            q.copy_from_slice(&quoted[24..40]);
-            let inner = &quoted[40..48];
-            if quoted[0] >> 4 == 6
-                && next == libc::IPPROTO_ICMPV6 as u8
-                && Ipv6Addr::from(q) == dst
-                && inner[0] == 128
-                && ours(&inner[4..6], &inner[6..8])
-            {
-                Reply::Unreachable(icmp[1])
+
+    /// Judges `icmp` with the family's (echo reply, destination unreachable, echo request)
+    /// types; `quoted` finds, in an unreachable's quoted datagram, the first 8 bytes of the
+    /// request it quotes when that datagram went to the probed address.
+    fn judge<'a>(
+        &self,
+        icmp: &'a [u8],
+        (reply, unreachable, request): (u8, u8, u8),
+        from_dst: bool,
+        quoted: impl Fn(&'a [u8]) -> Option<&'a [u8]>,
+    ) -> Reply {
+        if icmp.len() < 8 {
+            return Reply::NotMine;
+        }
+        if icmp[0] == reply {
+            return if from_dst && self.matches(icmp) {
+                Reply::Echo
             } else {
                 Reply::NotMine
+            };
+        }
+        if icmp[0] == unreachable {
+            if let Some(inner) = quoted(&icmp[8..]) {
+                if inner[0] == request && self.matches(inner) {
+                    return Reply::Unreachable(icmp[1]);
+                }
             }
         }
-        _ => Reply::NotMine,
+        Reply::NotMine
     }
 }
 
