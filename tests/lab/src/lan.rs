@@ -15,8 +15,8 @@
 //!   with a Neighbor Advertisement from the device's MAC; here: the VIP on `eth1`, `nodad`,
 //!   which the kernel answers only on that NIC); a new entry is announced with an unsolicited
 //!   NA to ff02::1 (`gneighOnNewEntry`) instead of a gratuitous ARP — with the Override flag
-//!   and a Target link-layer option in v1.19.7 and v1.20.2 (`ndSender.Send`), without them
-//!   in v1.19.0 ([`UnsolicitedNa::Early`]: a Linux client then only marks its entry stale and
+//!   and a Target link-layer option from v1.19.5 (v1.19.7 and v1.20.2 read too; `ndSender.Send`), without them
+//!   in v1.19.0–v1.19.4 ([`UnsolicitedNa::Early`]: a Linux client then only marks its entry stale and
 //!   keeps sending to the old holder until its own neighbour probes fail there); 1.16–1.18
 //!   have no IPv6 responder and a LAN lab refuses IPv6 there;
 //! - every node accepts traffic for every VIP whoever holds the lease (Cilium: `nodeport_lb4`
@@ -227,11 +227,11 @@ pub struct LanSpec {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum UnsolicitedNa {
-    /// v1.19.7, v1.20.2: Override flag and a Target link-layer address option; it moves a
+    /// v1.19.5 and later, v1.20: Override flag and a Target link-layer address option; it moves a
     /// client's existing entry, as a gratuitous ARP does.
     #[default]
     Standard,
-    /// v1.19.0: no Override flag, a Source link-layer address option (which a Linux client
+    /// v1.19.0 to v1.19.4: no Override flag, a Source link-layer address option (which a Linux client
     /// ignores in an NA): the client's entry only goes stale and keeps the old MAC.
     Early,
 }
@@ -303,7 +303,7 @@ pub struct VipTruth {
     pub resumed: Option<(u128, u128)>,
     /// The taker had no entry of its own and sent a gratuitous ARP, or an unsolicited NA that
     /// moves a client (false: a stale entry of its own was there, so it sent none, or it sent
-    /// v1.19.0's NA, which does not move a client: either way the client was not moved).
+    /// v1.19.0–v1.19.4's NA, which does not move a client: either way the client was not moved).
     #[serde(default)]
     pub takeover_garp: bool,
     /// The restarted node's responder reconciliation deleted its entry at the agent's start.

@@ -183,7 +183,7 @@ fn the_witness_measures_lease_moves_the_node_cannot_see() {
 /// IPv6 VIPs (issue 33) on a dual-stack LAN: the holder answers NDP and a graceful restart
 /// moves its leases. The taker's unsolicited neighbour advertisement of v1.20.2 (and
 /// v1.19.7: Override, Target link-layer address) moves the LAN client as a gratuitous ARP
-/// does; v1.19.0's does not, and the IPv6 gateway stays down for the client until the old
+/// does; v1.19.0–v1.19.4's does not, and the IPv6 gateway stays down for the client until the old
 /// holder's datapath is back. Either way the witness measures the IPv6 gateway's gap over HTTP and ICMPv6
 /// within its bound against the lab's truth, learns the new MAC from the neighbour table
 /// (NDP), and the resolver's AAAA answer stays right; the node's own IPv6 probes (HTTP,
@@ -231,13 +231,13 @@ fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
                 );
             }
         }
-        // v1.19.0's NA: the IPv6 gateway is down for the client until the old holder's
+        // v1.19.0–v1.19.4's NA: the IPv6 gateway is down for the client until the old holder's
         // datapath is back, longer than the IPv4 one, which the gratuitous ARP moved.
         let longest = |t: &str| gap_of(gaps, t)["longest_s"].as_f64().unwrap();
         if !moved6 {
             assert!(
                 longest("gateway6") > longest("gateway") + 0.1,
-                "v1.19.0's NA: gateway6 {:.3}s, gateway {:.3}s",
+                "v1.19.0–v1.19.4's NA: gateway6 {:.3}s, gateway {:.3}s",
                 longest("gateway6"),
                 longest("gateway")
             );

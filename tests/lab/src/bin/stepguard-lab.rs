@@ -85,8 +85,8 @@ enum Cmd {
         #[arg(long)]
         east_west: bool,
         /// LAN lab with --ipv6: the unsolicited neighbour advertisement a taker sends,
-        /// `standard` (v1.19.7, v1.20.2: Override, Target link-layer address; moves clients)
-        /// or `early` (v1.19.0: neither; clients keep the old holder's MAC).
+        /// `standard` (v1.19.5+, v1.20: Override, Target link-layer address; moves clients)
+        /// or `early` (v1.19.0–v1.19.4: neither; clients keep the old holder's MAC).
         #[arg(long, default_value = "standard")]
         unsolicited_na: stepguard_lab::lan::UnsolicitedNa,
     },
