@@ -94,7 +94,7 @@ pub fn send(fd: RawFd, b: &[u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
-/// recvfrom(2) into `buf`: (length, IPv4 source if any).
+/// recvfrom(2) into `buf`: (length, IPv4 or IPv6 source if any).
 pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<IpAddr>)> {
     // SAFETY: buf is valid for writes of buf.len() bytes; from is a zeroed sockaddr_storage,
     // large enough for any source address.

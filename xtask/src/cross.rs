@@ -46,10 +46,8 @@ impl Arch {
         let mut c = match self {
             Arch::Amd64 => Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())),
             Arch::Arm64 => {
-                for tool in ["aarch64-linux-gnu-gcc", "qemu-aarch64-static"] {
-                    if crate::which(tool).is_none() {
-                        bail!("{tool} is missing: run `cargo xtask setup` as root (Debian's cross toolchain for arm64)");
-                    }
+                if crate::which("aarch64-linux-gnu-gcc").is_none() {
+                    bail!("aarch64-linux-gnu-gcc is missing: run `cargo xtask setup` as root (Debian's cross toolchain for arm64)");
                 }
                 let mut c = debian_cargo()?;
                 c.env(
@@ -123,8 +121,8 @@ pub fn witness_dist() -> Result<PathBuf> {
             format!(
                 "stepguard witness {version}, linux/{arch} (static: no libraries needed).\n\
                  install -m 0755 stepguard /usr/local/bin/stepguard\n\
-                 install -d -m 0700 /etc/stepguard && install -m 0600 witness.example.yaml /etc/stepguard/witness.yaml   # then edit it\n\
-                 install -m 0644 stepguard-witness.service /etc/systemd/system/   # the token: see its comments\n\
+                 install -d -m 0755 /etc/stepguard && install -m 0644 witness.example.yaml /etc/stepguard/witness.yaml   # then edit it (the service's dynamic user reads it)\n\
+                 install -m 0644 stepguard-witness.service /etc/systemd/system/   # the token (root only, 0600): see its comments\n\
                  systemctl daemon-reload && systemctl enable --now stepguard-witness\n",
                 arch = arch.oci()
             ),
@@ -187,6 +185,9 @@ pub fn qemu_test_dist(dist: &std::path::Path) -> Result<usize> {
 /// tests (the library's, as `cargo test` runs them on amd64) pass. Returns the number of
 /// unit tests that passed.
 pub fn qemu_test(bin: &std::path::Path) -> Result<usize> {
+    if crate::which("qemu-aarch64-static").is_none() {
+        bail!("qemu-aarch64-static is missing: run `cargo xtask setup` as root (Debian's qemu-user-static)");
+    }
     for args in [
         &["--version"][..],
         &["--help"][..],

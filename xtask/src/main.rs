@@ -295,7 +295,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
             );
             if let Err(e) = cross::witness_dist().and_then(|d| cross::qemu_test_dist(&d)) {
                 eprintln!("{e:#}");
-                failed.push("arm64 under qemu-user".to_string());
+                failed.push("the witness distribution, or arm64 under qemu-user".to_string());
             }
         }
         let waited = std::time::Instant::now();

@@ -16,8 +16,10 @@
 //!   which the kernel answers only on that NIC); a new entry is announced with an unsolicited
 //!   NA to ff02::1 (`gneighOnNewEntry`) instead of a gratuitous ARP — with the Override flag
 //!   and a Target link-layer option from v1.19.5 (v1.19.7 and v1.20.2 read too; `ndSender.Send`), without them
-//!   in v1.19.0–v1.19.4 ([`UnsolicitedNa::Early`]: a Linux client then only marks its entry stale and
-//!   keeps sending to the old holder until its own neighbour probes fail there); 1.16–1.18
+//!   in v1.19.0–v1.19.4 ([`UnsolicitedNa::Early`]: a Linux client's entry keeps the old
+//!   holder's MAC and its state, so it sends there until its own reachability confirmation
+//!   lapses and its neighbour probes fail; the lab's truth ends such an outage when the old
+//!   holder's datapath is back, right for outages shorter than that, ~20 s or more); 1.16–1.18
 //!   have no IPv6 responder and a LAN lab refuses IPv6 there;
 //! - every node accepts traffic for every VIP whoever holds the lease (Cilium: `nodeport_lb4`
 //!   load-balances a LoadBalancer IP on any node; here: the VIP on `lo` of every node and a
@@ -231,8 +233,8 @@ pub enum UnsolicitedNa {
     /// client's existing entry, as a gratuitous ARP does.
     #[default]
     Standard,
-    /// v1.19.0 to v1.19.4: no Override flag, a Source link-layer address option (which a Linux client
-    /// ignores in an NA): the client's entry only goes stale and keeps the old MAC.
+    /// v1.19.0 to v1.19.4: no Override flag, a Source link-layer address option (which a
+    /// Linux client ignores in an NA): the client's entry keeps the old MAC (and its state).
     Early,
 }
 

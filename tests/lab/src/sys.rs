@@ -391,7 +391,7 @@ impl GarpSocket {
     /// link-layer address option, which moves a client's existing entry; otherwise (1.19 as
     /// first released, docs/research/issue-26-l2-responder.md): no Override flag and a
     /// *Source* link-layer address option, which a Linux client reads as no address at all
-    /// (`ndisc_recv_na` takes only the target option) and only marks its entry stale.
+    /// (`ndisc_recv_na` takes only the target option): its entry keeps the old address.
     pub fn send_na(
         &self,
         ifindex: u32,

@@ -229,6 +229,14 @@ fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
                     macs.len() >= 2,
                     "{profile:?} {vip}: the lease move is seen as a new MAC: {macs:?}"
                 );
+            } else {
+                // The early NA carries no address a Linux client takes: it stays with the
+                // old holder's MAC.
+                assert_eq!(
+                    macs.len(),
+                    1,
+                    "{profile:?} {vip}: the client was not moved: {macs:?}"
+                );
             }
         }
         // v1.19.0–v1.19.4's NA: the IPv6 gateway is down for the client until the old holder's

@@ -73,12 +73,12 @@ pub(super) fn icmp_judge(
             icmp::classify_v6(datagram, from, dst, ident, op.id, op.raw)
         }
     };
-    let from = from.map_or_else(|| "?".to_string(), |f| f.to_string());
     match reply {
         icmp::Reply::Echo => Some(Ok(("echo reply".into(), None))),
         icmp::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
-            "{dst} unreachable ({} code {code}, from {from})",
-            if dst.is_ipv4() { "ICMP" } else { "ICMPv6" }
+            "{dst} unreachable ({} code {code}, from {})",
+            if dst.is_ipv4() { "ICMP" } else { "ICMPv6" },
+            from.map_or_else(|| "?".to_string(), |f| f.to_string())
         )))),
         icmp::Reply::NotMine => None,
     }

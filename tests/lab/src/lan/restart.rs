@@ -208,8 +208,9 @@ impl LanLab {
 
     /// Whether a new entry's announcement moves a LAN client's existing neighbour entry: a
     /// gratuitous ARP does, and the standard unsolicited NA (Override, Target link-layer
-    /// address); v1.19.0–v1.19.4's (neither) only marks it stale, so the client keeps sending to the
-    /// old holder until its own neighbour probes fail there (module documentation).
+    /// address); with v1.19.0–v1.19.4's (neither) the client's entry keeps the old holder's
+    /// MAC, so it keeps sending there until its own neighbour probes fail (module
+    /// documentation).
     fn announcement_moves(&self, v: &LanVip) -> bool {
         v.addr.is_ipv4() || self.state.spec.na == UnsolicitedNa::Standard
     }
