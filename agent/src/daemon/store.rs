@@ -185,9 +185,15 @@ impl StepStore {
         v
     }
 
-    /// Keeps the newest `keep` steps.
+    /// Keeps the newest `keep` steps, and whatever their age the step that proves the
+    /// cilium-agent's current start (the latest reload seen: `step::proof::current`).
     pub fn prune(&self, keep: usize) {
-        for s in self.list().into_iter().skip(keep) {
+        let all = self.list();
+        let proof = crate::step::proof::current(&all).map(|s| s.id.clone());
+        for s in all.into_iter().skip(keep) {
+            if Some(&s.id) == proof.as_ref() {
+                continue;
+            }
             self.mem().remove(&s.id);
             let _ = std::fs::remove_file(self.dir.join(format!("{}.json", s.id)));
         }
@@ -239,6 +245,32 @@ mod tests {
         assert!(root.join("steps/broken.quarantined").exists());
         assert!(root.join("steps/huge.quarantined").exists());
         assert!(!root.join("steps/broken.json").exists());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// Pruning keeps the newest steps and, however old, the one that saw the latest
+    /// datapath reload: the proof of the cilium-agent's current start.
+    #[test]
+    fn pruning_never_drops_the_proof_of_the_current_start() {
+        let root = std::env::temp_dir().join(format!("sg-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = StepStore::new(&root).unwrap();
+        let mut proof = bare();
+        proof.id = "proof".into();
+        proof.created_at = 1.0;
+        proof.reload.changed.insert("eth0".into(), (9, 2.0));
+        store.save(&proof).unwrap();
+        for i in 0..5 {
+            let mut s = bare();
+            s.id = format!("later-{i}");
+            s.created_at = 10.0 + f64::from(i);
+            store.save(&s).unwrap();
+        }
+        store.prune(3);
+        let ids: Vec<String> = store.list().into_iter().map(|s| s.id).collect();
+        assert_eq!(ids, ["later-4", "later-3", "later-2", "proof"]);
+        assert!(root.join("steps/proof.json").exists());
+        assert!(!root.join("steps/later-0.json").exists());
         let _ = std::fs::remove_dir_all(&root);
     }
 }

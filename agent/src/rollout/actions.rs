@@ -13,8 +13,9 @@ pub(super) trait Actions {
     /// The phase about to be acted on (to tell people).
     fn show(&mut self, phase: &Phase);
     async fn begin_step(&mut self) -> Event;
-    /// Whether the pod may be deleted now; the reason to stop before the delete otherwise.
-    fn may_delete(&self) -> Result<(), String>;
+    /// Whether the pod may be deleted now (the DaemonSet read again right before); the
+    /// reason to stop before the delete otherwise.
+    async fn may_delete(&mut self) -> Result<(), String>;
     async fn delete_pod(&mut self) -> Event;
     async fn find_replacement(&mut self) -> Event;
     async fn wait_verdict(&mut self, step: &str) -> Event;
@@ -33,7 +34,7 @@ pub(super) async fn drive<A: Actions>(a: &mut A, mut phase: Phase, t: Timeouts) 
         } else {
             match machine::action(&phase) {
                 machine::Action::BeginStep => a.begin_step().await,
-                machine::Action::DeletePod => match a.may_delete() {
+                machine::Action::DeletePod => match a.may_delete().await {
                     Ok(()) => a.delete_pod().await,
                     Err(why) => return Outcome::Stopped { why },
                 },
@@ -110,9 +111,41 @@ impl<'a, 'b> Live<'a, 'b> {
     }
 }
 
+impl Live<'_, '_> {
+    /// Waits (long-polls) until step `id` on the node's agent is over, at most its timeout
+    /// and a minute; what was seen.
+    async fn wait_active(&mut self, id: &str) -> String {
+        let limit = self.cx.c.args.step_timeout + Duration::from_secs(60);
+        let t0 = Instant::now();
+        while t0.elapsed() < limit && !self.lock_lost() {
+            match self
+                .agent
+                .call(
+                    "GET",
+                    &format!("/v1/steps/{id}?wait=20s"),
+                    None,
+                    Duration::from_secs(30),
+                )
+                .await
+            {
+                Ok((200, v)) => {
+                    return format!(
+                        "it ended {}",
+                        v["verdict"]["status"].as_str().unwrap_or("?")
+                    )
+                }
+                Ok((404, _)) => return "it is gone".into(),
+                Ok((202, _)) => {}
+                _ => tokio::time::sleep(Duration::from_secs(1)).await,
+            }
+        }
+        format!("still active after {:.0}s", t0.elapsed().as_secs_f64())
+    }
+}
+
 impl Actions for Live<'_, '_> {
     fn lock_lost(&self) -> bool {
-        self.cx.held.lost.load(Ordering::SeqCst)
+        self.cx.held.lost.load(Ordering::SeqCst) || TERMINATING.load(Ordering::SeqCst)
     }
 
     fn now(&self) -> f64 {
@@ -172,6 +205,21 @@ impl Actions for Live<'_, '_> {
                 break;
             }
         }
+        if let Ok((409, v)) = &r {
+            if let Some(active) = v["active_id"].as_str().filter(|a| *a != self.step_id) {
+                // Another step is active on the node (an implicit step after a restart
+                // nobody stepped, or an orphan of an earlier run): its verdict may be this
+                // pod's proof. Waited for, nothing deleted; the node is then planned again.
+                let active = active.to_string();
+                self.line(&format!(
+                    "step {active} is active on the node's agent: waiting for its verdict before planning the node again"
+                ));
+                let seen = self.wait_active(&active).await;
+                return Event::Busy(format!(
+                    "step {active} was active on the node's agent ({seen})"
+                ));
+            }
+        }
         let ev = Event::Begun(match r {
             Ok((200 | 201, v)) => v["id"]
                 .as_str()
@@ -210,27 +258,36 @@ impl Actions for Live<'_, '_> {
         ev
     }
 
-    fn may_delete(&self) -> Result<(), String> {
-        let current = self
-            .view
-            .revision
-            .as_ref()
-            .map(|r| r.0.as_str())
-            .unwrap_or("");
-        if record::may_adopt(
-            &self.target.0,
-            current,
-            approval(self.cx.ds, current).as_deref(),
-        ) {
-            return Ok(());
-        }
-        // A resumed step whose pod is still there, while the DaemonSet moved to a revision
-        // nobody approved: deleting now would start that revision.
-        Err(format!(
-            "the DaemonSet moved to revision {} (not approved) before pod {} was deleted: paused; approve it to go on",
-            if current.is_empty() { "?" } else { current },
-            self.st.pod
-        ))
+    async fn may_delete(&mut self) -> Result<(), String> {
+        // The revision the delete would start is read now, not taken from the plan's view:
+        // the template may have changed since.
+        let c = self.cx.c;
+        let fresh = patient(
+            "read the DaemonSet before the delete",
+            Duration::from_secs(60),
+            Some(&self.cx.held.lost),
+            || async {
+                let ds = c.daemonset().await?;
+                let numbers = c.revisions(&ds).await?;
+                Ok((ds, numbers))
+            },
+        )
+        .await;
+        let (ds, numbers) = match fresh {
+            Ok(f) => f,
+            Err(e) => {
+                return Err(format!(
+                    "cannot read the DaemonSet right before the delete: {e:#}"
+                ))
+            }
+        };
+        let current = numbers
+            .iter()
+            .max_by_key(|(_, n)| **n)
+            .map(|(h, _)| h.clone())
+            .unwrap_or_default();
+        let (approved, _) = c.approval_now(&ds, &current).await;
+        may_delete_on(&self.target.0, &current, approved.as_deref(), &self.st.pod)
     }
 
     async fn delete_pod(&mut self) -> Event {
@@ -340,9 +397,41 @@ impl Actions for Live<'_, '_> {
     }
 }
 
+/// Whether a step targeting revision `target` may delete `pod` while the DaemonSet's
+/// current revision is `current` (read right before), approved as `approved`.
+pub(super) fn may_delete_on(
+    target: &str,
+    current: &str,
+    approved: Option<&str>,
+    pod: &str,
+) -> Result<(), String> {
+    if record::may_adopt(target, current, approved) {
+        return Ok(());
+    }
+    // The DaemonSet moved to a revision nobody approved since the step was planned:
+    // deleting now would start that revision.
+    Err(format!(
+        "the DaemonSet moved to revision {} (not approved) before pod {pod} was deleted: paused; approve it to go on",
+        if current.is_empty() { "?" } else { current },
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The delete is judged by the revision read right before it: a template changed since
+    /// the plan (unapproved) stops the step before the pod is touched.
+    #[test]
+    fn the_revision_is_read_again_right_before_the_delete() {
+        assert!(may_delete_on("r2", "r2", None, "p").is_ok());
+        assert!(may_delete_on("r2", "r3", Some("r3"), "p").is_ok());
+        let e = may_delete_on("r2", "r3", None, "cilium-x").unwrap_err();
+        assert!(
+            e.contains("revision r3 (not approved) before pod cilium-x"),
+            "{e}"
+        );
+    }
 
     /// Actions played from a script: what each call answers, and the calls made. An imitation
     /// on purpose: these tests pin the driver's order and its stops (a lost lock between two
@@ -385,7 +474,7 @@ mod tests {
         async fn begin_step(&mut self) -> Event {
             self.next("begin")
         }
-        fn may_delete(&self) -> Result<(), String> {
+        async fn may_delete(&mut self) -> Result<(), String> {
             self.refuse_delete.clone().map_or(Ok(()), Err)
         }
         async fn delete_pod(&mut self) -> Event {

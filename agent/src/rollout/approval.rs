@@ -26,19 +26,101 @@ pub(super) fn annotations(meta: &ObjectMeta) -> BTreeMap<String, String> {
 
 /// What a person approved, as a revision hash: the one `stepguard.io/approve-revision`
 /// names, or the current revision (`current`) when its template carries the image and the
-/// config checksum the Git approval names.
-pub(super) fn approval(ds: &DaemonSet, current: &str) -> Option<String> {
+/// config checksum the Git approval names and changes nothing else from the revision before
+/// it (`prev`: that revision's pod template, from its ControllerRevision).
+pub(super) fn approval(ds: &DaemonSet, current: &str, prev: Option<&Value>) -> Option<String> {
     let named = annotations(&ds.metadata).get(ANN_APPROVE).cloned();
-    if named.as_deref() != Some(current) && !current.is_empty() && template_approved(ds).is_ok() {
+    if named.as_deref() != Some(current)
+        && !current.is_empty()
+        && template_approved(ds, prev).is_ok()
+    {
         return Some(current.to_string());
     }
     named
 }
 
+/// What differs between two pod templates besides the containers' images and the chart's
+/// config checksum (the two things a Git approval names): JSON paths, at most a few.
+pub fn other_changes(prev: &Value, cur: &Value) -> Vec<String> {
+    /// Nulls, empty objects and empty lists are absent (the API server and the controller
+    /// write a default either way); the strategic-merge directive the controller stores is
+    /// no part of the template.
+    fn clean(v: &Value) -> Option<Value> {
+        match v {
+            Value::Null => None,
+            Value::Object(m) => {
+                let m: serde_json::Map<String, Value> = m
+                    .iter()
+                    .filter(|(k, _)| k.as_str() != "$patch")
+                    .filter_map(|(k, v)| Some((k.clone(), clean(v)?)))
+                    .collect();
+                (!m.is_empty()).then_some(Value::Object(m))
+            }
+            Value::Array(a) if a.is_empty() => None,
+            Value::Array(a) => Some(Value::Array(
+                a.iter().map(|x| clean(x).unwrap_or(Value::Null)).collect(),
+            )),
+            v => Some(v.clone()),
+        }
+    }
+    fn strip(v: &Value) -> Value {
+        let mut v = v.clone();
+        if let Some(a) = v
+            .pointer_mut("/metadata/annotations")
+            .and_then(|a| a.as_object_mut())
+        {
+            a.remove(CONFIG_CHECKSUM);
+            if a.is_empty() {
+                v["metadata"]
+                    .as_object_mut()
+                    .map(|m| m.remove("annotations"));
+            }
+        }
+        for list in ["containers", "initContainers", "ephemeralContainers"] {
+            if let Some(cs) = v
+                .pointer_mut(&format!("/spec/{list}"))
+                .and_then(|c| c.as_array_mut())
+            {
+                for c in cs {
+                    c.as_object_mut().map(|c| c.remove("image"));
+                }
+            }
+        }
+        clean(&v).unwrap_or(Value::Null)
+    }
+    fn diff(a: &Value, b: &Value, path: String, out: &mut Vec<String>) {
+        if out.len() >= 4 || a == b {
+            return;
+        }
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                for k in keys {
+                    diff(
+                        x.get(k).unwrap_or(&Value::Null),
+                        y.get(k).unwrap_or(&Value::Null),
+                        format!("{path}/{k}"),
+                        out,
+                    );
+                }
+            }
+            (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+                for (i, (a, b)) in x.iter().zip(y).enumerate() {
+                    diff(a, b, format!("{path}/{i}"), out);
+                }
+            }
+            _ => out.push(if path.is_empty() { "/".into() } else { path }),
+        }
+    }
+    let mut out = Vec::new();
+    diff(&strip(prev), &strip(cur), String::new(), &mut out);
+    out
+}
+
 /// Whether the DaemonSet's template (the current revision, once the controller observed it)
 /// carries what `stepguard.io/approve-image` and `stepguard.io/approve-config-checksum`
 /// name; why not.
-pub(super) fn template_approved(ds: &DaemonSet) -> Result<(), String> {
+pub(super) fn template_approved(ds: &DaemonSet, prev: Option<&Value>) -> Result<(), String> {
     let ann = annotations(&ds.metadata);
     let Some(want) = ann.get(ANN_APPROVE_IMAGE) else {
         return Err(format!("{ANN_APPROVE_IMAGE} is not set"));
@@ -58,7 +140,7 @@ pub(super) fn template_approved(ds: &DaemonSet) -> Result<(), String> {
         .and_then(|t| t.metadata.as_ref())
         .map(annotations)
         .and_then(|a| a.get(CONFIG_CHECKSUM).cloned());
-    match (sum, ann.get(ANN_APPROVE_CONFIG)) {
+    let named = match (sum, ann.get(ANN_APPROVE_CONFIG)) {
         // Without the chart's checksum a config change makes no revision at all.
         (None, _) => Ok(()),
         (Some(s), Some(a)) if &s == a => Ok(()),
@@ -68,16 +150,35 @@ pub(super) fn template_approved(ds: &DaemonSet) -> Result<(), String> {
         (Some(s), None) => Err(format!(
             "the template carries config checksum {s} and {ANN_APPROVE_CONFIG} is not set"
         )),
+    };
+    named?;
+    // The approval names an image and a config, nothing else: a revision that also changes
+    // arguments, env, volumes, init containers or a restart annotation is not covered.
+    let Some(prev) = prev else {
+        return Err(
+            "the revision before it cannot be read, so what else its template changes is unknown"
+                .into(),
+        );
+    };
+    let cur = serde_json::to_value(tmpl).unwrap_or_default();
+    let other = other_changes(prev, &cur);
+    if other.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the template changes more than the image and config checksum the approval names ({}); approve it by revision",
+            other.join(", ")
+        ))
     }
 }
 
 /// Why the current revision is not approved, for people.
-pub(super) fn unapproved_why(ds: &DaemonSet) -> String {
+pub(super) fn unapproved_why(ds: &DaemonSet, prev: Option<&Value>) -> String {
     let named = annotations(&ds.metadata)
         .get(ANN_APPROVE)
         .cloned()
         .unwrap_or_else(|| "not set".into());
-    match template_approved(ds) {
+    match template_approved(ds, prev) {
         Err(e) if annotations(&ds.metadata).contains_key(ANN_APPROVE_IMAGE) => {
             format!("stepguard.io/approve-revision is {named}; {e}")
         }
@@ -85,10 +186,76 @@ pub(super) fn unapproved_why(ds: &DaemonSet) -> String {
     }
 }
 
-/// `--watch`: whether to start now (a revision not all nodes run, approved).
-pub fn approved(view: &ClusterView, approved: Option<&str>) -> bool {
+/// `--watch`: whether to start now: the current revision is approved and a node (not left
+/// as it is by a person: `skipped`) is not on it, or is on it without a passed proof.
+pub fn approved(
+    view: &ClusterView,
+    approved: Option<&str>,
+    skipped: &std::collections::BTreeSet<String>,
+) -> bool {
     let Some((rev, _)) = &view.revision else {
         return false;
     };
-    approved == Some(rev.as_str()) && view.pods.iter().any(|p| &p.revision != rev)
+    approved == Some(rev.as_str()) && owed(view, skipped)
+}
+
+/// Whether some node's cilium pod is not done: not on the current revision, or on it without
+/// a passed proof from its agent. `skipped`: nodes a person left as they are.
+pub fn owed(view: &ClusterView, skipped: &std::collections::BTreeSet<String>) -> bool {
+    let Some((rev, _)) = &view.revision else {
+        return false;
+    };
+    view.pods
+        .iter()
+        .filter(|p| !skipped.contains(&p.node))
+        .any(|p| {
+            &p.revision != rev
+                || !matches!(
+                    view.proofs.get(&p.node),
+                    Some(Ok(pr)) if pr.status == plan::ProofStatus::Passed
+                )
+        })
+}
+
+impl Cluster {
+    /// The pod template of the revision before `current` (the highest-numbered other one),
+    /// from its ControllerRevision; None when there is none or it cannot be read.
+    pub(super) async fn previous_template(&self, ds: &DaemonSet, current: &str) -> Option<Value> {
+        let sel = Self::selector(ds);
+        let uid = ds.metadata.uid.clone().unwrap_or_default();
+        let revs = Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
+            .list(&ListParams::default().labels(&sel))
+            .await
+            .ok()?;
+        revs.items
+            .into_iter()
+            .filter(|r| {
+                r.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.uid == uid)
+                    && r.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get("controller-revision-hash"))
+                        .is_some_and(|h| h != current)
+            })
+            .max_by_key(|r| r.revision)
+            .and_then(|r| r.data?.0.pointer("/spec/template").cloned())
+    }
+
+    /// What a person approved now (see [`approval`]), and why the current revision is not,
+    /// for people.
+    pub(super) async fn approval_now(
+        &self,
+        ds: &DaemonSet,
+        current: &str,
+    ) -> (Option<String>, String) {
+        let prev = self.previous_template(ds, current).await;
+        (
+            approval(ds, current, prev.as_ref()),
+            unapproved_why(ds, prev.as_ref()),
+        )
+    }
 }

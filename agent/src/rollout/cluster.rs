@@ -15,6 +15,27 @@ pub struct Cluster {
     pub(super) told: Mutex<Option<Arc<Mutex<Record>>>>,
 }
 
+/// The stepper's lock identity: the host and PID for people, and a random part so two
+/// replicas with the same hostname and PID (PID 1 in two containers) never both hold the lock.
+pub(super) fn identity(host: &str, pid: u32) -> String {
+    let mut r = [0u8; 8];
+    if getrandom::fill(&mut r).is_err() {
+        // No randomness: the time's nanoseconds still tell two processes apart.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        r = (t.as_nanos() as u64).to_le_bytes();
+    }
+    format!("{host}-{pid}-{:016x}", u64::from_le_bytes(r))
+}
+
+/// The host part of an identity made by [`identity`].
+pub(super) fn identity_host(id: &str) -> &str {
+    let mut parts = id.rsplitn(3, '-');
+    let (_, _, host) = (parts.next(), parts.next(), parts.next());
+    host.unwrap_or("")
+}
+
 pub(super) fn api_code(e: &kube::Error) -> Option<u16> {
     match e {
         kube::Error::Api(s) => Some(s.code),
@@ -57,7 +78,7 @@ impl Cluster {
             client,
             ns,
             ds,
-            identity: format!("{host}-{}", std::process::id()),
+            identity: identity(&host, std::process::id()),
             args,
             token,
             told: Mutex::new(None),
@@ -354,6 +375,18 @@ pub(super) fn agent_image(spec: Option<&k8s_openapi::api::core::v1::PodSpec>) ->
     })
     .and_then(|c| c.image.clone())
     .unwrap_or_default()
+}
+
+/// When the cilium-agent container (or the first container) now running started, unix
+/// seconds (the kubelet writes whole seconds).
+pub(super) fn agent_started_at(p: &Pod) -> Option<f64> {
+    let st = p.status.as_ref()?.container_statuses.as_ref()?;
+    let c = st
+        .iter()
+        .find(|c| c.name == "cilium-agent")
+        .or(st.first())?;
+    let t = c.state.as_ref()?.running.as_ref()?.started_at.as_ref()?;
+    Some(t.0.as_millisecond() as f64 / 1000.0)
 }
 
 pub(crate) fn pod_ready(p: &Pod) -> bool {

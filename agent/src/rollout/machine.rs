@@ -44,6 +44,12 @@ pub enum Outcome {
     Stopped {
         why: String,
     },
+    /// Nothing was deleted and no verdict of this step can prove the node: the node is
+    /// planned again from what its agent says (another step was active on it; an
+    /// interrupted step that is already over).
+    Deferred {
+        why: String,
+    },
 }
 
 /// What the driver must do next.
@@ -64,6 +70,9 @@ pub enum Action {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Begun(Result<String, String>),
+    /// The agent refused the begin because another step is active there; the stepper waited
+    /// for that step to end (what it saw).
+    Busy(String),
     /// `Ok(true)`: deleted; `Ok(false)`: already gone (a resumed step); `Err`: refused (e.g. the
     /// UID precondition failed: another pod is there now).
     Deleted(Result<bool, String>),
@@ -120,6 +129,7 @@ pub fn advance(p: Phase, ev: Event, now: f64, t: Timeouts) -> Phase {
     }
     match (p, ev) {
         (Phase::Begin, Event::Begun(Ok(step))) => Phase::Delete { step },
+        (Phase::Begin, Event::Busy(why)) => Phase::Done(Outcome::Deferred { why }),
         (Phase::Begin, Event::Begun(Err(e))) => failed(
             None,
             format!("could not begin a step on the node's agent: {e}"),
@@ -188,27 +198,44 @@ pub enum OldPod {
     Gone,
 }
 
+/// What the node's agent says of an interrupted step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Known {
+    /// Active: its verdict is still to come.
+    Active,
+    /// Over, with a verdict.
+    Finished,
+    /// Unknown to the agent (404).
+    Unknown,
+    /// The agent could not be asked: the record (written after the agent began the step)
+    /// stands.
+    Unasked,
+}
+
 /// Where an interrupted step resumes, from what the lock recorded and what is there now:
-/// whether the node's agent still knows the step (`Some(false)`: it answered 404; `None`: it
-/// could not be asked, so the record — written after the agent began the step — stands), the
-/// old pod, whether a Ready replacement on an acceptable revision is there. A step whose
-/// restart happened but whose verdict can no longer be read fails: a fresh step begun now
-/// would take its baseline after the restart and prove nothing.
-pub fn resume(
-    step: &str,
-    agent_knows: Option<bool>,
-    old: OldPod,
-    replaced: bool,
-    now: f64,
-) -> Phase {
-    match (agent_knows, old) {
-        (Some(false), OldPod::Present) => Phase::Begin,
-        (Some(false), _) => failed(
-            Some(step),
-            format!(
-                "the interrupted step {step} is unknown to the node's agent and the cilium pod was already deleted: that restart went unverified"
+/// what the node's agent says of the step, the old pod, whether a Ready replacement on an
+/// acceptable revision is there. A step that is over, or that the agent no longer knows, is
+/// not resumed: nothing is deleted under it and its verdict is not read as this restart's;
+/// the node is planned again, and its agent's proof for the pod there then decides (a
+/// restart that step saw is judged by its verdict; one nobody saw is stepped again).
+pub fn resume(step: &str, known: Known, old: OldPod, replaced: bool, now: f64) -> Phase {
+    match (known, old) {
+        (Known::Unknown, OldPod::Present) => Phase::Begin,
+        (Known::Unknown, _) => Phase::Done(Outcome::Deferred {
+            why: format!(
+                "the interrupted step {step} is unknown to the node's agent and the cilium pod was already deleted: the pod there now is judged by its agent's proof"
             ),
-        ),
+        }),
+        (Known::Finished, _) => Phase::Done(Outcome::Deferred {
+            why: format!(
+                "the interrupted step {step} is already over on the node's agent{}: the pod there now is judged by its agent's proof",
+                if old == OldPod::Present {
+                    " and its pod was never deleted"
+                } else {
+                    ""
+                }
+            ),
+        }),
         (_, OldPod::Present) => Phase::Delete { step: step.into() },
         (_, _) if replaced => Phase::Verdict {
             step: step.into(),
@@ -392,17 +419,27 @@ mod tests {
     fn an_interrupted_step_resumes_where_it_stopped_never_twice() {
         use OldPod::*;
         assert_eq!(
-            resume("s", Some(false), Present, false, 0.0),
+            resume("s", Known::Unknown, Present, false, 0.0),
             Phase::Begin,
             "the agent lost it before anything was touched: begin anew"
         );
         for old in [Terminating, Gone] {
             assert!(
-                matches!(resume("s", Some(false), old, true, 0.0), Phase::Done(Outcome::Failed { ref why, .. }) if why.contains("unverified")),
-                "{old:?}: the restart happened and its verdict is lost"
+                matches!(resume("s", Known::Unknown, old, true, 0.0), Phase::Done(Outcome::Deferred { ref why }) if why.contains("agent's proof")),
+                "{old:?}: the restart happened and the step is lost: the proof decides"
             );
         }
-        for knows in [Some(true), None] {
+        // A step already over is never resumed: no delete under it, its verdict not read.
+        for old in [Present, Terminating, Gone] {
+            assert!(
+                matches!(
+                    resume("s", Known::Finished, old, true, 0.0),
+                    Phase::Done(Outcome::Deferred { .. })
+                ),
+                "{old:?}"
+            );
+        }
+        for knows in [Known::Active, Known::Unasked] {
             assert_eq!(
                 resume("s", knows, Present, false, 0.0),
                 Phase::Delete { step: "s".into() }
@@ -462,6 +499,34 @@ mod tests {
         assert!(
             !acceptable_revision("rx", ("r2", 2), &numbers),
             "an unknown revision"
+        );
+    }
+}
+
+#[cfg(test)]
+mod busy_tests {
+    use super::*;
+
+    /// A begin refused because another step is active ends the node's turn without a delete:
+    /// it is planned again once that step is over.
+    #[test]
+    fn a_busy_agent_defers_the_node_instead_of_failing_it() {
+        let t = Timeouts {
+            replace: 1.0,
+            verdict: 1.0,
+            pull: 1.0,
+        };
+        let p = advance(
+            Phase::Begin,
+            Event::Busy("step x was active".into()),
+            0.0,
+            t,
+        );
+        assert_eq!(
+            p,
+            Phase::Done(Outcome::Deferred {
+                why: "step x was active".into()
+            })
         );
     }
 }

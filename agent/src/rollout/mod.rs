@@ -53,6 +53,10 @@ use watch::*;
 
 const L2_PREFIX: &str = "cilium-l2announce-";
 
+/// `--watch` was told to stop (SIGTERM, SIGINT): nothing more is touched; the record keeps
+/// what is in flight for the next run.
+pub(super) static TERMINATING: AtomicBool = AtomicBool::new(false);
+
 fn stamp() -> String {
     k8s_openapi::jiff::Timestamp::now().to_string()
 }
@@ -103,6 +107,22 @@ pub fn run(args: RolloutArgs) -> Result<i32> {
             return status(&c).await;
         }
         if args.watch {
+            // The Deployment's pod is stopped with SIGTERM: the node in flight stays on the
+            // record for the next replica, the lock is given up, the process ends at once.
+            tokio::spawn(async {
+                use tokio::signal::unix::{signal, SignalKind};
+                let (Ok(mut term), Ok(mut int)) = (
+                    signal(SignalKind::terminate()),
+                    signal(SignalKind::interrupt()),
+                ) else {
+                    return;
+                };
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                TERMINATING.store(true, Ordering::SeqCst);
+            });
             return watch(&c).await;
         }
         rollout(&c, false).await
@@ -157,7 +177,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let (view, ds) = patient("read the cluster", start, None, || c.view()).await?;
     let (_, rec) = patient("read the rollout lock", start, None, || read_lock(c)).await?;
     let current = view.revision.clone().unwrap_or_default();
-    let approve = approval(&ds, &current.0);
+    let (approve, _) = c.approval_now(&ds, &current.0).await;
     if let Gate::Halted(msg) = record::gate(&rec, &current.0, approve.as_deref(), &stamp()) {
         if json_out {
             println!(
@@ -179,6 +199,50 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     opts.skip = rec.skipped_on(&current.0).into_iter().collect();
     opts.again = rec.retry.clone();
     let first = plan::plan(&view, &opts);
+    let failed: Vec<&plan::Refusal> = match &first {
+        Err(r) => r.iter().filter(|r| r.halts()).collect(),
+        Ok(_) => vec![],
+    };
+    if rec.inflight.is_none() && !failed.is_empty() {
+        // A node's current pod holds a failed verdict: nothing is stepped past it, whatever
+        // the record says (an abort, a deleted lock, an approved newer revision).
+        let text = failed
+            .iter()
+            .map(|r| format!("  - {r}"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if json_out {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json!({"halted_on": failed, "view": view}))?
+            );
+        } else {
+            if c.args.dry_run {
+                print_dry_run(false, &view, &rec, &first, &current.0)?;
+            }
+            println!(
+                "stepguard rollout of {} halted: a node's current cilium pod failed its verification:\n{text}",
+                view.daemonset
+            );
+        }
+        if !c.args.dry_run {
+            c.event(
+                &ds,
+                true,
+                "StepguardRolloutHalted",
+                &format!(
+                    "a node's current cilium pod failed its verification: {}",
+                    failed
+                        .iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            )
+            .await;
+        }
+        return Ok(1);
+    }
     if let (None, Err(refusals)) = (&rec.inflight, &first) {
         if json_out {
             println!(
@@ -210,6 +274,13 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                         r.decide(d);
                     }
                     r.forget_other_revisions(&cur_hash);
+                    // A retry of a node that no longer runs a cilium pod is done with.
+                    if r.retry
+                        .as_ref()
+                        .is_some_and(|n| !view.pods.iter().any(|p| &p.node == n))
+                    {
+                        r.retry = None;
+                    }
                     if !watched {
                         // A person runs the rollout again: an earlier `--abort` no longer holds.
                         r.aborted = None;
@@ -300,10 +371,18 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let run_id = format!("{:x}", (now_s() * 1000.0) as u64 % 0xffffff);
     let mut ds = ds;
     let mut waiting = Waiting::default();
+    // Nodes stepped and passed in this run; begins deferred in a row.
+    let mut stepped: std::collections::BTreeSet<String> = Default::default();
+    let mut deferred = 0;
     loop {
         if held.is_lost() {
             code = 2;
             ending = Some("the rollout lock was lost: nothing more is touched".into());
+            break;
+        }
+        if TERMINATING.load(Ordering::SeqCst) {
+            code = 2;
+            ending = Some("stopped by a signal: the next run goes on from the record".into());
             break;
         }
         if c.args.max_nodes.is_some_and(|m| results.len() >= m) {
@@ -340,7 +419,8 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 break;
             };
             if cur.0 != run_rev {
-                if record::may_adopt(&run_rev, &cur.0, approval(&ds, &cur.0).as_deref()) {
+                let (approved_now, unapproved) = c.approval_now(&ds, &cur.0).await;
+                if record::may_adopt(&run_rev, &cur.0, approved_now.as_deref()) {
                     say(
                         json_out,
                         format!(
@@ -358,7 +438,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     let why = format!(
                         "revision {} of the DaemonSet is not approved ({}): the rollout pauses after node {}; approve it to go on{}",
                         cur.0,
-                        unapproved_why(&ds),
+                        unapproved,
                         results.last().map(|r| r.node.as_str()).unwrap_or("-"),
                         if watched { "" } else { ", or run `stepguard rollout` again" }
                     );
@@ -375,9 +455,36 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             opts.max_nodes = None;
             match plan::plan(&view, &opts) {
                 Ok(steps) => match steps.into_iter().next() {
+                    Some(s)
+                        if stepped.contains(&s.node)
+                            && opts.again.as_deref() != Some(s.node.as_str()) =>
+                    {
+                        // Stepped and passed in this run, yet its agent does not vouch for the
+                        // pod's start: never stepped round and round.
+                        code = 2;
+                        let why = format!(
+                            "node {} was stepped in this run and its verdict passed, but its agent does not prove the current pod's start ({}): stopping instead of stepping it again",
+                            s.node, s.why
+                        );
+                        c.event(&ds, true, "StepguardRolloutStopped", &why).await;
+                        ending = Some(why);
+                        break;
+                    }
                     Some(s) => (s, cur, None),
                     None => break,
                 },
+                Err(refusals) if refusals.iter().any(|r| r.halts()) => {
+                    code = 1;
+                    let text = refusals
+                        .iter()
+                        .filter(|r| r.halts())
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    c.event(&ds, true, "StepguardRolloutHalted", &text).await;
+                    ending = Some(text);
+                    break;
+                }
                 Err(refusals) => {
                     let note = format!(
                         "waiting: the plan refuses to go on:\n{}",
@@ -411,7 +518,24 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             json_out,
         };
         let r = step_node(&cx, &view, &st, target.clone(), resumed).await;
+        if let Outcome::Deferred { why } = &r.outcome {
+            // Nothing was deleted: the node is planned again from what its agent says.
+            say(json_out, format!("{}: {why}; re-planning", st.node));
+            shared.lock().unwrap_or_else(|e| e.into_inner()).inflight = None;
+            persist(c, &shared, &held).await;
+            deferred += 1;
+            if deferred > 20 {
+                code = 2;
+                ending = Some(format!("node {} could not be begun: {why}", st.node));
+                break;
+            }
+            continue;
+        }
+        deferred = 0;
         let stop = !matches!(r.outcome, Outcome::Passed { .. });
+        if !stop {
+            stepped.insert(st.node.clone());
+        }
         {
             let mut rec = shared.lock().unwrap_or_else(|e| e.into_inner());
             match &r.outcome {
@@ -434,6 +558,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     });
                 }
                 Outcome::Stopped { .. } => code = 2,
+                Outcome::Deferred { .. } => {}
             }
         }
         if let Outcome::Failed { .. } = &r.outcome {
@@ -460,12 +585,17 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let summary = match code {
         0 => format!(
             "stepguard rollout finished: {} nodes stepped and verified",
-            results.len()
+            stepped.len()
         ),
-        1 => format!(
-            "stepguard rollout halted: the step on {} failed; no further node is touched until a person decides (`--retry`, `--skip`, `--abort`)",
-            results.last().map(|r| r.node.as_str()).unwrap_or("?")
-        ),
+        1 => match (&ending, results.last()) {
+            (Some(e), _) => format!(
+                "stepguard rollout halted: {e}; no further node is touched until a person decides"
+            ),
+            (None, last) => format!(
+                "stepguard rollout halted: the step on {} failed; no further node is touched until a person decides (`--retry`, `--skip`, `--abort`)",
+                last.map(|r| r.node.as_str()).unwrap_or("?")
+            ),
+        },
         _ => format!(
             "stepguard rollout interrupted: {}",
             ending

@@ -63,6 +63,7 @@ pub(super) async fn step_node(
     let forever = Duration::MAX;
     let phase = match &resumed {
         Some(i) => {
+            // 200: the step is over (its verdict is in); 202: still active.
             let knows = match agent
                 .call(
                     "GET",
@@ -72,9 +73,10 @@ pub(super) async fn step_node(
                 )
                 .await
             {
-                Ok((200 | 202, _)) => Some(true),
-                Ok((404, _)) => Some(false),
-                _ => None,
+                Ok((200, _)) => machine::Known::Finished,
+                Ok((202, _)) => machine::Known::Active,
+                Ok((404, _)) => machine::Known::Unknown,
+                _ => machine::Known::Unasked,
             };
             let old = patient(
                 "read the interrupted step's pod",
@@ -129,6 +131,11 @@ pub(super) async fn step_node(
             "StepguardRolloutStopped",
             format!("node {}: {why}", st.node),
         ),
+        Outcome::Deferred { why } => (
+            false,
+            "StepguardStepDeferred",
+            format!("node {}: {why}; planned again", st.node),
+        ),
     };
     c.event(cx.ds, warn, reason, &msg).await;
     say(
@@ -140,6 +147,7 @@ pub(super) async fn step_node(
                 Outcome::Passed { summary, .. } => format!("passed: {summary}"),
                 Outcome::Failed { why, .. } => format!("FAILED: {why}"),
                 Outcome::Stopped { why } => format!("stopped: {why}"),
+                Outcome::Deferred { why } => format!("deferred: {why}"),
             },
             t0.elapsed().as_secs_f64()
         ),

@@ -167,10 +167,7 @@ pub(super) async fn who(c: &Cluster) -> String {
         .iter()
         .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
         .unwrap_or_else(|| "unknown".into());
-    let local = format!(
-        "{user}@{}",
-        c.identity.rsplit_once('-').map(|h| h.0).unwrap_or("")
-    );
+    let local = format!("{user}@{}", identity_host(&c.identity));
     let review = Api::<SelfSubjectReview>::all(c.client.clone())
         .create(&PostParams::default(), &SelfSubjectReview::default())
         .await;
@@ -285,6 +282,7 @@ pub(super) fn print_end(
                 Outcome::Passed { summary, .. } => ("passed", summary.clone()),
                 Outcome::Failed { why, .. } => ("FAILED", why.clone()),
                 Outcome::Stopped { why } => ("stopped", why.clone()),
+                Outcome::Deferred { why } => ("deferred", why.clone()),
             };
             println!(
                 "  {:<20} {:<22} {:<10} {:>7.0}s  {d}",
@@ -314,6 +312,8 @@ fn measured_lan_gaps(o: &Outcome) -> String {
             Some(i) => summary[i..].to_string(),
             None => "no witness (--witness URL measures it as LAN clients see it)".into(),
         },
-        Outcome::Failed { .. } | Outcome::Stopped { .. } => "no verdict".into(),
+        Outcome::Failed { .. } | Outcome::Stopped { .. } | Outcome::Deferred { .. } => {
+            "no verdict".into()
+        }
     }
 }

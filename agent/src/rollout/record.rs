@@ -269,7 +269,7 @@ pub fn gate(r: &Record, current: &str, approved: Option<&str>, now: &str) -> Gat
                 revision: Some(current.to_string()),
                 by: "stepguard.io/approve-revision".into(),
                 why: format!(
-                    "revision {current} was approved after the halt on revision {}",
+                    "revision {current} is approved and is not the halted revision {}; every node's current pod is still judged by its agent's verdict",
                     h.revision
                 ),
                 at: now.to_string(),

@@ -32,6 +32,18 @@ fn ds(image: &str, checksum: Option<&str>, ann: Value) -> DaemonSet {
     .unwrap()
 }
 
+/// The revision before, as its ControllerRevision stores the template (the controller's
+/// `$patch: replace`, a null creation time): an older image and config, nothing else.
+fn prev() -> Value {
+    json!({"$patch": "replace", "metadata": {"creationTimestamp": null, "labels": {"k8s-app": "cilium"},
+           "annotations": { CONFIG_CHECKSUM: "c1" }},
+           "spec": {"containers": [{"name": "cilium-agent", "image": "quay.io/cilium/cilium:v1.18.0", "resources": {}}]}})
+}
+
+fn approval(d: &DaemonSet, current: &str) -> Option<String> {
+    super::approval(d, current, Some(&prev()))
+}
+
 #[test]
 fn git_approves_the_image_and_config_checksum_a_revision_carries() {
     let img = "quay.io/cilium/cilium:v1.19.1@sha256:aa";
@@ -42,7 +54,10 @@ fn git_approves_the_image_and_config_checksum_a_revision_carries() {
     );
     // A config-only revision does not ride the approval of the earlier config.
     assert_eq!(approval(&ds(img, Some("c3"), both.clone()), "h3"), None);
-    assert!(unapproved_why(&ds(img, Some("c3"), both.clone())).contains("config checksum is c3"));
+    assert!(
+        unapproved_why(&ds(img, Some("c3"), both.clone()), Some(&prev()))
+            .contains("config checksum is c3")
+    );
     // Another image; a checksum the approval does not name.
     assert_eq!(
         approval(&ds("cilium:v1.19.2", Some("c2"), both), "h4"),
@@ -71,6 +86,45 @@ fn git_approves_the_image_and_config_checksum_a_revision_carries() {
     assert_eq!(approval(&d, "h8"), None);
 }
 
+/// A Git approval names an image and a config checksum: a revision that changes anything
+/// else (arguments, env, an init container, `kubectl rollout restart`'s annotation) is not
+/// covered by it, however long the annotations stay; nor is one whose predecessor is unknown.
+#[test]
+fn a_git_approval_covers_the_image_and_config_and_nothing_else() {
+    let img = "quay.io/cilium/cilium:v1.19.1@sha256:aa";
+    let both = json!({ ANN_APPROVE_IMAGE: img, ANN_APPROVE_CONFIG: "c2" });
+    let changed = |f: &dyn Fn(&mut Value)| {
+        let mut d = ds(img, Some("c2"), both.clone());
+        let mut t = serde_json::to_value(&d.spec.as_ref().unwrap().template).unwrap();
+        f(&mut t);
+        d.spec.as_mut().unwrap().template = serde_json::from_value(t).unwrap();
+        d
+    };
+    let args =
+        changed(&|t| t["spec"]["containers"][0]["args"] = json!(["--enable-bpf-masquerade"]));
+    assert_eq!(approval(&args, "h2"), None);
+    assert!(
+        unapproved_why(&args, Some(&prev())).contains("/spec/containers/0/args"),
+        "{}",
+        unapproved_why(&args, Some(&prev()))
+    );
+    let restart = changed(&|t| {
+        t["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] =
+            json!("2026-12-04T10:00:00Z")
+    });
+    assert_eq!(approval(&restart, "h3"), None);
+    let init =
+        changed(&|t| t["spec"]["initContainers"] = json!([{"name": "mount-cgroup", "image": img}]));
+    assert_eq!(approval(&init, "h4"), None);
+    // Images of every container may change (the chart uses one image for several).
+    assert_eq!(other_changes(&prev(), &prev()), Vec::<String>::new());
+    assert_eq!(
+        super::approval(&ds(img, Some("c2"), both.clone()), "h5", None),
+        None,
+        "what else the revision changes is unknown"
+    );
+}
+
 #[test]
 fn the_minor_version_comes_from_the_image_tag() {
     assert_eq!(
@@ -97,12 +151,28 @@ fn watch_starts_only_an_approved_revision_not_yet_everywhere() {
         image: String::new(),
         bound: true,
         crash_looping: None,
+        started_at: None,
     });
-    assert!(!approved(&v, None));
-    assert!(!approved(&v, Some("r1")), "an older approval");
-    assert!(approved(&v, Some("r2")));
+    let none = std::collections::BTreeSet::new();
+    assert!(!approved(&v, None, &none));
+    assert!(!approved(&v, Some("r1"), &none), "an older approval");
+    assert!(approved(&v, Some("r2"), &none));
     v.pods[0].revision = "r2".into();
-    assert!(!approved(&v, Some("r2")), "already everywhere");
+    // On the revision without a proof: owed (stepped to prove it).
+    assert!(approved(&v, Some("r2"), &none), "on the revision, unproven");
+    let passed: crate::step::proof::Proof = serde_json::from_value(json!({
+        "started_at": 1.0, "status": "passed", "step": null, "why": "passed"}))
+    .unwrap();
+    v.proofs.insert("n".into(), Ok(passed));
+    assert!(
+        !approved(&v, Some("r2"), &none),
+        "already everywhere, proven"
+    );
+    v.pods[0].revision = "r1".into();
+    assert!(
+        !approved(&v, Some("r2"), &["n".to_string()].into()),
+        "skipped"
+    );
 }
 
 #[test]
@@ -134,4 +204,15 @@ fn only_failures_of_the_api_server_itself_are_retried() {
     assert!(!transient(&api(403)));
     assert!(!transient(&api(404)));
     assert!(!transient(&anyhow::anyhow!("a plain error")));
+}
+
+/// Two steppers on hosts of the same name with the same PID (PID 1 in two replicas) have
+/// different lock identities; the host is still read back for people.
+#[test]
+fn two_replicas_with_one_hostname_and_pid_have_different_identities() {
+    let (a, b) = (identity("stepper", 1), identity("stepper", 1));
+    assert_ne!(a, b);
+    assert!(a.starts_with("stepper-1-"), "{a}");
+    assert_eq!(identity_host(&a), "stepper");
+    assert_eq!(identity_host(&identity("my-host-x", 7)), "my-host-x");
 }

@@ -73,6 +73,7 @@ impl Cluster {
                     .and_then(|s| s.node_name.as_deref())
                     .is_some_and(|n| !n.is_empty()),
                 crash_looping: crash_looping(&p),
+                started_at: agent_started_at(&p),
             });
         }
         let operator = self.operator().await;
@@ -98,6 +99,15 @@ impl Cluster {
         let mut devices = BTreeMap::new();
         for (node, url) in &agents {
             devices.insert(node.clone(), self.devices_of(url).await);
+        }
+        let mut proofs = BTreeMap::new();
+        if let Some((rev, _)) = &revision {
+            for p in pods.iter().filter(|p| &p.revision == rev) {
+                let (Some(url), Some(at)) = (agents.get(&p.node), p.started_at) else {
+                    continue;
+                };
+                proofs.insert(p.node.clone(), self.proof_of(url, at).await);
+            }
         }
         let leases = Api::<Lease>::namespaced(self.client.clone(), &self.ns)
             .list(&ListParams::default())
@@ -145,6 +155,7 @@ impl Cluster {
             devices,
             leases,
             l2_timings,
+            proofs,
         };
         Ok((view, ds))
     }
@@ -226,6 +237,27 @@ impl Cluster {
 
     pub(super) fn agent(&self, url: &str) -> Result<crate::client::Agent> {
         crate::client::Agent::new(url, self.token.clone())
+    }
+
+    /// The agent's proof for the cilium-agent container started at `started_at`.
+    pub(super) async fn proof_of(&self, url: &str, started_at: f64) -> Result<plan::Proof, String> {
+        let a = self.agent(url).map_err(|e| format!("{e:#}"))?;
+        let (code, v) = a
+            .call(
+                "GET",
+                &format!("/v1/proof?started_at={started_at:.3}"),
+                None,
+                Duration::from_secs(5),
+            )
+            .await
+            .map_err(|e| format!("{e:#}"))?;
+        if code != 200 {
+            return Err(format!(
+                "the agent answered {code}: {}",
+                v["error"].as_str().unwrap_or("")
+            ));
+        }
+        serde_json::from_value(v).map_err(|e| format!("the agent's proof cannot be read: {e}"))
     }
 
     pub(super) async fn devices_of(&self, url: &str) -> Result<Vec<String>, String> {

@@ -1,4 +1,5 @@
 //! `--watch`: a rollout begins when a person approves the current revision.
+use super::approval::owed as plan_owed;
 use super::*;
 
 /// `--watch`: never ends on an error; a line is logged whenever what it waits for changes.
@@ -15,7 +16,15 @@ pub(super) async fn watch(c: &Cluster) -> Result<i32> {
             eprintln!("stepguard rollout --watch: {note}");
         }
         last = note;
-        tokio::time::sleep(c.args.watch_interval).await;
+        let until = Instant::now() + c.args.watch_interval;
+        while Instant::now() < until {
+            if TERMINATING.load(Ordering::SeqCst) {
+                tracing::warn!("stopped by a signal");
+                eprintln!("stepguard rollout --watch: stopped by a signal");
+                return Ok(0);
+            }
+            tokio::time::sleep(Duration::from_millis(200).min(until - Instant::now())).await;
+        }
     }
 }
 
@@ -25,12 +34,18 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
     let (v, ds) = c.view().await?;
     let (_, rec) = read_lock(c).await?;
     let cur = v.revision.clone().map(|r| r.0).unwrap_or_default();
-    let approve = approval(&ds, &cur);
-    let owed = rec.inflight.is_some() || rec.retry.is_some();
+    let (approve, unapproved) = c.approval_now(&ds, &cur).await;
+    // A retry of a node that no longer runs a cilium pod is owed nothing (the run clears it).
+    let retry_owed = rec
+        .retry
+        .as_ref()
+        .is_some_and(|n| v.pods.iter().any(|p| &p.node == n));
+    let owed = rec.inflight.is_some() || retry_owed;
     if let Gate::Halted(m) = record::gate(&rec, &cur, approve.as_deref(), &stamp()) {
         return Ok(m);
     }
-    if !owed && !v.pods.iter().any(|p| p.revision != cur) {
+    let skipped: std::collections::BTreeSet<String> = rec.skipped_on(&cur).into_iter().collect();
+    if !owed && !plan_owed(&v, &skipped) {
         return Ok(String::new());
     }
     if !owed && rec.aborted.as_deref() == Some(cur.as_str()) {
@@ -41,22 +56,19 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
     // An interrupted step is always finished (its delete waits for an approval itself); a
     // retry alone waits for the revision to be approved, instead of a run per tick that
     // pauses at once.
-    if let (None, Some(n)) = (&rec.inflight, &rec.retry) {
+    if let (None, Some(n)) = (&rec.inflight, rec.retry.as_ref().filter(|_| retry_owed)) {
         if approve.as_deref() != Some(cur.as_str()) {
             return Ok(format!(
                 "node {n} is to be stepped again but the DaemonSet's revision {cur} is not approved ({}): waiting",
-                unapproved_why(&ds)
+                unapproved
             ));
         }
     }
-    if owed || approved(&v, approve.as_deref()) {
+    if owed || approved(&v, approve.as_deref(), &skipped) {
         let code = rollout(c, true).await?;
         return Ok(format!("rollout ended with exit code {code}"));
     }
-    let note = format!(
-        "revision {cur} is not approved ({}): waiting",
-        unapproved_why(&ds)
-    );
+    let note = format!("revision {cur} is not approved ({}): waiting", unapproved);
     if *announced != cur {
         c.event(&ds, false, "StepguardApprovalAwaited", &format!("{note}; approve it with stepguard.io/approve-revision: {cur}, or stepguard.io/approve-image and stepguard.io/approve-config-checksum in the commit that changes the template"))
             .await;

@@ -6,6 +6,7 @@ pub mod implicit;
 pub mod lifecycle;
 pub mod observe;
 mod params;
+pub mod proof;
 pub mod verdict;
 pub mod view;
 

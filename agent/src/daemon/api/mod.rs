@@ -32,10 +32,11 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/checks", get(checks))
         .route("/v1/steps", get(list_steps).post(post_step))
         .route("/v1/steps/{id}", get(get_step).delete(delete_step))
+        .route("/v1/proof", get(proof))
         .fallback(|| async {
             err(
                 StatusCode::NOT_FOUND,
-                "no such route; see /v1/verdict, /v1/checks, /v1/steps, /metrics",
+                "no such route; see /v1/verdict, /v1/checks, /v1/steps, /v1/proof, /metrics",
             )
         })
         .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
@@ -184,6 +185,32 @@ async fn on_demand_checks(d: &Daemon) -> Vec<CheckResult> {
     let (results, _): (Vec<CheckResult>, _) = node::run(&d.cfg, &opts, &BTreeSet::new()).await;
     *cached = Some((std::time::Instant::now(), results.clone()));
     results
+}
+
+/// `GET /v1/proof?started_at=UNIX_SECONDS`: which step covers the cilium-agent container
+/// started then (`step::proof`), for the stepper's proof that a node is done.
+async fn proof(State(d): State<Arc<Daemon>>, Query(q): Query<HashMap<String, String>>) -> Response {
+    let Some(raw) = q.get("started_at") else {
+        return err(
+            StatusCode::BAD_REQUEST,
+            "started_at is required: the cilium-agent container's start, unix seconds",
+        );
+    };
+    let started_at = match raw.parse::<f64>() {
+        Ok(t) if t.is_finite() && t > 0.0 => t,
+        _ => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                format!("started_at {raw:?} is not a time in unix seconds"),
+            )
+        }
+    };
+    let mut steps = d.store.list();
+    if let Some(active) = d.current_step() {
+        steps.retain(|s| s.id != active.id);
+        steps.push((*active).clone());
+    }
+    axum::Json(crate::step::proof::covering(&steps, started_at)).into_response()
 }
 
 async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {

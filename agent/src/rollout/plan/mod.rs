@@ -2,6 +2,7 @@
 //! DaemonSet's current revision, in which order to step them, which L2-announced VIPs move at
 //! each step, and why the rollout must not start at all.
 
+pub use crate::step::proof::{Proof, ProofStatus};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -30,6 +31,10 @@ pub struct CiliumPod {
     pub bound: bool,
     /// A container (or init container) waiting in `CrashLoopBackOff`: its restart count.
     pub crash_looping: Option<i32>,
+    /// When the cilium-agent container now running started (`state.running.startedAt`, unix
+    /// seconds): the start a proof must cover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<f64>,
 }
 
 /// The cilium-operator Deployment, as read.
@@ -84,6 +89,9 @@ pub struct ClusterView {
     pub leases: Vec<L2Lease>,
     /// The timings the expected blips are computed from.
     pub l2_timings: L2Timings,
+    /// For each node whose cilium pod is on the current revision: its agent's proof for the
+    /// cilium-agent container's current start (`GET /v1/proof`), or why it could not be read.
+    pub proofs: BTreeMap<String, Result<Proof, String>>,
 }
 
 /// Cilium's L2-announcement timings beyond each lease's duration, and the agent pod's grace.
@@ -280,6 +288,36 @@ pub enum Refusal {
         revision: String,
         sets: BTreeMap<String, Vec<String>>,
     },
+    /// A node's cilium pod is on the current revision and its agent's step for that pod's
+    /// start failed: the rollout halts there (a person decides: `--retry`, `--skip`).
+    VerdictFailed {
+        node: String,
+        pod: String,
+        step: Option<String>,
+        why: String,
+    },
+    /// A step that covers (or may cover) a node's current start has no verdict yet.
+    ProofPending {
+        node: String,
+        why: String,
+    },
+    /// A node's agent could not be asked for the proof of its cilium pod's start.
+    ProofUnknown {
+        node: String,
+        problem: String,
+    },
+    /// `--canary` names no node running a cilium pod, or `--canary-label` matches none.
+    CanaryUnknown {
+        canary: String,
+    },
+}
+
+impl Refusal {
+    /// Whether this refusal halts the rollout (a person must decide) rather than being
+    /// waited out.
+    pub fn halts(&self) -> bool {
+        matches!(self, Refusal::VerdictFailed { .. })
+    }
 }
 
 impl std::fmt::Display for Refusal {
@@ -303,6 +341,10 @@ impl std::fmt::Display for Refusal {
                 "nodes on revision {revision} report different device sets: {}",
                 sets.iter().map(|(set, nodes)| format!("[{set}] on {}", nodes.join(", "))).collect::<Vec<_>>().join("; ")
             ),
+            Refusal::VerdictFailed { node, pod, why, .. } => write!(f, "node {node}'s cilium pod {pod} is on the current revision and failed its verification: {why}; the rollout halts here (`--retry {node}` steps it again, `--skip {node}` leaves it)"),
+            Refusal::ProofPending { node, why } => write!(f, "node {node}'s verification is not decided yet: {why}"),
+            Refusal::ProofUnknown { node, problem } => write!(f, "node {node}'s proof cannot be read from its agent: {problem}"),
+            Refusal::CanaryUnknown { canary } => write!(f, "the canary {canary} is no node running a cilium pod of the DaemonSet (misspelled?)"),
         }
     }
 }
@@ -328,7 +370,11 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
     if !o.allow_minor_skip {
         if let Some(to) = v.cilium_version.as_deref() {
             let mut far: BTreeMap<String, Vec<String>> = BTreeMap::new();
-            for p in v.pods.iter().filter(|p| &p.revision != rev) {
+            for p in v
+                .pods
+                .iter()
+                .filter(|p| &p.revision != rev && !o.skip.contains(&p.node))
+            {
                 if let Some(from) = crate::rollout::image_minor(&p.image) {
                     if !adjacent_minors(&from, to) {
                         let nodes = far.entry(from).or_default();
@@ -350,7 +396,7 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
     for n in v
         .nodes
         .iter()
-        .filter(|n| with_pod.contains(n.name.as_str()))
+        .filter(|n| with_pod.contains(n.name.as_str()) && !o.skip.contains(&n.name))
     {
         if !n.ready {
             refusals.push(Refusal::NodeNotReady {
@@ -382,6 +428,21 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
         }
     }
     refusals.extend(crashing.into_iter().chain(not_ready).chain(unbound));
+    let node_of = |name: &str| v.nodes.iter().find(|n| n.name == name);
+    if let Some(c) = &o.canary {
+        if !with_pod.contains(c.as_str()) {
+            refusals.push(Refusal::CanaryUnknown { canary: c.clone() });
+        }
+    } else if let Some((k, val)) = &o.canary_label {
+        if !with_pod
+            .iter()
+            .any(|n| node_of(n).is_some_and(|n| n.labels.get(k) == Some(val)))
+        {
+            refusals.push(Refusal::CanaryUnknown {
+                canary: format!("label {k}={val}"),
+            });
+        }
+    }
     if v.number_unavailable > explained {
         refusals.push(Refusal::Unavailable {
             unavailable: v.number_unavailable,
@@ -407,7 +468,7 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
             problem: problem.clone(),
         }),
     }
-    for n in &with_pod {
+    for n in with_pod.iter().filter(|n| !o.skip.contains(**n)) {
         if !v.agents.contains_key(*n) {
             refusals.push(Refusal::AgentMissing {
                 node: n.to_string(),
@@ -416,7 +477,7 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
     }
     // Homogeneity within a revision: mid-rollout, old and new revisions may differ.
     let mut by_rev: BTreeMap<&str, BTreeMap<String, Vec<String>>> = BTreeMap::new();
-    for p in &v.pods {
+    for p in v.pods.iter().filter(|p| !o.skip.contains(&p.node)) {
         match v.devices.get(&p.node) {
             Some(Ok(d)) => {
                 let mut d = d.clone();
@@ -445,6 +506,49 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
             });
         }
     }
+    // A pod on the current revision is done only when its agent proves the cilium-agent's
+    // current start passed; one it cannot vouch for is stepped to prove it.
+    let mut unproven: BTreeMap<&str, String> = BTreeMap::new();
+    for p in v.pods.iter().filter(|p| &p.revision == rev) {
+        if o.skip.contains(&p.node) || o.again.as_deref() == Some(p.node.as_str()) {
+            continue;
+        }
+        if !v.agents.contains_key(&p.node) {
+            continue;
+        }
+        match v.proofs.get(&p.node) {
+            Some(Ok(pr)) => match pr.status {
+                ProofStatus::Passed => {}
+                ProofStatus::Failed => refusals.push(Refusal::VerdictFailed {
+                    node: p.node.clone(),
+                    pod: p.name.clone(),
+                    step: pr.step.as_ref().map(|s| s.id.clone()),
+                    why: pr.why.clone(),
+                }),
+                ProofStatus::Pending => refusals.push(Refusal::ProofPending {
+                    node: p.node.clone(),
+                    why: pr.why.clone(),
+                }),
+                ProofStatus::Unproven => {
+                    unproven.insert(&p.node, pr.why.clone());
+                }
+            },
+            Some(Err(e)) => refusals.push(Refusal::ProofUnknown {
+                node: p.node.clone(),
+                problem: e.clone(),
+            }),
+            None if p.started_at.is_none() => {
+                unproven.insert(
+                    &p.node,
+                    "its cilium-agent container reports no start time".into(),
+                );
+            }
+            None => refusals.push(Refusal::ProofUnknown {
+                node: p.node.clone(),
+                problem: "not asked".into(),
+            }),
+        }
+    }
     if !refusals.is_empty() {
         return Err(refusals);
     }
@@ -464,7 +568,10 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
     let mut todo: Vec<&CiliumPod> = v
         .pods
         .iter()
-        .filter(|p| &p.revision != rev && !o.skip.contains(&p.node))
+        .filter(|p| {
+            (&p.revision != rev || unproven.contains_key(p.node.as_str()))
+                && !o.skip.contains(&p.node)
+        })
         .filter(|p| again.is_none_or(|a| a.node != p.node))
         .collect();
     todo.sort_by(|a, b| a.node.cmp(&b.node));
@@ -573,6 +680,10 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
                 .unwrap_or(Duration::ZERO);
             expected_blip(lease, &v.l2_timings)
         });
+        let why = match unproven.get(p.node.as_str()) {
+            Some(u) if why != "retry" => format!("{why}; on the revision but not proven: {u}"),
+            _ => why,
+        };
         out.push(PlannedStep {
             node: p.node.clone(),
             pod: p.name.clone(),

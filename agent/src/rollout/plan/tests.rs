@@ -19,6 +19,7 @@ fn pod(node: &str, rev: &str) -> CiliumPod {
         image: "quay.io/cilium/cilium:v1.17.3".into(),
         bound: true,
         crash_looping: None,
+        started_at: Some(100.0),
     }
 }
 fn view() -> ClusterView {
@@ -66,6 +67,25 @@ fn view() -> ClusterView {
             },
         ],
         l2_timings: L2Timings::default(),
+        proofs: names
+            .iter()
+            .map(|(x, _, _)| (x.to_string(), Ok(proof(ProofStatus::Passed))))
+            .collect(),
+    }
+}
+
+fn proof(status: ProofStatus) -> Proof {
+    Proof {
+        started_at: 100.0,
+        status,
+        step: Some(crate::step::proof::ProofStep {
+            id: "implicit-1".into(),
+            origin: crate::step::Origin::Implicit,
+            created_at: 99.0,
+            reloaded_at: Some(101.0),
+            verdict: None,
+        }),
+        why: format!("step implicit-1: {}", status.as_str()),
     }
 }
 
@@ -182,6 +202,10 @@ fn kinds(r: &[Refusal]) -> Vec<&'static str> {
             Refusal::AgentMissing { .. } => "agent",
             Refusal::DevicesUnknown { .. } => "devunknown",
             Refusal::DevicesDiffer { .. } => "devices",
+            Refusal::VerdictFailed { .. } => "failed",
+            Refusal::ProofPending { .. } => "pending",
+            Refusal::ProofUnknown { .. } => "proofunknown",
+            Refusal::CanaryUnknown { .. } => "canary",
         })
         .collect()
 }
@@ -250,4 +274,112 @@ fn refusals_come_in_the_documented_order() {
     v.pods[4].revision = "new".into();
     v.devices.insert("cp".into(), Ok(vec!["eth1".into()]));
     assert!(plan(&v, &PlanOpts::default()).is_ok());
+}
+
+/// A pod on the current revision is done only when its agent proves its start passed: a
+/// failed proof halts naming it, a pending one is waited for, an unproven one is stepped.
+#[test]
+fn a_pod_on_the_revision_is_done_only_with_a_passed_proof() {
+    let mut v = view();
+    for p in &mut v.pods {
+        p.revision = "new".into();
+    }
+    assert_eq!(plan(&v, &PlanOpts::default()).unwrap(), vec![]);
+    v.proofs
+        .insert("b1".into(), Ok(proof(ProofStatus::Unproven)));
+    let p = plan(&v, &PlanOpts::default()).unwrap();
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].node, "b1");
+    assert!(
+        p[0].why.contains("not proven: step implicit-1: unproven"),
+        "{}",
+        p[0].why
+    );
+    v.proofs.insert("a2".into(), Ok(proof(ProofStatus::Failed)));
+    let r = plan(&v, &PlanOpts::default()).unwrap_err();
+    assert_eq!(kinds(&r), ["failed"]);
+    assert!(r[0].halts());
+    assert!(
+        r[0].to_string().contains("node a2's cilium pod cilium-a2"),
+        "{}",
+        r[0]
+    );
+    // A person's --retry steps it again; --skip leaves it.
+    let o = PlanOpts {
+        again: Some("a2".into()),
+        ..Default::default()
+    };
+    let names: Vec<String> = plan(&v, &o).unwrap().into_iter().map(|s| s.node).collect();
+    assert_eq!(names, ["a2", "b1"]);
+    let o = PlanOpts {
+        skip: ["a2".to_string()].into(),
+        ..Default::default()
+    };
+    assert_eq!(plan(&v, &o).unwrap().len(), 1);
+    v.proofs
+        .insert("b2".into(), Ok(proof(ProofStatus::Pending)));
+    v.proofs.insert("cp".into(), Err("unreachable".into()));
+    let r = plan(&v, &o).unwrap_err();
+    assert_eq!(kinds(&r), ["pending", "proofunknown"]);
+    assert!(!r[0].halts() && !r[1].halts());
+    // A pod without a start time (its container not running) is not proven.
+    let mut v = view();
+    v.pods[0].revision = "new".into();
+    v.pods[0].started_at = None;
+    v.proofs.remove("a1");
+    let p = plan(&v, &PlanOpts::default()).unwrap();
+    assert!(p
+        .iter()
+        .any(|s| s.node == "a1" && s.why.contains("no start time")));
+}
+
+/// A node a person skipped is exempt from every refusal: NotReady, its agent gone, its
+/// devices unknown, its failed verdict.
+#[test]
+fn a_skipped_node_is_exempt_from_every_refusal() {
+    let mut v = view();
+    v.nodes[1].ready = false;
+    v.pods[1].ready = false;
+    v.number_unavailable = 1;
+    v.agents.remove("a2");
+    v.devices.insert("a2".into(), Err("unreachable".into()));
+    v.pods[1].revision = "new".into();
+    v.proofs.insert("a2".into(), Ok(proof(ProofStatus::Failed)));
+    let r = plan(&v, &PlanOpts::default()).unwrap_err();
+    assert_eq!(
+        kinds(&r),
+        ["notready", "podnotready", "unavailable", "agent"]
+    );
+    let o = PlanOpts {
+        skip: ["a2".to_string()].into(),
+        ..Default::default()
+    };
+    let p = plan(&v, &o).unwrap();
+    assert!(p.iter().all(|s| s.node != "a2"), "{p:?}");
+    v.agents.insert("a2".into(), "http://a2:9969".into());
+    let p = plan(&v, &o).unwrap();
+    assert!(p.iter().all(|s| s.node != "a2"), "{p:?}");
+}
+
+/// A misspelled canary, or a canary label that matches no node, is refused, not ignored.
+#[test]
+fn a_canary_that_names_no_node_is_refused() {
+    let v = view();
+    let o = PlanOpts {
+        canary: Some("b3".into()),
+        ..Default::default()
+    };
+    let r = plan(&v, &o).unwrap_err();
+    assert_eq!(kinds(&r), ["canary"]);
+    assert!(r[0].to_string().contains("b3"), "{}", r[0]);
+    let o = PlanOpts {
+        canary_label: Some(("stepguard.io/canary".into(), "true".into())),
+        ..Default::default()
+    };
+    assert_eq!(kinds(&plan(&v, &o).unwrap_err()), ["canary"]);
+    let mut v = view();
+    v.nodes[2]
+        .labels
+        .insert("stepguard.io/canary".into(), "true".into());
+    assert_eq!(plan(&v, &o).unwrap()[0].node, "b1");
 }
