@@ -19,11 +19,45 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
     })
     .await?;
     let current = view.revision.clone().map(|r| r.0).unwrap_or_default();
+    // The node's own failed verdict, whatever the record says.
+    let world = match &l {
+        Lift::Retry(n) | Lift::Skip(n) => view
+            .pods
+            .iter()
+            .find(|p| &p.node == n && p.revision == current)
+            .and_then(|_| match view.proofs.get(n) {
+                Some(Ok(pr)) if pr.status == plan::ProofStatus::Failed => Some(record::Halt {
+                    node: n.clone(),
+                    step: pr.step.as_ref().map(|s| s.id.clone()),
+                    revision: current.clone(),
+                    reason: pr.why.clone(),
+                    at: stamp(),
+                }),
+                _ => None,
+            }),
+        Lift::Abort => None,
+    };
     let api = c.leases();
     let name = c.lock_name();
     for _ in 0..5 {
         let lease = api.get_opt(&name).await.context("read the rollout lock")?;
-        let Some(mut lease) = lease else {
+        let (mut lease, create) = match lease {
+            Some(l) => (l, false),
+            // The lock was deleted: a decision on a node that failed is recorded on a new one.
+            None if world.is_some() => (
+                Lease {
+                    metadata: ObjectMeta {
+                        name: Some(name.clone()),
+                        namespace: Some(c.args.lock_namespace.clone()),
+                        ..Default::default()
+                    },
+                    spec: Some(Default::default()),
+                },
+                true,
+            ),
+            None => (Default::default(), true),
+        };
+        if create && world.is_none() {
             if l == Lift::Abort {
                 println!(
                     "no rollout lock {}/{name}: nothing to abort",
@@ -76,7 +110,7 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
                 return Ok(2);
             }
         }
-        let next = match record::lift(&mut rec, &l, &by, &why, &current, &stamp()) {
+        let next = match record::lift(&mut rec, &l, &by, &why, &current, &stamp(), world.as_ref()) {
             Ok(n) => n,
             Err(e) => {
                 eprintln!("stepguard rollout: {e}");
@@ -117,7 +151,12 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
                 .get_or_insert_with(Default::default)
                 .holder_identity = None;
         }
-        match api.replace(&name, &PostParams::default(), &lease).await {
+        let written = if create {
+            api.create(&PostParams::default(), &lease).await
+        } else {
+            api.replace(&name, &PostParams::default(), &lease).await
+        };
+        match written {
             Ok(_) => {}
             Err(e) if api_code(&e) == Some(409) => continue,
             Err(e) => return Err(e).context("record the decision on the rollout lock"),

@@ -66,23 +66,33 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
         || read_lock(c),
     )
     .await?;
+    let view = c.view().await.map(|(v, _)| v);
     let Some(lease) = lease else {
         println!(
             "no rollout lock {}/{}: no rollout has run, or its record was removed",
             c.args.lock_namespace,
             c.lock_name()
         );
+        // The nodes' proofs are the world's, not the lock's: told all the same.
+        match &view {
+            Ok(v) => node_lines(v).iter().for_each(|l| println!("{l}")),
+            Err(e) => println!("cannot read the cluster for the nodes' proofs: {e:#}"),
+        }
         return Ok(0);
     };
     let spec = lease.spec.clone().unwrap_or_default();
-    let verdict = match &rec.halt {
-        Some(h) => match c.view().await {
-            Ok((v, _)) => Some(halt_verdict(c, &v, h).await),
-            Err(e) => Some(format!(
-                "cannot read the cluster for the failed node's verdict: {e:#}"
-            )),
-        },
-        None => None,
+    let verdict = match (&rec.halt, &view) {
+        (Some(h), Ok(v)) => Some(halt_verdict(c, v, h).await),
+        (Some(_), Err(e)) => Some(format!(
+            "cannot read the cluster for the failed node's verdict: {e:#}"
+        )),
+        (None, _) => None,
+    };
+    let nodes = match &view {
+        Ok(v) => node_lines(v),
+        Err(e) => vec![format!(
+            "cannot read the cluster for the nodes' proofs: {e:#}"
+        )],
     };
     if c.args.output == "json" {
         println!(
@@ -90,6 +100,7 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
             serde_json::to_string_pretty(&json!({
                 "holder": spec.holder_identity, "renew_time": spec.renew_time.map(|t| t.0.to_string()),
                 "inflight": rec.inflight, "halt": rec.halt, "halt_verdict": verdict,
+                "nodes": nodes,
                 "retry": rec.retry, "skipped": rec.skipped, "aborted": rec.aborted,
                 "decisions": rec.decisions, "history": rec.history}))?
         );
@@ -120,6 +131,9 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
         if let Some(v) = &verdict {
             println!("  {v}");
         }
+    }
+    for l in &nodes {
+        println!("{l}");
     }
     if let Some(n) = &rec.retry {
         println!("node {n} is to be stepped again first (--retry)");
@@ -159,6 +173,38 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// Each node's cilium pod against the current revision and its agent's proof, one line
+/// each: what the stepper will do with it.
+pub(super) fn node_lines(v: &ClusterView) -> Vec<String> {
+    let Some((rev, _)) = &v.revision else {
+        return vec!["the DaemonSet has no current revision".into()];
+    };
+    let mut pods: Vec<&CiliumPod> = v.pods.iter().collect();
+    pods.sort_by(|a, b| a.node.cmp(&b.node));
+    pods.iter()
+        .map(|p| {
+            let what = if &p.revision != rev {
+                format!("on revision {}: to be stepped", p.revision)
+            } else {
+                match v.proofs.get(&p.node) {
+                    Some(Ok(pr)) => match pr.status {
+                        plan::ProofStatus::Passed => format!("proven: {}", pr.why),
+                        plan::ProofStatus::Failed => format!("FAILED its verification: {}", pr.why),
+                        plan::ProofStatus::Pending => format!("being verified: {}", pr.why),
+                        plan::ProofStatus::Unproven => {
+                            format!("not proven, to be stepped: {}", pr.why)
+                        }
+                    },
+                    Some(Err(e)) => format!("proof unknown: {e}"),
+                    None if !v.agents.contains_key(&p.node) => "no stepguard agent".into(),
+                    None => "not proven, to be stepped: its container reports no start".into(),
+                }
+            };
+            format!("node {}: pod {} {what}", p.node, p.name)
+        })
+        .collect()
 }
 
 /// Who takes a decision: the Kubernetes user (SelfSubjectReview) and the local user.

@@ -295,6 +295,7 @@ pub fn lift(
     why: &str,
     current: &str,
     now: &str,
+    world: Option<&Halt>,
 ) -> Result<String, String> {
     let decision = |action: &str, node: Option<&str>, revision: &str| Decision {
         action: action.into(),
@@ -304,7 +305,14 @@ pub fn lift(
         why: why.to_string(),
         at: now.to_string(),
     };
+    // A node whose current pod failed its verification (`world`, read from its agent) is
+    // halted whatever the record holds (an abort, a deleted lock).
     let halted_at = |r: &Record, node: &str| -> Result<Halt, String> {
+        if let Some(w) = world.filter(|w| w.node == node) {
+            if r.halt.as_ref().is_none_or(|h| h.node != node) {
+                return Ok(w.clone());
+            }
+        }
         match &r.halt {
             None => Err(format!(
                 "no halt stands{}: there is nothing to lift",
@@ -326,7 +334,9 @@ pub fn lift(
     match l {
         Lift::Retry(node) => {
             let h = halted_at(r, node)?;
-            r.halt = None;
+            if r.halt.as_ref().is_some_and(|x| &x.node == node) {
+                r.halt = None;
+            }
             r.retry = Some(node.clone());
             r.decide(decision("retry", Some(node), &h.revision));
             Ok(format!(
@@ -335,7 +345,9 @@ pub fn lift(
         }
         Lift::Skip(node) => {
             let h = halted_at(r, node)?;
-            r.halt = None;
+            if r.halt.as_ref().is_some_and(|x| &x.node == node) {
+                r.halt = None;
+            }
             r.retry = None;
             r.skipped.push(Skip {
                 node: node.clone(),
@@ -460,7 +472,16 @@ mod tests {
     #[test]
     fn people_lift_a_halt_on_the_failed_node_only_and_are_recorded() {
         let mut r = halted();
-        let e = lift(&mut r, &Lift::Retry("n1".into()), "me", "x", "r2", "t").unwrap_err();
+        let e = lift(
+            &mut r,
+            &Lift::Retry("n1".into()),
+            "me",
+            "x",
+            "r2",
+            "t",
+            None,
+        )
+        .unwrap_err();
         assert!(e.contains("the halt is at node n2"), "{e}");
         assert!(r.halt.is_some());
         lift(
@@ -470,12 +491,13 @@ mod tests {
             "fixed the NIC",
             "r2",
             "t",
+            None,
         )
         .unwrap();
         assert_eq!((r.halt.is_none(), r.retry.as_deref()), (true, Some("n2")));
         assert_eq!(r.decisions[0].by, "me");
         assert_eq!(r.decisions[0].why, "fixed the NIC");
-        let e = lift(&mut r, &Lift::Skip("n2".into()), "me", "x", "r2", "t").unwrap_err();
+        let e = lift(&mut r, &Lift::Skip("n2".into()), "me", "x", "r2", "t", None).unwrap_err();
         assert!(e.contains("no halt stands"), "{e}");
 
         let mut r = halted();
@@ -486,6 +508,7 @@ mod tests {
             "known bad",
             "r2",
             "t",
+            None,
         )
         .unwrap();
         assert_eq!(r.skipped_on("r2"), ["n2"]);
@@ -494,12 +517,62 @@ mod tests {
         assert!(r.skipped.is_empty());
 
         let mut r = halted();
-        lift(&mut r, &Lift::Abort, "me", "giving up", "r2", "t").unwrap();
+        lift(&mut r, &Lift::Abort, "me", "giving up", "r2", "t", None).unwrap();
         assert_eq!((r.halt.is_none(), r.aborted.as_deref()), (true, Some("r2")));
         for _ in 0..30 {
             r.decide(Decision::default());
         }
         assert_eq!(r.decisions.len(), DECISIONS_KEPT);
+    }
+
+    /// A node whose current pod failed its verification can be decided on whatever the
+    /// record holds (its halt aborted, or the lock deleted): the world's halt stands in.
+    #[test]
+    fn a_failed_node_without_a_halt_on_the_record_can_be_decided_on() {
+        let world = Halt {
+            node: "n3".into(),
+            step: Some("implicit-1".into()),
+            revision: "r2".into(),
+            reason: "map_emptied".into(),
+            at: "t".into(),
+        };
+        let mut r = Record::default();
+        let e = lift(&mut r, &Lift::Skip("n3".into()), "me", "x", "r2", "t", None).unwrap_err();
+        assert!(e.contains("no halt stands"), "{e}");
+        lift(
+            &mut r,
+            &Lift::Skip("n3".into()),
+            "me",
+            "drained",
+            "r2",
+            "t",
+            Some(&world),
+        )
+        .unwrap();
+        assert_eq!(r.skipped_on("r2"), ["n3"]);
+        let mut r = halted();
+        let e = lift(
+            &mut r,
+            &Lift::Retry("n1".into()),
+            "me",
+            "x",
+            "r2",
+            "t",
+            Some(&world),
+        )
+        .unwrap_err();
+        assert!(e.contains("the halt is at node n2"), "{e}");
+        lift(
+            &mut r,
+            &Lift::Retry("n3".into()),
+            "me",
+            "x",
+            "r2",
+            "t",
+            Some(&world),
+        )
+        .unwrap();
+        assert_eq!(r.retry.as_deref(), Some("n3"));
     }
 
     #[test]

@@ -64,6 +64,31 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
             ));
         }
     }
+    if rec.inflight.is_none() && approve.as_deref() == Some(cur.as_str()) {
+        // A node whose current pod failed its verification halts the watch until a person
+        // decides; told once in an Event, not by a rollout run per tick.
+        let mut opts = plan_opts(c);
+        opts.skip = skipped.clone();
+        opts.again = rec.retry.clone();
+        if let Err(refusals) = plan::plan(&v, &opts) {
+            let halts: Vec<String> = refusals
+                .iter()
+                .filter(|r| r.halts())
+                .map(|r| r.to_string())
+                .collect();
+            if !halts.is_empty() {
+                let note = format!(
+                    "halted: a node's current cilium pod failed its verification: {}",
+                    halts.join("; ")
+                );
+                if *announced != note {
+                    c.event(&ds, true, "StepguardRolloutHalted", &note).await;
+                    *announced = note.clone();
+                }
+                return Ok(note);
+            }
+        }
+    }
     if owed || approved(&v, approve.as_deref(), &skipped) {
         let code = rollout(c, true).await?;
         return Ok(format!("rollout ended with exit code {code}"));

@@ -262,7 +262,7 @@ mod tests {
             Some((Status::Failed, &[Reason::DatapathNotReloaded])),
         );
         assert_eq!(
-            covering(&[orphan.clone()], 190.0).status,
+            covering(std::slice::from_ref(&orphan), 190.0).status,
             ProofStatus::Unproven
         );
         let active = step("active", 210.0, None, None);

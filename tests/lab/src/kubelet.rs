@@ -153,6 +153,12 @@ struct Loop {
     reported: BTreeMap<String, Reported>,
     crash_started: BTreeMap<String, Instant>,
     pull_started: BTreeMap<String, Instant>,
+    /// node → when the lab last began restarting its agent for a deletion (RFC 3339).
+    restart_began: BTreeMap<String, String>,
+    /// uid → its container's start as reported (`state.running.startedAt`), fixed at the
+    /// first report as a real kubelet's is: a replacement cilium pod's container is the agent
+    /// the lab's restart started, so it started when that restart began.
+    started: BTreeMap<String, String>,
 }
 
 impl Loop {
@@ -213,7 +219,19 @@ impl Loop {
             }
             let want = self.desired(&uid, &name, &node, cilium);
             if self.reported.get(&uid) != Some(&want) {
-                if let Err(e) = self.report(&p, &ns, &name, &ip, &want) {
+                let began = if cilium && self.replaced.contains(&uid) {
+                    self.restart_began.get(&node).cloned()
+                } else {
+                    None
+                };
+                let started = self
+                    .started
+                    .entry(uid.clone())
+                    .or_insert_with(|| {
+                        began.unwrap_or_else(|| k8s_openapi::jiff::Timestamp::now().to_string())
+                    })
+                    .clone();
+                if let Err(e) = self.report(&p, &ns, &name, &ip, &want, &started) {
                     first_err.get_or_insert(e);
                     continue;
                 }
@@ -278,7 +296,15 @@ impl Loop {
         }
     }
 
-    fn report(&self, p: &Pod, ns: &str, name: &str, ip: &str, r: &Reported) -> Result<()> {
+    fn report(
+        &self,
+        p: &Pod,
+        ns: &str,
+        name: &str,
+        ip: &str,
+        r: &Reported,
+        started: &str,
+    ) -> Result<()> {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let ready = if r.ready { "True" } else { "False" };
         let containers: Vec<Value> = p
@@ -294,7 +320,7 @@ impl Loop {
                     json!({"waiting": {"reason": "CrashLoopBackOff",
                         "message": format!("back-off restarting failed container {}", c.name)}})
                 } else {
-                    json!({"running": {"startedAt": now}})
+                    json!({"running": {"startedAt": started}})
                 };
                 json!({"name": c.name, "image": c.image, "imageID": "", "ready": r.ready,
                        "started": !r.pulling && (r.restarts == 0 || r.ready), "restartCount": r.restarts,
@@ -347,6 +373,10 @@ impl Loop {
                     st.deletions.len()
                 };
                 self.awaiting.insert(node.to_string(), nth);
+                self.restart_began.insert(
+                    node.to_string(),
+                    k8s_openapi::jiff::Timestamp::now().to_string(),
+                );
                 let (hook, state, n) = (self.restart.clone(), self.state.clone(), node.to_string());
                 std::thread::spawn(move || {
                     // The agent counts as back even when the hook failed (the failure is the
@@ -384,6 +414,7 @@ impl Loop {
         }
         self.terminating.remove(uid);
         self.reported.remove(uid);
+        self.started.remove(uid);
         Ok(())
     }
 }
@@ -415,6 +446,8 @@ impl Kubelet {
                 reported: BTreeMap::new(),
                 crash_started: BTreeMap::new(),
                 pull_started: BTreeMap::new(),
+                restart_began: BTreeMap::new(),
+                started: BTreeMap::new(),
             };
             let mut last_err = String::new();
             while !sp.load(Ordering::Relaxed) {
