@@ -34,10 +34,12 @@ pub struct StepArgs {
     /// Step id (default: the agent makes one). Re-using the active id is idempotent.
     #[arg(long)]
     pub id: Option<String>,
-    /// Give up (datapath_not_reloaded / not_settled) after this long.
+    /// The step's only deadline: the reload, refills and regenerations may take until
+    /// then; what is still pending at it fails with its own reason.
     #[arg(long)]
     pub timeout: Option<String>,
-    /// How long everything must stay green after the reload.
+    /// How long everything must stay green, once nothing is pending, before the step passes
+    /// (a window, not a deadline).
     #[arg(long)]
     pub settle: Option<String>,
     /// Longest acceptable outage per target (targets may set their own).

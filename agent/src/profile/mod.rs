@@ -183,7 +183,7 @@ pub enum MapClass {
     /// services, backends, reverse NAT, the node map. It must come back with its entries.
     Kept,
     /// Recreated by design on every start (unpinned, created anew, refilled): ipcache, the
-    /// tunnel map (≤ 1.17), the VTEP map. It must have refilled by the end of settle.
+    /// tunnel map (≤ 1.17), the VTEP map. It must have refilled within the step's timeout.
     Recreated,
     /// Entries come and go with traffic (connection tracking, NAT, events, metrics, policy
     /// stats, L2 responder): reported, never a failure by itself.

@@ -38,9 +38,11 @@ pub struct RolloutArgs {
     /// Step at most this many nodes in this run.
     #[arg(long)]
     pub max_nodes: Option<usize>,
-    /// The step each node's agent verifies: its settle window and timeout.
+    /// The step each node's agent verifies: how long everything must stay green, once
+    /// nothing is pending, before it passes (a window, not a deadline).
     #[arg(long, default_value = "30s", value_parser = crate::duration::parse)]
     pub settle: Duration,
+    /// The step's only deadline: the reload, refills and regenerations may take until then.
     #[arg(long, default_value = "10m", value_parser = crate::duration::parse)]
     pub step_timeout: Duration,
     /// How long the replacement cilium pod has to be Ready on the current revision, counted

@@ -179,7 +179,30 @@ impl StepView {
                 }
                 out.push_str(&format!("\n  {}\n", v.summary));
             }
-            None => out.push('\n'),
+            None => {
+                out.push('\n');
+                // What a pass waits for: the timeout is the only deadline, settle the
+                // window everything must then stay green for.
+                let waiting: Vec<String> = self
+                    .checks
+                    .iter()
+                    .filter(|(_, c)| c.status != crate::checks::Status::Pass)
+                    .map(|(n, c)| format!("{n} ({})", c.reason))
+                    .collect();
+                let deadline = self.created_at + self.params.timeout.as_secs_f64();
+                if waiting.is_empty() {
+                    out.push_str(&format!(
+                        "  waiting for: {} green (settle), before the timeout at {deadline:.0}\n",
+                        crate::duration::human(self.params.settle)
+                    ));
+                } else {
+                    out.push_str(&format!(
+                        "  waiting for: {}; then {} green (settle), all before the timeout at {deadline:.0}\n",
+                        waiting.join("; "),
+                        crate::duration::human(self.params.settle)
+                    ));
+                }
+            }
         }
         if let Some(t) = &self.trigger {
             out.push_str(&format!("  implicit step: {t}\n"));

@@ -2268,3 +2268,32 @@ fn a_watch_stepper_stops_on_sigterm_leaving_the_step_in_flight_to_the_next() {
     assert_eq!(code, 0, "{out}");
     each_node_once_every_verdict_read(&e, from, &ev, &rev, &out);
 }
+
+#[test]
+fn the_revision_is_read_again_right_before_the_delete() {
+    let e = env();
+    let hook = begun_webhook(&e);
+    let from = deletions(&e).len();
+    // The step is begun and recorded; its StepguardStepBegun Event (the moment right before
+    // the delete) is held while the template changes to a revision nobody approved.
+    hook.hold.lock().unwrap().next = Some(("StepguardStepBegun".into(), Duration::from_secs(5)));
+    let mut s = Stepper::spawn(&e, "reread", &[]);
+    wait_until(
+        "the stepper waits right before its delete",
+        Duration::from_secs(60),
+        || hook.hold.lock().unwrap().holding,
+        || s.output(),
+    );
+    let unapproved = bump(&e, false);
+    let code = exit_code(&mut s, Duration::from_secs(60));
+    assert_eq!(code, 2, "{}", s.output());
+    assert!(
+        s.output().contains(&format!(
+            "the DaemonSet moved to revision {unapproved} (not approved) before pod"
+        )),
+        "{}",
+        s.output()
+    );
+    assert_eq!(deletions(&e).len(), from, "no pod deleted: {}", s.output());
+    assert_rbac_sufficed(&e);
+}

@@ -92,8 +92,9 @@ pub fn pending_endpoints(step: &Step) -> Vec<&String> {
 }
 
 /// `endpoints`: every endpoint present at the baseline and still present runs new programs
-/// by the end of settle (Cilium regenerates every restored endpoint on each start); until
-/// then the step is not green, and after it the step fails naming the endpoints.
+/// within the step's timeout (Cilium regenerates every restored endpoint on each start, at
+/// its own pace: a big node takes long); until then the step is not green, and at the
+/// timeout it fails naming the endpoints still waited for.
 pub fn check_endpoints(step: &Step, now: f64) -> Judged {
     use super::super::EndpointsFollowed;
     match &step.baseline.endpoints_followed {
@@ -134,8 +135,8 @@ pub fn check_endpoints(step: &Step, now: f64) -> Judged {
     }
     let names = first_of(&pending, ENDPOINTS_NAMED);
     match step.reload.complete_at {
-        Some(at) if now >= at + step.params.settle.as_secs_f64() => {
-            let deadline = at + step.params.settle.as_secs_f64();
+        Some(_) if super::timed_out(step, now) => {
+            let deadline = step.created_at + step.params.timeout.as_secs_f64();
             // Only an endpoint read after the deadline, still on its old programs, is
             // evidence of a stalled regeneration; one not readable since is unknown.
             let stale: Vec<&String> = pending
@@ -147,7 +148,7 @@ pub fn check_endpoints(step: &Step, now: f64) -> Judged {
                 return Judged::not_yet(
                     CheckStatus::Unknown,
                     format!(
-                        "{} endpoints not read consistently since the end of settle: {names}",
+                        "{} endpoints not read consistently since the step's timeout: {names}",
                         pending.len()
                     ),
                     Some(Reason::EvidenceIncomplete),
@@ -156,9 +157,9 @@ pub fn check_endpoints(step: &Step, now: f64) -> Judged {
             Judged::fatal(
                 Reason::EndpointsNotRegenerated,
                 format!(
-                    "{} of {of} endpoints still ran the programs they had before the restart {:.0}s after the host datapath reloaded (the end of settle): {}{gone}",
+                    "{} of {of} endpoints still ran the programs they had before the restart at the step's timeout ({:.0}s): {}{gone}",
                     stale.len(),
-                    step.params.settle.as_secs_f64(),
+                    step.params.timeout.as_secs_f64(),
                     first_of(&stale, ENDPOINTS_NAMED)
                 ),
             )

@@ -70,7 +70,7 @@ pub fn after_version(step: &Step, o: &Observed) -> Option<AfterVersion> {
 
 /// Judges every map of the baseline and of the returning version by its class (what Cilium
 /// does with it on a start): kept state must come back with its entries; maps recreated by
-/// design (or for a property change: new id) must have refilled by the end of settle; churn
+/// design (or for a property change: new id) must have refilled within the step's timeout; churn
 /// is reported only. A map the returning version `va` renamed is judged under its new name
 /// against the baseline of the old one (`cilium_ipcache` → `cilium_ipcache_v2`), and so are
 /// the per-endpoint policy maps of its prefix; a map `va` does not have at all was removed by
@@ -84,7 +84,7 @@ pub fn judge_maps(
     endpoint_maps: Option<&BTreeMap<String, u64>>,
     va: Option<&AfterVersion>,
     entries_now: &BTreeMap<String, Vec<String>>,
-    settle_over: bool,
+    past_timeout: bool,
 ) -> MapsJudged {
     let v = va.map(|a| a.version);
     let mut ev = BTreeMap::new();
@@ -202,10 +202,10 @@ pub fn judge_maps(
             }
             _ if !counted => "present (entries not countable)".into(),
             profile::MapClass::Recreated => {
-                refill(m, b, a, recreated, settle_over, &mut fatal, &mut waiting)
+                refill(m, b, a, recreated, past_timeout, &mut fatal, &mut waiting)
             }
             profile::MapClass::Kept if recreated => {
-                refill(m, b, a, true, settle_over, &mut fatal, &mut waiting)
+                refill(m, b, a, true, past_timeout, &mut fatal, &mut waiting)
             }
             profile::MapClass::Kept => {
                 let lost = lost_entries(step.baseline.map_entries.get(m), entries_now.get(m));
@@ -248,7 +248,7 @@ pub fn judge_maps(
             step,
             va,
             now,
-            settle_over,
+            past_timeout,
             &mut ev,
             &mut fatal,
             &mut waiting,
@@ -283,12 +283,12 @@ pub(super) fn lost_entries(before: Option<&Vec<String>>, now: Option<&Vec<String
 /// The per-endpoint policy maps of the returning version's prefix, judged like a recreated
 /// map against the baseline's policy maps (whatever their prefix): an upgrade that renames
 /// them (`cilium_policy_v2_*` → `cilium_policy_v3_*`) must create them again for the
-/// endpoints by the end of settle.
+/// endpoints within the step's timeout.
 pub(super) fn judge_policy_maps(
     step: &Step,
     va: &AfterVersion,
     now: &BTreeMap<String, u64>,
-    settle_over: bool,
+    past_timeout: bool,
     ev: &mut BTreeMap<String, MapEvidence>,
     fatal: &mut Option<(Reason, String)>,
     waiting: &mut Vec<String>,
@@ -329,7 +329,7 @@ pub(super) fn judge_policy_maps(
     let a = now.get(kind).copied().unwrap_or(0);
     let name = format!("{prefix}*");
     let renamed = base_kind != kind;
-    let judged = refill(&name, b, a, renamed, settle_over, fatal, waiting);
+    let judged = refill(&name, b, a, renamed, past_timeout, fatal, waiting);
     ev.insert(
         name,
         MapEvidence {
@@ -352,7 +352,7 @@ pub(super) fn judge_observed_maps(
     o: &Observed,
     maps: &BTreeMap<String, Option<u64>>,
     va: Option<&AfterVersion>,
-    settle_over: bool,
+    past_timeout: bool,
 ) -> MapsJudged {
     judge_maps(
         step,
@@ -361,7 +361,7 @@ pub(super) fn judge_observed_maps(
         o.endpoint_maps.as_ref(),
         va,
         &o.map_entries,
-        settle_over,
+        past_timeout,
     )
 }
 
@@ -374,14 +374,15 @@ pub struct MapsJudged {
     pub waiting: Option<String>,
 }
 
-/// A map recreated by design (or for a property change): it must hold entries again by the
-/// end of settle when it held some before.
+/// A map recreated by design (or for a property change): it must hold entries again within
+/// the step's timeout (its only deadline) when it held some before; until then it is
+/// waited for.
 pub(super) fn refill(
     m: &str,
     b: u64,
     a: u64,
     recreated: bool,
-    settle_over: bool,
+    past_timeout: bool,
     fatal: &mut Option<(Reason, String)>,
     waiting: &mut Vec<String>,
 ) -> String {
@@ -392,14 +393,14 @@ pub(super) fn refill(
     if refilled {
         return format!("{how}, {b}→{a} entries");
     }
-    if settle_over {
+    if past_timeout {
         if fatal.is_none() {
             *fatal = Some((
                 Reason::MapEmptied,
-                format!("{m} was not refilled by the end of settle ({b}→{a})"),
+                format!("{m} was not refilled within the step's timeout ({b}→{a})"),
             ));
         }
-        format!("{how}, not refilled by the end of settle ({b}→{a})")
+        format!("{how}, not refilled within the step's timeout ({b}→{a})")
     } else {
         waiting.push(m.to_string());
         format!("{how}, refilling ({b}→{a} so far)")
@@ -413,7 +414,7 @@ pub(super) fn refill(
 pub(super) fn judge_declared_version(
     step: &Step,
     va: Option<&AfterVersion>,
-    settle_over: bool,
+    past_timeout: bool,
 ) -> Option<Judged> {
     let declared = step.params.expect_cilium.as_deref()?;
     let before = step.baseline.cilium.as_deref().unwrap_or("unknown");
@@ -440,9 +441,9 @@ pub(super) fn judge_declared_version(
     } else {
         declared_v.is_some_and(|d| profile::pair_label(d) == profile::pair_label(va.version))
     };
-    if !same && !from_api && !settle_over {
+    if !same && !from_api && !past_timeout {
         // Names settle with the endpoints' regeneration (policy maps of the new prefix):
-        // judged on names only at the end of settle.
+        // judged on names only at the step's timeout.
         return Some(Judged::not_yet(
             CheckStatus::Unknown,
             format!("the step declared Cilium {declared}; the pinned maps point to {came} so far"),
@@ -477,9 +478,10 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
         return Judged::not_yet(CheckStatus::Unknown, "compared after the reload", None);
     };
     if let Some(maps) = &o.maps {
-        let settle_over = o.now >= reloaded_at + step.params.settle.as_secs_f64();
+        let _ = reloaded_at;
+        let past_timeout = super::timed_out(step, o.now);
         let va = after_version(step, o);
-        let j = judge_observed_maps(step, o, maps, va.as_ref(), settle_over);
+        let j = judge_observed_maps(step, o, maps, va.as_ref(), past_timeout);
         if let Some((code, why)) = j.fatal {
             return Judged::fatal(code, why);
         }
@@ -509,7 +511,7 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
                 );
             }
         }
-        if let Some(j) = judge_declared_version(step, va.as_ref(), settle_over) {
+        if let Some(j) = judge_declared_version(step, va.as_ref(), past_timeout) {
             return j;
         }
         if let Some(w) = j.waiting {

@@ -53,6 +53,13 @@ pub struct Observed {
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
 }
 
+/// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,
+/// refills, regenerations) may take until then; settle is how long everything must then stay
+/// green.
+pub fn timed_out(step: &Step, now: f64) -> bool {
+    now >= step.created_at + step.params.timeout.as_secs_f64()
+}
+
 fn finish(step: &mut Step, status: Status, reasons: Vec<Reason>, summary: String, now: f64) {
     step.phase = Phase::Done;
     step.verdict = Some(Verdict {
@@ -178,8 +185,8 @@ pub fn decide(step: &mut Step, o: &Observed) {
             }
         });
         step.cilium_after_from = va.as_ref().map(|a| a.from.clone());
-        let settle_over = now >= at + step.params.settle.as_secs_f64();
-        step.maps = judge_observed_maps(step, o, maps, va.as_ref(), settle_over).evidence;
+        let _ = at;
+        step.maps = judge_observed_maps(step, o, maps, va.as_ref(), timed_out(step, now)).evidence;
     }
     step.dns_p50_after_ms = o.dns_p50_after_ms;
     if step.evidence_incomplete.is_none() {
