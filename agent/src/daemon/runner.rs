@@ -281,12 +281,12 @@ impl Runner {
     /// [`WitnessPoll`]s; a slow witness never holds up the runner).
     fn poll_witnesses(&self) {
         let Some(s) = self.active() else { return };
-        let after = s.reload.complete_at;
+        let (after, from) = (s.reload.complete_at, s.created_at);
         for url in s.witnesses.keys() {
             let (url, id, token) = (url.clone(), s.id.clone(), self.d.opts.token.current());
             let tx = self.d.ports.witness.clone();
             tokio::spawn(async move {
-                let result = watch::poll_witness(url.clone(), token, id.clone(), after).await;
+                let result = watch::poll_witness(url.clone(), token, id.clone(), after, from).await;
                 let _ = tx
                     .send(WitnessPoll {
                         step: id,

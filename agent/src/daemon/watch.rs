@@ -102,12 +102,14 @@ pub async fn poll_witness(
     token: Option<String>,
     id: String,
     after: Option<f64>,
+    from: f64,
 ) -> Result<crate::witness::WitnessReport, WitnessPollError> {
     let w = crate::client::Agent::new(&url, token)
         .map_err(|e| WitnessPollError::Failed(format!("{e:#}")))?;
+    // The gaps over this step's own window only (`from`: where it began).
     let path = match after {
-        Some(a) => format!("/v1/steps/{id}?after={a:.3}"),
-        None => format!("/v1/steps/{id}"),
+        Some(a) => format!("/v1/steps/{id}?from={from:.3}&after={a:.3}"),
+        None => format!("/v1/steps/{id}?from={from:.3}"),
     };
     let (status, v) = w
         .call("GET", &path, None, WITNESS_TIMEOUT)

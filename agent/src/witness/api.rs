@@ -128,7 +128,12 @@ pub(super) async fn get_step(
         Some(Ok(a)) if a.is_finite() => Some(a),
         Some(_) => return err(StatusCode::BAD_REQUEST, "after: a unix time in seconds"),
     };
-    match w.report(&id, after) {
+    let from = match q.get("from").map(|a| a.parse::<f64>()) {
+        None => None,
+        Some(Ok(a)) if a.is_finite() => Some(a),
+        Some(_) => return err(StatusCode::BAD_REQUEST, "from: a unix time in seconds"),
+    };
+    match w.report(&id, after, from) {
         Some(r) => axum::Json(r).into_response(),
         None => err(
             StatusCode::NOT_FOUND,

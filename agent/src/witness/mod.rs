@@ -10,8 +10,9 @@
 //! stepped collects its report into the step's verdict.
 //!
 //! API: `POST /v1/steps {"id", "burst_interval"?, "timeout"?, "max_gap"?}` begins burst probing
-//! for a step (idempotent per id); `GET /v1/steps/{id}[?after=UNIX]` is the report (latency
-//! quantiles "after" are over probes sent from `after`); `DELETE /v1/steps/{id}` ends it;
+//! for a step (idempotent per id); `GET /v1/steps/{id}[?after=UNIX][&from=UNIX]` is the
+//! report (latency quantiles "after" are over probes sent from `after`; gaps over probes sent
+//! from `from`, the asking agent's own step window); `DELETE /v1/steps/{id}` ends it;
 //! `GET /v1/status`, `/metrics`, `/livez`, `/readyz`.
 mod api;
 mod steps;

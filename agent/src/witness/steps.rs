@@ -173,8 +173,11 @@ impl Witness {
         found.is_some()
     }
 
-    /// The report of step `id`; `after`: where the "after" latencies start.
-    pub fn report(&self, id: &str, after: Option<f64>) -> Option<WitnessReport> {
+    /// The report of step `id`; `after`: where the "after" latencies start; `from`: the
+    /// asking agent's own step window starts there, so the gaps count only probes sent from
+    /// then (a step begun earlier under the same id, by anyone, cannot bring in an outage
+    /// from before the agent's step).
+    pub fn report(&self, id: &str, after: Option<f64>, from: Option<f64>) -> Option<WitnessReport> {
         let now = unix_now();
         let steps = lock(&self.steps);
         let s = steps.get(id)?;
@@ -183,10 +186,19 @@ impl Witness {
             .min(end)
             .max(s.created_at);
         let cadence = s.burst.as_secs_f64();
+        let from = from.filter(|f| *f > s.created_at);
         let gaps = s
             .targets
             .iter()
-            .map(|(name, t)| gap_row(name, t, cadence, complete_until))
+            .map(|(name, t)| match from {
+                Some(f) => {
+                    let mut clipped = t.clone();
+                    clipped.samples.retain(|x| x.sent >= f);
+                    clipped.prior.retain(|o| o.start >= f);
+                    gap_row(name, &clipped, cadence, complete_until)
+                }
+                None => gap_row(name, t, cadence, complete_until),
+            })
             .collect();
         let probes = s
             .targets

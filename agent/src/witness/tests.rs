@@ -124,7 +124,7 @@ async fn steps_begin_once_report_gaps_and_end() {
             },
         );
     }
-    let r = w.report("a", Some(t0)).unwrap();
+    let r = w.report("a", Some(t0), None).unwrap();
     assert_eq!(r.probes["gw"].sent, 4);
     // The probe series carry the agent's labels (issue 29: no `vantage` on the witness).
     let text = w.encode_metrics();
@@ -152,10 +152,17 @@ async fn steps_begin_once_report_gaps_and_end() {
         200
     );
     assert_eq!(w.interval(), Duration::from_secs(1), "steady again");
-    let r = w.report("a", None).unwrap();
+    let r = w.report("a", None, None).unwrap();
     assert!(r.ended);
     assert_eq!(r.gaps[0].count, 1, "{:?}", r.gaps);
     assert!((r.gaps[0].longest_s - 0.02).abs() < 1e-6, "{:?}", r.gaps);
+    // An agent whose own step began after that outage (the witness's step was begun
+    // earlier under the same id) gets the gaps of its own window only.
+    let r = w.report("a", None, Some(t0 + 0.035)).unwrap();
+    assert_eq!(r.gaps[0].count, 0, "{:?}", r.gaps);
+    assert_eq!(r.created_at, t0, "the witness's own start is reported");
+    let (s, v) = call(&w, "GET", "/v1/steps/a?from=x", "", Some("s3cret")).await;
+    assert_eq!(s, 400, "{v}");
     let (s, v) = call(
         &w,
         "POST",

@@ -113,6 +113,7 @@ impl Lab {
                     recreated_at.map_or(Duration::ZERO, |t: std::time::Instant| t.elapsed());
                 std::thread::sleep(o.refill_after.saturating_sub(since));
                 self.fill_map_named_like("cilium_ipcache")?;
+                phases.ipcache_refilled_ns = now_ns();
             }
             // Then the endpoints regenerate, each getting new programs (Cilium's
             // regeneration of restored endpoints, after the host endpoint's); the fault
@@ -446,6 +447,9 @@ pub struct Phases {
     pub ipcache_recreated_ns: u128,
     pub api_serving_ns: u128,
     pub host_replaced_ns: u128,
+    /// The recreated ipcache held its entries again (0: never refilled).
+    #[serde(default)]
+    pub ipcache_refilled_ns: u128,
     pub endpoints_regenerated_ns: u128,
 }
 

@@ -231,8 +231,46 @@ fn a_flushed_endpoint_map_fails_with_map_emptied() {
     );
 }
 
+/// ipcache is recreated on every restart (the lab does as Cilium does) and refilled from the
+/// agent's state; refilled 5 s after the new programs, past a 2 s settle but well inside the
+/// timeout, the step passes: the timeout is the only deadline, settle a green-for window.
+#[test]
+fn a_map_refilled_after_settle_passes_within_the_timeout() {
+    let mut lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "30s"}"#);
+    let r = lab
+        .restart(&RestartOpts {
+            down: Duration::from_millis(100),
+            refill_after: Duration::from_secs(5),
+            ..Default::default()
+        })
+        .unwrap();
+    let refilled = r.phases.ipcache_refilled_ns;
+    assert!(
+        refilled >= r.phases.host_replaced_ns + 4_000_000_000,
+        "the lab refilled ipcache late: {:?}",
+        r.phases
+    );
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+    let finished = v["verdict"]["finished_at"].as_f64().unwrap();
+    assert!(
+        finished * 1e9 >= refilled as f64 + 2e9 - 1e8,
+        "green for settle after the refill: finished {finished}, refilled {refilled}"
+    );
+    let m = v["maps"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.starts_with("cilium_ipcache"))
+        .map(|(_, m)| m.clone())
+        .expect("ipcache judged");
+    assert_eq!(m["recreated"], true, "{m}");
+}
+
 /// ipcache is recreated on every restart (the lab does as Cilium does); never refilled, the
-/// step fails at the end of settle.
+/// step fails at its timeout.
 #[test]
 fn ipcache_not_refilled_fails_with_map_emptied() {
     fault(

@@ -79,7 +79,15 @@ pub fn check_witnesses(step: &Step, o: &Observed) -> Judged {
             .map(|g| format!("{} {:.0}ms", g.target, g.longest_s * 1e3))
             .collect::<Vec<_>>()
             .join(", ");
-        seen.push(format!("{url}: {worst}"));
+        // A witness step begun before this one (by anyone, under the same id) is told: its
+        // gaps are counted from this step's own start only.
+        let early = step.created_at - r.created_at;
+        let note = if early > 1.0 {
+            format!(" (its step began {early:.1}s before this one; counted from this step's start)")
+        } else {
+            String::new()
+        };
+        seen.push(format!("{url}: {worst}{note}"));
     }
     if !stale.is_empty() {
         return Judged::not_yet(
