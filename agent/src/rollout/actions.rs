@@ -375,6 +375,13 @@ impl Actions for Live<'_, '_> {
                     .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
                     .unwrap_or_default();
                 let summary = v["verdict"]["summary"].as_str().unwrap_or("");
+                // A pass's warnings (`kept_state_lost`) lead its line, as reasons lead a
+                // failure's.
+                let warnings: Vec<&str> = v["verdict"]["warnings"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
+                    .unwrap_or_default();
+                let reasons: Vec<&str> = reasons.into_iter().chain(warnings).collect();
                 Event::Verdict(Ok(Some((
                     v["verdict"]["status"].as_str().unwrap_or("?").to_string(),
                     if reasons.is_empty() {

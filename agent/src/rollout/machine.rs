@@ -203,8 +203,9 @@ pub enum OldPod {
 pub enum Known {
     /// Active: its verdict is still to come.
     Active,
-    /// Over, with a verdict.
-    Finished,
+    /// Over, with a verdict; whether it saw a datapath reload (a step that saw none ended
+    /// before any restart and proves nothing about one).
+    Finished { saw_reload: bool },
     /// Unknown to the agent (404).
     Unknown,
     /// The agent could not be asked: the record (written after the agent began the step)
@@ -214,11 +215,17 @@ pub enum Known {
 
 /// Where an interrupted step resumes, from what the lock recorded and what is there now:
 /// what the node's agent says of the step, the old pod, whether a Ready replacement on an
-/// acceptable revision is there. A step that is over, or that the agent no longer knows, is
-/// not resumed: nothing is deleted under it and its verdict is not read as this restart's;
-/// the node is planned again, and its agent's proof for the pod there then decides (a
-/// restart that step saw is judged by its verdict; one nobody saw is stepped again).
+/// acceptable revision is there. A step that is over before its pod was deleted, that ended
+/// without seeing a reload, or that the agent no longer knows, is not resumed: nothing is
+/// deleted under it and its verdict is not read as this restart's; the node is planned again,
+/// and its agent's proof for the pod there then decides (a restart a step saw is judged by
+/// its verdict; one nobody saw is stepped again). A step that saw the restart its delete
+/// caused is resumed, its verdict read.
 pub fn resume(step: &str, known: Known, old: OldPod, replaced: bool, now: f64) -> Phase {
+    let known = match (known, old) {
+        (Known::Finished { saw_reload: true }, OldPod::Terminating | OldPod::Gone) => Known::Active,
+        (k, _) => k,
+    };
     match (known, old) {
         (Known::Unknown, OldPod::Present) => Phase::Begin,
         (Known::Unknown, _) => Phase::Done(Outcome::Deferred {
@@ -226,7 +233,7 @@ pub fn resume(step: &str, known: Known, old: OldPod, replaced: bool, now: f64) -
                 "the interrupted step {step} is unknown to the node's agent and the cilium pod was already deleted: the pod there now is judged by its agent's proof"
             ),
         }),
-        (Known::Finished, _) => Phase::Done(Outcome::Deferred {
+        (Known::Finished { .. }, _) => Phase::Done(Outcome::Deferred {
             why: format!(
                 "the interrupted step {step} is already over on the node's agent{}: the pod there now is judged by its agent's proof",
                 if old == OldPod::Present {
@@ -429,16 +436,35 @@ mod tests {
                 "{old:?}: the restart happened and the step is lost: the proof decides"
             );
         }
-        // A step already over is never resumed: no delete under it, its verdict not read.
+        // A step already over is never resumed under a pod it did not see go (no delete
+        // under it, its verdict not read), nor when it saw no reload at all; one that saw
+        // the restart its delete caused is read.
         for old in [Present, Terminating, Gone] {
             assert!(
                 matches!(
-                    resume("s", Known::Finished, old, true, 0.0),
+                    resume("s", Known::Finished { saw_reload: false }, old, true, 0.0),
                     Phase::Done(Outcome::Deferred { .. })
                 ),
                 "{old:?}"
             );
         }
+        assert!(matches!(
+            resume(
+                "s",
+                Known::Finished { saw_reload: true },
+                Present,
+                false,
+                0.0
+            ),
+            Phase::Done(Outcome::Deferred { .. })
+        ));
+        assert_eq!(
+            resume("s", Known::Finished { saw_reload: true }, Gone, true, 1.0),
+            Phase::Verdict {
+                step: "s".into(),
+                since: 1.0
+            }
+        );
         for knows in [Known::Active, Known::Unasked] {
             assert_eq!(
                 resume("s", knows, Present, false, 0.0),

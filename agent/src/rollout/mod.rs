@@ -243,7 +243,11 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         }
         return Ok(1);
     }
-    if let (None, Err(refusals)) = (&rec.inflight, &first) {
+    let only_waits = first
+        .as_ref()
+        .err()
+        .is_some_and(|r| r.iter().all(|r| r.waits()));
+    if let (None, Err(refusals), false) = (&rec.inflight, &first, only_waits) {
         if json_out {
             println!(
                 "{}",
@@ -457,7 +461,11 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 Ok(steps) => match steps.into_iter().next() {
                     Some(s)
                         if stepped.contains(&s.node)
-                            && opts.again.as_deref() != Some(s.node.as_str()) =>
+                            && opts.again.as_deref() != Some(s.node.as_str())
+                            && view
+                                .pods
+                                .iter()
+                                .any(|p| p.node == s.node && p.revision == cur.0) =>
                     {
                         // Stepped and passed in this run, yet its agent does not vouch for the
                         // pod's start: never stepped round and round.

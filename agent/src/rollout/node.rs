@@ -73,7 +73,11 @@ pub(super) async fn step_node(
                 )
                 .await
             {
-                Ok((200, _)) => machine::Known::Finished,
+                Ok((200, v)) => machine::Known::Finished {
+                    saw_reload: v["reload"]["changed"]
+                        .as_object()
+                        .is_some_and(|c| !c.is_empty()),
+                },
                 Ok((202, _)) => machine::Known::Active,
                 Ok((404, _)) => machine::Known::Unknown,
                 _ => machine::Known::Unasked,

@@ -138,6 +138,7 @@ impl Step {
             reasons: vec![Reason::Cancelled],
             summary: "cancelled by DELETE".into(),
             finished_at: now,
+            warnings: vec![],
         });
         true
     }
@@ -157,6 +158,7 @@ impl Step {
             reasons: vec![Reason::EvidenceIncomplete],
             summary: why,
             finished_at: now,
+            warnings: vec![],
         });
     }
 

@@ -260,6 +260,9 @@ pub enum Reason {
     DropsOverBudget,
     EvidenceIncomplete,
     Cancelled,
+    /// Kept state (service frontends, backends, endpoints) vanished across the restart, less
+    /// than fails the step: a warning on a pass, never silent.
+    KeptStateLost,
 }
 
 impl Reason {
@@ -278,6 +281,7 @@ impl Reason {
             Reason::DropsOverBudget => "drops_over_budget",
             Reason::EvidenceIncomplete => "evidence_incomplete",
             Reason::Cancelled => "cancelled",
+            Reason::KeptStateLost => "kept_state_lost",
         }
     }
 }
@@ -301,6 +305,10 @@ pub struct Verdict {
     pub reasons: Vec<Reason>,
     pub summary: String,
     pub finished_at: f64,
+    /// What a person must know even of a pass (`kept_state_lost`: kept state vanished
+    /// across the restart within the tolerance); named in the summary too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Reason>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -218,6 +218,7 @@ mod tests {
             reasons: reasons.to_vec(),
             summary: "s".into(),
             finished_at: created + 30.0,
+            warnings: vec![],
         });
         s
     }

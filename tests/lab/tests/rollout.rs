@@ -1721,7 +1721,9 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
                    "stepguard.io/approve-image": image, "stepguard.io/approve-config-checksum": "c2"}},
                "spec": {"template": {
                    "metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c2"}},
-                   "spec": {"containers": [{"name": "cilium-agent", "image": image}]}}}}),
+                   "spec": {"containers": [{"name": "cilium-agent", "image": image,
+                       "imagePullPolicy": "IfNotPresent", "command": ["cilium-agent"],
+                       "args": ["--config-dir=/tmp/cilium/config-map"]}]}}}}),
     );
     wait_until(
         "the watch steps every node onto the approved revision",

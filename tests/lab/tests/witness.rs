@@ -758,3 +758,55 @@ fn a_holders_responder_flush_at_start_is_a_lan_gap_measured_within_bound() {
         }
     }
 }
+
+/// A witness step begun 6 s before the agent's own, under the same id and with the same
+/// request (anyone on the LAN may begin one on an unauthenticated witness), saw a lease move
+/// the agent's step never covered. The agent's verdict counts the witness's evidence from its
+/// own step's start only: the earlier outage fails nothing, and the check says the witness's
+/// step began earlier.
+#[test]
+fn witness_evidence_from_before_the_agents_own_step_is_not_counted() {
+    let mut lab = lan(short_lease(2000));
+    let w = start_witness(&lab, &[]);
+    let a0 = agent_on(&lab, 0);
+    let addr: std::net::SocketAddr = w.url.trim_start_matches("http://").parse().unwrap();
+    // What the agent itself asks the witness for this step (its burst cadence, the step's
+    // timeout and a minute, its max_gap).
+    let (s, b) = http(
+        &lab.client_ns(),
+        addr,
+        "POST",
+        "/v1/steps",
+        Some(r#"{"id":"early-1","burst_interval":"10ms","timeout":"80000ms","max_gap":"1000ms"}"#),
+        None,
+    );
+    assert_eq!(s, 201, "{b}");
+    let planted_at = Instant::now();
+    // The lease holder's datapath down 1.5 s: a LAN gap longer than the step's 1 s budget,
+    // before the agent's step exists.
+    let early = restart(&mut lab, 0, 1500, true, false);
+    assert!(
+        early.vips.iter().any(|v| v.stopped.is_some()),
+        "the lab made a LAN outage"
+    );
+    std::thread::sleep(Duration::from_secs(6).saturating_sub(planted_at.elapsed()));
+    let id = a0.begin_probing(&format!(
+        r#"{{"id":"early-1","settle":"1s","timeout":"20s","max_gap":"1s","witnesses":["{}"]}}"#,
+        w.url
+    ));
+    // The agent's own restart: a graceful one, no outage.
+    restart(&mut lab, 0, 100, false, false);
+    let v = a0.verdict(&id);
+    assert_eq!(
+        v["verdict"]["status"], "passed",
+        "the outage before the step is not this step's: {v:#}"
+    );
+    for g in witness_gaps(&v, &w) {
+        assert_eq!(g["count"], 0, "counted from the agent's start: {g}");
+    }
+    let c = v["checks"]["witnesses"]["reason"].as_str().unwrap_or("");
+    assert!(
+        c.contains("its step began") && c.contains("before this one"),
+        "the earlier witness step is told: {c}"
+    );
+}

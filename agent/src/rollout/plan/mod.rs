@@ -318,6 +318,12 @@ impl Refusal {
     pub fn halts(&self) -> bool {
         matches!(self, Refusal::VerdictFailed { .. })
     }
+
+    /// Whether this refusal is only a wait (a verification still to be decided): a run does
+    /// not refuse to start on it, it waits, and never ends while it stands.
+    pub fn waits(&self) -> bool {
+        matches!(self, Refusal::ProofPending { .. })
+    }
 }
 
 impl std::fmt::Display for Refusal {

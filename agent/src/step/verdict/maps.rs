@@ -263,6 +263,38 @@ pub fn judge_maps(
     }
 }
 
+/// Kept state that vanished across the restart within the tolerance (a pass still names it),
+/// one line per map in Cilium's terms: what the entries are, the counts, which were lost.
+pub fn kept_losses(step: &Step) -> Vec<String> {
+    step.maps
+        .iter()
+        .filter(|(_, e)| e.class == profile::MapClass::Kept && !e.recreated)
+        .filter_map(|(m, e)| {
+            let (b, a) = (e.before?, e.after?);
+            if a >= b {
+                return None;
+            }
+            let what = if m.contains("services") {
+                "service frontends"
+            } else if m.contains("backends") {
+                "service backends"
+            } else if m.contains("lxc") {
+                "endpoints"
+            } else if m.contains("rev") {
+                "reverse NAT entries"
+            } else {
+                "entries"
+            };
+            let lost = e
+                .judged
+                .split_once("; lost: ")
+                .map(|(_, l)| format!(": {l}"))
+                .unwrap_or_default();
+            Some(format!("{} {what} of {m} ({b}→{a}){lost}", b - a))
+        })
+        .collect()
+}
+
 pub(super) fn pair(v: Option<profile::CiliumVersion>) -> &'static str {
     v.map(profile::pair_label).unwrap_or("(version unknown)")
 }

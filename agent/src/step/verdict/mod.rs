@@ -67,6 +67,7 @@ fn finish(step: &mut Step, status: Status, reasons: Vec<Reason>, summary: String
         reasons,
         summary,
         finished_at: now,
+        warnings: vec![],
     });
 }
 
@@ -272,12 +273,24 @@ pub fn decide(step: &mut Step, o: &Observed) {
                     ))
                 })
                 .collect();
+            // Kept state that vanished within the tolerance is never silent: named in the
+            // summary and as a warning the stepper prints. Whether Cilium still intends each
+            // entry (a Service deleted on purpose) is not read here, and the summary says so.
+            let losses = kept_losses(step);
+            let lost = if losses.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; KEPT STATE LOST across the restart (under the failing share; whether Cilium still intends it was not read): {}",
+                    losses.join("; ")
+                )
+            };
             finish(
                 step,
                 Status::Passed,
                 vec![],
                 format!(
-                    "datapath reloaded and green for {:.0}s; gaps: {}{lan}",
+                    "datapath reloaded and green for {:.0}s; gaps: {}{lan}{lost}",
                     settle,
                     if worst.is_empty() {
                         "none measured".into()
@@ -287,6 +300,11 @@ pub fn decide(step: &mut Step, o: &Observed) {
                 ),
                 now,
             );
+            if !losses.is_empty() {
+                if let Some(v) = step.verdict.as_mut() {
+                    v.warnings.push(Reason::KeptStateLost);
+                }
+            }
         }
         return;
     }

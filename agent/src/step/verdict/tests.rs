@@ -1002,3 +1002,64 @@ fn drops_over_budget_are_reported() {
         .reasons
         .contains(&Reason::DropsOverBudget));
 }
+
+/// Kept state that vanished within the tolerance (one service frontend of six) does not fail
+/// the step, and is never silent: the pass's summary names it in Cilium's terms and carries
+/// the `kept_state_lost` warning, saying that Cilium's intent was not read.
+#[test]
+fn kept_state_lost_under_the_tolerance_is_named_on_the_pass() {
+    let mut s = step();
+    {
+        let b = std::sync::Arc::make_mut(&mut s.baseline);
+        b.maps.insert("cilium_lb4_services_v2".into(), Some(6));
+        b.map_entries.insert(
+            "cilium_lb4_services_v2".into(),
+            vec![
+                "198.51.100.10:80/TCP".into(),
+                "198.51.100.70:443/TCP".into(),
+            ],
+        );
+    }
+    for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0, 9.0] {
+        let p = if t < 1.2 {
+            progs(Some(10), Some(11))
+        } else {
+            progs(Some(20), Some(21))
+        };
+        let mut o = obs(t, p);
+        let mut m = maps(100).unwrap();
+        m.insert(
+            "cilium_lb4_services_v2".into(),
+            Some(if t < 1.2 { 6 } else { 4 }),
+        );
+        o.maps = Some(m);
+        o.map_entries.insert(
+            "cilium_lb4_services_v2".into(),
+            vec!["198.51.100.10:80/TCP".into()],
+        );
+        decide(&mut s, &o);
+        if s.verdict.is_some() {
+            break;
+        }
+    }
+    let v = s.verdict.clone().expect("decided");
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    assert_eq!(v.warnings, vec![Reason::KeptStateLost], "{v:?}");
+    assert!(
+        v.summary.contains("KEPT STATE LOST")
+            && v.summary.contains(
+                "2 service frontends of cilium_lb4_services_v2 (6→4): 198.51.100.70:443/TCP"
+            )
+            && v.summary
+                .contains("whether Cilium still intends it was not read"),
+        "{}",
+        v.summary
+    );
+    // A clean pass has none.
+    let mut s = step();
+    let v = reload_at_1_2(&mut s, &[0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0, 9.0]).unwrap();
+    assert!(
+        v.warnings.is_empty() && !v.summary.contains("KEPT"),
+        "{v:?}"
+    );
+}
