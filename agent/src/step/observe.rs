@@ -2,7 +2,7 @@
 //! endpoints' programs, the maps' counts and ids, and the baseline taken from them. Pure:
 //! the daemon makes the observations (and the reads they need) and passes them in.
 use super::{Baseline, EndpointPrograms, EndpointsFollowed};
-use crate::checks::devices::{self, TO_NETDEV_KEY, XDP_KEY};
+use crate::checks::devices::{self, FROM_HOST_KEY, TO_NETDEV_KEY, TO_OVERLAY_KEY, XDP_KEY};
 use crate::checks::CheckResult;
 use crate::kernel::bpffs::MapsObservation;
 use crate::kernel::links;
@@ -18,7 +18,11 @@ pub fn tracked_program(key: &str) -> (&str, &'static str, &'static str) {
         (dev, "xdp", "cil_xdp_entry")
     } else if let Some(dev) = key.strip_suffix(TO_NETDEV_KEY) {
         (dev, "egress", "cil_to_netdev")
-    } else if key == "cilium_host" {
+    } else if let Some(dev) = key.strip_suffix(FROM_HOST_KEY) {
+        (dev, "egress", "cil_from_host")
+    } else if let Some(dev) = key.strip_suffix(TO_OVERLAY_KEY) {
+        (dev, "egress", "cil_to_overlay")
+    } else if key == "cilium_host" || key == "cilium_net" {
         (key, "ingress", "cil_to_host")
     } else if devices::is_overlay(key) {
         (key, "ingress", "cil_from_overlay")
@@ -103,10 +107,13 @@ pub fn endpoint_baseline(
     (eps, EndpointsFollowed::Followed, excluded)
 }
 
-/// The keys a step follows for the reload: the selected host devices, `cilium_host`, the
-/// overlay device when it carries `cil_from_overlay`, and `<dev>:xdp` for every selected
-/// device carrying `cil_xdp_entry`, `<dev>:to_netdev` for every one carrying `cil_to_netdev`.
-/// Cilium reloads all of them on every start.
+/// The keys a step follows for the reload — every hook Cilium attaches on the devices it
+/// manages (docs/cilium-fidelity.md, "Hooks per device"): the selected host devices
+/// (`cil_from_netdev`), `<dev>:to_netdev` (`cil_to_netdev`) and `<dev>:xdp`
+/// (`cil_xdp_entry`) where they carry them; `cilium_host` (`cil_to_host` on ingress) and
+/// `cilium_host:from_host` (`cil_from_host` on egress); `cilium_net` (`cil_to_host`); the
+/// overlay device (`cil_from_overlay`) and `<overlay>:to_overlay` (`cil_to_overlay`). Cilium
+/// reloads all of them on every start, so each must carry a new program id after it.
 pub fn reload_keys(obs: &links::Observation, selected: &[String]) -> Vec<String> {
     let mut keys = selected.to_vec();
     let carries = |name: &str, hook: &str, prog: &str| {
@@ -116,10 +123,19 @@ pub fn reload_keys(obs: &links::Observation, selected: &[String]) -> Vec<String>
     };
     if obs.devices.iter().any(|x| x.name == "cilium_host") {
         keys.push("cilium_host".into());
+        if carries("cilium_host", "egress", "cil_from_host") {
+            keys.push(format!("cilium_host{FROM_HOST_KEY}"));
+        }
+    }
+    if carries("cilium_net", "ingress", "cil_to_host") {
+        keys.push("cilium_net".into());
     }
     for d in obs.devices.iter().filter(|d| devices::is_overlay(&d.name)) {
         if carries(&d.name, "ingress", "cil_from_overlay") {
             keys.push(d.name.clone());
+        }
+        if carries(&d.name, "egress", "cil_to_overlay") {
+            keys.push(format!("{}{TO_OVERLAY_KEY}", d.name));
         }
     }
     for dev in selected {

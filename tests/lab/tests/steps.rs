@@ -670,3 +670,59 @@ fn every_unfinished_step_is_decided_at_start() {
         v["verdict"]
     );
 }
+
+/// Every hook Cilium attaches on the devices it manages is followed through the reload
+/// (docs/cilium-fidelity.md, "Hooks per device"): a restart that leaves `cil_from_host` on
+/// `cilium_host`'s egress or `cil_to_overlay` on the overlay's egress on its old program, or
+/// that loses `cil_to_overlay`, never passes, and the verdict names the hook's key.
+#[test]
+fn a_stale_or_lost_host_or_overlay_hook_never_passes() {
+    let cases = [
+        (
+            RestartOpts {
+                stale: Some("cil_from_host".into()),
+                ..Default::default()
+            },
+            "cilium_host:from_host",
+        ),
+        (
+            RestartOpts {
+                stale: Some("cil_to_overlay".into()),
+                ..Default::default()
+            },
+            "cilium_vxlan:to_overlay",
+        ),
+        (
+            RestartOpts {
+                lose_program: Some("cil_to_overlay".into()),
+                ..Default::default()
+            },
+            "cilium_vxlan:to_overlay",
+        ),
+    ];
+    let mut errors = vec![];
+    for (mut opts, key) in cases {
+        let mut lab = lab(|_| {});
+        let agent = Daemon::start(&lab, &[]);
+        let id = agent.begin_probing(r#"{"settle": "1s", "timeout": "8s"}"#);
+        let (_, b) = agent.get_json(&format!("/v1/steps/{id}"));
+        if b["baseline"]["programs"][key].is_null() {
+            errors.push(format!(
+                "{key} not in the baseline: {}",
+                b["baseline"]["programs"]
+            ));
+            continue;
+        }
+        opts.down = Duration::from_millis(100);
+        lab.restart(&opts).unwrap();
+        let v = agent.verdict(&id);
+        let summary = v["verdict"]["summary"].as_str().unwrap_or("");
+        if v["verdict"]["status"] != "failed" || !summary.contains(key) {
+            errors.push(format!(
+                "{opts:?}: want failed naming {key}, got {} {}: {summary}",
+                v["verdict"]["status"], v["verdict"]["reasons"]
+            ));
+        }
+    }
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}

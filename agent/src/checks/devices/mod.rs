@@ -131,6 +131,12 @@ pub const XDP_KEY: &str = ":xdp";
 /// Reload key suffix for a device's `cil_to_netdev` (egress), followed when it was there.
 pub const TO_NETDEV_KEY: &str = ":to_netdev";
 
+/// The step's reload key suffix for `cil_from_host` on `cilium_host`'s egress.
+pub const FROM_HOST_KEY: &str = ":from_host";
+
+/// The step's reload key suffix for `cil_to_overlay` on the overlay device's egress.
+pub const TO_OVERLAY_KEY: &str = ":to_overlay";
+
 /// Cilium's overlay devices (tunnel routing mode: VXLAN or Geneve), which carry
 /// `cil_from_overlay`/`cil_to_overlay`.
 pub fn is_overlay(name: &str) -> bool {

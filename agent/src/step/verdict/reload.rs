@@ -24,7 +24,12 @@ pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
             }
             w.extend(
                 base.keys()
-                    .filter(|k| *k == "cilium_host" || crate::checks::devices::is_overlay(k))
+                    .filter(|k| {
+                        let dev = k.split(':').next().unwrap_or(k);
+                        dev == "cilium_host"
+                            || dev == "cilium_net"
+                            || crate::checks::devices::is_overlay(dev)
+                    })
                     .cloned(),
             );
             w
