@@ -55,6 +55,11 @@ pub struct StepArgs {
     /// The Cilium version that must come back (an upgrade step), e.g. 1.18.
     #[arg(long)]
     pub expect_cilium: Option<String>,
+    /// Hooks the restart removes on purpose (comma-separated reload keys or devices:
+    /// cilium_vxlan for tunnel → native, eth0:xdp for XDP off, eth0:to_netdev); they must be
+    /// gone after it.
+    #[arg(long, value_delimiter = ',')]
+    pub expect_gone: Option<Vec<String>>,
     /// A witness (`stepguard witness` on a LAN machine, http://HOST:PORT) that probes the VIPs
     /// as LAN clients do during the step; repeat for several. Its gaps are part of the verdict.
     #[arg(long = "witness", value_name = "URL")]
@@ -96,6 +101,9 @@ pub fn step(args: StepArgs) -> Result<i32> {
     }
     if let Some(c) = &args.expect_cilium {
         expect.insert("cilium".into(), serde_json::json!(c));
+    }
+    if let Some(g) = &args.expect_gone {
+        expect.insert("gone".into(), serde_json::json!(g));
     }
     if !expect.is_empty() {
         body.insert("expect".into(), serde_json::Value::Object(expect));

@@ -180,6 +180,9 @@ impl Actions for Live<'_, '_> {
         if let Some(d) = &c.args.expect_devices {
             expect.insert("devices".into(), json!(d));
         }
+        if let Some(g) = &c.args.expect_gone {
+            expect.insert("gone".into(), json!(g));
+        }
         if !expect.is_empty() {
             body["expect"] = Value::Object(expect);
         }

@@ -56,6 +56,10 @@ pub struct RolloutArgs {
     /// revision changes them on purpose).
     #[arg(long, value_delimiter = ',')]
     pub expect_devices: Option<Vec<String>>,
+    /// Hooks the new revision removes on purpose (comma-separated reload keys or devices:
+    /// cilium_vxlan for tunnel → native, eth0:xdp for XDP off); each step expects them gone.
+    #[arg(long, value_delimiter = ',')]
+    pub expect_gone: Option<Vec<String>>,
     /// The cilium-operator Deployment, NAMESPACE/NAME, that must be Ready before a step
     /// (`''`: Cilium runs without one here).
     #[arg(long, default_value = "kube-system/cilium-operator")]

@@ -33,6 +33,11 @@ pub struct ExpectRequest {
     pub devices: Option<Vec<String>>,
     /// The Cilium version that must come back (an upgrade step), e.g. "1.18".
     pub cilium: Option<String>,
+    /// Hooks the restart removes on purpose (a config step: tunnel → native, XDP off,
+    /// `cil_to_netdev` no longer required): reload keys (`cilium_vxlan`,
+    /// `cilium_vxlan:to_overlay`, `eth0:xdp`, `eth0:to_netdev`) or a device name for all of
+    /// its keys. They must be gone after the restart.
+    pub gone: Option<Vec<String>>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -59,6 +64,9 @@ pub struct StepParams {
     /// Declared Cilium version after the restart (None: whatever comes back, inferred).
     #[serde(default)]
     pub expect_cilium: Option<String>,
+    /// Reload keys (or devices) declared gone after the restart (see [`ExpectRequest::gone`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expect_gone: Vec<String>,
     /// Witness URLs (see [`StepRequest::witnesses`]).
     #[serde(default)]
     pub witnesses: Vec<String>,
@@ -128,7 +136,8 @@ impl StepParams {
             (
                 "expect",
                 self.expect_devices != other.expect_devices
-                    || self.expect_cilium != other.expect_cilium,
+                    || self.expect_cilium != other.expect_cilium
+                    || self.expect_gone != other.expect_gone,
             ),
             ("witnesses", self.witnesses != other.witnesses),
         ]
@@ -272,6 +281,21 @@ impl StepParams {
             }
             v => v,
         };
+        let mut expect_gone = expect.gone.clone().unwrap_or_default();
+        if let Some(bad) = expect_gone.iter().find(|k| {
+            k.is_empty()
+                || k.len() > 40
+                || !k
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_-.:".contains(&b))
+        }) {
+            return Err(RequestError::new(
+                "expect.gone",
+                format!("{bad:?} is no reload key or device (e.g. cilium_vxlan, eth0:xdp)"),
+            ));
+        }
+        expect_gone.sort();
+        expect_gone.dedup();
         let mut witnesses = r.witnesses.clone().unwrap_or_default();
         if witnesses.len() > MAX_WITNESSES {
             return Err(RequestError::new(
@@ -315,6 +339,7 @@ impl StepParams {
                 drops_budget: r.drops_budget.clone().unwrap_or_default(),
                 expect_devices: expect_devices.clone(),
                 expect_cilium: expect_cilium.clone(),
+                expect_gone,
                 witnesses,
             },
         ))

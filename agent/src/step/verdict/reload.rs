@@ -10,6 +10,14 @@ pub const RELOAD_QUIET_S: f64 = 1.0;
 /// (with XDP on each when the node had XDP, and `cilium_host` and the overlay device when
 /// it had them), or the baseline's keys ("as before"). See `watch::tracked_program`.
 pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
+    let mut w = wanted_before_gone(step);
+    // Hooks the step declared gone are not wanted (and must be gone: `check_reload`).
+    let gone = &step.params.expect_gone;
+    w.retain(|k| !gone.contains(k) && !gone.iter().any(|g| k.split(':').next() == Some(g)));
+    w
+}
+
+fn wanted_before_gone(step: &Step) -> std::collections::BTreeSet<String> {
     use crate::checks::devices::XDP_KEY;
     let base = &step.baseline.programs;
     match &step.params.expect_devices {
@@ -78,7 +86,7 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
     let r = &step.reload;
     let want = wanted_devices(step);
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
-    let declared = step.params.expect_devices.is_some();
+    let declared = step.params.expect_devices.is_some() || !step.params.expect_gone.is_empty();
     // The rest of the datapath reloaded: every wanted device that still carries it has new
     // ids. Cilium reloads the overlay device seconds before the host devices, and detaches
     // devices it no longer selects only after attaching the others (the real 1.20.2 agent,
@@ -96,7 +104,7 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
                 "the reloaded datapath is no longer attached to {}{}",
                 r.lost.join(", "),
                 if declared {
-                    " (declared in expect.devices)"
+                    " (declared in expect)"
                 } else {
                     ""
                 }
@@ -115,7 +123,7 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
         return Judged::fatal(
             Reason::DeviceSetChanged,
             format!(
-                "the datapath is still attached to {} although the step expected only {}",
+                "the datapath is still attached to {} although the step declared it gone (expected only {})",
                 unwanted
                     .iter()
                     .map(|s| s.as_str())

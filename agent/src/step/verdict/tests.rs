@@ -23,6 +23,7 @@ fn bare_step() -> Step {
             drops_budget: BTreeMap::new(),
             expect_devices: None,
             expect_cilium: None,
+            expect_gone: vec![],
             witnesses: vec![],
         },
         Baseline {
@@ -1060,6 +1061,62 @@ fn kept_state_lost_under_the_tolerance_is_named_on_the_pass() {
     let v = reload_at_1_2(&mut s, &[0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0, 9.0]).unwrap();
     assert!(
         v.warnings.is_empty() && !v.summary.contains("KEPT"),
+        "{v:?}"
+    );
+}
+
+/// A config step may declare hooks going away (tunnel → native: the overlay device and its
+/// egress hook): the step is judged against the declaration — gone as declared passes, the
+/// overlay still attached (the override not followed) fails naming it; undeclared, its loss
+/// is a changed device set.
+#[test]
+fn hooks_declared_gone_are_judged_against_the_declaration() {
+    let with_overlay = |gone: &[&str]| {
+        let mut s = step();
+        for k in ["cilium_vxlan", "cilium_vxlan:to_overlay"] {
+            std::sync::Arc::make_mut(&mut s.baseline)
+                .programs
+                .insert(k.into(), 9);
+        }
+        s.params.expect_gone = gone.iter().map(|g| g.to_string()).collect();
+        s
+    };
+    let run = |s: &mut Step, overlay_after: Option<u32>| {
+        for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0, 9.0, 61.0] {
+            let mut p = if t < 1.2 {
+                progs(Some(10), Some(11))
+            } else {
+                progs(Some(20), Some(21))
+            }
+            .unwrap();
+            let ov = if t < 1.2 { Some(9) } else { overlay_after };
+            p.insert("cilium_vxlan".into(), ov);
+            p.insert("cilium_vxlan:to_overlay".into(), ov);
+            decide(s, &obs(t, Some(p)));
+            if s.verdict.is_some() {
+                break;
+            }
+        }
+        s.verdict.clone().unwrap()
+    };
+    // Declared by device name (all its keys): gone passes.
+    let mut s = with_overlay(&["cilium_vxlan"]);
+    assert!(!wanted_devices(&s).contains("cilium_vxlan:to_overlay"));
+    assert_eq!(run(&mut s, None).status, Status::Passed);
+    // Declared, still attached (reloaded): fails naming it.
+    let mut s = with_overlay(&["cilium_vxlan", "cilium_vxlan:to_overlay"]);
+    let v = run(&mut s, Some(30));
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+    assert!(
+        v.summary.contains("cilium_vxlan") && v.summary.contains("declared it gone"),
+        "{v:?}"
+    );
+    // Not declared: the overlay's loss is a changed device set.
+    let mut s = with_overlay(&[]);
+    let v = run(&mut s, None);
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+    assert!(
+        v.summary.contains("no longer attached to cilium_vxlan"),
         "{v:?}"
     );
 }
