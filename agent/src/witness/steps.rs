@@ -195,6 +195,9 @@ impl Witness {
                     let mut clipped = t.clone();
                     clipped.samples.retain(|x| x.sent >= f);
                     clipped.prior.retain(|o| o.start >= f);
+                    // The counts the loss is judged on, over the window too.
+                    clipped.probes = clipped.samples.len() as u64;
+                    clipped.failures = clipped.samples.iter().filter(|x| !x.ok).count() as u64;
                     gap_row(name, &clipped, cadence, complete_until)
                 }
                 None => gap_row(name, t, cadence, complete_until),

@@ -91,6 +91,10 @@ pub fn pending_endpoints(step: &Step) -> Vec<&String> {
         .collect()
 }
 
+/// An endpoint read still on its old programs this close to the timeout is evidence its
+/// regeneration stalled (the runner reads endpoints at least once a second during a step).
+pub const STALE_READ_S: f64 = 3.0;
+
 /// `endpoints`: every endpoint present at the baseline and still present runs new programs
 /// within the step's timeout (Cilium regenerates every restored endpoint on each start, at
 /// its own pace: a big node takes long); until then the step is not green, and at the
@@ -137,12 +141,17 @@ pub fn check_endpoints(step: &Step, now: f64) -> Judged {
     match step.reload.complete_at {
         Some(_) if super::timed_out(step, now) => {
             let deadline = step.created_at + step.params.timeout.as_secs_f64();
-            // Only an endpoint read after the deadline, still on its old programs, is
+            // Only an endpoint read at the deadline (within the last few seconds of it: the
+            // runner reads endpoints at least every second), still on its old programs, is
             // evidence of a stalled regeneration; one not readable since is unknown.
             let stale: Vec<&String> = pending
                 .iter()
                 .copied()
-                .filter(|n| p.old_seen_at.get(*n).is_some_and(|t| *t >= deadline))
+                .filter(|n| {
+                    p.old_seen_at
+                        .get(*n)
+                        .is_some_and(|t| *t >= deadline - STALE_READ_S)
+                })
                 .collect();
             if stale.is_empty() {
                 return Judged::not_yet(

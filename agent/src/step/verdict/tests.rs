@@ -267,7 +267,7 @@ fn endpoint_regeneration_rules() {
     // raced, or failed): no evidence either way, unknown, never a confident failure.
     let mut s = with_endpoints();
     s.reload.complete_at = Some(1.0);
-    s.endpoints.old_seen_at.insert("lxc0".into(), 59.5);
+    s.endpoints.old_seen_at.insert("lxc0".into(), 50.0);
     let j = check_endpoints(&s, 60.5);
     assert!(j.fatal.is_none(), "{j:?}");
     assert_eq!(j.shown.as_ref().unwrap().status, CheckStatus::Unknown);
@@ -277,8 +277,8 @@ fn endpoint_regeneration_rules() {
     );
     // Before the timeout it is waited for, however long after settle.
     assert!(check_endpoints(&s, 30.0).fatal.is_none());
-    // Read again after the deadline, still old: now it is evidence.
-    s.endpoints.old_seen_at.insert("lxc0".into(), 60.1);
+    // Read again at the deadline, still old: now it is evidence.
+    s.endpoints.old_seen_at.insert("lxc0".into(), 59.5);
     let j = check_endpoints(&s, 60.5);
     let (code, why) = j.fatal.expect("fatal");
     assert_eq!(code, Reason::EndpointsNotRegenerated);
