@@ -233,7 +233,7 @@ pub fn evaluate(
             CHECK,
             "config_unverified",
             format!(
-                "the running cilium-agent runs with values the mounted cilium-config never had on {} (the mount may lag behind an edit, or a per-node override applies)",
+                "the running cilium-agent runs with values the mounted cilium-config never had on {} (the mount may lag behind an edit, or a per-node override applies); to tell them apart give the agent's state directory (`--state-dir`, where the ConfigMap's history is kept)",
                 keys(&unsure)
             ),
             evidence,
