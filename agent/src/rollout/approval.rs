@@ -221,28 +221,13 @@ impl Cluster {
     /// The pod template of the revision before `current` (the highest-numbered other one),
     /// from its ControllerRevision; None when there is none or it cannot be read.
     pub(super) async fn previous_template(&self, ds: &DaemonSet, current: &str) -> Option<Value> {
-        let sel = Self::selector(ds);
-        let uid = ds.metadata.uid.clone().unwrap_or_default();
-        let revs = Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
-            .list(&ListParams::default().labels(&sel))
+        self.owned_revisions(ds)
             .await
-            .ok()?;
-        revs.items
+            .ok()?
             .into_iter()
-            .filter(|r| {
-                r.metadata
-                    .owner_references
-                    .iter()
-                    .flatten()
-                    .any(|o| o.uid == uid)
-                    && r.metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get("controller-revision-hash"))
-                        .is_some_and(|h| h != current)
-            })
-            .max_by_key(|r| r.revision)
-            .and_then(|r| r.data?.0.pointer("/spec/template").cloned())
+            .filter(|(h, _)| h != current)
+            .max_by_key(|(_, r)| r.revision)
+            .and_then(|(_, r)| r.data?.0.pointer("/spec/template").cloned())
     }
 
     /// What a person approved now (see [`approval`]), and why the current revision is not,

@@ -105,8 +105,11 @@ impl Cluster {
             .unwrap_or_default()
     }
 
-    /// The DaemonSet's revisions: hash → number.
-    pub(super) async fn revisions(&self, ds: &DaemonSet) -> Result<BTreeMap<String, i64>> {
+    /// The ControllerRevisions the DaemonSet owns, each with its hash.
+    pub(super) async fn owned_revisions(
+        &self,
+        ds: &DaemonSet,
+    ) -> Result<Vec<(String, ControllerRevision)>> {
         let sel = Self::selector(ds);
         let uid = ds.metadata.uid.clone().unwrap_or_default();
         let revs = Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
@@ -115,7 +118,7 @@ impl Cluster {
             .context("list ControllerRevisions")?;
         Ok(revs
             .items
-            .iter()
+            .into_iter()
             .filter(|r| {
                 r.metadata
                     .owner_references
@@ -133,8 +136,18 @@ impl Cluster {
                         let n = r.metadata.name.clone().unwrap_or_default();
                         n.rsplit('-').next().unwrap_or_default().to_string()
                     });
-                (hash, r.revision)
+                (hash, r)
             })
+            .collect())
+    }
+
+    /// The DaemonSet's revisions: hash → number.
+    pub(super) async fn revisions(&self, ds: &DaemonSet) -> Result<BTreeMap<String, i64>> {
+        Ok(self
+            .owned_revisions(ds)
+            .await?
+            .into_iter()
+            .map(|(h, r)| (h, r.revision))
             .collect())
     }
 
