@@ -185,13 +185,17 @@ impl StepStore {
         v
     }
 
-    /// Keeps the newest `keep` steps, and whatever their age the step that proves the
-    /// cilium-agent's current start (the latest reload seen: `step::proof::current`).
+    /// Keeps the newest `keep` steps, and whatever their age the steps that may prove the
+    /// cilium-agent's current start (those that saw the latest reloads:
+    /// `step::proof::current`).
     pub fn prune(&self, keep: usize) {
         let all = self.list();
-        let proof = crate::step::proof::current(&all).map(|s| s.id.clone());
+        let proofs: std::collections::BTreeSet<String> = crate::step::proof::current(&all)
+            .into_iter()
+            .map(|s| s.id.clone())
+            .collect();
         for s in all.into_iter().skip(keep) {
-            if Some(&s.id) == proof.as_ref() {
+            if proofs.contains(&s.id) {
                 continue;
             }
             self.mem().remove(&s.id);

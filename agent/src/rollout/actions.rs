@@ -265,31 +265,50 @@ impl Actions for Live<'_, '_> {
         // The revision the delete would start is read now, not taken from the plan's view:
         // the template may have changed since.
         let c = self.cx.c;
-        let fresh = patient(
-            "read the DaemonSet before the delete",
-            Duration::from_secs(60),
-            Some(&self.cx.held.lost),
-            || async {
-                let ds = c.daemonset().await?;
-                let numbers = c.revisions(&ds).await?;
-                Ok((ds, numbers))
-            },
-        )
-        .await;
-        let (ds, numbers) = match fresh {
-            Ok(f) => f,
-            Err(e) => {
-                return Err(format!(
-                    "cannot read the DaemonSet right before the delete: {e:#}"
-                ))
+        // A template edited but not yet observed by the controller has no revision yet: the
+        // delete waits for it (bounded), or the highest revision would not be the one the
+        // replacement is made from.
+        let t0 = Instant::now();
+        let (ds, numbers) = loop {
+            let fresh = patient(
+                "read the DaemonSet before the delete",
+                Duration::from_secs(60),
+                Some(&self.cx.held.lost),
+                || async {
+                    let ds = c.daemonset().await?;
+                    let numbers = c.revisions(&ds).await?;
+                    Ok((ds, numbers))
+                },
+            )
+            .await;
+            let (ds, numbers) = match fresh {
+                Ok(f) => f,
+                Err(e) => {
+                    return Err(format!(
+                        "cannot read the DaemonSet right before the delete: {e:#}"
+                    ))
+                }
+            };
+            let observed =
+                ds.status.as_ref().and_then(|s| s.observed_generation) >= ds.metadata.generation;
+            if observed {
+                break (ds, numbers);
             }
+            if t0.elapsed() > Duration::from_secs(30) {
+                return Err(format!(
+                    "the DaemonSet's template changed and its controller has not observed it for {:.0}s: pod {} not deleted",
+                    t0.elapsed().as_secs_f64(),
+                    self.st.pod
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         };
         let current = numbers
             .iter()
             .max_by_key(|(_, n)| **n)
             .map(|(h, _)| h.clone())
             .unwrap_or_default();
-        let (approved, _) = c.approval_now(&ds, &current).await;
+        let (approved, _) = c.approval_now(&ds, &current, self.view).await;
         may_delete_on(&self.target.0, &current, approved.as_deref(), &self.st.pod)
     }
 

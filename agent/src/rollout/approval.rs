@@ -26,9 +26,10 @@ pub(super) fn annotations(meta: &ObjectMeta) -> BTreeMap<String, String> {
 
 /// What a person approved, as a revision hash: the one `stepguard.io/approve-revision`
 /// names, or the current revision (`current`) when its template carries the image and the
-/// config checksum the Git approval names and changes nothing else from the revision before
-/// it (`prev`: that revision's pod template, from its ControllerRevision).
-pub(super) fn approval(ds: &DaemonSet, current: &str, prev: Option<&Value>) -> Option<String> {
+/// config checksum the Git approval names and changes nothing else from any revision a node
+/// runs now (`prev`: those revisions' pod templates, from their ControllerRevisions; None
+/// when one cannot be read).
+pub(super) fn approval(ds: &DaemonSet, current: &str, prev: Option<&[Value]>) -> Option<String> {
     let named = annotations(&ds.metadata).get(ANN_APPROVE).cloned();
     if named.as_deref() != Some(current)
         && !current.is_empty()
@@ -39,9 +40,11 @@ pub(super) fn approval(ds: &DaemonSet, current: &str, prev: Option<&Value>) -> O
     named
 }
 
-/// What differs between two pod templates besides the containers' images and the chart's
-/// config checksum (the two things a Git approval names): JSON paths, at most a few.
-pub fn other_changes(prev: &Value, cur: &Value) -> Vec<String> {
+/// What differs between two pod templates besides the chart's config checksum and the
+/// images that moved from `prev`'s cilium-agent image to the `approved` one (the two things a
+/// Git approval names; the chart runs several containers on the cilium image): JSON paths,
+/// at most a few. Any other image change is a difference.
+pub fn other_changes(prev: &Value, cur: &Value, approved: &str) -> Vec<String> {
     /// Nulls, empty objects and empty lists are absent (the API server and the controller
     /// write a default either way); the strategic-merge directive the controller stores is
     /// no part of the template.
@@ -63,7 +66,16 @@ pub fn other_changes(prev: &Value, cur: &Value) -> Vec<String> {
             v => Some(v.clone()),
         }
     }
-    fn strip(v: &Value) -> Value {
+    let agent_image = |t: &Value| -> Option<String> {
+        let cs = t.pointer("/spec/containers")?.as_array()?;
+        let c = cs
+            .iter()
+            .find(|c| c["name"] == "cilium-agent")
+            .or(cs.first())?;
+        c["image"].as_str().map(String::from)
+    };
+    let from = agent_image(prev).unwrap_or_default();
+    let strip = |v: &Value, image: &str| -> Value {
         let mut v = v.clone();
         if let Some(a) = v
             .pointer_mut("/metadata/annotations")
@@ -82,12 +94,14 @@ pub fn other_changes(prev: &Value, cur: &Value) -> Vec<String> {
                 .and_then(|c| c.as_array_mut())
             {
                 for c in cs {
-                    c.as_object_mut().map(|c| c.remove("image"));
+                    if c["image"].as_str() == Some(image) {
+                        c.as_object_mut().map(|c| c.remove("image"));
+                    }
                 }
             }
         }
         clean(&v).unwrap_or(Value::Null)
-    }
+    };
     fn diff(a: &Value, b: &Value, path: String, out: &mut Vec<String>) {
         if out.len() >= 4 || a == b {
             return;
@@ -113,14 +127,19 @@ pub fn other_changes(prev: &Value, cur: &Value) -> Vec<String> {
         }
     }
     let mut out = Vec::new();
-    diff(&strip(prev), &strip(cur), String::new(), &mut out);
+    diff(
+        &strip(prev, &from),
+        &strip(cur, approved),
+        String::new(),
+        &mut out,
+    );
     out
 }
 
 /// Whether the DaemonSet's template (the current revision, once the controller observed it)
 /// carries what `stepguard.io/approve-image` and `stepguard.io/approve-config-checksum`
 /// name; why not.
-pub(super) fn template_approved(ds: &DaemonSet, prev: Option<&Value>) -> Result<(), String> {
+pub(super) fn template_approved(ds: &DaemonSet, prev: Option<&[Value]>) -> Result<(), String> {
     let ann = annotations(&ds.metadata);
     let Some(want) = ann.get(ANN_APPROVE_IMAGE) else {
         return Err(format!("{ANN_APPROVE_IMAGE} is not set"));
@@ -153,15 +172,21 @@ pub(super) fn template_approved(ds: &DaemonSet, prev: Option<&Value>) -> Result<
     };
     named?;
     // The approval names an image and a config, nothing else: a revision that also changes
-    // arguments, env, volumes, init containers or a restart annotation is not covered.
+    // arguments, env, volumes, init containers, another image or a restart annotation, from
+    // any revision a node runs now, is not covered.
     let Some(prev) = prev else {
         return Err(
-            "the revision before it cannot be read, so what else its template changes is unknown"
+            "a revision the nodes run cannot be read, so what else the template changes is unknown"
                 .into(),
         );
     };
     let cur = serde_json::to_value(tmpl).unwrap_or_default();
-    let other = other_changes(prev, &cur);
+    let other: Vec<String> = prev
+        .iter()
+        .flat_map(|p| other_changes(p, &cur, want))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     if other.is_empty() {
         Ok(())
     } else {
@@ -173,7 +198,7 @@ pub(super) fn template_approved(ds: &DaemonSet, prev: Option<&Value>) -> Result<
 }
 
 /// Why the current revision is not approved, for people.
-pub(super) fn unapproved_why(ds: &DaemonSet, prev: Option<&Value>) -> String {
+pub(super) fn unapproved_why(ds: &DaemonSet, prev: Option<&[Value]>) -> String {
     let named = annotations(&ds.metadata)
         .get(ANN_APPROVE)
         .cloned()
@@ -208,39 +233,52 @@ pub fn owed(view: &ClusterView, skipped: &std::collections::BTreeSet<String>) ->
     view.pods
         .iter()
         .filter(|p| !skipped.contains(&p.node))
+        // A proof that could not be read is waited on, not owed: a run would only refuse.
         .any(|p| {
             &p.revision != rev
-                || !matches!(
+                || matches!(
                     view.proofs.get(&p.node),
-                    Some(Ok(pr)) if pr.status == plan::ProofStatus::Passed
+                    Some(Ok(pr)) if pr.status != plan::ProofStatus::Passed
                 )
         })
 }
 
 impl Cluster {
-    /// The pod template of the revision before `current` (the highest-numbered other one),
-    /// from its ControllerRevision; None when there is none or it cannot be read.
-    pub(super) async fn previous_template(&self, ds: &DaemonSet, current: &str) -> Option<Value> {
-        self.owned_revisions(ds)
-            .await
-            .ok()?
-            .into_iter()
-            .filter(|(h, _)| h != current)
-            .max_by_key(|(_, r)| r.revision)
-            .and_then(|(_, r)| r.data?.0.pointer("/spec/template").cloned())
+    /// The pod templates of the revisions other than `current` that the DaemonSet's pods run
+    /// now (`running`: their hashes), from their ControllerRevisions; None when one of them
+    /// cannot be read (its history pruned, or the API failing).
+    pub(super) async fn running_templates(
+        &self,
+        ds: &DaemonSet,
+        current: &str,
+        running: &std::collections::BTreeSet<String>,
+    ) -> Option<Vec<Value>> {
+        let revs = self.owned_revisions(ds).await.ok()?;
+        running
+            .iter()
+            .filter(|h| h.as_str() != current)
+            .map(|h| {
+                revs.iter()
+                    .find(|(rh, _)| rh == h)
+                    .and_then(|(_, r)| r.data.as_ref()?.0.pointer("/spec/template").cloned())
+            })
+            .collect()
     }
 
     /// What a person approved now (see [`approval`]), and why the current revision is not,
-    /// for people.
+    /// for people. `view`: the pods whose revisions the change is judged from.
     pub(super) async fn approval_now(
         &self,
         ds: &DaemonSet,
         current: &str,
+        view: &ClusterView,
     ) -> (Option<String>, String) {
-        let prev = self.previous_template(ds, current).await;
+        let running: std::collections::BTreeSet<String> =
+            view.pods.iter().map(|p| p.revision.clone()).collect();
+        let prev = self.running_templates(ds, current, &running).await;
         (
-            approval(ds, current, prev.as_ref()),
-            unapproved_why(ds, prev.as_ref()),
+            approval(ds, current, prev.as_deref()),
+            unapproved_why(ds, prev.as_deref()),
         )
     }
 }

@@ -177,7 +177,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let (view, ds) = patient("read the cluster", start, None, || c.view()).await?;
     let (_, rec) = patient("read the rollout lock", start, None, || read_lock(c)).await?;
     let current = view.revision.clone().unwrap_or_default();
-    let (approve, _) = c.approval_now(&ds, &current.0).await;
+    let (approve, _) = c.approval_now(&ds, &current.0, &view).await;
     if let Gate::Halted(msg) = record::gate(&rec, &current.0, approve.as_deref(), &stamp()) {
         if json_out {
             println!(
@@ -423,7 +423,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 break;
             };
             if cur.0 != run_rev {
-                let (approved_now, unapproved) = c.approval_now(&ds, &cur.0).await;
+                let (approved_now, unapproved) = c.approval_now(&ds, &cur.0, &view).await;
                 if record::may_adopt(&run_rev, &cur.0, approved_now.as_deref()) {
                     say(
                         json_out,

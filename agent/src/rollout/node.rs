@@ -113,7 +113,15 @@ pub(super) async fn step_node(
         None => Phase::Begin,
     };
     let mut live = actions::Live::new(cx, view, st, target, agent, t0);
-    let outcome = actions::drive(&mut live, phase, t).await;
+    let outcome = match actions::drive(&mut live, phase, t).await {
+        // The driver stops on a signal as on a lost lock: say which it was.
+        Outcome::Stopped { .. } if TERMINATING.load(Ordering::SeqCst) && !lost.load(Ordering::SeqCst) => {
+            Outcome::Stopped {
+                why: "stopped by a signal: nothing more is touched; the step in flight stays on the record for the next run".into(),
+            }
+        }
+        o => o,
+    };
     let (st, stages) = (live.st, live.stages);
     let (warn, reason, msg) = match &outcome {
         Outcome::Passed { step, summary } => (

@@ -309,9 +309,15 @@ pub fn lift(
     // halted whatever the record holds (an abort, a deleted lock).
     let halted_at = |r: &Record, node: &str| -> Result<Halt, String> {
         if let Some(w) = world.filter(|w| w.node == node) {
-            if r.halt.as_ref().is_none_or(|h| h.node != node) {
-                return Ok(w.clone());
-            }
+            return match &r.halt {
+                // Another node's halt stands: the gate refuses until a person decides there.
+                Some(h) if h.node != node => Err(format!(
+                    "the halt is at node {}, not {node}: decide on the node whose step failed first",
+                    h.node
+                )),
+                // This node's current pod failed: judged on the revision it runs now.
+                _ => Ok(w.clone()),
+            };
         }
         match &r.halt {
             None => Err(format!(
@@ -348,7 +354,9 @@ pub fn lift(
             if r.halt.as_ref().is_some_and(|x| &x.node == node) {
                 r.halt = None;
             }
-            r.retry = None;
+            if r.retry.as_ref() == Some(node) {
+                r.retry = None;
+            }
             r.skipped.push(Skip {
                 node: node.clone(),
                 revision: h.revision.clone(),
@@ -562,7 +570,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("the halt is at node n2"), "{e}");
-        lift(
+        // Another node's halt stands: decide there first (the gate would refuse anyway).
+        let e = lift(
             &mut r,
             &Lift::Retry("n3".into()),
             "me",
@@ -571,8 +580,30 @@ mod tests {
             "t",
             Some(&world),
         )
+        .unwrap_err();
+        assert!(e.contains("the halt is at node n2"), "{e}");
+        assert_eq!(r.halt.as_ref().map(|h| h.node.as_str()), Some("n2"));
+        // The same node halted on an older revision: its current verdict decides; another
+        // node's retry is kept.
+        let mut r = halted();
+        r.retry = Some("n1".into());
+        let now = Halt {
+            node: "n2".into(),
+            revision: "r3".into(),
+            ..world.clone()
+        };
+        lift(
+            &mut r,
+            &Lift::Skip("n2".into()),
+            "me",
+            "x",
+            "r3",
+            "t",
+            Some(&now),
+        )
         .unwrap();
-        assert_eq!(r.retry.as_deref(), Some("n3"));
+        assert_eq!(r.skipped_on("r3"), ["n2"]);
+        assert_eq!(r.retry.as_deref(), Some("n1"));
     }
 
     #[test]

@@ -41,7 +41,7 @@ fn prev() -> Value {
 }
 
 fn approval(d: &DaemonSet, current: &str) -> Option<String> {
-    super::approval(d, current, Some(&prev()))
+    super::approval(d, current, Some(&[prev()][..]))
 }
 
 #[test]
@@ -55,7 +55,7 @@ fn git_approves_the_image_and_config_checksum_a_revision_carries() {
     // A config-only revision does not ride the approval of the earlier config.
     assert_eq!(approval(&ds(img, Some("c3"), both.clone()), "h3"), None);
     assert!(
-        unapproved_why(&ds(img, Some("c3"), both.clone()), Some(&prev()))
+        unapproved_why(&ds(img, Some("c3"), both.clone()), Some(&[prev()][..]))
             .contains("config checksum is c3")
     );
     // Another image; a checksum the approval does not name.
@@ -104,9 +104,9 @@ fn a_git_approval_covers_the_image_and_config_and_nothing_else() {
         changed(&|t| t["spec"]["containers"][0]["args"] = json!(["--enable-bpf-masquerade"]));
     assert_eq!(approval(&args, "h2"), None);
     assert!(
-        unapproved_why(&args, Some(&prev())).contains("/spec/containers/0/args"),
+        unapproved_why(&args, Some(&[prev()][..])).contains("/spec/containers/0/args"),
         "{}",
-        unapproved_why(&args, Some(&prev()))
+        unapproved_why(&args, Some(&[prev()][..]))
     );
     let restart = changed(&|t| {
         t["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] =
@@ -117,7 +117,37 @@ fn a_git_approval_covers_the_image_and_config_and_nothing_else() {
         changed(&|t| t["spec"]["initContainers"] = json!([{"name": "mount-cgroup", "image": img}]));
     assert_eq!(approval(&init, "h4"), None);
     // Images of every container may change (the chart uses one image for several).
-    assert_eq!(other_changes(&prev(), &prev()), Vec::<String>::new());
+    assert_eq!(
+        other_changes(&prev(), &prev(), "quay.io/cilium/cilium:v1.18.0"),
+        Vec::<String>::new()
+    );
+    // Another image beside the approved one (a sidecar swapped in the same commit): not
+    // covered.
+    let sidecar = changed(&|t| {
+        t["spec"]["containers"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "sidecar", "image": "evil:latest"}))
+    });
+    assert_eq!(approval(&sidecar, "h6"), None);
+    // Judged from every revision a node runs: an unapproved change in a revision between
+    // (here: an argument) is caught when some node still runs the one before it.
+    let mut between = prev();
+    between["spec"]["containers"][0]["args"] = json!(["--x"]);
+    let d = ds(img, Some("c2"), both.clone());
+    assert_eq!(
+        super::approval(&d, "h7", Some(&[between.clone()][..])),
+        None
+    );
+    assert_eq!(
+        super::approval(&d, "h7", Some(&[prev(), between][..])),
+        None
+    );
+    assert_eq!(
+        super::approval(&d, "h7", Some(&[][..])).as_deref(),
+        Some("h7"),
+        "every node on it"
+    );
     assert_eq!(
         super::approval(&ds(img, Some("c2"), both.clone()), "h5", None),
         None,
@@ -158,7 +188,13 @@ fn watch_starts_only_an_approved_revision_not_yet_everywhere() {
     assert!(!approved(&v, Some("r1"), &none), "an older approval");
     assert!(approved(&v, Some("r2"), &none));
     v.pods[0].revision = "r2".into();
-    // On the revision without a proof: owed (stepped to prove it).
+    // On the revision without a proof it can read: waited on, not owed (a run would only
+    // refuse); with an unproven one: owed (stepped to prove it).
+    assert!(!approved(&v, Some("r2"), &none), "proof not read");
+    let unproven: crate::step::proof::Proof = serde_json::from_value(json!({
+        "started_at": 1.0, "status": "unproven", "step": null, "why": "no step"}))
+    .unwrap();
+    v.proofs.insert("n".into(), Ok(unproven));
     assert!(approved(&v, Some("r2"), &none), "on the revision, unproven");
     let passed: crate::step::proof::Proof = serde_json::from_value(json!({
         "started_at": 1.0, "status": "passed", "step": null, "why": "passed"}))

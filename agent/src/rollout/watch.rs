@@ -34,7 +34,7 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
     let (v, ds) = c.view().await?;
     let (_, rec) = read_lock(c).await?;
     let cur = v.revision.clone().map(|r| r.0).unwrap_or_default();
-    let (approve, unapproved) = c.approval_now(&ds, &cur).await;
+    let (approve, unapproved) = c.approval_now(&ds, &cur, &v).await;
     // A retry of a node that no longer runs a cilium pod is owed nothing (the run clears it).
     let retry_owed = rec
         .retry

@@ -176,14 +176,20 @@ pub fn covering(steps: &[Step], started_at: f64) -> Proof {
     )
 }
 
-/// The step that proves the current start whatever else is pruned: the one that saw the
-/// latest reload (a cilium-agent that has not restarted since stays proven).
-pub fn current(steps: &[Step]) -> Option<&Step> {
-    steps
+/// How many of the latest reload-seeing steps are kept whatever else is pruned.
+pub const PROOFS_KEPT: usize = 8;
+
+/// The steps that may prove the current start, kept whatever else is pruned: those that saw
+/// the latest reloads, newest first (the current start's own step is the latest one a
+/// restart made; a reload without a restart — the datapath regenerated at run time — may
+/// come after it, so a few are kept, not one).
+pub fn current(steps: &[Step]) -> Vec<&Step> {
+    let mut seen: Vec<(f64, &Step)> = steps
         .iter()
         .filter_map(|s| first_reload(s).map(|r| (r, s)))
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, s)| s)
+        .collect();
+    seen.sort_by(|a, b| b.0.total_cmp(&a.0));
+    seen.into_iter().take(PROOFS_KEPT).map(|(_, s)| s).collect()
 }
 
 #[cfg(test)]
@@ -301,12 +307,26 @@ mod tests {
     }
 
     #[test]
-    fn the_current_proof_is_the_latest_reload() {
+    fn the_proofs_kept_are_the_latest_reloads() {
         let steps = vec![
             step("a", 100.0, Some(101.0), None),
             step("b", 300.0, None, None),
             step("c", 200.0, Some(203.0), None),
         ];
-        assert_eq!(current(&steps).unwrap().id, "c");
+        let ids: Vec<&str> = current(&steps).iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["c", "a"]);
+        let many: Vec<Step> = (0..20)
+            .map(|i| {
+                step(
+                    &format!("s{i}"),
+                    f64::from(i) * 10.0,
+                    Some(f64::from(i) * 10.0 + 1.0),
+                    None,
+                )
+            })
+            .collect();
+        let kept = current(&many);
+        assert_eq!(kept.len(), PROOFS_KEPT);
+        assert_eq!(kept[0].id, "s19");
     }
 }

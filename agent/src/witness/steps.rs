@@ -3,6 +3,10 @@
 //! by their own timeout.
 use super::*;
 
+/// How much earlier than the asking agent's own step a witness's step must have begun before
+/// its report is clipped to the agent's window (clocks of two machines on a LAN differ).
+pub const CLIP_SLACK_S: f64 = 2.0;
+
 impl Witness {
     /// Begins (or finds) the step `id`.
     pub fn begin(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, BeginRefused> {
@@ -186,7 +190,10 @@ impl Witness {
             .min(end)
             .max(s.created_at);
         let cadence = s.burst.as_secs_f64();
-        let from = from.filter(|f| *f > s.created_at);
+        // Clipped only when this witness's step clearly began before the asking agent's (by
+        // someone else, under the same id): `from` is on the agent's clock, and a witness
+        // whose clock is a little behind must not lose the start of its evidence.
+        let from = from.filter(|f| *f > s.created_at + CLIP_SLACK_S);
         let gaps = s
             .targets
             .iter()
@@ -194,7 +201,12 @@ impl Witness {
                 Some(f) => {
                     let mut clipped = t.clone();
                     clipped.samples.retain(|x| x.sent >= f);
-                    clipped.prior.retain(|o| o.start >= f);
+                    // An outage already folded away that runs into the window counts from
+                    // the window's start.
+                    clipped.prior.retain(|o| o.end.is_none_or(|e| e > f));
+                    for o in &mut clipped.prior {
+                        o.start = o.start.max(f);
+                    }
                     // The counts the loss is judged on, over the window too.
                     clipped.probes = clipped.samples.len() as u64;
                     clipped.failures = clipped.samples.iter().filter(|x| !x.ok).count() as u64;

@@ -158,8 +158,11 @@ async fn steps_begin_once_report_gaps_and_end() {
     assert!((r.gaps[0].longest_s - 0.02).abs() < 1e-6, "{:?}", r.gaps);
     // An agent whose own step began after that outage (the witness's step was begun
     // earlier under the same id) gets the gaps of its own window only.
-    let r = w.report("a", None, Some(t0 + 0.035)).unwrap();
+    let r = w.report("a", None, Some(t0 + 2.5)).unwrap();
     assert_eq!(r.gaps[0].count, 0, "{:?}", r.gaps);
+    // A `from` within the clocks' slack of the witness's own start clips nothing.
+    let r = w.report("a", None, Some(t0 + 1.0)).unwrap();
+    assert_eq!(r.gaps[0].count, 1, "{:?}", r.gaps);
     assert_eq!(r.created_at, t0, "the witness's own start is reported");
     let (s, v) = call(&w, "GET", "/v1/steps/a?from=x", "", Some("s3cret")).await;
     assert_eq!(s, 400, "{v}");

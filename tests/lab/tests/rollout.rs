@@ -1712,7 +1712,9 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
     );
 
     // One commit: the new image, the chart's config checksum on the template, and the
-    // approval naming both (before the revision exists).
+    // approval naming both (before the revision exists). It also drops the environment's
+    // unapproved change (its bump annotation): a Git approval covers the image and the
+    // config alone, judged from the revision the nodes run.
     let image = CILIUM_IMAGE.replace("v1.18.2", "v1.18.3");
     let (from, ev) = (deletions(&e).len(), events(&e));
     let approved = patch_daemonset(
@@ -1720,7 +1722,8 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
         json!({"metadata": {"annotations": {
                    "stepguard.io/approve-image": image, "stepguard.io/approve-config-checksum": "c2"}},
                "spec": {"template": {
-                   "metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c2"}},
+                   "metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c2",
+                       "stepguard.test/bump": null}},
                    "spec": {"containers": [{"name": "cilium-agent", "image": image,
                        "imagePullPolicy": "IfNotPresent", "command": ["cilium-agent"],
                        "args": ["--config-dir=/tmp/cilium/config-map"]}]}}}}),
