@@ -90,7 +90,8 @@ fn when(t: f64) -> String {
 
 /// The proof of the start at `started_at` among `steps` (every step the agent holds, the
 /// active one included).
-pub fn covering(steps: &[Step], started_at: f64) -> Proof {
+pub fn covering<'a>(steps: impl IntoIterator<Item = &'a Step>, started_at: f64) -> Proof {
+    let steps: Vec<&Step> = steps.into_iter().collect();
     let proof = |status, step: Option<&Step>, why: String| Proof {
         started_at,
         status,

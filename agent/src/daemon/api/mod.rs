@@ -205,12 +205,17 @@ async fn proof(State(d): State<Arc<Daemon>>, Query(q): Query<HashMap<String, Str
             )
         }
     };
-    let mut steps = d.store.list();
-    if let Some(active) = d.current_step() {
-        steps.retain(|s| s.id != active.id);
-        steps.push((*active).clone());
-    }
-    axum::Json(crate::step::proof::covering(&steps, started_at)).into_response()
+    // Judged over the steps in place (a node's store holds up to a hundred): the active one
+    // as the runner holds it now, the others as stored.
+    let active = d.current_step();
+    let stored = d.store.mem();
+    let steps = stored
+        .values()
+        .filter(|s| active.as_ref().is_none_or(|a| a.id != s.id))
+        .chain(active.as_deref());
+    let proof = crate::step::proof::covering(steps, started_at);
+    drop(stored);
+    axum::Json(proof).into_response()
 }
 
 async fn list_steps(State(d): State<Arc<Daemon>>) -> Response {
