@@ -27,6 +27,10 @@ pub struct NodeObservation {
     /// The version the running cilium-agent's API reported (None: not asked, not
     /// answering, or not reported).
     pub agent_version: Option<String>,
+    /// The overlay the node's configuration asks for (the agent's loaded configuration, or
+    /// the ConfigMap when no API socket is configured), and when it was read (unix seconds,
+    /// before the read began). None: not known.
+    pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
 }
 
 /// Runs the registered checks named in `only` (all when empty), in registry order: reads what
@@ -77,6 +81,7 @@ pub async fn run(
     // What the running cilium-agent loaded (read once per start of it), and with it the
     // effective configuration the checks expect.
     let t = Instant::now();
+    let read_at = crate::probe::unix_now();
     let loaded = match &cfg.cilium_api {
         Some(sock) if needs.agent => Some(crate::ciliumapi::loaded_settings_cached(sock).await),
         _ => None,
@@ -121,7 +126,14 @@ pub async fn run(
         }
         results.push(r);
     }
+    let overlay = match (&cfg.cilium_api, effective.as_ref(), cilium_snap) {
+        (Some(_), Some(e), _) => Some(e),
+        (None, _, Some(s)) => Some(s),
+        _ => None,
+    }
+    .map(|s| (checks::devices::overlay_intent(&s.values), read_at));
     let obs = NodeObservation {
+        overlay,
         links: links.and_then(|o| o.ok()),
         maps: maps.and_then(|o| o.ok()),
         agent_version: loaded

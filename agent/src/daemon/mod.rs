@@ -52,6 +52,9 @@ pub struct NodeView {
     pub maps: Option<bpffs::MapsObservation>,
     /// The version the running cilium-agent's API reported at the last refresh.
     pub agent_version: Option<String>,
+    /// The overlay the configuration asks for, as last read, and when (the newest read:
+    /// refreshes may overlap).
+    pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
     pub checked_at: f64,
 }
 
@@ -368,6 +371,11 @@ impl Daemon {
         lock(&self.node).agent_version.clone()
     }
 
+    /// The overlay the configuration asked for at the newest read, and when it was read.
+    pub fn overlay_intent(&self) -> Option<(checks::devices::OverlayIntent, f64)> {
+        lock(&self.node).overlay.clone()
+    }
+
     /// Kernel drops by reason now (None: the signal is unknown).
     pub fn kernel_drops_now(&self) -> Option<BTreeMap<String, u64>> {
         lock(&self.kernel_drops).by_reason().ok()
@@ -458,6 +466,11 @@ impl Daemon {
         view.links = obs.links;
         view.maps = obs.maps;
         view.agent_version = obs.agent_version;
+        if let Some((i, at)) = obs.overlay {
+            if view.overlay.as_ref().is_none_or(|(_, last)| at >= *last) {
+                view.overlay = Some((i, at));
+            }
+        }
         view.checked_at = unix_now();
     }
 }

@@ -453,6 +453,7 @@ impl Runner {
             self.readings.endpoint_maps = node.maps.as_ref().map(|m| m.endpoint_maps.clone());
         }
         self.readings.agent_version = d.agent_version().map(|v| (v, unix_now()));
+        self.readings.overlay = d.overlay_intent();
         let shrunk = self
             .active()
             .map(|s| s.kept_maps_shrunk(self.readings.maps.as_ref()))

@@ -44,6 +44,8 @@ pub struct Readings {
     pub map_entries: BTreeMap<String, Vec<String>>,
     /// The endpoints' programs at the last device observation (taken by the next decision).
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
+    /// The overlay the configuration asks for, and when it was read.
+    pub overlay: Option<(crate::checks::devices::OverlayIntent, f64)>,
 }
 
 /// What an observation reads only at its own moment.
@@ -235,6 +237,7 @@ impl Step {
             agent_version: r.agent_version.clone(),
             map_entries: r.map_entries.clone(),
             endpoints: r.endpoints.take(),
+            overlay: r.overlay.clone(),
         };
         verdict::decide(self, &o);
         if self.is_final() {

@@ -203,6 +203,14 @@ pub struct Reload {
     pub complete_at: Option<f64>,
     /// Last observation (device → id), to see changes.
     pub last_seen: BTreeMap<String, Option<u32>>,
+    /// The overlay the restarted agent's configuration asks for: read after the datapath
+    /// began to change (an earlier read is the previous agent's). None: not read yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay_intent: Option<crate::checks::devices::OverlayIntent>,
+    /// The node's configuration was readable at some point of the step (so the restarted
+    /// agent's intent is awaited before a pass).
+    #[serde(default)]
+    pub intent_readable: bool,
 }
 
 /// Where a step is: waiting for the reload, settling after it, decided.

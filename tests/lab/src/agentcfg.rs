@@ -130,6 +130,64 @@ impl Lab {
             &missing,
         )?;
         self.state.attachments = keep.into_iter().chain(added).collect();
+        self.save()?;
+        self.follow_routing_mode(cfg)
+    }
+
+    /// The routing mode a configuration asks for, followed: Cilium creates its overlay
+    /// device in tunnel mode and removes it otherwise (`setupTunnelDevice`,
+    /// `pkg/datapath/loader/netlink.go`), attaching `cil_from_overlay`/`cil_to_overlay` to
+    /// it (`reinitializeOverlay`). The lab's overlay is VXLAN; a LAN lab whose nodes reach
+    /// each other over it keeps its routing mode.
+    fn follow_routing_mode(&mut self, cfg: &BTreeMap<String, String>) -> Result<()> {
+        let want = cfg
+            .get("routing-mode")
+            .map(|m| m.trim() != "native")
+            .unwrap_or(true);
+        if want == self.state.spec.features.tunnel {
+            return Ok(());
+        }
+        if !self.overlay_peers().is_empty() {
+            bail!("routing-mode: a lab with an overlay between its nodes keeps tunnel routing");
+        }
+        let node = self.node_ns();
+        if want {
+            netns::ip(
+                &node,
+                &[
+                    "link", "add", OVERLAY, "type", "vxlan", "external", "dstport", "8472",
+                ],
+            )?;
+            netns::ip(&node, &["link", "set", OVERLAY, "up"])?;
+            let plan: datapath::Plan = vec![
+                (
+                    OVERLAY.into(),
+                    "cil_from_overlay",
+                    datapath::Hook::Ingress,
+                    None,
+                ),
+                (
+                    OVERLAY.into(),
+                    "cil_to_overlay",
+                    datapath::Hook::Egress,
+                    None,
+                ),
+            ];
+            let added =
+                datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
+            self.state.attachments.extend(added);
+        } else {
+            let (gone, keep): (Vec<Attachment>, Vec<Attachment>) = self
+                .state
+                .attachments
+                .iter()
+                .cloned()
+                .partition(|a| a.device == OVERLAY);
+            datapath::detach(&node, &gone)?;
+            netns::ip(&node, &["link", "del", OVERLAY])?;
+            self.state.attachments = keep;
+        }
+        self.state.spec.features.tunnel = want;
         self.save()
     }
 

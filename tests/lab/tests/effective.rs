@@ -173,3 +173,54 @@ fn cil_to_netdev_is_required_exactly_when_devices_are() {
         "no cil_to_netdev anywhere: {r}"
     );
 }
+
+/// The routing mode as a per-node override: the configuration decides the overlay. A
+/// datapath that followed `routing-mode=native` (no overlay device) passes the devices check;
+/// one that kept tunnelling fails it, naming the overlay and the setting.
+#[test]
+fn a_routing_mode_override_decides_the_overlay() {
+    let mut lab = lab(|s| {
+        s.features.kube_proxy_replacement = false;
+        s.features.l2_announcements = false;
+    });
+    let (code, r) = one(&lab, "devices");
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["evidence"]["overlay"]["wanted"], "cilium_vxlan", "{r}");
+
+    overriding(&mut lab, "routing-mode", "native");
+    restart(&mut lab, RestartOpts::default());
+    let (code, r) = one(&lab, "devices");
+    assert_eq!(code, 0, "native routing followed: {r}");
+    assert_eq!(r["evidence"]["overlay"]["wanted"], Value::Null, "{r}");
+    assert!(
+        r["evidence"]["overlay"]["because"]
+            .as_str()
+            .unwrap_or("")
+            .contains("routing-mode=native"),
+        "{r}"
+    );
+    assert!(
+        !r["evidence"]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["device"] == "cilium_vxlan"),
+        "Cilium removes the overlay device in native routing: {r}"
+    );
+
+    // The datapath ignores the override: still tunnelling.
+    let (code, r) = ignoring_the_override(&mut lab);
+    assert_eq!((code, code_of(&r)), (1, "overlay_unexpected"), "{r}");
+    let why = r["reason"].as_str().unwrap();
+    assert!(
+        why.contains("cilium_vxlan") && why.contains("routing-mode=native"),
+        "{r}"
+    );
+
+    // The override removed: tunnel routing again, the overlay back.
+    overriding(&mut lab, "routing-mode", "");
+    restart(&mut lab, RestartOpts::default());
+    let (code, r) = one(&lab, "devices");
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["evidence"]["overlay"]["wanted"], "cilium_vxlan", "{r}");
+}

@@ -726,3 +726,44 @@ fn a_stale_or_lost_host_or_overlay_hook_never_passes() {
     }
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
+
+/// A per-node `routing-mode=native` override, declared nowhere in the step: the restarted
+/// agent's configuration decides the overlay. The datapath that followed it (the overlay
+/// device and its hooks gone) passes; one that kept tunnelling fails naming the overlay.
+#[test]
+fn a_routing_mode_override_is_judged_by_whether_the_datapath_followed_it() {
+    let mut errors = vec![];
+    for followed in [true, false] {
+        let mut lab = lab(|_| {});
+        lab.config_override(&[("routing-mode".to_string(), "native".to_string())])
+            .unwrap();
+        let agent = Daemon::start(&lab, &[]);
+        let id = agent.begin_probing(r#"{"settle": "1s", "timeout": "20s"}"#);
+        let (_, b) = agent.get_json(&format!("/v1/steps/{id}"));
+        if b["baseline"]["programs"]["cilium_vxlan"].is_null() {
+            errors.push(format!("no overlay in the baseline: {}", b["baseline"]));
+            continue;
+        }
+        lab.restart(&RestartOpts {
+            down: Duration::from_millis(100),
+            ignore_override: !followed,
+            ..Default::default()
+        })
+        .unwrap();
+        let v = agent.verdict(&id);
+        let (status, summary) = (
+            v["verdict"]["status"].as_str().unwrap_or("?"),
+            v["verdict"]["summary"].as_str().unwrap_or(""),
+        );
+        match followed {
+            true if status != "passed" => {
+                errors.push(format!("followed: want passed, got {status}: {summary}"))
+            }
+            false if status != "failed" || !summary.contains("cilium_vxlan") => errors.push(
+                format!("not followed: want failed naming cilium_vxlan, got {status}: {summary}"),
+            ),
+            _ => {}
+        }
+    }
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}

@@ -143,6 +143,121 @@ pub fn is_overlay(name: &str) -> bool {
     matches!(name, "cilium_vxlan" | "cilium_geneve")
 }
 
+/// The overlay device a configuration asks for (Cilium's tunnel config, `pkg/datapath/tunnel`
+/// `newConfig` and its enablers): tunnelling is on for `routing-mode=tunnel` (the agent's
+/// default when the key is absent; the legacy `tunnel` key before it), for the egress gateway,
+/// and for kube-proxy replacement with DSR dispatched over Geneve; the device is
+/// `cilium_<tunnel-protocol>` (VXLAN by default). With tunnelling off Cilium removes both
+/// overlay devices (`setupTunnelDevice`), so none may carry its programs.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OverlayIntent {
+    /// `cilium_vxlan` or `cilium_geneve`; None: no overlay.
+    pub device: Option<String>,
+    /// The keys that decided it, as `key=value`.
+    pub because: String,
+}
+
+impl OverlayIntent {
+    /// The intent in a line: "cilium_vxlan (routing-mode=tunnel)" or "no overlay (…)".
+    pub fn describe(&self) -> String {
+        match &self.device {
+            Some(d) => format!("{d} ({})", self.because),
+            None => format!("no overlay ({})", self.because),
+        }
+    }
+}
+
+/// See [`OverlayIntent`].
+pub fn overlay_intent(cfg: &std::collections::BTreeMap<String, String>) -> OverlayIntent {
+    let get = |k: &str| cfg.get(k).map(|v| v.trim().to_ascii_lowercase());
+    let on = |k: &str| get(k).is_some_and(|v| matches!(v.as_str(), "true" | "strict"));
+    let mut why = Vec::new();
+    let tunnel_mode = match (get("routing-mode"), get("tunnel")) {
+        (Some(m), _) => {
+            why.push(format!("routing-mode={m}"));
+            m != "native"
+        }
+        (None, Some(t)) => {
+            why.push(format!("tunnel={t}"));
+            t != "disabled"
+        }
+        (None, None) => {
+            why.push("routing-mode unset: tunnel".to_string());
+            true
+        }
+    };
+    let egress_gw = on("enable-egress-gateway") || on("enable-ipv4-egress-gateway");
+    if egress_gw {
+        why.push("egress gateway on".into());
+    }
+    let dsr_geneve = on("kube-proxy-replacement")
+        && matches!(get("bpf-lb-mode").as_deref(), Some("dsr" | "hybrid"))
+        && get("bpf-lb-dsr-dispatch").as_deref() == Some("geneve");
+    if dsr_geneve {
+        why.push("DSR over Geneve".into());
+    }
+    let protocol = get("tunnel-protocol")
+        .or_else(|| get("tunnel").filter(|t| t == "geneve" || t == "vxlan"))
+        .unwrap_or_else(|| "vxlan".into());
+    let device = (tunnel_mode || egress_gw || dsr_geneve).then(|| {
+        why.push(format!("tunnel-protocol={protocol}"));
+        if protocol == "geneve" {
+            "cilium_geneve".to_string()
+        } else {
+            "cilium_vxlan".to_string()
+        }
+    });
+    OverlayIntent {
+        device,
+        because: why.join(", "),
+    }
+}
+
+/// The overlay against the configuration's intent: the wanted overlay device carries
+/// `cil_from_overlay`, no other overlay device carries Cilium's programs. None: as intended.
+pub fn overlay_mismatch(
+    obs: &Observation,
+    intent: &OverlayIntent,
+) -> Option<(&'static str, String)> {
+    let carries = |name: &str| {
+        obs.devices
+            .iter()
+            .find(|d| d.name == name)
+            .is_some_and(|d| {
+                d.programs
+                    .iter()
+                    .any(|p| p.hook == "ingress" && p.is("cil_from_overlay"))
+            })
+    };
+    let stray: Vec<&str> = obs
+        .devices
+        .iter()
+        .filter(|d| is_overlay(&d.name) && Some(&d.name) != intent.device.as_ref())
+        .filter(|d| !d.programs.is_empty())
+        .map(|d| d.name.as_str())
+        .collect();
+    if !stray.is_empty() {
+        return Some((
+            "overlay_unexpected",
+            format!(
+                "{} still carries Cilium's programs, but the configuration asks for {}",
+                stray.join(", "),
+                intent.describe()
+            ),
+        ));
+    }
+    match &intent.device {
+        Some(d) if !carries(d) => Some((
+            "overlay_missing",
+            format!(
+                "{d} lacks cil_from_overlay, but the configuration asks for {}",
+                intent.describe()
+            ),
+        )),
+        _ => None,
+    }
+}
+
 /// Cilium's `isSelectedDevice` (devices controller, 1.16+): a device without a name, without
 /// any address, or not administratively up is rejected first; then a device matching the
 /// user's filter is selected whatever its kind; a device not matching a filter is rejected
@@ -437,8 +552,18 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
         // Without the agent's answer only the ConfigMap was read (with no API socket
         // configured the ConfigMap is all there is, and it decides).
         to_netdev.unconfirmed = i.effective.is_none() && i.cfg.cilium_api.is_some();
+        // The overlay is judged against what the agent loaded, or the ConfigMap when no API
+        // socket is configured (it alone decides then); never against a ConfigMap a per-node
+        // override may contradict.
+        let overlay = cfg
+            .filter(|_| i.effective.is_some() || i.cfg.cilium_api.is_none())
+            .map(|c| overlay_intent(&c.values));
         match i.links {
-            Some(Ok(o)) => evaluate_with(o, &expected_devices(i.cfg, cfg), &to_netdev),
+            Some(Ok(o)) => with_overlay(
+                evaluate_with(o, &expected_devices(i.cfg, cfg), &to_netdev),
+                o,
+                overlay.as_ref(),
+            ),
             Some(Err(e)) => {
                 CheckResult::unknown(CHECK, "netlink_error", e.to_string(), serde_json::json!({}))
             }
@@ -450,6 +575,28 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             ),
         }
     })
+}
+
+/// The overlay's judgment added to a devices result: the intent in the evidence; a passing
+/// result fails when the overlay is not as the configuration asks.
+fn with_overlay(
+    mut r: CheckResult,
+    obs: &Observation,
+    intent: Option<&OverlayIntent>,
+) -> CheckResult {
+    let Some(intent) = intent else {
+        r.evidence["overlay"] = json!({"judged": false, "why": "the agent's configuration could not be read (a per-node override may change the routing mode)"});
+        return r;
+    };
+    r.evidence["overlay"] =
+        json!({"judged": true, "wanted": intent.device, "because": intent.because});
+    if r.status != super::Status::Pass {
+        return r;
+    }
+    match overlay_mismatch(obs, intent) {
+        Some((code, why)) => CheckResult::fail(CHECK, code, why, r.evidence),
+        None => r,
+    }
 }
 
 /// The devices the node is expected to select: the agent config's list, else cilium-config's

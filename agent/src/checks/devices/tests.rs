@@ -331,3 +331,97 @@ fn truncated_kernel_names_and_tc_filter_names_are_recognised() {
     };
     assert!(p.is("cil_from_container"));
 }
+
+/// Cilium's tunnel config: tunnel routing (the default when unset), the egress gateway, or
+/// DSR over Geneve turn the overlay on; the protocol names the device.
+#[test]
+fn the_overlay_follows_cilium_s_tunnel_config() {
+    let dev = |pairs: &[(&str, &str)]| overlay_intent(&cfg(pairs)).device;
+    assert_eq!(dev(&[]), Some("cilium_vxlan".into()));
+    assert_eq!(
+        dev(&[("routing-mode", "tunnel")]),
+        Some("cilium_vxlan".into())
+    );
+    assert_eq!(
+        dev(&[("routing-mode", "tunnel"), ("tunnel-protocol", "geneve")]),
+        Some("cilium_geneve".into())
+    );
+    assert_eq!(dev(&[("routing-mode", "native")]), None);
+    assert_eq!(dev(&[("tunnel", "disabled")]), None);
+    assert_eq!(dev(&[("tunnel", "geneve")]), Some("cilium_geneve".into()));
+    assert_eq!(
+        dev(&[
+            ("routing-mode", "native"),
+            ("enable-egress-gateway", "true")
+        ]),
+        Some("cilium_vxlan".into())
+    );
+    let dsr = [
+        ("routing-mode", "native"),
+        ("kube-proxy-replacement", "true"),
+        ("bpf-lb-mode", "dsr"),
+        ("bpf-lb-dsr-dispatch", "geneve"),
+        ("tunnel-protocol", "geneve"),
+    ];
+    assert_eq!(dev(&dsr), Some("cilium_geneve".into()));
+    assert_eq!(dev(&dsr[..3]), None, "DSR over IP options needs no tunnel");
+}
+
+/// The node check holds the overlay to the configuration: a stray overlay under native
+/// routing and a missing one under tunnel routing fail; as asked passes.
+#[test]
+fn the_overlay_is_judged_against_the_configuration() {
+    let tunnel = overlay_intent(&cfg(&[("routing-mode", "tunnel")]));
+    let native = overlay_intent(&cfg(&[("routing-mode", "native")]));
+    let vxlan = || {
+        dev(
+            "cilium_vxlan",
+            &[
+                ("ingress", "cil_from_overlay"),
+                ("egress", "cil_to_overlay"),
+            ],
+        )
+    };
+    assert_eq!(overlay_mismatch(&node(vec![vxlan()]), &tunnel), None);
+    assert_eq!(overlay_mismatch(&node(vec![]), &native), None);
+    let (code, why) = overlay_mismatch(&node(vec![vxlan()]), &native).unwrap();
+    assert_eq!(code, "overlay_unexpected");
+    assert!(
+        why.contains("cilium_vxlan") && why.contains("routing-mode=native"),
+        "{why}"
+    );
+    let (code, _) = overlay_mismatch(&node(vec![]), &tunnel).unwrap();
+    assert_eq!(code, "overlay_missing");
+    let geneve = overlay_intent(&cfg(&[
+        ("routing-mode", "tunnel"),
+        ("tunnel-protocol", "geneve"),
+    ]));
+    let (code, why) = overlay_mismatch(&node(vec![vxlan()]), &geneve).unwrap();
+    assert_eq!(code, "overlay_unexpected", "{why}");
+    // A leftover overlay device without programs is not Cilium's datapath.
+    assert_eq!(
+        overlay_mismatch(&node(vec![dev("cilium_vxlan", &[])]), &native),
+        None
+    );
+
+    // In the check: a passing devices result fails on the overlay; the intent is evidence.
+    let ok = evaluate_with(
+        &node(vec![vxlan()]),
+        &pats(&["eth0", "eth1"]),
+        &ToNetdev::default(),
+    );
+    assert_eq!(ok.status, Status::Pass, "{ok:?}");
+    let r = with_overlay(ok.clone(), &node(vec![vxlan()]), Some(&native));
+    assert_eq!(
+        (r.status, r.code.as_str()),
+        (Status::Fail, "overlay_unexpected")
+    );
+    assert_eq!(r.evidence["overlay"]["wanted"], serde_json::Value::Null);
+    let r = with_overlay(ok.clone(), &node(vec![vxlan()]), None);
+    assert_eq!(
+        r.status,
+        Status::Pass,
+        "not judged without the agent's configuration"
+    );
+    assert_eq!(r.evidence["overlay"]["judged"], false);
+}

@@ -51,6 +51,8 @@ pub struct Observed {
     pub map_entries: BTreeMap<String, Vec<String>>,
     /// Every endpoint device's Cilium programs now; None when they could not be read.
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
+    /// The overlay the node's configuration asks for as last read, and when the read began.
+    pub overlay: Option<(crate::checks::devices::OverlayIntent, f64)>,
 }
 
 /// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,
@@ -164,6 +166,7 @@ pub fn decide(step: &mut Step, o: &Observed) {
     let now = o.now;
     // The baseline is shared, never changed: one handle for the reads below.
     let base = step.baseline.clone();
+    note_overlay_intent(step, o);
     if let Some(p) = &o.programs {
         let want = wanted_devices(step);
         update_reload(&mut step.reload, &base.programs, &want, p, now);
@@ -313,16 +316,15 @@ pub fn decide(step: &mut Step, o: &Observed) {
         return;
     }
     if !reloaded {
-        let why = judged
+        let (code, why) = judged
             .iter()
             .find(|(n, _)| *n == "reload")
             .and_then(|(_, j)| j.at_timeout.clone())
-            .map(|(_, w)| w)
             .unwrap_or_default();
         finish(
             step,
             Status::Failed,
-            vec![Reason::DatapathNotReloaded],
+            vec![code.unwrap_or(Reason::DatapathNotReloaded)],
             why,
             now,
         );

@@ -1,6 +1,7 @@
 //! The reload check: the datapath's programs were replaced on every device that had them, and
 //! stayed quiet since.
 use super::*;
+use crate::checks::devices;
 
 /// How long nothing may change before a reload counts as complete (Cilium attaches devices one
 /// after another).
@@ -11,10 +12,59 @@ pub const RELOAD_QUIET_S: f64 = 1.0;
 /// it had them), or the baseline's keys ("as before"). See `watch::tracked_program`.
 pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
     let mut w = wanted_before_gone(step);
+    // The restarted agent's configuration decides the overlay (tunnel or native, VXLAN or
+    // Geneve): the overlays it does not ask for are not wanted, a new one is.
+    if let Some(i) = &step.reload.overlay_intent {
+        w.retain(|k| {
+            let dev = k.split(':').next().unwrap_or(k);
+            !devices::is_overlay(dev) || Some(dev) == i.device.as_deref()
+        });
+        if let Some(d) = &i.device {
+            if !w.contains(d) {
+                w.insert(d.clone());
+                w.insert(format!("{d}{}", devices::TO_OVERLAY_KEY));
+            }
+        }
+    }
     // Hooks the step declared gone are not wanted (and must be gone: `check_reload`).
     let gone = &step.params.expect_gone;
     w.retain(|k| !gone.contains(k) && !gone.iter().any(|g| k.split(':').next() == Some(g)));
     w
+}
+
+/// Overlay keys of the baseline the restarted agent's configuration no longer asks for.
+fn overlay_not_intended(step: &Step) -> Vec<String> {
+    let Some(i) = &step.reload.overlay_intent else {
+        return vec![];
+    };
+    step.baseline
+        .programs
+        .keys()
+        .filter(|k| {
+            let dev = k.split(':').next().unwrap_or(k);
+            devices::is_overlay(dev) && Some(dev) != i.device.as_deref()
+        })
+        .cloned()
+        .collect()
+}
+
+/// Takes the overlay the node's configuration asks for from an observation: a read begun
+/// once the datapath had begun to change is the restarted agent's (the previous agent stopped
+/// before the new one loaded anything); an earlier read is the previous agent's.
+pub fn note_overlay_intent(step: &mut Step, o: &Observed) {
+    let Some((intent, read_at)) = &o.overlay else {
+        return;
+    };
+    step.reload.intent_readable = true;
+    let began = step
+        .reload
+        .changed
+        .values()
+        .map(|(_, at)| *at)
+        .min_by(|a, b| a.total_cmp(b));
+    if began.is_some_and(|b| *read_at >= b) {
+        step.reload.overlay_intent = Some(intent.clone());
+    }
 }
 
 fn wanted_before_gone(step: &Step) -> std::collections::BTreeSet<String> {
@@ -87,6 +137,15 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
     let want = wanted_devices(step);
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
     let declared = step.params.expect_devices.is_some() || !step.params.expect_gone.is_empty();
+    let not_intended = overlay_not_intended(step);
+    // Only wanted keys count as lost: an overlay the configuration no longer asks for is
+    // meant to go. An overlay lost before the restarted agent's configuration was read waits
+    // for it (until the timeout) rather than failing on the previous agent's intent.
+    let lost: Vec<&String> = r.lost.iter().filter(|d| want.contains(*d)).collect();
+    let awaiting_intent = step.reload.overlay_intent.is_none()
+        && lost
+            .iter()
+            .any(|d| devices::is_overlay(d.split(':').next().unwrap_or(d)));
     // The rest of the datapath reloaded: every wanted device that still carries it has new
     // ids. Cilium reloads the overlay device seconds before the host devices, and detaches
     // devices it no longer selects only after attaching the others (the real 1.20.2 agent,
@@ -97,12 +156,37 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
             .iter()
             .filter(|d| !r.lost.contains(*d))
             .all(|d| r.changed.contains_key(d));
-    if !r.lost.is_empty() && quiet && rest_reloaded {
+    if awaiting_intent && quiet && rest_reloaded {
+        let lost = lost
+            .iter()
+            .map(|s| s.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Judged {
+            shown: Some(StepCheck {
+                status: CheckStatus::Fail,
+                reason: format!(
+                    "waiting for the restarted agent's configuration: {lost} lost, meant to go only if it no longer asks for that overlay"
+                ),
+            }),
+            fatal: None,
+            at_timeout: Some((
+                Some(Reason::DeviceSetChanged),
+                format!(
+                    "the reloaded datapath is no longer attached to {lost}, and the restarted agent's configuration was not read to say whether the overlay was meant to go"
+                ),
+            )),
+        };
+    }
+    if !lost.is_empty() && quiet && rest_reloaded {
         return Judged::fatal(
             Reason::DeviceSetChanged,
             format!(
                 "the reloaded datapath is no longer attached to {}{}",
-                r.lost.join(", "),
+                lost.iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 if declared {
                     " (declared in expect)"
                 } else {
@@ -119,6 +203,28 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
         .filter(|(d, id)| id.is_some() && !want.contains(*d))
         .map(|(d, _)| d)
         .collect();
+    // Overlays the restarted agent's configuration no longer asks for that still carry it:
+    // the datapath did not follow the configuration.
+    let unintended: Vec<&str> = unwanted
+        .iter()
+        .filter(|d| not_intended.contains(*d))
+        .map(|d| d.as_str())
+        .collect();
+    if quiet && rest_reloaded && !unintended.is_empty() {
+        let because = step
+            .reload
+            .overlay_intent
+            .as_ref()
+            .map(|i| i.describe())
+            .unwrap_or_default();
+        return Judged::fatal(
+            Reason::DeviceSetChanged,
+            format!(
+                "the datapath is still attached to {} although the restarted agent's configuration asks for {because}",
+                unintended.join(", ")
+            ),
+        );
+    }
     if declared && quiet && rest_reloaded && !unwanted.is_empty() {
         return Judged::fatal(
             Reason::DeviceSetChanged,
@@ -132,6 +238,23 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
                 want.iter().cloned().collect::<Vec<_>>().join(", ")
             ),
         );
+    }
+    // A pass needs the restarted agent's intent once the configuration could be read: its
+    // overlay is judged against it, not against the previous agent's.
+    if r.complete_at.is_some() && r.intent_readable && r.overlay_intent.is_none() {
+        return Judged {
+            shown: Some(StepCheck {
+                status: CheckStatus::Fail,
+                reason: "waiting for the restarted agent's configuration (which overlay it asks for)"
+                    .into(),
+            }),
+            fatal: None,
+            at_timeout: Some((
+                Some(Reason::DeviceSetChanged),
+                "the restarted agent's configuration was not read before the timeout: its overlay could not be judged"
+                    .into(),
+            )),
+        };
     }
     if r.complete_at.is_some() {
         return Judged::pass(format!(

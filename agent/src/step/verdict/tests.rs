@@ -1120,3 +1120,136 @@ fn hooks_declared_gone_are_judged_against_the_declaration() {
         "{v:?}"
     );
 }
+
+/// A tunnel node (eth0, eth1, the VXLAN overlay's two hooks) restarted; the overlay's ids
+/// after the reload (None: gone) and the configuration the observation read, and when.
+fn overlay_run(
+    overlay_after: Option<u32>,
+    intent: Option<(&str, f64)>,
+    ticks: &[f64],
+) -> (Step, Option<Verdict>) {
+    let mut s = step();
+    s.params.settle = Duration::from_secs(2);
+    s.params.timeout = Duration::from_secs(20);
+    let mut b = (*s.baseline).clone();
+    b.programs.insert("cilium_vxlan".into(), 30);
+    b.programs.insert("cilium_vxlan:to_overlay".into(), 31);
+    s.baseline = std::sync::Arc::new(b);
+    let cfg = |mode: &str| {
+        crate::checks::devices::overlay_intent(
+            &[("routing-mode".to_string(), mode.to_string())].into(),
+        )
+    };
+    for &t in ticks {
+        let mut p = if t < 1.2 {
+            progs(Some(10), Some(11)).unwrap()
+        } else {
+            progs(Some(20), Some(21)).unwrap()
+        };
+        let (a, b) = if t < 1.2 {
+            (Some(30), Some(31))
+        } else {
+            (overlay_after, overlay_after.map(|i| i + 1))
+        };
+        p.insert("cilium_vxlan".into(), a);
+        p.insert("cilium_vxlan:to_overlay".into(), b);
+        let mut o = obs(t, Some(p));
+        // Before the restart the configuration asked for the tunnel; from `at` on it reads
+        // the restarted agent's.
+        o.overlay = Some(match intent {
+            Some((mode, at)) if t >= at => (cfg(mode), t),
+            _ => (cfg("tunnel"), t.min(1.0)),
+        });
+        decide(&mut s, &o);
+        if s.verdict.is_some() {
+            break;
+        }
+    }
+    let v = s.verdict.clone();
+    (s, v)
+}
+
+/// The restarted agent's configuration decides the overlay: native routing followed (the
+/// overlay gone) passes; not followed (still attached) fails naming it; an overlay lost
+/// while the new configuration was not yet read waits for it, and fails at the timeout if it
+/// never comes.
+#[test]
+fn the_restarted_agents_configuration_decides_the_overlay() {
+    let ticks: Vec<f64> = (0..=250).map(|i| i as f64 * 0.1).collect();
+    let (_, v) = overlay_run(None, Some(("native", 1.5)), &ticks);
+    let v = v.expect("decided");
+    assert_eq!(v.status, Status::Passed, "native followed: {v:?}");
+
+    // The configuration read late (4 s after the reload): no failure meanwhile.
+    let (_, v) = overlay_run(None, Some(("native", 5.2)), &ticks);
+    let v = v.expect("decided");
+    assert_eq!(v.status, Status::Passed, "read late: {v:?}");
+
+    let (_, v) = overlay_run(Some(40), Some(("native", 1.5)), &ticks);
+    let v = v.expect("decided");
+    assert_eq!(v.status, Status::Failed, "{v:?}");
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged]);
+    assert!(
+        v.summary.contains("cilium_vxlan") && v.summary.contains("routing-mode=native"),
+        "{}",
+        v.summary
+    );
+
+    // Tunnel kept, tunnel asked for: a pass.
+    let (_, v) = overlay_run(Some(40), Some(("tunnel", 1.5)), &ticks);
+    assert_eq!(v.expect("decided").status, Status::Passed);
+
+    // The overlay lost and the restarted agent's configuration never read: not a pass, and
+    // not a failure before the timeout; at the timeout the lost overlay fails.
+    let (s, v) = overlay_run(None, None, &ticks[..60]);
+    assert!(v.is_none(), "waits for the configuration: {v:?}");
+    assert!(
+        s.checks["reload"]
+            .reason
+            .contains("waiting for the restarted agent's configuration"),
+        "{:?}",
+        s.checks
+    );
+    let (_, v) = overlay_run(None, None, &ticks);
+    let v = v.expect("decided at the timeout");
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+
+    // Tunnel kept but the configuration never read again after the restart: no pass.
+    let (_, v) = overlay_run(Some(40), None, &ticks);
+    let v = v.expect("decided at the timeout");
+    assert_eq!(v.status, Status::Failed, "{v:?}");
+}
+
+/// From native to tunnel: the new overlay's hooks are wanted once the restarted agent's
+/// configuration asks for them.
+#[test]
+fn an_overlay_the_configuration_adds_is_wanted() {
+    let mut s = step();
+    s.params.settle = Duration::from_secs(2);
+    s.params.timeout = Duration::from_secs(10);
+    let intent = |mode: &str| {
+        crate::checks::devices::overlay_intent(
+            &[("routing-mode".to_string(), mode.to_string())].into(),
+        )
+    };
+    for i in 0..=110 {
+        let t = i as f64 * 0.1;
+        let mut p = if t < 1.2 {
+            progs(Some(10), Some(11)).unwrap()
+        } else {
+            progs(Some(20), Some(21)).unwrap()
+        };
+        // The overlay never appears.
+        p.insert("cilium_vxlan".into(), None);
+        p.insert("cilium_vxlan:to_overlay".into(), None);
+        let mut o = obs(t, Some(p));
+        o.overlay = Some((intent(if t < 1.2 { "native" } else { "tunnel" }), t));
+        decide(&mut s, &o);
+        if s.verdict.is_some() {
+            break;
+        }
+    }
+    let v = s.verdict.expect("decided");
+    assert_eq!(v.status, Status::Failed, "{v:?}");
+    assert!(v.summary.contains("cilium_vxlan"), "{}", v.summary);
+}
