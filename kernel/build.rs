@@ -8,10 +8,13 @@ use std::path::PathBuf;
 
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
-    let obj = manifest
-        .parent()
-        .unwrap()
-        .join("target/ebpf/bpfel-unknown-none/release/agent-ebpf");
+    // `cargo xtask` says where it built the eBPF objects (its build cache); else the
+    // workspace's own target directory.
+    println!("cargo:rerun-if-env-changed=STEPGUARD_EBPF_DIR");
+    let obj = std::env::var_os("STEPGUARD_EBPF_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| manifest.parent().unwrap().join("target/ebpf"))
+        .join("bpfel-unknown-none/release/agent-ebpf");
     println!("cargo:rerun-if-changed={}", obj.display());
     let embedded = if obj.exists() {
         obj

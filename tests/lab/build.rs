@@ -11,7 +11,13 @@ fn main() {
         .and_then(|p| p.parent())
         .unwrap()
         .to_path_buf();
-    let obj = root.join("target/ebpf/bpfel-unknown-none/release/lab-ebpf");
+    // `cargo xtask` says where it built the eBPF objects (its build cache); else the
+    // workspace's own target directory.
+    println!("cargo:rerun-if-env-changed=STEPGUARD_EBPF_DIR");
+    let obj = std::env::var_os("STEPGUARD_EBPF_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/ebpf"))
+        .join("bpfel-unknown-none/release/lab-ebpf");
     println!("cargo:rerun-if-changed={}", obj.display());
     let embedded = if obj.exists() {
         obj

@@ -36,8 +36,8 @@ impl Arch {
     }
     fn target_dir(self) -> PathBuf {
         match self {
-            Arch::Amd64 => root().join("target/static"),
-            Arch::Arm64 => root().join("target/cross"),
+            Arch::Amd64 => crate::buildcache::target_dir().join("static"),
+            Arch::Arm64 => crate::buildcache::target_dir().join("cross"),
         }
     }
 

@@ -3,14 +3,13 @@
 //! left without the datapath) that fails with its reason; then a two-node LAN with
 //! L2-announced VIPs, where a witness on the LAN measures the lease move that the lease
 //! holder's own probes cannot see.
-use crate::root;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn lab(args: &[&str]) -> Result<String> {
-    let out = Command::new(root().join("target/debug/stepguard-lab"))
+    let out = Command::new(crate::buildcache::target_dir().join("debug/stepguard-lab"))
         .args(args)
         .output()
         .context("run stepguard-lab")?;
@@ -63,7 +62,7 @@ fn scrape(ns: &str, port: u16) -> Result<String> {
 
 fn stepguard(ns: &str, args: &[&str]) -> Result<(i32, String)> {
     let out = nsenter(ns)
-        .arg(root().join("target/debug/stepguard"))
+        .arg(crate::buildcache::target_dir().join("debug/stepguard"))
         .args(args)
         .output()
         .context("run stepguard")?;
@@ -161,7 +160,7 @@ fn lan_demo(prefix: &str) -> Result<i32> {
     );
     println!("   stepguard witness in the LAN client namespace ({witness_url}); the agent on node 0 (the lease holder)");
     let w = nsenter(&client)
-        .arg(root().join("target/debug/stepguard"))
+        .arg(crate::buildcache::target_dir().join("debug/stepguard"))
         .args([
             "witness",
             // The demo's agents run without a token; a real witness has one
@@ -180,7 +179,7 @@ fn lan_demo(prefix: &str) -> Result<i32> {
         .context("start stepguard witness")?;
     cleanup.children.push(w);
     let a = nsenter(&node_ns)
-        .arg(root().join("target/debug/stepguard"))
+        .arg(crate::buildcache::target_dir().join("debug/stepguard"))
         .args([
             "agent",
             "--config",
@@ -288,7 +287,7 @@ pub fn demo() -> Result<()> {
     let port = 19969;
     let agent_url = format!("http://127.0.0.1:{port}");
     let agent = nsenter(&ns)
-        .arg(root().join("target/debug/stepguard"))
+        .arg(crate::buildcache::target_dir().join("debug/stepguard"))
         .args([
             "agent",
             "--config",

@@ -1,6 +1,7 @@
 //! `cargo xtask`: set up a fresh machine, build (eBPF with Debian's rustc-web, userspace with
 //! rustup's stable), test, run the demo, drive the lab, benchmark, build the image.
 mod bench;
+mod buildcache;
 mod cilium;
 mod cross;
 mod demo;
@@ -170,7 +171,7 @@ fn build_ebpf() -> Result<()> {
     if which("bpf-linker").is_none() && !Path::new(&cargo_bin).join("bpf-linker").exists() {
         bail!("bpf-linker is missing: run `cargo xtask setup` as root first");
     }
-    let target_dir = root().join("target/ebpf");
+    let target_dir = buildcache::target_dir().join("ebpf");
     for krate in EBPF_CRATES {
         let mut cmd = debian_cargo()?;
         cmd.current_dir(root().join(krate))
@@ -222,8 +223,17 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
     let started = std::time::Instant::now();
     // Seconds, and before anything is built: imports point only down.
     layers::check(&root())?;
+    let mut stages: Vec<(String, f64)> = Vec::new();
+    let mut t = std::time::Instant::now();
+    let mut lap = |name: &str, t: &mut std::time::Instant| {
+        stages.push((name.to_string(), t.elapsed().as_secs_f64()));
+        *t = std::time::Instant::now();
+    };
     // Set-up is idempotent and takes seconds on a machine that has everything.
     setup::setup_with(false, false)?;
+    // Chosen (and exported to every cargo below) before the Go builds' thread starts.
+    buildcache::target_dir();
+    lap("set-up (Debian packages, bpf-linker, tools)", &mut t);
     // The real control plane for the rollout tests (Go, from the module proxy; cached by
     // version) builds in the background, at a lower priority, while the workspace builds and
     // the unprivileged tests run: the Rust build leaves cores idle that the Go build fills.
@@ -244,6 +254,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
         })
     });
     build(false)?;
+    lap("the workspace's build (eBPF, debug)", &mut t);
     let packages = testrun::discover(&root())?;
     let all: Vec<testrun::Target> = packages
         .iter()
@@ -257,8 +268,10 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
         (None, false) => true,
     });
     let mut ledger = testrun::Ledger::new(expected.cloned());
+    ledger.stages = stages;
     let mut failed = Vec::new();
     if filter.is_none() {
+        let t = std::time::Instant::now();
         let stage = testrun::Stage {
             title: "tests without root",
             envs: vec![],
@@ -282,14 +295,18 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
                 failed.push(format!("{} (doc tests)", p.name));
             }
         }
+        ledger.stage("tests without root (their builds included)", t);
     }
     if !unit_only {
         if !is_root() {
             bail!("the integration tests need root (network namespaces, bpffs, eBPF): run `sudo -E cargo xtask test` — they are never skipped");
         }
         println!("== the OCI image (static binaries for amd64 and arm64, FROM scratch, buildah)");
+        let t = std::time::Instant::now();
         let archive = image::image()?;
+        ledger.stage("the OCI image (static amd64 and arm64 builds)", t);
         if filter.is_none() {
+            let t = std::time::Instant::now();
             println!(
                 "== the witness distribution; the arm64 binary and its unit tests under qemu-user"
             );
@@ -297,6 +314,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
                 eprintln!("{e:#}");
                 failed.push("the witness distribution, or arm64 under qemu-user".to_string());
             }
+            ledger.stage("the witness distribution; arm64 unit tests under qemu", t);
         }
         let waited = std::time::Instant::now();
         let (kube_bin, agents) = kube_build
@@ -316,7 +334,11 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
                 .join(", "),
             waited.elapsed().as_secs_f64()
         );
-        let bin = root().join("target/debug");
+        ledger.stage(
+            "waiting for the Go builds (control plane, cilium-agent)",
+            waited,
+        );
+        let bin = buildcache::target_dir().join("debug");
         let mut test_args = vec!["--test-threads=1".to_string()];
         if real_extended {
             test_args.push("--include-ignored".into());
@@ -341,6 +363,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
             .collect(),
             test_args,
         };
+        let t = std::time::Instant::now();
         for p in &packages {
             let privileged: Vec<&testrun::Target> =
                 p.targets.iter().filter(|t| t.privileged).collect();
@@ -348,6 +371,10 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
                 failed.push(format!("{} (privileged)", p.name));
             }
         }
+        ledger.stage(
+            "privileged tests against the lab (their builds included)",
+            t,
+        );
     }
     print!("{}", ledger.table());
     println!(
@@ -385,7 +412,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
 
 fn lab(args: Vec<String>) -> Result<()> {
     build(false)?;
-    let mut cmd = Command::new(root().join("target/debug/stepguard-lab"));
+    let mut cmd = Command::new(buildcache::target_dir().join("debug/stepguard-lab"));
     if args.first().is_some_and(|a| a == "real-node") {
         // The real agent's node needs the control plane and the agent: built when missing.
         cmd.env("STEPGUARD_KUBE_BIN", kube::ensure()?);

@@ -254,6 +254,8 @@ pub struct Outcome {
     /// Ignored tests whose reason names the flag that runs them ([`RUNS_IGNORED`]).
     pub ignored_for_flag: u64,
     pub ok: bool,
+    /// The target's own running time (`finished in …s`), build time excluded.
+    pub secs: f64,
 }
 
 /// The `cargo xtask test` flag that runs the `#[ignore]`d tests; an ignored test's reason
@@ -303,6 +305,12 @@ pub fn parse_output(lines: &[String]) -> Vec<(String, Outcome)> {
                         ignored: num("ignored"),
                         ignored_for_flag: std::mem::take(&mut flagged),
                         ok: rest.starts_with("ok"),
+                        secs: rest
+                            .rsplit("finished in ")
+                            .next()
+                            .filter(|_| rest.contains("finished in "))
+                            .and_then(|t| t.trim().trim_end_matches('s').parse().ok())
+                            .unwrap_or(0.0),
                     },
                 ));
             }
@@ -335,16 +343,26 @@ fn run_capturing(cmd: &mut Command) -> Result<(bool, Vec<String>)> {
     Ok((status.success(), lines))
 }
 
-/// The ledger: every expected target and what happened to it.
+/// The ledger: every expected target and what happened to it, and how long each stage of
+/// the run took.
 pub struct Ledger {
     pub rows: BTreeMap<Target, Option<Outcome>>,
+    /// (stage, seconds) in the order the stages ran.
+    pub stages: Vec<(String, f64)>,
 }
 
 impl Ledger {
     pub fn new(targets: impl IntoIterator<Item = Target>) -> Self {
         Ledger {
             rows: targets.into_iter().map(|t| (t, None)).collect(),
+            stages: Vec::new(),
         }
+    }
+
+    /// Records how long a stage of the run took.
+    pub fn stage(&mut self, name: impl Into<String>, since: Instant) {
+        self.stages
+            .push((name.into(), since.elapsed().as_secs_f64()));
     }
 
     /// Records the results of one run over `package`'s targets.
@@ -409,7 +427,30 @@ impl Ledger {
                     }
                 ),
             };
-            s.push_str(&format!("  {:<58} {what}\n", t.label()));
+            let secs = o
+                .as_ref()
+                .map(|o| format!("{:>7.1}s", o.secs))
+                .unwrap_or_else(|| format!("{:>8}", "-"));
+            s.push_str(&format!("  {:<58} {secs}  {what}\n", t.label()));
+        }
+        if !self.stages.is_empty() {
+            s.push_str("== every stage\n");
+            for (name, secs) in &self.stages {
+                s.push_str(&format!("  {name:<58} {secs:>7.1}s\n"));
+            }
+        }
+        let mut slow: Vec<(&Target, f64)> = self
+            .rows
+            .iter()
+            .filter_map(|(t, o)| o.as_ref().map(|o| (t, o.secs)))
+            .filter(|(_, secs)| *secs > 0.0)
+            .collect();
+        slow.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if !slow.is_empty() {
+            s.push_str("== the slowest ten targets\n");
+            for (t, secs) in slow.into_iter().take(10) {
+                s.push_str(&format!("  {:<58} {secs:>7.1}s\n", t.label()));
+            }
         }
         s
     }
@@ -520,7 +561,8 @@ mod tests {
                 failed: 0,
                 ignored: 1,
                 ignored_for_flag: 1,
-                ok: true
+                ok: true,
+                secs: 0.01,
             }
         );
         assert_eq!(r[1].0, "tests/deploy.rs");
@@ -594,6 +636,32 @@ mod tests {
         assert!(p[0].contains("a: tests/two.rs") && p[0].contains("ran no test"));
         assert!(p[1].contains("b: tests/one.rs") && p[1].contains("did not run"));
         assert!(l.table().contains("NOT RUN"));
+    }
+
+    /// The table shows each target's seconds, every stage, and the slowest targets first.
+    #[test]
+    fn the_table_shows_seconds_per_target_and_stage_and_the_slowest() {
+        let out = lines(
+            "     Running tests/fast.rs (target/debug/deps/fast-1)\n\
+             test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 2.50s\n\
+             \x20    Running tests/slow.rs (target/debug/deps/slow-2)\n\
+             test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 748.77s\n",
+        );
+        let mut l = Ledger::new([
+            target("a", Kind::Integration, "tests/fast.rs"),
+            target("a", Kind::Integration, "tests/slow.rs"),
+        ]);
+        l.record("a", &parse_output(&out));
+        l.stages.push(("the workspace's build".into(), 61.0));
+        let t = l.table();
+        assert!(t.contains("  748.8s  3 passed"), "{t}");
+        assert!(
+            t.contains("the workspace's build") && t.contains("61.0s"),
+            "{t}"
+        );
+        let slowest = t.split("== the slowest ten targets\n").nth(1).unwrap();
+        let first = slowest.lines().next().unwrap();
+        assert!(first.contains("tests/slow.rs"), "{t}");
     }
 
     /// The real workspace: every `tests/*.rs` on disk is a discovered target, and a test file

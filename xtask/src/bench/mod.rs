@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 use witness::*;
 
 fn lab_bin() -> std::path::PathBuf {
-    root().join("target/release/stepguard-lab")
+    crate::buildcache::target_dir().join("release/stepguard-lab")
 }
 fn stepguard_bin() -> std::path::PathBuf {
-    root().join("target/release/stepguard")
+    crate::buildcache::target_dir().join("release/stepguard")
 }
 
 fn run_ok(cmd: &mut Command) -> Result<std::process::Output> {
@@ -130,7 +130,7 @@ struct Size {
 }
 
 fn benchref_bin() -> std::path::PathBuf {
-    root().join("target/release/benchref")
+    crate::buildcache::target_dir().join("release/benchref")
 }
 
 /// Runs `cmd` to completion: (stdout, wall time, peak RSS in KiB). The peak is the child's
