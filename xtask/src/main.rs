@@ -7,6 +7,7 @@ mod cross;
 mod demo;
 mod image;
 mod kube;
+mod lanes;
 mod layers;
 mod setup;
 mod testrun;
@@ -350,7 +351,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
             test_args.push(f.clone());
         }
         let stage = testrun::Stage {
-            title: "privileged tests against the lab (one at a time)",
+            title: "privileged tests against the lab",
             envs: vec![
                 ("STEPGUARD_BIN".into(), bin.join("stepguard")),
                 ("STEPGUARD_LAB_BIN".into(), bin.join("stepguard-lab")),
@@ -367,7 +368,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
         for p in &packages {
             let privileged: Vec<&testrun::Target> =
                 p.targets.iter().filter(|t| t.privileged).collect();
-            if !testrun::run_targets(&root(), p, &privileged, &stage, &mut ledger)? {
+            if !lanes::run(&root(), p, &privileged, &stage, &mut ledger)? {
                 failed.push(format!("{} (privileged)", p.name));
             }
         }
