@@ -192,6 +192,25 @@ fn build_ebpf() -> Result<()> {
             ]);
         run(&mut cmd).with_context(|| format!("build eBPF crate {krate}"))?;
     }
+    // A plain `cargo build`/`cargo test` in the clone (no `STEPGUARD_EBPF_DIR`) looks in the
+    // clone's own target/ebpf: the objects are copied there when the build cache holds them.
+    let local = root().join("target/ebpf/bpfel-unknown-none/release");
+    let built = target_dir.join("bpfel-unknown-none/release");
+    if built != local {
+        let copy = || -> Result<()> {
+            std::fs::create_dir_all(&local)?;
+            for obj in ["agent-ebpf", "lab-ebpf"] {
+                std::fs::copy(built.join(obj), local.join(obj))?;
+            }
+            Ok(())
+        };
+        if let Err(e) = copy() {
+            eprintln!(
+                "note: the eBPF objects could not be copied into {} ({e:#}): a plain cargo build there embeds the stub",
+                local.display()
+            );
+        }
+    }
     Ok(())
 }
 
