@@ -8,11 +8,11 @@
 //! kernel drop accounting counts every drop on the host (`kernel_drops`, the step tests' drop
 //! budgets), and the step tests measure gaps to within the probe cadence, which a loaded CPU
 //! would blur. `STEPGUARD_TEST_LANES=1` runs everything one target at a time.
-use crate::testrun::{parse_output, Ledger, Package, Stage, Target};
+use crate::testrun::{parse_output, run_capturing, Ledger, Package, Stage, Target};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -146,31 +146,16 @@ fn run_one(pkg: &Package, t: &Target, exe: &Path, stage: &Stage) -> (bool, Vec<S
     for (k, v) in &stage.envs {
         cmd.env(k, v);
     }
-    let (reader, writer) = match std::io::pipe() {
-        Ok(p) => p,
-        Err(e) => {
-            lines.push(format!("cannot make a pipe: {e}"));
-            return (false, lines);
+    match run_capturing(&mut cmd, false) {
+        Ok((ok, out)) => {
+            lines.extend(out);
+            (ok, lines)
         }
-    };
-    let Ok(writer2) = writer.try_clone() else {
-        lines.push("cannot clone a pipe".into());
-        return (false, lines);
-    };
-    cmd.stdout(writer).stderr(writer2);
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
         Err(e) => {
-            lines.push(format!("cannot start {}: {e}", exe.display()));
-            return (false, lines);
+            lines.push(format!("{e:#}"));
+            (false, lines)
         }
-    };
-    drop(cmd);
-    for line in BufReader::new(reader).lines() {
-        lines.push(line.unwrap_or_default());
     }
-    let ok = child.wait().is_ok_and(|s| s.success());
-    (ok, lines)
 }
 
 /// Runs the privileged `targets` of `pkg` in lanes, then the solo ones; records into the

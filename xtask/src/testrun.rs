@@ -319,8 +319,9 @@ pub fn parse_output(lines: &[String]) -> Vec<(String, Outcome)> {
     out
 }
 
-/// Runs a cargo test command, streaming its merged output, returning (success, lines).
-fn run_capturing(cmd: &mut Command) -> Result<(bool, Vec<String>)> {
+/// Runs a command with its stdout and stderr merged, returning (success, lines); `echo`
+/// streams each line to our stdout as it comes (a lane collects its output quietly instead).
+pub fn run_capturing(cmd: &mut Command, echo: bool) -> Result<(bool, Vec<String>)> {
     let (reader, writer) = std::io::pipe().context("pipe")?;
     let writer2 = writer.try_clone().context("pipe")?;
     cmd.stdout(writer).stderr(writer2);
@@ -333,7 +334,7 @@ fn run_capturing(cmd: &mut Command) -> Result<(bool, Vec<String>)> {
     let stdout = std::io::stdout();
     for line in BufReader::new(reader).lines() {
         let line = line.unwrap_or_default();
-        {
+        if echo {
             let mut o = stdout.lock();
             let _ = writeln!(o, "{line}");
         }
@@ -516,7 +517,7 @@ pub fn run_targets(
             .join(", ")
     );
     let started = Instant::now();
-    let (ok, lines) = run_capturing(&mut cmd)?;
+    let (ok, lines) = run_capturing(&mut cmd, true)?;
     ledger.record(&pkg.name, &parse_output(&lines));
     println!(
         "== {}: {} took {:.0}s",

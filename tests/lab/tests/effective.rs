@@ -48,12 +48,18 @@ fn overriding(lab: &mut Lab, key: &str, value: &str) {
         .expect("config override");
 }
 
-#[test]
-fn per_node_overrides_reach_every_check_reading_a_config_key() {
-    let mut lab = lab(|s| {
+/// A lab without kube-proxy replacement (and so without L2 announcements): `cil_to_netdev`
+/// is not required until an override makes it so.
+fn lab_without_kpr() -> stepguard_lab::LabGuard {
+    lab(|s| {
         s.features.kube_proxy_replacement = false;
         s.features.l2_announcements = false;
-    });
+    })
+}
+
+#[test]
+fn per_node_overrides_reach_every_check_reading_a_config_key() {
+    let mut lab = lab_without_kpr();
     let (code, r) = one(&lab, "config");
     assert_eq!(code, 0, "the ConfigMap as loaded, remembered: {r}");
     let (code, r) = one(&lab, "devices");
@@ -179,10 +185,7 @@ fn cil_to_netdev_is_required_exactly_when_devices_are() {
 /// one that kept tunnelling fails it, naming the overlay and the setting.
 #[test]
 fn a_routing_mode_override_decides_the_overlay() {
-    let mut lab = lab(|s| {
-        s.features.kube_proxy_replacement = false;
-        s.features.l2_announcements = false;
-    });
+    let mut lab = lab_without_kpr();
     let (code, r) = one(&lab, "devices");
     assert_eq!(code, 0, "{r}");
     assert_eq!(r["evidence"]["overlay"]["wanted"], "cilium_vxlan", "{r}");
