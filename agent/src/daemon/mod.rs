@@ -411,11 +411,13 @@ impl Daemon {
             }
             if let Some(l) = &obs.links {
                 let sel = checks::devices::carrying(&l.devices);
-                for d in l
-                    .devices
-                    .iter()
-                    .filter(|d| !checks::devices::excluded(d) || sel.contains(&d.name))
-                {
+                for d in l.devices.iter().filter(|d| {
+                    !checks::devices::excluded(
+                        d,
+                        &l.devices,
+                        checks::devices::SelectionRules::newest(),
+                    ) || sel.contains(&d.name)
+                }) {
                     m.device_selected
                         .get_or_create(&DeviceLabels {
                             device: d.name.clone(),

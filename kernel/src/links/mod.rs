@@ -65,8 +65,14 @@ pub struct Device {
     pub port: bool,
     /// Link kind (`veth`, `bridge`, ...), when the kernel says.
     pub kind: Option<String>,
-    /// Enslaved to a bridge/bond.
+    /// Enslaved to a bridge/bond/VRF.
     pub has_controller: bool,
+    /// The controller's (master's) ifindex, when enslaved (Cilium 1.20 keeps a device under a
+    /// VRF).
+    pub controller: Option<u32>,
+    /// Alternative names (`ip link property add altname`; Cilium 1.20 matches its `devices`
+    /// filter against them too).
+    pub alt_names: Vec<String>,
     /// Addresses of any scope (Cilium rejects a device without any).
     pub addresses: usize,
     pub global_addrs: Vec<IpAddr>,

@@ -9,6 +9,8 @@ fn device(ids: &[u32]) -> Device {
         port: false,
         kind: None,
         has_controller: false,
+        controller: None,
+        alt_names: vec![],
         addresses: 0,
         global_addrs: vec![],
         default_route: false,

@@ -205,6 +205,8 @@ pub(super) async fn refresh_links(handle: &rtnetlink::Handle, t: &Topology) -> O
         d.loopback = now.loopback;
         d.port = now.port;
         d.has_controller = now.has_controller;
+        d.controller = now.controller;
+        d.alt_names = now.alt_names.clone();
         d.programs = now.programs;
     }
     Some(fresh)
@@ -256,6 +258,8 @@ pub(super) fn device_of(msg: &netlink_packet_route::link::LinkMessage) -> Device
         port: msg.header.flags.contains(LinkFlags::Port),
         kind: None,
         has_controller: false,
+        controller: None,
+        alt_names: vec![],
         addresses: 0,
         global_addrs: vec![],
         default_route: false,
@@ -265,7 +269,17 @@ pub(super) fn device_of(msg: &netlink_packet_route::link::LinkMessage) -> Device
     for a in &msg.attributes {
         match a {
             LinkAttribute::IfName(n) => d.name = n.clone(),
-            LinkAttribute::Controller(_) => d.has_controller = true,
+            LinkAttribute::Controller(i) => {
+                d.has_controller = true;
+                d.controller = Some(*i);
+            }
+            LinkAttribute::PropList(props) => {
+                for p in props {
+                    if let netlink_packet_route::link::Prop::AltIfName(n) = p {
+                        d.alt_names.push(n.clone());
+                    }
+                }
+            }
             LinkAttribute::LinkInfo(infos) => {
                 for i in infos {
                     if let LinkInfo::Kind(k) = i {

@@ -97,9 +97,11 @@ pub fn split_devices(value: &str) -> Vec<String> {
         .collect()
 }
 
-/// Cilium's filter match (`tables.DeviceFilter`): an entry ending in `+` (every trailing `+`
-/// trimmed; a bare `+` matches all) is a prefix, otherwise the exact name. No negation.
+/// One entry of Cilium's device filter against a name (`tables.DeviceFilter.Match`): an entry
+/// ending in `+` (every trailing `+` trimmed; a bare `+` matches all) is a prefix, otherwise
+/// the exact name. A leading `!` is not part of the pattern (see [`filter_match`]).
 pub fn matches(pattern: &str, name: &str) -> bool {
+    let pattern = pattern.strip_prefix('!').unwrap_or(pattern);
     if pattern.ends_with('+') {
         name.starts_with(pattern.trim_end_matches('+'))
     } else {
@@ -107,16 +109,75 @@ pub fn matches(pattern: &str, name: &str) -> bool {
     }
 }
 
+/// Cilium's `DeviceFilter.Match` (1.19.7, 1.20.2 `pkg/datapath/tables/device.go`): the first
+/// entry that matches decides; one written `!entry` excludes the device. Some(selected), or
+/// None when no entry matches.
+pub fn filter_match(filter: &[String], name: &str) -> Option<bool> {
+    filter
+        .iter()
+        .find(|p| matches(p, name))
+        .map(|p| !p.starts_with('!'))
+}
+
+/// What a Cilium release's device selection (`isSelectedDevice`) does beyond the rules all
+/// releases share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectionRules {
+    /// The filter is matched before the address and flag checks (1.19+): a listed device
+    /// without an address, or down, is selected.
+    pub filter_first: bool,
+    /// The filter also matches alternative names, and a VRF controller does not exclude a
+    /// device (1.20+).
+    pub alt_names_and_vrf: bool,
+    /// IPoIB devices are never auto-detected (1.18+).
+    pub ipoib_excluded: bool,
+}
+
+impl SelectionRules {
+    /// For a release (`1.19`); the newest rules when the release is not known (no profile
+    /// is older than the agent it judges, see `profile::newer_than_newest`).
+    pub fn of(release: Option<&str>) -> SelectionRules {
+        let minor = release
+            .and_then(|r| r.strip_prefix("1."))
+            .and_then(|m| m.split('.').next())
+            .and_then(|m| m.parse::<u32>().ok());
+        match minor {
+            Some(m) => SelectionRules {
+                filter_first: m >= 19,
+                alt_names_and_vrf: m >= 20,
+                ipoib_excluded: m >= 18,
+            },
+            None => SelectionRules::newest(),
+        }
+    }
+
+    pub fn newest() -> SelectionRules {
+        SelectionRules {
+            filter_first: true,
+            alt_names_and_vrf: true,
+            ipoib_excluded: true,
+        }
+    }
+}
+
 /// Name prefixes Cilium never auto-selects (`defaults.ExcludedDevicePrefixes`).
 const EXCLUDED_PREFIXES: [&str; 5] = ["cilium_", "lo", "lxc", "cni", "docker"];
 
-/// Cilium never auto-selects these as host devices.
-pub fn excluded(d: &Device) -> bool {
+/// Cilium never auto-selects these as host devices (a controller other than a VRF from 1.20;
+/// IPoIB from 1.18).
+pub fn excluded(d: &Device, all: &[Device], rules: SelectionRules) -> bool {
+    let controlled = d.has_controller
+        && !(rules.alt_names_and_vrf
+            && d.controller.is_some_and(|c| {
+                all.iter()
+                    .any(|m| m.ifindex == c && m.kind.as_deref() == Some("vrf"))
+            }));
     EXCLUDED_PREFIXES.iter().any(|p| d.name.starts_with(p))
-        || d.has_controller
+        || controlled
         || d.loopback
         || d.port
         || matches!(d.kind.as_deref(), Some("bridge") | Some("openvswitch"))
+        || (rules.ipoib_excluded && d.kind.as_deref() == Some("ipoib"))
 }
 
 /// Cilium's own devices (`cilium_host`, `cilium_net`, the overlay, `cilium_wg0`,
@@ -258,25 +319,43 @@ pub fn overlay_mismatch(
     }
 }
 
-/// Cilium's `isSelectedDevice` (devices controller, 1.16+): a device without a name, without
-/// any address, or not administratively up is rejected first; then a device matching the
-/// user's filter is selected whatever its kind; a device not matching a filter is rejected
-/// unless `force-device-detection` is on; auto-detection rejects loopback, bond ports,
-/// enslaved devices, excluded prefixes, bridges and Open vSwitch, veths without a default
-/// route (only when no filter is set), and needs a route with a global-unicast destination.
-pub fn selected_by_cilium(d: &Device, filter: &[String], force: bool) -> bool {
-    if d.name.is_empty() || d.addresses == 0 || !d.up {
+/// Cilium's `isSelectedDevice` (devices controller; 1.19.7 and 1.20.2 read, older releases
+/// as cited in docs/cilium-fidelity.md). A device without a name is rejected. With a filter
+/// (`devices`), a device matching it (its name, or from 1.20 an alternative name; the first
+/// matching entry decides, `!` excludes) is selected or excluded **before** any other check
+/// from 1.19 (up to 1.18 the address and up checks come first); one not matching is rejected
+/// unless `force-device-detection` is on. Then auto-detection: an address, up, not a loopback
+/// or bond port, no controller (from 1.20 a VRF is allowed), not an excluded prefix, not a
+/// bridge, Open vSwitch or IPoIB device, not a veth without a default route (only when no
+/// filter is set), and a route with a global-unicast destination. `all`: the node's devices
+/// (a controller's kind).
+pub fn selected_by_cilium(
+    d: &Device,
+    all: &[Device],
+    filter: &[String],
+    force: bool,
+    rules: SelectionRules,
+) -> bool {
+    if d.name.is_empty() {
+        return false;
+    }
+    let basic = d.addresses > 0 && d.up;
+    if !rules.filter_first && !basic {
         return false;
     }
     if !filter.is_empty() {
-        if filter.iter().any(|p| matches(p, &d.name)) {
-            return true;
+        let mut m = filter_match(filter, &d.name);
+        if m.is_none() && rules.alt_names_and_vrf {
+            m = d.alt_names.iter().find_map(|a| filter_match(filter, a));
+        }
+        if let Some(selected) = m {
+            return selected;
         }
         if !force {
             return false;
         }
     }
-    if excluded(d) {
+    if !basic || excluded(d, all, rules) {
         return false;
     }
     if filter.is_empty() && d.kind.as_deref() == Some("veth") && !d.default_route {
@@ -300,6 +379,15 @@ pub fn carrying(devices: &[Device]) -> BTreeSet<String> {
 
 /// The device names Cilium would select on this node.
 pub fn expected_set(devices: &[Device], exp: &Expected) -> BTreeSet<String> {
+    expected_set_by(devices, exp, SelectionRules::newest())
+}
+
+/// [`expected_set`] by a release's selection rules.
+pub fn expected_set_by(
+    devices: &[Device],
+    exp: &Expected,
+    rules: SelectionRules,
+) -> BTreeSet<String> {
     let (filter, force): (&[String], bool) = match exp {
         Expected::Patterns {
             patterns, force, ..
@@ -308,7 +396,7 @@ pub fn expected_set(devices: &[Device], exp: &Expected) -> BTreeSet<String> {
     };
     devices
         .iter()
-        .filter(|d| !ciliums_own(&d.name) && selected_by_cilium(d, filter, force))
+        .filter(|d| !ciliums_own(&d.name) && selected_by_cilium(d, devices, filter, force, rules))
         .map(|d| d.name.clone())
         .collect()
 }
@@ -319,7 +407,13 @@ pub fn listed_but_absent(devices: &[Device], exp: &Expected) -> Vec<String> {
     match exp {
         Expected::Patterns { patterns, .. } => patterns
             .iter()
-            .filter(|p| !p.ends_with('+') && !devices.iter().any(|d| &d.name == *p))
+            .filter(|p| {
+                !p.ends_with('+')
+                    && !p.starts_with('!')
+                    && !devices
+                        .iter()
+                        .any(|d| &d.name == *p || d.alt_names.iter().any(|a| a == *p))
+            })
             .cloned()
             .collect(),
         Expected::Auto => vec![],
@@ -347,7 +441,17 @@ pub fn lacking_to_netdev(obs: &Observation, selected: &BTreeSet<String>) -> Vec<
 
 /// Decides the check, `cil_to_netdev` required as `to_netdev` says.
 pub fn evaluate_with(obs: &Observation, exp: &Expected, to_netdev: &ToNetdev) -> CheckResult {
-    let expected = expected_set(&obs.devices, exp);
+    evaluate_by(obs, exp, to_netdev, SelectionRules::newest())
+}
+
+/// [`evaluate_with`] by a release's device selection rules.
+pub fn evaluate_by(
+    obs: &Observation,
+    exp: &Expected,
+    to_netdev: &ToNetdev,
+    rules: SelectionRules,
+) -> CheckResult {
+    let expected = expected_set_by(&obs.devices, exp, rules);
     let carried = carrying(&obs.devices);
     let have: BTreeSet<String> = carried
         .iter()
@@ -560,7 +664,12 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             .map(|c| overlay_intent(&c.values));
         match i.links {
             Some(Ok(o)) => with_overlay(
-                evaluate_with(o, &expected_devices(i.cfg, cfg), &to_netdev),
+                evaluate_by(
+                    o,
+                    &expected_devices(i.cfg, cfg),
+                    &to_netdev,
+                    SelectionRules::of(release.as_deref()),
+                ),
                 o,
                 overlay.as_ref(),
             ),

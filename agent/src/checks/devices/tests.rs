@@ -22,12 +22,17 @@ fn dev(name: &str, progs: &[(&'static str, &str)]) -> Device {
         port: false,
         kind: Some("veth".into()),
         has_controller: false,
+        controller: None,
+        alt_names: vec![],
         addresses: 1,
         global_addrs: vec!["192.0.2.1".parse().unwrap()],
         default_route: true,
         global_route: true,
         programs: progs.iter().map(|(h, n)| prog(h, n)).collect(),
     }
+}
+fn sel(d: &Device, filter: &[String], force: bool) -> bool {
+    selected_by_cilium(d, &[], filter, force, SelectionRules::newest())
 }
 fn node(extra: Vec<Device>) -> Observation {
     let mut devices = vec![
@@ -212,25 +217,31 @@ fn selection_follows_ciliums_is_selected_device() {
     let mut br = dev("br-ext", &[]);
     br.kind = Some("bridge".into());
     assert!(
-        selected_by_cilium(&br, &["br-ext".into()], false),
+        sel(&br, &["br-ext".into()], false),
         "a listed bridge is selected"
     );
-    assert!(
-        !selected_by_cilium(&br, &[], false),
-        "but never auto-detected"
-    );
+    assert!(!sel(&br, &[], false), "but never auto-detected");
     let mut bare = dev("eth5", &[]);
     bare.addresses = 0;
     assert!(
-        !selected_by_cilium(&bare, &["eth+".into()], false),
-        "no address: rejected first"
+        sel(&bare, &["eth+".into()], false),
+        "1.19+: a listed device is selected before the address check"
+    );
+    let r118 = SelectionRules::of(Some("1.18"));
+    assert!(
+        !selected_by_cilium(&bare, &[], &["eth+".into()], false, r118),
+        "up to 1.18: no address is rejected first"
+    );
+    assert!(
+        !sel(&bare, &[], false),
+        "never auto-detected without an address"
     );
     let mut ovs = dev("ovs0", &[]);
     ovs.kind = Some("openvswitch".into());
-    assert!(!selected_by_cilium(&ovs, &[], false));
+    assert!(!sel(&ovs, &[], false));
     let mut lo = dev("eth7", &[]);
     lo.loopback = true;
-    assert!(!selected_by_cilium(&lo, &[], false));
+    assert!(!sel(&lo, &[], false));
     assert!(matches("+", "anything") && matches("eth++", "eth3") && !matches("eth", "eth0"));
     // cilium_wg0 carries cil_from_netdev (WireGuard with KPR, up to 1.17): not unexpected.
     let wg = dev("cilium_wg0", &[("ingress", "cil_from_netdev")]);
@@ -262,23 +273,17 @@ fn auto_detection_follows_ciliums_rules() {
 fn veths_routes_and_forced_detection_follow_cilium() {
     let mut v = dev("eth3", &[]);
     v.default_route = false;
-    assert!(
-        !selected_by_cilium(&v, &[], false),
-        "veth, no default route"
-    );
-    assert!(selected_by_cilium(&v, &["eth3".into()], false), "listed");
+    assert!(!sel(&v, &[], false), "veth, no default route");
+    assert!(sel(&v, &["eth3".into()], false), "listed");
     let mut dummy = v.clone();
     dummy.kind = Some("dummy".into());
     assert!(
-        selected_by_cilium(&dummy, &[], false),
+        sel(&dummy, &[], false),
         "not a veth: no default route needed"
     );
     let mut local = dev("eth4", &[]);
     local.global_route = false;
-    assert!(
-        !selected_by_cilium(&local, &[], false),
-        "no global-unicast route"
-    );
+    assert!(!sel(&local, &[], false), "no global-unicast route");
     let o = node(vec![]);
     let forced = Expected::Patterns {
         patterns: vec!["eth0".into()],
@@ -424,4 +429,75 @@ fn the_overlay_is_judged_against_the_configuration() {
         "not judged without the agent's configuration"
     );
     assert_eq!(r.evidence["overlay"]["judged"], false);
+}
+
+/// Cilium's filter: the first matching entry decides and `!` excludes (`"!eth2 eth+"` leaves
+/// eth2 alone); 1.20 matches alternative names and keeps a VRF's devices; IPoIB is never
+/// auto-detected from 1.18; a down or unaddressed listed device is selected from 1.19.
+#[test]
+fn the_device_filter_negates_matches_alternative_names_and_keeps_vrf_devices() {
+    let f = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(filter_match(&f(&["!eth2", "eth+"]), "eth2"), Some(false));
+    assert_eq!(filter_match(&f(&["!eth2", "eth+"]), "eth3"), Some(true));
+    assert_eq!(
+        filter_match(&f(&["eth+", "!eth2"]), "eth2"),
+        Some(true),
+        "first entry wins"
+    );
+    assert_eq!(filter_match(&f(&["eth+"]), "ens3"), None);
+    let o = node(vec![dev("eth2", &[("ingress", "cil_from_netdev")])]);
+    let r = evaluate(&o, &pats(&["!eth2", "eth+"]));
+    assert_eq!(r.code, "device_unexpected", "{}", r.reason);
+    let r = evaluate(&node(vec![dev("eth2", &[])]), &pats(&["!eth2", "eth+"]));
+    assert_eq!(r.code, "devices_ok", "{}", r.reason);
+    assert_eq!(r.evidence["listed_but_absent"], serde_json::json!([]));
+
+    let mut alt = dev("enp1s0", &[]);
+    alt.alt_names = vec!["eth9".into()];
+    let r120 = SelectionRules::of(Some("1.20"));
+    let r119 = SelectionRules::of(Some("1.19"));
+    assert!(selected_by_cilium(&alt, &[], &f(&["eth9"]), false, r120));
+    assert!(!selected_by_cilium(&alt, &[], &f(&["eth9"]), false, r119));
+
+    let mut vrf = dev("vrf-blue", &[]);
+    vrf.kind = Some("vrf".into());
+    vrf.ifindex = 40;
+    let mut inside = dev("eth6", &[]);
+    inside.has_controller = true;
+    inside.controller = Some(40);
+    let all = vec![vrf.clone(), inside.clone()];
+    assert!(selected_by_cilium(&inside, &all, &[], false, r120));
+    assert!(!selected_by_cilium(&inside, &all, &[], false, r119));
+    let mut bridged = inside.clone();
+    bridged.controller = Some(41);
+    let mut br = dev("br1", &[]);
+    br.kind = Some("bridge".into());
+    br.ifindex = 41;
+    assert!(!selected_by_cilium(
+        &bridged,
+        &[br, bridged.clone()],
+        &[],
+        false,
+        r120
+    ));
+
+    let mut ib = dev("ib0", &[]);
+    ib.kind = Some("ipoib".into());
+    assert!(!selected_by_cilium(&ib, &[], &[], false, r120));
+    assert!(selected_by_cilium(
+        &ib,
+        &[],
+        &[],
+        false,
+        SelectionRules::of(Some("1.17"))
+    ));
+    assert!(
+        selected_by_cilium(&ib, &[], &f(&["ib0"]), false, r120),
+        "listed"
+    );
+
+    let mut down = dev("eth8", &[]);
+    down.up = false;
+    assert!(selected_by_cilium(&down, &[], &f(&["eth+"]), false, r119));
+    assert!(!selected_by_cilium(&down, &[], &[], false, r119));
 }
