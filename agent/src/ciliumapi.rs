@@ -34,6 +34,9 @@ pub struct AgentInfo {
     /// Its version as it reports it (`cilium-version`: `1.18.4 6a4b1e4f 2025-… go version …`),
     /// when it does.
     pub version: Option<String>,
+    /// When it started (unix seconds): its API socket's modification time (Cilium binds the socket
+    /// anew at every start, after building its configuration). None: not known.
+    pub started_at: Option<f64>,
 }
 
 /// The settings the running agent loaded at its start, by name, and its version.
@@ -42,6 +45,24 @@ pub async fn loaded_settings(socket: &Path) -> Result<AgentInfo, ApiError> {
 }
 
 async fn loaded_settings_within(socket: &Path, timeout: Duration) -> Result<AgentInfo, ApiError> {
+    let path = socket.display().to_string();
+    let body = get(socket, "/v1/debuginfo", timeout, DEBUGINFO_CAP).await?;
+    let mut info = parse_debuginfo(&body).map_err(|message| ApiError::Answer {
+        path: path.clone(),
+        message,
+    })?;
+    info.started_at = socket_identity(socket).map(|(_, _, s, ns)| s as f64 + ns as f64 / 1e9);
+    Ok(info)
+}
+
+/// The largest answers read: debuginfo carries every endpoint, policy and service (a few KB
+/// each: megabytes on a big node); the status carries the controllers (one line each).
+const DEBUGINFO_CAP: usize = 256 << 20;
+const STATUS_CAP: usize = 32 << 20;
+
+/// One `GET` on the agent's API socket, its body read up to `cap` bytes, the whole within
+/// `timeout`.
+async fn get(socket: &Path, what: &str, timeout: Duration, cap: usize) -> Result<Bytes, ApiError> {
     let path = socket.display().to_string();
     let work = async {
         let stream = tokio::net::UnixStream::connect(socket)
@@ -52,34 +73,33 @@ async fn loaded_settings_within(socket: &Path, timeout: Duration) -> Result<Agen
             })?;
         let http = |e: &dyn std::fmt::Display| ApiError::Http {
             path: path.clone(),
-            message: e.to_string(),
+            message: format!("{what}: {e}"),
         };
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| http(&e))?;
         tokio::spawn(conn);
-        let req = hyper::Request::get("/v1/debuginfo")
+        let req = hyper::Request::get(what)
             .header("host", "localhost")
             .body(Empty::<Bytes>::new())
             .map_err(|e| http(&e))?;
         let resp = sender.send_request(req).await.map_err(|e| http(&e))?;
         let status = resp.status();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| http(&e))?
-            .to_bytes();
         if !status.is_success() {
             return Err(ApiError::Answer {
                 path: path.clone(),
-                message: format!("HTTP {status}"),
+                message: format!("{what}: HTTP {status}"),
             });
         }
-        parse_debuginfo(&body).map_err(|message| ApiError::Answer {
-            path: path.clone(),
-            message,
-        })
+        let body = http_body_util::Limited::new(resp.into_body(), cap)
+            .collect()
+            .await
+            .map_err(|e| ApiError::Answer {
+                path: path.clone(),
+                message: format!("{what}: {e} (more than {cap} bytes?)"),
+            })?
+            .to_bytes();
+        Ok(body)
     };
     tokio::time::timeout(timeout, work)
         .await
@@ -89,6 +109,59 @@ async fn loaded_settings_within(socket: &Path, timeout: Duration) -> Result<Agen
                 ms: timeout.as_millis(),
             })
         })
+}
+
+/// What the running agent says it selected, from its status (`GET /v1/healthz`): the
+/// devices it attached to (`kube-proxy-replacement.deviceList`, filled from the devices
+/// table's selected devices whatever the kube-proxy-replacement mode: 1.19.7 and 1.20.2
+/// `pkg/status/status_collector.go`), and how it attaches (`attach-mode`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AgentStatus {
+    /// None: the status carries no device list (an agent still starting, or one that does
+    /// not report it).
+    pub devices: Option<Vec<String>>,
+    pub attach_mode: Option<String>,
+}
+
+/// The running agent's status, read now (it changes: a device plugged in is selected).
+pub async fn agent_status(socket: &Path) -> Result<AgentStatus, ApiError> {
+    let body = get(socket, "/v1/healthz", WAIT, STATUS_CAP).await?;
+    parse_status(&body).map_err(|message| ApiError::Answer {
+        path: socket.display().to_string(),
+        message,
+    })
+}
+
+/// A `/v1/healthz` answer's selected devices and attach mode.
+pub fn parse_status(body: &[u8]) -> Result<AgentStatus, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| format!("/v1/healthz: not JSON ({e})"))?;
+    if !v.is_object() {
+        return Err("/v1/healthz: not a status object".into());
+    }
+    let kpr = &v["kube-proxy-replacement"];
+    let names = |list: &serde_json::Value, key: Option<&str>| -> Option<Vec<String>> {
+        let a = list.as_array()?;
+        let out: Vec<String> = a
+            .iter()
+            .filter_map(|d| match key {
+                Some(k) => d[k].as_str(),
+                None => d.as_str(),
+            })
+            .filter(|n| !n.is_empty() && n.len() <= 64)
+            .map(String::from)
+            .collect();
+        Some(out)
+    };
+    let devices = names(&kpr["deviceList"], Some("name")).or_else(|| names(&kpr["devices"], None));
+    let attach_mode = v["attach-mode"]
+        .as_str()
+        .filter(|s| !s.is_empty() && s.len() <= 32)
+        .map(String::from);
+    Ok(AgentStatus {
+        devices,
+        attach_mode,
+    })
 }
 
 /// The socket's identity: Cilium binds its API socket anew at every start, so a new inode
@@ -218,7 +291,11 @@ pub fn parse_debuginfo(body: &[u8]) -> Result<AgentInfo, String> {
         .as_str()
         .map(|s| s.trim().chars().take(200).collect::<String>())
         .filter(|s| !s.is_empty());
-    Ok(AgentInfo { settings, version })
+    Ok(AgentInfo {
+        settings,
+        version,
+        started_at: None,
+    })
 }
 
 #[cfg(test)]
@@ -240,5 +317,28 @@ mod tests {
         assert!(super::parse_debuginfo(b"{}").is_err());
         let no_version = super::parse_debuginfo(br#"{"environment-variables": []}"#).unwrap();
         assert_eq!(no_version.version, None);
+    }
+
+    /// The status as the real 1.20.2 agent answers it (trimmed): the device list whatever
+    /// the kube-proxy-replacement mode; odd shapes are an error or no list, never a guess.
+    #[test]
+    fn the_status_names_the_selected_devices() {
+        let s = super::parse_status(
+            br#"{"attach-mode":"tcx","kube-proxy-replacement":{"mode":"False","devices":["eth0","eth1","eth2"],"deviceList":[{"name":"eth0","ip":["192.0.2.2"]},{"name":"eth1","ip":["198.51.100.2"]},{"name":"eth2","ip":[]}]}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            s.devices,
+            Some(vec!["eth0".into(), "eth1".into(), "eth2".into()])
+        );
+        assert_eq!(s.attach_mode.as_deref(), Some("tcx"));
+        // Only the older list.
+        let s = super::parse_status(br#"{"kube-proxy-replacement":{"devices":["eth0"]}}"#).unwrap();
+        assert_eq!(s.devices, Some(vec!["eth0".into()]));
+        // No list: not reported (an agent still starting).
+        let s = super::parse_status(br#"{"cilium":{"state":"Ok"}}"#).unwrap();
+        assert_eq!(s.devices, None);
+        assert!(super::parse_status(b"[]").is_err());
+        assert!(super::parse_status(b"<html>").is_err());
     }
 }

@@ -51,6 +51,7 @@ pub async fn run(
             links: a.links || c.needs.links,
             maps: a.maps || c.needs.maps,
             agent: a.agent || c.needs.agent,
+            status: a.status || c.needs.status,
         });
     let cilium_cfg = cfg
         .cilium_config
@@ -86,6 +87,11 @@ pub async fn run(
         Some(sock) if needs.agent => Some(crate::ciliumapi::loaded_settings_cached(sock).await),
         _ => None,
     };
+    // What it selected now (its status changes: not cached).
+    let status = match &cfg.cilium_api {
+        Some(sock) if needs.status => Some(crate::ciliumapi::agent_status(sock).await),
+        _ => None,
+    };
     let loaded_took = t.elapsed();
     let effective = match (cilium_snap, &loaded) {
         (Some(s), Some(Ok(l))) => Some(checks::config::effective(
@@ -101,6 +107,7 @@ pub async fn run(
         store: store.as_ref(),
         loaded: loaded.as_ref().map(|r| r.as_ref()),
         effective: effective.as_ref(),
+        status: status.as_ref().map(|r| r.as_ref()),
         links: links.as_ref(),
         maps: maps.as_ref(),
     };

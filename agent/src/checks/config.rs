@@ -259,6 +259,7 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
         links: false,
         maps: false,
         agent: true,
+        status: false,
     },
     from_probes: None,
     evaluate: evaluate_node,

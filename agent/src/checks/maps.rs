@@ -170,6 +170,7 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
         links: false,
         maps: true,
         agent: true,
+        status: false,
     },
     from_probes: None,
     evaluate: evaluate_node,

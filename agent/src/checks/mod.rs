@@ -42,6 +42,8 @@ pub struct Needs {
     pub maps: bool,
     /// What the running cilium-agent reports it loaded (its API).
     pub agent: bool,
+    /// What the running cilium-agent reports it selected now (its status).
+    pub status: bool,
 }
 
 /// What the node checks of one run share.
@@ -55,6 +57,8 @@ pub struct Inputs<'a> {
     /// The effective configuration: the ConfigMap with the per-node overrides the agent
     /// loaded (`config::effective`); what every check reading a config key expects.
     pub effective: Option<&'a crate::ciliumconfig::Snapshot>,
+    /// What the running cilium-agent reports it selected now (its status), when asked.
+    pub status: Option<Result<&'a crate::ciliumapi::AgentStatus, &'a crate::ciliumapi::ApiError>>,
     pub links:
         Option<&'a Result<crate::kernel::links::Observation, crate::kernel::links::LinkError>>,
     pub maps:

@@ -213,6 +213,7 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
         links: false,
         maps: false,
         agent: false,
+        status: false,
     },
     from_probes: Some(from_probes),
     evaluate: |i| Box::pin(run(&i.cfg.targets, &i.cfg.bpffs)),

@@ -23,6 +23,31 @@ pub enum Expected {
     },
     /// Cilium's auto-detection (no list configured anywhere).
     Auto,
+    /// The devices the running cilium-agent reports it selected (its status): Cilium's own
+    /// answer, which the kernel is then held to.
+    Reported {
+        devices: Vec<String>,
+        /// The attach mode it reports (`tcx`, `tc`), when it does.
+        attach_mode: Option<String>,
+        /// Cilium's selection rules (the fallback) on the same node, for the evidence.
+        rules: Box<Expected>,
+    },
+}
+
+impl Expected {
+    /// Where the expectation came from, for a reason line.
+    pub fn decided_by(&self, rules: SelectionRules) -> String {
+        match self {
+            Expected::Reported { .. } => "the devices the cilium-agent reports it selected".into(),
+            Expected::Patterns { source, .. } if source.starts_with("config ") => {
+                format!("stepguard's {source}")
+            }
+            Expected::Patterns { source, .. } => {
+                format!("Cilium {}'s selection rules on {source}", rules.label())
+            }
+            Expected::Auto => format!("Cilium {}'s auto-detection rules", rules.label()),
+        }
+    }
 }
 
 /// Whether the datapath must also carry `cil_to_netdev` (egress) on every selected device:
@@ -148,6 +173,20 @@ impl SelectionRules {
                 ipoib_excluded: m >= 18,
             },
             None => SelectionRules::newest(),
+        }
+    }
+
+    /// The releases these rules are those of, for people.
+    pub fn label(self) -> &'static str {
+        match (
+            self.filter_first,
+            self.alt_names_and_vrf,
+            self.ipoib_excluded,
+        ) {
+            (true, true, _) => "1.20+",
+            (true, false, _) => "1.19",
+            (false, _, true) => "1.18",
+            (false, _, false) => "1.16-1.17",
         }
     }
 
@@ -393,6 +432,13 @@ pub fn expected_set_by(
             patterns, force, ..
         } => (patterns, *force),
         Expected::Auto => (&[], false),
+        Expected::Reported { devices: names, .. } => {
+            return devices
+                .iter()
+                .filter(|d| !ciliums_own(&d.name) && names.contains(&d.name))
+                .map(|d| d.name.clone())
+                .collect()
+        }
     };
     devices
         .iter()
@@ -414,6 +460,11 @@ pub fn listed_but_absent(devices: &[Device], exp: &Expected) -> Vec<String> {
                         .iter()
                         .any(|d| &d.name == *p || d.alt_names.iter().any(|a| a == *p))
             })
+            .cloned()
+            .collect(),
+        Expected::Reported { devices: names, .. } => names
+            .iter()
+            .filter(|n| !devices.iter().any(|d| &d.name == *n))
             .cloned()
             .collect(),
         Expected::Auto => vec![],
@@ -479,9 +530,27 @@ pub fn evaluate_by(
             force,
         } => json!({"patterns": patterns, "source": source, "force_device_detection": force}),
         Expected::Auto => {
-            json!({"source": "Cilium's auto-detection (up, an address, a global-unicast route; not loopback, enslaved, bridge, openvswitch, cilium_/lo/lxc/cni/docker)"})
+            json!({"source": "Cilium's auto-detection (up, an address, a global-unicast route; not loopback, enslaved, bridge, openvswitch, cilium_/lo/lxc/cni/docker)", "rules": rules.label()})
+        }
+        Expected::Reported {
+            devices,
+            attach_mode,
+            rules: fallback,
+        } => {
+            // What the re-derived rules would have expected, beside the agent's answer: a
+            // difference is a finding about the rules, not about the node.
+            let by_rules = expected_set_by(&obs.devices, fallback, rules);
+            json!({
+                "source": "cilium-agent status (GET /v1/healthz: kube-proxy-replacement.deviceList)",
+                "reported": devices,
+                "attach_mode": attach_mode,
+                "rules_would_expect": by_rules,
+                "rules_agree": by_rules == expected,
+                "rules": rules.label(),
+            })
         }
     };
+    let decided_by = exp.decided_by(rules);
     let evidence = json!({
         "expected": expected,
         "selected": have,
@@ -490,6 +559,7 @@ pub fn evaluate_by(
         "ciliums_own_devices_with_cil_from_netdev": own,
         "listed_but_absent": absent,
         "expected_from": source,
+        "decided_by": decided_by,
         "devices": per_device,
         "endpoint_devices": obs.endpoint_devices,
         "problems": obs.problems,
@@ -574,7 +644,7 @@ pub fn evaluate_by(
                 CHECK,
                 "devices_ok",
                 format!(
-                    "cil_from_netdev on {} (as expected)",
+                    "cil_from_netdev on {} (as expected by {decided_by})",
                     list(&have.iter().collect::<Vec<_>>())
                 ),
                 evidence,
@@ -595,20 +665,26 @@ pub fn evaluate_by(
         (false, true) => CheckResult::fail(
             CHECK,
             "device_missing",
-            format!("cil_from_netdev missing on {}", list(&missing)),
+            format!(
+                "cil_from_netdev missing on {} (expected by {decided_by})",
+                list(&missing)
+            ),
             evidence,
         ),
         (true, false) => CheckResult::fail(
             CHECK,
             "device_unexpected",
-            format!("cil_from_netdev on unexpected {}", list(&unexpected)),
+            format!(
+                "cil_from_netdev on unexpected {} (not expected by {decided_by})",
+                list(&unexpected)
+            ),
             evidence,
         ),
         (false, false) => CheckResult::fail(
             CHECK,
             "device_set_mismatch",
             format!(
-                "cil_from_netdev missing on {}; unexpected on {}",
+                "cil_from_netdev missing on {}; unexpected on {} (expected by {decided_by})",
                 list(&missing),
                 list(&unexpected)
             ),
@@ -635,6 +711,7 @@ pub const NODE_CHECK: super::NodeCheck = super::NodeCheck {
         links: true,
         maps: false,
         agent: true,
+        status: true,
     },
     from_probes: None,
     evaluate: evaluate_node,
@@ -662,14 +739,17 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
         let overlay = cfg
             .filter(|_| i.effective.is_some() || i.cfg.cilium_api.is_none())
             .map(|c| overlay_intent(&c.values));
+        let rules = SelectionRules::of(release.as_deref());
+        let (exp, status_problem) = expected_from_agent(expected_devices(i.cfg, cfg), i.status);
         match i.links {
             Some(Ok(o)) => with_overlay(
-                evaluate_by(
-                    o,
-                    &expected_devices(i.cfg, cfg),
-                    &to_netdev,
-                    SelectionRules::of(release.as_deref()),
-                ),
+                {
+                    let mut r = evaluate_by(o, &exp, &to_netdev, rules);
+                    if let Some(p) = status_problem {
+                        r.evidence["expected_from"]["agent_status"] = json!(p);
+                    }
+                    r
+                },
                 o,
                 overlay.as_ref(),
             ),
@@ -705,6 +785,39 @@ fn with_overlay(
     match overlay_mismatch(obs, intent) {
         Some((code, why)) => CheckResult::fail(CHECK, code, why, r.evidence),
         None => r,
+    }
+}
+
+/// The expectation when the running agent's status answered with the devices it selected:
+/// its answer, unless stepguard's own configuration lists the devices (the operator's word
+/// wins). Otherwise the re-derived rules, and why the agent's answer was not used.
+pub fn expected_from_agent(
+    rules: Expected,
+    status: Option<Result<&crate::ciliumapi::AgentStatus, &crate::ciliumapi::ApiError>>,
+) -> (Expected, Option<String>) {
+    if matches!(&rules, Expected::Patterns { source, .. } if source.starts_with("config ")) {
+        return (rules, None);
+    }
+    match status {
+        None => (
+            rules,
+            Some("not asked (no `cilium_api` socket configured)".into()),
+        ),
+        Some(Err(e)) => (rules, Some(format!("not read: {e}"))),
+        Some(Ok(s)) => match &s.devices {
+            None => (
+                rules,
+                Some("the agent's status lists no devices yet (kube-proxy-replacement.deviceList absent)".into()),
+            ),
+            Some(devices) => (
+                Expected::Reported {
+                    devices: devices.clone(),
+                    attach_mode: s.attach_mode.clone(),
+                    rules: Box::new(rules),
+                },
+                None,
+            ),
+        },
     }
 }
 

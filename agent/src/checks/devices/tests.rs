@@ -501,3 +501,72 @@ fn the_device_filter_negates_matches_alternative_names_and_keeps_vrf_devices() {
     assert!(selected_by_cilium(&down, &[], &f(&["eth+"]), false, r119));
     assert!(!selected_by_cilium(&down, &[], &[], false, r119));
 }
+
+/// With the agent's status answering, its selected devices are the expectation, whatever the
+/// re-derived rules would say; stepguard's own list still wins; without an answer the rules
+/// decide and the evidence says why.
+#[test]
+fn the_agents_reported_devices_decide_when_it_answers() {
+    use crate::ciliumapi::{AgentStatus, ApiError};
+    // eth2: up, no address, carrying Cilium's programs (a `devices: eth+` 1.19+ agent does).
+    let mut eth2 = dev("eth2", &[("ingress", "cil_from_netdev")]);
+    eth2.addresses = 0;
+    eth2.global_addrs.clear();
+    let obs = node(vec![eth2]);
+    let status = AgentStatus {
+        devices: Some(vec!["eth0".into(), "eth1".into(), "eth2".into()]),
+        attach_mode: Some("tcx".into()),
+    };
+    // The 1.18 rules would not expect eth2 (no address): the agent's word decides.
+    let old = SelectionRules::of(Some("1.18"));
+    let (exp, why) = expected_from_agent(pats(&["eth+"]), Some(Ok(&status)));
+    assert_eq!(why, None);
+    let r = evaluate_by(&obs, &exp, &ToNetdev::default(), old);
+    assert_eq!(r.status, Status::Pass, "{r:?}");
+    assert!(
+        r.reason.contains("the cilium-agent reports it selected"),
+        "{}",
+        r.reason
+    );
+    assert_eq!(r.evidence["expected_from"]["rules_agree"], false);
+    assert_eq!(
+        r.evidence["expected_from"]["rules_would_expect"],
+        json!(["eth0", "eth1"])
+    );
+    // The kernel is held to the answer: the agent says eth2, eth2 lacks the programs.
+    let mut bare = dev("eth2", &[]);
+    bare.addresses = 0;
+    let r = evaluate_by(&node(vec![bare]), &exp, &ToNetdev::default(), old);
+    assert_eq!(r.code, "device_missing", "{r:?}");
+    assert!(r.reason.contains("eth2"), "{}", r.reason);
+    // A device carrying programs the agent did not select.
+    let only = AgentStatus {
+        devices: Some(vec!["eth0".into()]),
+        attach_mode: None,
+    };
+    let (exp, _) = expected_from_agent(pats(&["eth+"]), Some(Ok(&only)));
+    let r = evaluate_by(&node(vec![]), &exp, &ToNetdev::default(), old);
+    assert_eq!(r.code, "device_unexpected", "{r:?}");
+    // stepguard's own list wins over the agent's answer.
+    let own = Expected::Patterns {
+        patterns: vec!["eth0".into()],
+        source: "config devices.expected".into(),
+        force: false,
+    };
+    let (exp, why) = expected_from_agent(own.clone(), Some(Ok(&status)));
+    assert_eq!((exp, why), (own, None));
+    // No answer: the rules, and why.
+    let err = ApiError::Timeout {
+        path: "/run/cilium/cilium.sock".into(),
+        ms: 2000,
+    };
+    let (exp, why) = expected_from_agent(pats(&["eth+"]), Some(Err(&err)));
+    assert_eq!(exp, pats(&["eth+"]));
+    assert!(why.unwrap().contains("no answer within"));
+    let (_, why) = expected_from_agent(pats(&["eth+"]), None);
+    assert!(why.unwrap().contains("not asked"));
+    let starting = AgentStatus::default();
+    let (exp, why) = expected_from_agent(Expected::Auto, Some(Ok(&starting)));
+    assert_eq!(exp, Expected::Auto);
+    assert!(why.unwrap().contains("no devices yet"));
+}
