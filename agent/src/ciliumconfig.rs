@@ -139,6 +139,23 @@ impl SnapshotStore {
         out
     }
 
+    /// Since when the ConfigMap has declared `key` as `value` without a break: the earliest
+    /// snapshot of the newest run holding it (unix seconds). None: no snapshot holds it now.
+    pub fn declared_since(&self, key: &str, value: &str) -> Option<f64> {
+        let mut snaps: Vec<Snapshot> = self.all();
+        snaps.sort_by(|a, b| a.changed_at.total_cmp(&b.changed_at));
+        let mut since = None;
+        for s in &snaps {
+            match s.values.get(key) {
+                Some(v) if v == value => {
+                    since.get_or_insert(s.changed_at);
+                }
+                _ => since = None,
+            }
+        }
+        since
+    }
+
     fn all(&self) -> Vec<Snapshot> {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return vec![];

@@ -97,6 +97,7 @@ pub async fn run(
         (Some(s), Some(Ok(l))) => Some(checks::config::effective(
             s,
             Some(&l.settings),
+            l.started_at,
             store.as_ref(),
         )),
         _ => None,

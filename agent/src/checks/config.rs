@@ -54,9 +54,16 @@ fn per_node(loaded: &BTreeMap<String, String>) -> bool {
     sources.contains("cilium-node-config") || sources.contains("node:")
 }
 
+/// How long before its API socket appears a starting agent may have built its configuration
+/// (`cilium-dbg build-config` in the DaemonSet's first init container, then the other init
+/// containers and the agent's start up to its API): an agent whose socket is younger than a
+/// value's declaration by more than this read that value at its start.
+pub const BUILD_MARGIN_SECS: f64 = 30.0;
+
 fn classify(
     snap: &Snapshot,
     loaded: &BTreeMap<String, String>,
+    started_at: Option<f64>,
     store: Option<&SnapshotStore>,
 ) -> Classified {
     let sources = loaded.get(CONFIG_SOURCES).cloned().unwrap_or_default();
@@ -90,9 +97,27 @@ fn classify(
             .iter()
             .any(|v| same(v, have));
         let row = json!({"key": k, "declared": want, "loaded": have});
+        // The agent started after the ConfigMap declared this value (the mount is written
+        // after the API server has it, so Cilium's build-config read it too): whatever it
+        // loaded instead came from another source, not from an edit that missed it.
+        let declared_at = store
+            .and_then(|s| s.declared_since(k, want))
+            .unwrap_or(snap.changed_at)
+            .min(snap.changed_at);
+        let read_declared = started_at.is_some_and(|t| t > declared_at + BUILD_MARGIN_SECS);
         match (earlier, per_node && store.is_some()) {
+            // A value the ConfigMap once had, kept by a per-node source (a CiliumNodeConfig)
+            // the agent read at a start after the edit: an override.
+            (true, true) if read_declared => c.overrides.push(row),
+            // Started before the edit, with a per-node source: either the edit waits for a
+            // restart or a per-node source keeps the old value (which keys a source sets is
+            // not reported). Unknown, never "not applied".
+            (true, true) => c.unsure.push(row),
+            // Started after the edit with no per-node source named: something else (a flag)
+            // sets it; unknown.
+            (true, false) if read_declared => c.unsure.push(row),
             // The agent runs with a value the ConfigMap had before: the edit did not reach it.
-            (true, _) => c.not_applied.push(row),
+            (true, false) => c.not_applied.push(row),
             // A value the ConfigMap never had, from a per-node source: an override.
             (false, true) => c.overrides.push(row),
             // A value the mounted ConfigMap never had, and no per-node source: the mount may
@@ -125,13 +150,14 @@ const DEFAULTS: [(&str, &str); 10] = [
 pub fn effective(
     snap: &Snapshot,
     loaded: Option<&BTreeMap<String, String>>,
+    started_at: Option<f64>,
     store: Option<&SnapshotStore>,
 ) -> Snapshot {
     let mut out = snap.clone();
     let Some(loaded) = loaded.filter(|l| per_node(l)) else {
         return out;
     };
-    let c = classify(snap, loaded, store);
+    let c = classify(snap, loaded, started_at, store);
     // With a per-node source, a value the ConfigMap never had is the override; so is one the
     // check cannot place for want of history (no state directory): the agent loaded it.
     for row in c.overrides.iter().chain(&c.unsure) {
@@ -152,6 +178,7 @@ pub fn effective(
 pub fn evaluate(
     declared: Option<Result<&Snapshot, &crate::ciliumconfig::ReadError>>,
     loaded: Option<Result<&BTreeMap<String, String>, &crate::ciliumapi::ApiError>>,
+    started_at: Option<f64>,
     store: Option<&SnapshotStore>,
 ) -> CheckResult {
     let snap = match declared {
@@ -200,7 +227,7 @@ pub fn evaluate(
         overrides,
         unsure,
         unverifiable,
-    } = classify(snap, loaded, store);
+    } = classify(snap, loaded, started_at, store);
     let keys = |v: &[serde_json::Value]| {
         v.iter()
             .filter_map(|r| r["key"].as_str())
@@ -233,8 +260,15 @@ pub fn evaluate(
             CHECK,
             "config_unverified",
             format!(
-                "the running cilium-agent runs with values the mounted cilium-config never had on {} (the mount may lag behind an edit, or a per-node override applies); to tell them apart give the agent's state directory (`--state-dir`, where the ConfigMap's history is kept)",
-                keys(&unsure)
+                "the running cilium-agent runs with values the mounted cilium-config does not declare on {}: {}",
+                keys(&unsure),
+                if store.is_none() {
+                    "the mount may lag behind an edit, or a per-node override applies; to tell them apart give the agent's state directory (`--state-dir`, where the ConfigMap's history is kept)"
+                } else if per_node(loaded) {
+                    "the agent started before the edit and a per-node source (a CiliumNodeConfig) was loaded with it: either the edit waits for a restart or that source keeps the value (which keys it sets is not reported)"
+                } else {
+                    "values the ConfigMap never had, or the agent started after the edit and still runs another value (a flag, not the ConfigMap, sets it)"
+                }
             ),
             evidence,
         );
@@ -272,6 +306,7 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
         let mut r = evaluate(
             i.cilium,
             loaded.map(|r| r.map(|info| &info.settings)),
+            loaded.and_then(|r| r.ok()).and_then(|info| info.started_at),
             i.store,
         );
         // The running agent's version, whatever the config verdict: a step reads it (the
@@ -320,7 +355,7 @@ mod tests {
         let now = snap(200.0, &[("devices", "eth0"), ("enable-ipv4", "true")]);
         st.remember(&now).unwrap();
         let l = loaded(&[("devices", "eth0 eth1"), ("enable-ipv4", "True")]);
-        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), Some(&st));
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
         assert_eq!(
             (r.status, r.code.as_str()),
             (Status::Fail, "config_not_applied")
@@ -328,7 +363,7 @@ mod tests {
         assert!(r.reason.contains("changed keys: devices"), "{}", r.reason);
         // After the restart the agent loaded it: applied (bools compare like Go's).
         let l = loaded(&[("devices", "eth0"), ("enable-ipv4", "true")]);
-        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), Some(&st));
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
         assert_eq!(r.status, Status::Pass, "{}", r.reason);
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -347,13 +382,65 @@ mod tests {
                 "config-map:kube-system/cilium-config,cilium-node-config:kube-system/n1",
             ),
         ]);
-        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), Some(&st));
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
         assert_eq!(r.status, Status::Pass, "{}", r.reason);
         assert!(
             r.reason.contains("per-node overrides: devices"),
             "{}",
             r.reason
         );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A CiliumNodeConfig keeping a value the ConfigMap once had (`devices: eth0 eth1` moved
+    /// to `eth0` in the ConfigMap): an agent that started after the edit read the new value,
+    /// so what it loaded instead is the per-node source's, an override; one that started
+    /// before cannot be told apart from an edit waiting for a restart (unknown, never "not
+    /// applied"), and the effective configuration is what it loaded. Without a per-node
+    /// source the old rule stands.
+    #[test]
+    fn a_node_config_keeping_an_earlier_value_is_an_override_once_the_agent_read_the_edit() {
+        let (st, dir) = store("kept");
+        st.remember(&snap(50.0, &[("devices", "eth0 eth1")]))
+            .unwrap();
+        let now = snap(200.0, &[("devices", "eth0")]);
+        st.remember(&now).unwrap();
+        assert_eq!(st.declared_since("devices", "eth0"), Some(200.0));
+        assert_eq!(st.declared_since("devices", "eth0 eth1"), None);
+        let cnc = r#"[{"kind":"config-map","namespace":"kube-system","name":"cilium-config"},{"kind":"cilium-node-config","namespace":"kube-system","name":"lab-node-0-nic"}]"#;
+        let l = loaded(&[("devices", "eth0 eth1"), ("config-sources", cnc)]);
+        let after = Some(200.0 + BUILD_MARGIN_SECS + 1.0);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), after, Some(&st));
+        assert_eq!(r.status, Status::Pass, "{}", r.reason);
+        assert!(
+            r.reason.contains("per-node overrides: devices"),
+            "{}",
+            r.reason
+        );
+        assert_eq!(
+            effective(&now, Some(&l), after, Some(&st)).values["devices"],
+            "eth0 eth1"
+        );
+        // Started before the edit (or too close to it to be sure).
+        for before in [Some(100.0), Some(210.0), None] {
+            let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), before, Some(&st));
+            assert_eq!(
+                (r.status, r.code.as_str()),
+                (Status::Unknown, "config_unverified"),
+                "{before:?}: {}",
+                r.reason
+            );
+            assert!(r.reason.contains("CiliumNodeConfig"), "{}", r.reason);
+            assert_eq!(
+                effective(&now, Some(&l), before, Some(&st)).values["devices"],
+                "eth0 eth1",
+                "the agent's value is what the node runs"
+            );
+        }
+        // No per-node source: an agent from before the edit did not apply it.
+        let plain = loaded(&[("devices", "eth0 eth1")]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&plain)), Some(100.0), Some(&st));
+        assert_eq!(r.code, "config_not_applied", "{}", r.reason);
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -374,7 +461,7 @@ mod tests {
                 "config-map:kube-system/cilium-config,cilium-node-config:kube-system/n1",
             ),
         ]);
-        let e = effective(&now, Some(&l), Some(&st));
+        let e = effective(&now, Some(&l), None, Some(&st));
         assert_eq!(e.values["devices"], "eth0");
         assert_eq!(e.values["bpf-lb-acceleration"], "native");
         assert!(
@@ -385,18 +472,21 @@ mod tests {
             "config-sources".into(),
             "config-map:kube-system/cilium-config".into(),
         );
-        let e = effective(&now, Some(&l), Some(&st));
+        let e = effective(&now, Some(&l), None, Some(&st));
         assert_eq!(
             e.values["devices"], "eth0 eth1",
             "no per-node source: the ConfigMap"
         );
-        assert_eq!(effective(&now, None, Some(&st)), now);
+        assert_eq!(effective(&now, None, None, Some(&st)), now);
         // Without the history, a per-node source still decides.
         l.insert(
             "config-sources".into(),
             "config-map:kube-system/cilium-config,cilium-node-config:kube-system/n1".into(),
         );
-        assert_eq!(effective(&now, Some(&l), None).values["devices"], "eth0");
+        assert_eq!(
+            effective(&now, Some(&l), None, None).values["devices"],
+            "eth0"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -406,11 +496,17 @@ mod tests {
     fn what_cannot_be_verified_is_never_a_pass() {
         let now = snap(1.0, &[("devices", "eth0"), ("some-new-key", "x")]);
         let l = loaded(&[("devices", "eth0")]);
-        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, None);
         assert_eq!(r.evidence["unverifiable_keys"], json!(["some-new-key"]));
         assert_eq!(r.evidence["verified"], 1);
-        assert_eq!(evaluate(Some(Ok(&now)), None, None).status, Status::Unknown);
-        assert_eq!(evaluate(None, Some(Ok(&l)), None).status, Status::Unknown);
+        assert_eq!(
+            evaluate(Some(Ok(&now)), None, None, None).status,
+            Status::Unknown
+        );
+        assert_eq!(
+            evaluate(None, Some(Ok(&l)), None, None).status,
+            Status::Unknown
+        );
     }
 
     /// The JSON form the real agent reports (1.19/1.20): a Node-label source is per-node too,
