@@ -175,6 +175,10 @@ pub struct EndpointProgress {
     /// its baseline programs (the evidence for `endpoints_not_regenerated`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub old_seen_at: BTreeMap<String, f64>,
+    /// Endpoints whose device lives on under another name (the same ifindex): baseline
+    /// name → the name now.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub renamed: BTreeMap<String, String>,
 }
 
 /// How a global map fared across the step, by what Cilium does with it (see

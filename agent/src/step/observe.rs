@@ -53,7 +53,29 @@ pub fn current_programs(
 /// Cilium's programs on every endpoint device, by device name (see
 /// `links::endpoint_hooks`): `cil_from_container` on ingress or netkit's peer hook,
 /// `cil_to_container` on egress or netkit's primary hook.
+///
+/// A host device carrying `cil_from_container` on ingress is an endpoint too, whatever its
+/// name: under CNI chaining (generic-veth: `cali*`, `eni*`) Cilium attaches its endpoint
+/// programs to the primary plugin's host veth, and an `lxc` device renamed keeps them.
 pub fn endpoint_programs(obs: &links::Observation) -> BTreeMap<String, EndpointPrograms> {
+    let chained = obs.devices.iter().filter_map(|d| {
+        let find = |hook: &str, prog: &str| {
+            d.programs
+                .iter()
+                .find(|p| p.hook == hook && p.is(prog))
+                .map(|p| p.prog_id)
+        };
+        let from = find("ingress", "cil_from_container")?;
+        Some((
+            d.name.clone(),
+            EndpointPrograms {
+                ifindex: d.ifindex,
+                from_container: Some(from),
+                to_container: find("egress", "cil_to_container"),
+                raced: false,
+            },
+        ))
+    });
     obs.endpoints
         .iter()
         .map(|e| {
@@ -74,6 +96,7 @@ pub fn endpoint_programs(obs: &links::Observation) -> BTreeMap<String, EndpointP
                 },
             )
         })
+        .chain(chained)
         .collect()
 }
 

@@ -344,3 +344,52 @@ fn a_posted_step_is_admitted_once() {
     assert!(admission::valid_id("step-1.a_b") && !admission::valid_id(".hidden"));
     assert!(!admission::valid_id("a/b") && !admission::valid_id(&"x".repeat(65)));
 }
+
+/// Endpoints are the devices carrying `cil_from_container`: `lxc*` from the endpoint scan,
+/// and any host device carrying it (a chained plugin's `cali*` veth, a renamed `lxc`);
+/// host devices without it are none.
+#[test]
+fn a_host_device_carrying_cil_from_container_is_an_endpoint() {
+    use crate::kernel::links::{AttachedProgram, Device, EndpointDevice, Observation};
+    let prog = |hook: &'static str, name: &str, id: u32| AttachedProgram {
+        hook,
+        via: "tcx",
+        prog_id: id,
+        name: Some(name.into()),
+        filter: None,
+        loaded_at: None,
+        link_pin: None,
+    };
+    let dev = |name: &str, ifindex: u32, programs: Vec<AttachedProgram>| Device {
+        name: name.into(),
+        ifindex,
+        programs,
+        ..Default::default()
+    };
+    let obs = Observation {
+        devices: vec![
+            dev("eth0", 2, vec![prog("ingress", "cil_from_netdev", 5)]),
+            dev(
+                "cali1234",
+                7,
+                vec![
+                    prog("ingress", "cil_from_container", 9),
+                    prog("egress", "cil_to_container", 10),
+                ],
+            ),
+        ],
+        endpoints: vec![EndpointDevice {
+            name: "lxc1".into(),
+            ifindex: 8,
+            kind: Some("veth".into()),
+            programs: vec![prog("ingress", "cil_from_container", 11)],
+            raced: false,
+        }],
+        ..Default::default()
+    };
+    let eps = observe::endpoint_programs(&obs);
+    assert_eq!(eps.keys().collect::<Vec<_>>(), vec!["cali1234", "lxc1"]);
+    assert_eq!(eps["cali1234"].from_container, Some(9));
+    assert_eq!(eps["cali1234"].to_container, Some(10));
+    assert_eq!(eps["cali1234"].ifindex, 7);
+}

@@ -54,7 +54,7 @@ impl AttachedProgram {
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Device {
     pub name: String,
     pub ifindex: u32,

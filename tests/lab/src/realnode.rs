@@ -836,11 +836,32 @@ impl RealNode {
             .collect()
     }
 
+    /// The devices the running agent reports it selected (its status,
+    /// `kube-proxy-replacement.deviceList`). None: not answering or not reported yet.
+    pub fn selected_devices(&self) -> Option<Vec<String>> {
+        let (code, body) = api_get(&self.agent_socket(), "/v1/healthz").ok()?;
+        if code != 200 {
+            return None;
+        }
+        let v: Value = serde_json::from_str(&body).ok()?;
+        let list = v["kube-proxy-replacement"]["deviceList"].as_array()?;
+        let mut names: Vec<String> = list
+            .iter()
+            .filter_map(|d| d["name"].as_str().map(String::from))
+            .collect();
+        names.sort();
+        Some(names)
+    }
+
     /// Waits until the agent's API says it is healthy and the host datapath is attached on
-    /// the devices it was started with (the pinned tcx links of `cil_from_netdev`).
+    /// the devices it was started with (the pinned tcx links of `cil_from_netdev`); with a
+    /// pattern (`eth+`, `!eth2`) in its `devices`, on those it reports it selected.
     pub fn wait_ready(&mut self, limit: Duration) -> Result<Readiness> {
         let t0 = Instant::now();
-        let devices = self.agent_devices();
+        let listed = self.agent_devices();
+        let patterns = listed
+            .iter()
+            .any(|d| d.ends_with('+') || d.starts_with('!'));
         let mut api_at = None;
         loop {
             if !self.agent_running() {
@@ -859,6 +880,13 @@ impl RealNode {
             {
                 api_at = Some(t0.elapsed());
             }
+            let devices = if patterns {
+                self.selected_devices()
+                    .filter(|d| !d.is_empty())
+                    .unwrap_or_else(|| vec!["(the agent's selection)".into()])
+            } else {
+                listed.clone()
+            };
             let attached = devices.iter().all(|d| {
                 self.state
                     .bpffs

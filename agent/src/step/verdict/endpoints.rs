@@ -5,7 +5,9 @@ use super::*;
 /// the baseline has regenerated once `cil_from_container` has a new id and
 /// `cil_to_container` is either gone (Cilium detaches it from an endpoint that no longer
 /// needs it) or new too; an endpoint whose device is gone, or is a new device under the
-/// name (another ifindex), was deleted meanwhile.
+/// name (another ifindex), was deleted meanwhile. One whose device lives on under another
+/// name (the same ifindex) was not deleted: it is followed under its new name (a Cilium
+/// that cannot find it drops the endpoint and leaves its old programs: a stall).
 pub fn update_endpoints(
     progress: &mut super::super::EndpointProgress,
     baseline: &BTreeMap<String, super::super::EndpointPrograms>,
@@ -16,7 +18,16 @@ pub fn update_endpoints(
         if progress.regenerated.contains_key(name) || progress.gone.contains(name) {
             continue;
         }
-        match now_eps.get(name) {
+        // Under its name, or renamed (the same interface, another name: not deleted, and
+        // still judged by its programs).
+        let now_e = now_eps.get(name).or_else(|| {
+            let (new, e) = now_eps
+                .iter()
+                .find(|(n, e)| e.ifindex == base.ifindex && !baseline.contains_key(*n))?;
+            progress.renamed.insert(name.clone(), new.clone());
+            Some(e)
+        });
+        match now_e {
             None => {
                 progress.gone.insert(name.clone());
                 progress.old_seen_at.remove(name);
@@ -163,13 +174,20 @@ pub fn check_endpoints(step: &Step, now: f64) -> Judged {
                     Some(Reason::EvidenceIncomplete),
                 );
             }
+            let shown: Vec<String> = stale
+                .iter()
+                .map(|n| match p.renamed.get(*n) {
+                    Some(now) => format!("{n} (renamed {now})"),
+                    None => n.to_string(),
+                })
+                .collect();
             Judged::fatal(
                 Reason::EndpointsNotRegenerated,
                 format!(
                     "{} of {of} endpoints still ran the programs they had before the restart at the step's timeout ({:.0}s): {}{gone}",
                     stale.len(),
                     step.params.timeout.as_secs_f64(),
-                    first_of(&stale, ENDPOINTS_NAMED)
+                    first_of(&shown.iter().collect::<Vec<_>>(), ENDPOINTS_NAMED)
                 ),
             )
         }

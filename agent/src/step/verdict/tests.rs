@@ -168,6 +168,63 @@ fn endpoints_that_keep_their_old_programs_fail_the_step_at_its_timeout() {
     assert!(s.verdict.as_ref().unwrap().finished_at >= 60.0);
 }
 
+/// An endpoint's device renamed while the agent was down (the same ifindex, its old programs
+/// still on it): Cilium cannot find it and drops the endpoint, the pod is unreachable. It is
+/// not "deleted meanwhile": it is followed under its new name and fails at the timeout,
+/// named; an endpoint whose device is really gone is still a deletion.
+#[test]
+fn an_endpoint_renamed_keeping_its_old_programs_is_no_deletion() {
+    let mut s = with_endpoints();
+    let mut v = None;
+    for t in [0.0, 1.0, 1.5, 3.0, 20.0, 59.0, 60.5] {
+        let p = if t < 1.2 {
+            progs(Some(10), Some(11))
+        } else {
+            progs(Some(20), Some(21))
+        };
+        let mut o = obs(t, p);
+        o.endpoints = if t < 1.5 {
+            eps(&[
+                ("lxc0", ep(100, 10, None)),
+                ("lxc1", ep(101, 11, None)),
+                ("lxc2", ep(102, 12, None)),
+                ("lxc3", ep(103, 13, Some(23))),
+            ])
+        } else {
+            // lxc1 renamed (ifindex 101, old program 11); lxc3 gone.
+            eps(&[
+                ("lxc0", ep(100, 40, None)),
+                ("old-lxc1", ep(101, 11, None)),
+                ("lxc2", ep(102, 42, None)),
+            ])
+        };
+        decide(&mut s, &o);
+        if t == 3.0 {
+            let c = &s.checks["endpoints"];
+            assert!(
+                c.reason.contains(
+                    "2 of 3 endpoints regenerated; waiting for lxc1; 1 deleted meanwhile"
+                ),
+                "{}",
+                c.reason
+            );
+        }
+        if s.verdict.is_some() {
+            v = s.verdict.clone();
+            break;
+        }
+    }
+    let v = v.expect("decided");
+    assert_eq!(v.status, Status::Failed, "{v:?}");
+    assert_eq!(v.reasons, vec![Reason::EndpointsNotRegenerated], "{v:?}");
+    assert!(
+        v.summary.contains("lxc1 (renamed old-lxc1)"),
+        "{}",
+        v.summary
+    );
+    assert_eq!(s.endpoints.gone.iter().collect::<Vec<_>>(), vec!["lxc3"]);
+}
+
 /// Endpoints that regenerate in batches long after settle (a big node: Cilium regenerates
 /// at its own concurrency) pass once all have, inside the timeout: settle is how long the
 /// step must then stay green, not a deadline.
