@@ -132,6 +132,97 @@ pub async fn agent_status(socket: &Path) -> Result<AgentStatus, ApiError> {
     })
 }
 
+/// The services the running agent holds (`GET /v1/service`): their frontends as the step
+/// names a services-map entry (`10.96.0.10:53/UDP`, `[2001:db8::1]:80/TCP`, ` (internal)`
+/// for the internal scope) and their backends as it names a backend (`10.0.1.5:80`). What
+/// the agent no longer lists it deleted; what it lists must be in the kernel's maps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AgentServices {
+    pub frontends: std::collections::BTreeSet<String>,
+    pub backends: std::collections::BTreeSet<String>,
+}
+
+impl AgentServices {
+    /// Whether a frontend as a services-map entry names it is one the agent holds (a map
+    /// entry of protocol `any`, from releases without the protocol in the key, matches any).
+    pub fn lists_frontend(&self, entry: &str) -> bool {
+        let frontend = entry.split(" backend slot ").next().unwrap_or(entry);
+        if self.frontends.contains(frontend) {
+            return true;
+        }
+        match frontend.split_once("/any") {
+            Some((addr, scope)) => ["TCP", "UDP", "SCTP"]
+                .iter()
+                .any(|p| self.frontends.contains(&format!("{addr}/{p}{scope}"))),
+            None => false,
+        }
+    }
+
+    /// Whether a backends-map entry (`backend 7 = 10.0.1.5:80`) is one the agent holds.
+    pub fn lists_backend(&self, entry: &str) -> bool {
+        entry
+            .split_once(" = ")
+            .is_some_and(|(_, addr)| self.backends.contains(addr))
+    }
+}
+
+/// The running agent's services, read now (bounded in size and time).
+pub async fn agent_services(socket: &Path) -> Result<AgentServices, ApiError> {
+    let body = get(socket, "/v1/service", WAIT, SERVICES_CAP).await?;
+    parse_services(&body).map_err(|message| ApiError::Answer {
+        path: socket.display().to_string(),
+        message,
+    })
+}
+
+const SERVICES_CAP: usize = 64 << 20;
+
+/// A `/v1/service` answer (1.19.7, 1.20.2 `api/v1/models`: `spec.frontend-address` {ip, port,
+/// protocol, scope}, `spec.backend-addresses[]` {ip, port}).
+pub fn parse_services(body: &[u8]) -> Result<AgentServices, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| format!("/v1/service: not JSON ({e})"))?;
+    let list = v.as_array().ok_or("/v1/service: not a list")?;
+    let addr = |ip: &str, port: u64| -> Option<String> {
+        let ip: std::net::IpAddr = ip.parse().ok()?;
+        Some(match ip {
+            std::net::IpAddr::V4(a) => format!("{a}:{port}"),
+            std::net::IpAddr::V6(a) => format!("[{a}]:{port}"),
+        })
+    };
+    let mut out = AgentServices::default();
+    for s in list {
+        let spec = &s["spec"];
+        let f = &spec["frontend-address"];
+        if let Some(a) = addr(
+            f["ip"].as_str().unwrap_or(""),
+            f["port"].as_u64().unwrap_or(0),
+        ) {
+            let proto = f["protocol"].as_str().unwrap_or("ANY").to_ascii_uppercase();
+            let proto = if proto == "ANY" || proto.is_empty() {
+                "any".to_string()
+            } else {
+                proto
+            };
+            let scope = if f["scope"].as_str() == Some("internal") {
+                " (internal)"
+            } else {
+                ""
+            };
+            out.frontends.insert(format!("{a}/{proto}{scope}"));
+        }
+        for b in spec["backend-addresses"].as_array().into_iter().flatten() {
+            if let Some(a) = addr(
+                b["ip"].as_str().unwrap_or(""),
+                b["port"].as_u64().unwrap_or(0),
+            ) {
+                out.backends.insert(a);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A `/v1/healthz` answer's selected devices and attach mode.
 pub fn parse_status(body: &[u8]) -> Result<AgentStatus, String> {
     let v: serde_json::Value =
@@ -340,5 +431,26 @@ mod tests {
         assert_eq!(s.devices, None);
         assert!(super::parse_status(b"[]").is_err());
         assert!(super::parse_status(b"<html>").is_err());
+    }
+
+    /// The services as the real agent lists them (trimmed): frontends named as the step names
+    /// a services-map entry, backends as it names a backend; an entry of protocol `any`
+    /// matches a listed frontend of any protocol.
+    #[test]
+    fn the_services_name_frontends_as_the_maps_do() {
+        let s = super::parse_services(
+            br#"[{"spec":{"id":3,"frontend-address":{"ip":"10.96.0.10","port":53,"protocol":"UDP","scope":"external"},"backend-addresses":[{"ip":"10.0.1.5","port":53}]}},
+                {"spec":{"id":4,"frontend-address":{"ip":"2001:db8::1","port":80,"protocol":"TCP","scope":"internal"},"backend-addresses":[]}}]"#,
+        )
+        .unwrap();
+        assert!(s.lists_frontend("10.96.0.10:53/UDP"));
+        assert!(s.lists_frontend("10.96.0.10:53/UDP backend slot 1"));
+        assert!(s.lists_frontend("10.96.0.10:53/any"));
+        assert!(!s.lists_frontend("10.96.0.10:53/TCP"));
+        assert!(s.lists_frontend("[2001:db8::1]:80/TCP (internal)"));
+        assert!(!s.lists_frontend("[2001:db8::1]:80/TCP"));
+        assert!(s.lists_backend("backend 7 = 10.0.1.5:53"));
+        assert!(!s.lists_backend("backend 8 = 10.0.1.6:53"));
+        assert!(super::parse_services(b"{}").is_err());
     }
 }

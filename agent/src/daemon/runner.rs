@@ -424,7 +424,7 @@ impl Runner {
             .ok()
             .and_then(|r| r.ok());
         self.readings.endpoints = if due {
-            obs.as_ref().map(watch::endpoint_programs)
+            obs.as_ref().map(watch::endpoint_readings)
         } else {
             None
         };
@@ -446,7 +446,7 @@ impl Runner {
                 // The node checks just observed every endpoint (an older observation is not
                 // taken: it would date old programs now). No program was loaded since the
                 // last device reading, so what it shows changed is deleted pods.
-                self.readings.endpoints = node.links.as_ref().map(watch::endpoint_programs);
+                self.readings.endpoints = node.links.as_ref().map(watch::endpoint_readings);
             }
             self.readings.maps = node.maps.as_ref().map(map_counts);
             self.readings.map_ids = node.maps.as_ref().map(watch::map_ids);
@@ -458,6 +458,9 @@ impl Runner {
             .active()
             .map(|s| s.kept_maps_shrunk(self.readings.maps.as_ref()))
             .unwrap_or_default();
+        let service_maps = shrunk
+            .iter()
+            .any(|m| m.contains("_services") || m.contains("_backends"));
         self.readings.map_entries = if shrunk.is_empty() {
             Default::default()
         } else {
@@ -468,6 +471,18 @@ impl Runner {
                 )
                 .await
                 .unwrap_or_default()
+        };
+        // The services the agent holds, asked after the entries were read: what it no longer
+        // lists was deleted (a Service deleted in Kubernetes), what it lists must be there.
+        self.readings.services = match (&d.cfg.cilium_api, service_maps) {
+            (Some(sock), true) => match crate::ciliumapi::agent_services(sock).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot ask the agent for its services");
+                    None
+                }
+            },
+            _ => None,
         };
     }
 }

@@ -9,7 +9,7 @@ use crate::probe::unix_now;
 use crate::profile;
 pub use crate::step::lifecycle::WitnessPollError;
 pub use crate::step::observe::{
-    current_programs, endpoint_programs, map_counts, map_ids, BeginError,
+    current_programs, endpoint_readings, map_counts, map_ids, BeginError,
 };
 use crate::step::observe::{entries_to_name, BaselineInputs};
 use crate::step::{Baseline, Step, StepParams};

@@ -46,6 +46,9 @@ pub struct Readings {
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
     /// The overlay the configuration asks for, and when it was read.
     pub overlay: Option<(crate::checks::devices::OverlayIntent, f64)>,
+    /// The services the agent holds, read after kept service maps were seen to shrink
+    /// (None: not read, or the agent could not be asked).
+    pub services: Option<crate::ciliumapi::AgentServices>,
 }
 
 /// What an observation reads only at its own moment.
@@ -238,6 +241,7 @@ impl Step {
             map_entries: r.map_entries.clone(),
             endpoints: r.endpoints.take(),
             overlay: r.overlay.clone(),
+            services: r.services.clone(),
         };
         verdict::decide(self, &o);
         if self.is_final() {

@@ -192,6 +192,14 @@ pub struct MapEvidence {
     pub recreated: bool,
     /// What the step made of it, one line.
     pub judged: String,
+    /// Entries gone because the agent deleted what they stood for (a Service deleted in
+    /// Kubernetes: the agent no longer lists it), not lost.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub deleted: u64,
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Watching the datapath reload.

@@ -100,6 +100,22 @@ pub fn endpoint_programs(obs: &links::Observation) -> BTreeMap<String, EndpointP
         .collect()
 }
 
+/// The endpoints' programs as a step reads them during its course: [`endpoint_programs`],
+/// and every other device of the node by name with none (an endpoint's device renamed or
+/// stripped of its programs still exists: by its ifindex it is no deletion).
+pub fn endpoint_readings(obs: &links::Observation) -> BTreeMap<String, EndpointPrograms> {
+    let mut out = endpoint_programs(obs);
+    for d in &obs.devices {
+        out.entry(d.name.clone()).or_insert(EndpointPrograms {
+            ifindex: d.ifindex,
+            from_container: None,
+            to_container: None,
+            raced: false,
+        });
+    }
+    out
+}
+
 /// The endpoints a step follows: those carrying `cil_from_container` at the start, read
 /// consistently; unknown when endpoint programs could not be queried.
 pub fn endpoint_baseline(

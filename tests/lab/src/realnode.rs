@@ -780,6 +780,12 @@ impl RealNode {
     /// Deletes every entry of the pinned global map `name` with bpftool (a fault made from
     /// outside the agent; stepguard itself never writes Cilium's maps). Returns how many.
     pub fn empty_map(&self, name: &str) -> Result<usize> {
+        self.delete_map_entries(name, |_| true)
+    }
+
+    /// Deletes the entries of a pinned global map whose key `pick` chooses (bpftool, behind
+    /// the agent's back); how many.
+    pub fn delete_map_entries(&self, name: &str, pick: impl Fn(&[u8]) -> bool) -> Result<usize> {
         let pin = self.state.bpffs.join("tc/globals").join(name);
         let pin = pin.display().to_string();
         let dump: Value = serde_json::from_str(&netns::run(
@@ -795,6 +801,13 @@ impl RealNode {
                 .iter()
                 .filter_map(|b| b.as_str().map(|s| s.trim_start_matches("0x").to_string()))
                 .collect();
+            let bytes: Vec<u8> = key
+                .iter()
+                .filter_map(|b| u8::from_str_radix(b, 16).ok())
+                .collect();
+            if !pick(&bytes) {
+                continue;
+            }
             let mut args = vec!["map", "delete", "pinned", &pin, "key", "hex"];
             args.extend(key.iter().map(String::as_str));
             netns::run("bpftool", &args)?;

@@ -349,6 +349,10 @@ fn the_devices_the_agent_selects_decide_unaddressed_and_negated_devices() {
     let mut node = Kept(real_node_routed(true), "fault-device-selection");
     let (ns, fabric) = (node.node_ns(), node.fabric_ns());
     stepguard_lab::netns::add_veth(&ns, "eth2", &fabric, "fab2").unwrap();
+    // No address at all: not even the IPv6 link-local one an up veth gets.
+    stepguard_lab::netns::sysctl(&ns, &["net.ipv6.conf.eth2.disable_ipv6=1"]).unwrap();
+    let addrs = stepguard_lab::netns::ip(&ns, &["-o", "addr", "show", "dev", "eth2"]).unwrap();
+    assert!(addrs.trim().is_empty(), "eth2 has no address: {addrs}");
     node.config_set(&[("devices".into(), "eth+".into())])
         .unwrap();
     restart(&mut node);
@@ -479,5 +483,132 @@ fn a_node_config_keeping_a_value_the_configmap_once_had_is_an_override() {
     assert_eq!(
         d["evidence"]["selected"],
         serde_json::json!(["eth0", "eth1"])
+    );
+}
+
+/// A pod's `lxc` device renamed while the agent is down (the same interface, its old
+/// programs still attached): the restarted agent cannot find it ("Unable to restore
+/// endpoint"), drops the endpoint and leaves the old programs; the pod still exists and
+/// node → pod traffic is dead. That endpoint is not "deleted meanwhile": it is followed under
+/// its new name and the step fails at its timeout naming it.
+#[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
+fn an_endpoint_renamed_while_the_agent_is_down_fails_naming_it() {
+    let mut node = Kept(real_node_routed(true), "fault-endpoint-renamed");
+    // Pods without Services: no probe goes to them, only the endpoints' programs say.
+    for name in ["web-0", "web-1"] {
+        node.add_pod(name, stepguard_lab::realpods::Workload::Web)
+            .expect("a pod through CNI ADD");
+    }
+    let agent = real_agent_on(&node);
+    let ns = node.node_ns();
+    let links = stepguard_lab::netns::ip(&ns, &["-o", "link", "show"]).unwrap();
+    let lxc = links
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_string())
+        .find(|n| n.starts_with("lxc") && n != "lxc_health")
+        .expect("a pod's lxc device");
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"60s"}"#);
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    for args in [
+        vec!["link", "set", lxc.as_str(), "down"],
+        vec!["link", "set", lxc.as_str(), "name", "moved0"],
+        vec!["link", "set", "moved0", "up"],
+    ] {
+        stepguard_lab::netns::ip(&ns, &args).unwrap();
+    }
+    node.start_agent().unwrap();
+    node.wait_ready(Duration::from_secs(180)).unwrap();
+    let step = agent.verdict(&id);
+    eprintln!(
+        "{lxc} renamed moved0 while the agent was down: {:#}\nendpoints {:#}\nthe agent: {:?}",
+        step["verdict"],
+        step["checks"]["endpoints"],
+        agent_errors(&node, "Unable to restore endpoint")
+    );
+    assert_eq!(step["verdict"]["status"], "failed", "{step:#}");
+    assert_eq!(
+        step_reasons(&step),
+        vec!["endpoints_not_regenerated".to_string()],
+        "{step:#}"
+    );
+    let summary = step["verdict"]["summary"].as_str().unwrap();
+    assert!(
+        summary.contains(&format!("{lxc} (renamed moved0)")),
+        "named: {summary}"
+    );
+}
+
+/// A Service's frontend gone from the services map across a restart, judged by the agent's
+/// own services (`GET /v1/service`): a Service deleted in Kubernetes while the agent was
+/// down is gone from what the agent holds, so its entries were deleted — the step passes
+/// with no loss named; a frontend deleted from the map behind the agent's back after its
+/// start is one the agent still holds — the step is not green while it is missing and fails
+/// `kept_state_lost` at its timeout, naming it.
+#[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
+fn a_service_deleted_passes_and_a_frontend_lost_behind_the_agents_back_fails() {
+    let mut node = Kept(real_node_with_pods(true), "fault-service-frontends");
+    let gone = std::net::Ipv4Addr::new(198, 51, 100, 90);
+    let held = std::net::Ipv4Addr::new(198, 51, 100, 91);
+    node.add_web_service("gone", gone).unwrap();
+    node.add_web_service("held", held).unwrap();
+    let agent = real_agent_on(&node);
+
+    // Deleted in Kubernetes while the agent is down.
+    let id = agent.begin_probing(r#"{"settle":"2s","timeout":"60s"}"#);
+    node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
+        .unwrap();
+    node.delete_service("gone").unwrap();
+    node.start_agent().unwrap();
+    node.wait_ready(Duration::from_secs(180)).unwrap();
+    let step = agent.verdict(&id);
+    eprintln!(
+        "Service deleted: {:#}\nservices map {:#}",
+        step["verdict"], step["maps"]["cilium_lb4_services_v2"]
+    );
+    assert_eq!(step["verdict"]["status"], "passed", "{step:#}");
+    assert!(
+        step["verdict"]["warnings"]
+            .as_array()
+            .is_none_or(|w| w.is_empty()),
+        "a deleted Service is no loss: {step:#}"
+    );
+    assert!(
+        step["maps"]["cilium_lb4_services_v2"]["judged"]
+            .as_str()
+            .unwrap()
+            .contains("deleted by the agent meanwhile: 198.51.100.90:80/TCP"),
+        "{step:#}"
+    );
+
+    // Deleted from the map behind the agent's back once it is up (settle long enough for
+    // the deletion to land inside the step).
+    let id = agent.begin_probing(r#"{"settle":"20s","timeout":"45s"}"#);
+    restart(&mut node);
+    let ip = held.octets();
+    let n = node
+        .delete_map_entries("cilium_lb4_services_v2", |k| k.len() >= 4 && k[..4] == ip)
+        .unwrap();
+    assert!(n > 0, "the frontend's entries were in the map");
+    let step = agent.verdict(&id);
+    eprintln!(
+        "frontend deleted behind the agent's back ({n} entries): {:#}\nservices map {:#}",
+        step["verdict"], step["maps"]["cilium_lb4_services_v2"]
+    );
+    assert_eq!(step["verdict"]["status"], "failed", "{step:#}");
+    assert_eq!(
+        step_reasons(&step),
+        vec!["kept_state_lost".to_string()],
+        "{step:#}"
+    );
+    assert!(
+        step["verdict"]["summary"]
+            .as_str()
+            .unwrap()
+            .contains("198.51.100.91:80/TCP"),
+        "named: {step:#}"
     );
 }

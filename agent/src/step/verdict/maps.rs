@@ -80,12 +80,16 @@ pub fn after_version(step: &Step, o: &Observed) -> Option<AfterVersion> {
 pub fn judge_maps(
     step: &Step,
     maps: &BTreeMap<String, Option<u64>>,
-    ids: Option<&BTreeMap<String, u32>>,
-    endpoint_maps: Option<&BTreeMap<String, u64>>,
+    reads: MapReads<'_>,
     va: Option<&AfterVersion>,
-    entries_now: &BTreeMap<String, Vec<String>>,
     past_timeout: bool,
 ) -> MapsJudged {
+    let MapReads {
+        ids,
+        endpoint_maps,
+        entries_now,
+        services,
+    } = reads;
     let v = va.map(|a| a.version);
     let mut ev = BTreeMap::new();
     let mut fatal: Option<(Reason, String)> = None;
@@ -97,6 +101,26 @@ pub fn judge_maps(
     };
     let base = &step.baseline.maps;
     let names: std::collections::BTreeSet<&String> = base.keys().chain(maps.keys()).collect();
+    // Service frontends the agent deleted meanwhile, per family (`lb4`, `lb6`): each had
+    // one reverse NAT entry.
+    let family = |m: &str| {
+        if m.starts_with("cilium_lb6") {
+            "lb6"
+        } else {
+            "lb4"
+        }
+    };
+    let mut deleted_services: BTreeMap<&'static str, u64> = BTreeMap::new();
+    if let Some(agent) = services {
+        for m in names.iter().filter(|m| m.contains("_services")) {
+            let n = lost_named(step, m, entries_now)
+                .unwrap_or_default()
+                .iter()
+                .filter(|e| !e.contains(" backend slot ") && !agent.lists_frontend(e))
+                .count() as u64;
+            *deleted_services.entry(family(m)).or_default() += n;
+        }
+    }
     for m in names {
         let class = profile::map_class(m);
         // The name this map has on the returning version, and the baseline it is judged
@@ -123,6 +147,7 @@ pub fn judge_maps(
                     after: maps.get(m).copied().flatten(),
                     recreated: false,
                     judged,
+                    deleted: 0,
                 },
             );
             continue;
@@ -149,6 +174,7 @@ pub fn judge_maps(
                     after: maps.get(m).copied().flatten(),
                     recreated: false,
                     judged,
+                    deleted: 0,
                 },
             );
             continue;
@@ -181,6 +207,7 @@ pub fn judge_maps(
                     after: None,
                     recreated: false,
                     judged,
+                    deleted: 0,
                 },
             );
             continue;
@@ -192,6 +219,7 @@ pub fn judge_maps(
             };
         let (b, a) = (before.unwrap_or(0), after.unwrap_or(0));
         let counted = before.is_some() && after.is_some();
+        let mut deleted = 0;
         let judged = match class {
             profile::MapClass::Churn | profile::MapClass::Other => {
                 if counted {
@@ -206,6 +234,64 @@ pub fn judge_maps(
             }
             profile::MapClass::Kept if recreated => {
                 refill(m, b, a, true, past_timeout, &mut fatal, &mut waiting)
+            }
+            profile::MapClass::Kept
+                if services.is_some() && lost_named(step, m, entries_now).is_some() =>
+            {
+                let agent = services.expect("checked");
+                let gone = lost_named(step, m, entries_now).unwrap_or_default();
+                let held = |e: &String| {
+                    if m.contains("backends") {
+                        agent.lists_backend(e)
+                    } else {
+                        agent.lists_frontend(e)
+                    }
+                };
+                let (still, removed): (Vec<&String>, Vec<&String>) =
+                    gone.iter().partition(|e| held(e));
+                deleted = removed.len() as u64;
+                let removed_s = if removed.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; deleted by the agent meanwhile: {}",
+                        first_of(&removed, 8)
+                    )
+                };
+                if still.is_empty() {
+                    format!("kept {b}→{a}{removed_s}")
+                } else if past_timeout {
+                    fail(
+                        Reason::KeptStateLost,
+                        format!(
+                            "{m} lacks {} entries the cilium-agent still holds ({b}→{a}): {}",
+                            still.len(),
+                            first_of(&still, 8)
+                        ),
+                        &mut fatal,
+                    );
+                    format!("lost {b}→{a}; lost: {}{removed_s}", first_of(&still, 8))
+                } else {
+                    waiting.push(format!(
+                        "{m} ({} the agent still holds)",
+                        first_of(&still, 3)
+                    ));
+                    format!(
+                        "waiting {b}→{a}; missing: {}{removed_s}",
+                        first_of(&still, 8)
+                    )
+                }
+            }
+            // A deleted service's reverse NAT entry goes with it (its key is the service's
+            // id, which names nothing to compare): as many lost as services the agent
+            // deleted are deletions too.
+            profile::MapClass::Kept
+                if m.ends_with("_reverse_nat")
+                    && a < b
+                    && b - a <= deleted_services.get(family(m)).copied().unwrap_or(0) =>
+            {
+                deleted = b - a;
+                format!("kept {b}→{a}; the reverse NAT of services the agent deleted meanwhile")
             }
             profile::MapClass::Kept => {
                 let lost = lost_entries(step.baseline.map_entries.get(m), entries_now.get(m));
@@ -240,6 +326,7 @@ pub fn judge_maps(
                 after: *after,
                 recreated,
                 judged: format!("{renamed}{judged}"),
+                deleted,
             },
         );
     }
@@ -271,7 +358,7 @@ pub fn kept_losses(step: &Step) -> Vec<String> {
         .filter(|(_, e)| e.class == profile::MapClass::Kept && !e.recreated)
         .filter_map(|(m, e)| {
             let (b, a) = (e.before?, e.after?);
-            if a >= b {
+            if a + e.deleted >= b {
                 return None;
             }
             let what = if m.contains("services") {
@@ -290,13 +377,36 @@ pub fn kept_losses(step: &Step) -> Vec<String> {
                 .split_once("; lost: ")
                 .map(|(_, l)| format!(": {l}"))
                 .unwrap_or_default();
-            Some(format!("{} {what} of {m} ({b}→{a}){lost}", b - a))
+            Some(format!(
+                "{} {what} of {m} ({b}→{a}){lost}",
+                b - a - e.deleted
+            ))
         })
         .collect()
 }
 
 pub(super) fn pair(v: Option<profile::CiliumVersion>) -> &'static str {
     v.map(profile::pair_label).unwrap_or("(version unknown)")
+}
+
+/// The named entries of a kept map that are gone since the baseline (None: not both known,
+/// or none gone).
+fn lost_named(
+    step: &Step,
+    m: &str,
+    entries_now: &BTreeMap<String, Vec<String>>,
+) -> Option<Vec<String>> {
+    if !(m.contains("services") || m.contains("backends")) {
+        return None;
+    }
+    let (before, now) = (step.baseline.map_entries.get(m)?, entries_now.get(m)?);
+    let now: std::collections::BTreeSet<&String> = now.iter().collect();
+    let lost: Vec<String> = before
+        .iter()
+        .filter(|e| !now.contains(e))
+        .cloned()
+        .collect();
+    (!lost.is_empty()).then_some(lost)
 }
 
 /// `; lost: a, b (+3 more)` when the entries before and now are both known.
@@ -374,6 +484,7 @@ pub(super) fn judge_policy_maps(
             } else {
                 format!("per-endpoint: {judged}")
             },
+            deleted: 0,
         },
     );
 }
@@ -389,12 +500,24 @@ pub(super) fn judge_observed_maps(
     judge_maps(
         step,
         maps,
-        o.map_ids.as_ref(),
-        o.endpoint_maps.as_ref(),
+        MapReads {
+            ids: o.map_ids.as_ref(),
+            endpoint_maps: o.endpoint_maps.as_ref(),
+            entries_now: &o.map_entries,
+            services: o.services.as_ref(),
+        },
         va,
-        &o.map_entries,
         past_timeout,
     )
+}
+
+/// What [`judge_maps`] reads beside the counts: the maps' ids, the per-endpoint policy maps,
+/// the named entries of kept maps that lost some, the services the agent holds.
+pub struct MapReads<'a> {
+    pub ids: Option<&'a BTreeMap<String, u32>>,
+    pub endpoint_maps: Option<&'a BTreeMap<String, u64>>,
+    pub entries_now: &'a BTreeMap<String, Vec<String>>,
+    pub services: Option<&'a crate::ciliumapi::AgentServices>,
 }
 
 /// What [`judge_maps`] found.

@@ -53,6 +53,9 @@ pub struct Observed {
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
     /// The overlay the node's configuration asks for as last read, and when the read began.
     pub overlay: Option<(crate::checks::devices::OverlayIntent, f64)>,
+    /// The services the agent holds, read after the map entries (kept service maps that
+    /// lost entries are judged against it: what it no longer lists was deleted).
+    pub services: Option<crate::ciliumapi::AgentServices>,
 }
 
 /// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,

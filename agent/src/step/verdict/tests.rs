@@ -1122,6 +1122,106 @@ fn kept_state_lost_under_the_tolerance_is_named_on_the_pass() {
     );
 }
 
+/// With the agent's services read: a frontend gone from the services map that the agent no
+/// longer lists was deleted (a Service deleted in Kubernetes) — the step passes without a
+/// loss, its reverse NAT entry with it; one the agent still lists is a loss: the step is not
+/// green while it is missing and fails `kept_state_lost` at its timeout, naming it.
+#[test]
+fn a_frontend_gone_is_a_deletion_or_a_loss_by_the_agents_services() {
+    let run = |listed: &[&str]| {
+        let mut s = step();
+        {
+            let b = std::sync::Arc::make_mut(&mut s.baseline);
+            b.maps.insert("cilium_lb4_services_v2".into(), Some(4));
+            b.maps.insert("cilium_lb4_reverse_nat".into(), Some(2));
+            b.map_entries.insert(
+                "cilium_lb4_services_v2".into(),
+                vec![
+                    "198.51.100.10:80/TCP".into(),
+                    "198.51.100.10:80/TCP backend slot 1".into(),
+                    "198.51.100.70:443/TCP".into(),
+                    "198.51.100.70:443/TCP backend slot 1".into(),
+                ],
+            );
+        }
+        let mut agent = crate::ciliumapi::AgentServices::default();
+        for f in listed {
+            agent.frontends.insert(f.to_string());
+        }
+        for t in [
+            0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0, 9.0, 30.0, 59.0, 60.5,
+        ] {
+            let p = if t < 1.2 {
+                progs(Some(10), Some(11))
+            } else {
+                progs(Some(20), Some(21))
+            };
+            let mut o = obs(t, p);
+            let mut m = maps(100).unwrap();
+            let after = t >= 1.5;
+            m.insert(
+                "cilium_lb4_services_v2".into(),
+                Some(if after { 2 } else { 4 }),
+            );
+            m.insert(
+                "cilium_lb4_reverse_nat".into(),
+                Some(if after { 1 } else { 2 }),
+            );
+            o.maps = Some(m);
+            if after {
+                o.map_entries.insert(
+                    "cilium_lb4_services_v2".into(),
+                    vec![
+                        "198.51.100.10:80/TCP".into(),
+                        "198.51.100.10:80/TCP backend slot 1".into(),
+                    ],
+                );
+                o.services = Some(agent.clone());
+            }
+            decide(&mut s, &o);
+            if t == 30.0 && listed.len() == 2 {
+                assert!(
+                    s.verdict.is_none(),
+                    "not green while a held frontend is missing"
+                );
+            }
+            if s.verdict.is_some() {
+                break;
+            }
+        }
+        s
+    };
+    // Deleted: the agent lists only the other service.
+    let s = run(&["198.51.100.10:80/TCP"]);
+    let v = s.verdict.clone().expect("decided");
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    assert!(
+        v.warnings.is_empty() && !v.summary.contains("KEPT"),
+        "{v:?}"
+    );
+    let e = &s.maps["cilium_lb4_services_v2"];
+    assert_eq!(e.deleted, 2, "{e:?}");
+    assert!(
+        e.judged
+            .contains("deleted by the agent meanwhile: 198.51.100.70:443/TCP"),
+        "{e:?}"
+    );
+    assert_eq!(s.maps["cilium_lb4_reverse_nat"].deleted, 1);
+    // Lost: the agent still holds it.
+    let s = run(&["198.51.100.10:80/TCP", "198.51.100.70:443/TCP"]);
+    let v = s.verdict.clone().expect("decided");
+    assert_eq!(v.status, Status::Failed, "{v:?}");
+    assert_eq!(v.reasons, vec![Reason::KeptStateLost], "{v:?}");
+    assert!(
+        v.summary
+            .contains("cilium_lb4_services_v2 lacks 2 entries the cilium-agent still holds")
+            && v.summary.contains("198.51.100.70:443/TCP"),
+        "{}",
+        v.summary
+    );
+    assert!(v.finished_at >= 60.0, "only at the timeout: {v:?}");
+}
+
 /// A config step may declare hooks going away (tunnel → native: the overlay device and its
 /// egress hook): the step is judged against the declaration — gone as declared passes, the
 /// overlay still attached (the override not followed) fails naming it; undeclared, its loss

@@ -382,6 +382,46 @@ impl RealNode {
         }))
     }
 
+    /// A ClusterIP Service `name` at `ip` (TCP 80) over the web pods, created as a user
+    /// does, once the agent serves it with a backend.
+    pub fn add_web_service(&self, name: &str, ip: Ipv4Addr) -> Result<()> {
+        let k = self.kube();
+        let api = k.ns::<k8s_openapi::api::core::v1::Service>(POD_NAMESPACE);
+        k.create(
+            &api,
+            json!({"apiVersion": "v1", "kind": "Service",
+                   "metadata": {"name": name, "namespace": POD_NAMESPACE},
+                   "spec": {"type": "ClusterIP", "clusterIP": ip.to_string(), "selector": {"app": "web"},
+                            "ports": [{"name": "http", "protocol": "TCP", "port": 80, "targetPort": 80}]}}),
+        )
+        .with_context(|| format!("create Service {name}"))?;
+        services::wait_until(
+            &format!("the agent's service {ip} with a backend"),
+            Duration::from_secs(60),
+            || {
+                if self.serves(ip)? {
+                    Ok(())
+                } else {
+                    bail!("not yet")
+                }
+            },
+        )
+    }
+
+    /// Deletes a Service through the API server, as a user does.
+    pub fn delete_service(&self, name: &str) -> Result<()> {
+        self.control_plane()
+            .kubectl(&[
+                "-n",
+                POD_NAMESPACE,
+                "delete",
+                "service",
+                name,
+                "--wait=false",
+            ])
+            .map(|_| ())
+    }
+
     /// The pods, for tests.
     pub fn pods(&self) -> &[RealPod] {
         &self.state.pods
