@@ -144,11 +144,17 @@ pub struct AgentServices {
 
 impl AgentServices {
     /// Whether a frontend as a services-map entry names it is one the agent holds (a map
-    /// entry of protocol `any`, from releases without the protocol in the key, matches any).
+    /// entry of protocol `any`, from releases without the protocol in the key, matches any;
+    /// the wildcard entry `<ip>:0/any` Cilium adds beside a service's frontends is held while
+    /// any frontend at that address is).
     pub fn lists_frontend(&self, entry: &str) -> bool {
         let frontend = entry.split(" backend slot ").next().unwrap_or(entry);
         if self.frontends.contains(frontend) {
             return true;
+        }
+        if let Some(ip) = frontend.strip_suffix(":0/any") {
+            let at = format!("{ip}:");
+            return self.frontends.iter().any(|f| f.starts_with(&at));
         }
         match frontend.split_once("/any") {
             Some((addr, scope)) => ["TCP", "UDP", "SCTP"]
@@ -446,6 +452,11 @@ mod tests {
         assert!(s.lists_frontend("10.96.0.10:53/UDP"));
         assert!(s.lists_frontend("10.96.0.10:53/UDP backend slot 1"));
         assert!(s.lists_frontend("10.96.0.10:53/any"));
+        assert!(
+            s.lists_frontend("10.96.0.10:0/any"),
+            "the wildcard beside a frontend"
+        );
+        assert!(!s.lists_frontend("10.96.0.11:0/any"));
         assert!(!s.lists_frontend("10.96.0.10:53/TCP"));
         assert!(s.lists_frontend("[2001:db8::1]:80/TCP (internal)"));
         assert!(!s.lists_frontend("[2001:db8::1]:80/TCP"));

@@ -141,7 +141,8 @@ const DEFAULTS: [(&str, &str); 10] = [
     ("enable-ipsec", "false"),
     ("enable-node-port", "false"),
     ("kube-proxy-replacement", "false"),
-    ("enable-ipv6", "false"),
+    // Cilium's own default is on (`defaults.EnableIPv6`); Helm writes false.
+    ("enable-ipv6", "true"),
 ];
 
 /// The effective configuration: the declared ConfigMap with the per-node overrides the

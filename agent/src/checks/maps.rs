@@ -188,8 +188,16 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             );
         };
         let cfg = i.cfg;
-        let (features, features_from) =
-            features(cfg, i.effective.or(i.cilium.and_then(|c| c.ok())));
+        let release = i
+            .loaded
+            .and_then(|l| l.ok())
+            .and_then(|l| l.version.as_deref())
+            .and_then(crate::profile::release_of);
+        let (features, features_from) = features(
+            cfg,
+            i.effective.or(i.cilium.and_then(|c| c.ok())),
+            release.as_deref(),
+        );
         let exp = MapsExpectation {
             // A version newer than the newest profile is checked against the newest (the
             // evidence says so): never failed for names the profile does not know.
@@ -211,8 +219,14 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
 pub fn features(
     cfg: &crate::config::Config,
     cilium_cfg: Option<&crate::ciliumconfig::Snapshot>,
+    release: Option<&str>,
 ) -> (Features, String) {
     let mut base = Features::default();
+    // A mounted cilium-config without `enable-ipv6`: the agent's own default applies, which
+    // is on (`defaults.EnableIPv6 = true`, 1.19.7 and 1.20.2; Helm writes the key, false).
+    if cilium_cfg.is_some() {
+        base.ipv6 = true;
+    }
     if let Some(v) = cfg.maps.ipv6 {
         base.ipv6 = v;
     }
@@ -224,7 +238,7 @@ pub fn features(
     }
     match cilium_cfg {
         Some(s) => (
-            Features::from_cilium_config(&s.values, base),
+            Features::from_cilium_config_at(&s.values, base, release),
             "cilium-config".into(),
         ),
         None => (base, "agent config / defaults".into()),
@@ -344,5 +358,33 @@ mod tests {
             evaluate(Ok(&o), &exp(Some(CiliumVersion::V1_18))).status,
             Status::Unknown
         );
+    }
+
+    /// A mounted cilium-config without `enable-ipv6` runs with the agent's default, IPv6 on;
+    /// the key, or stepguard's own `maps.ipv6`, decides otherwise.
+    #[test]
+    fn ipv6_follows_ciliums_default_when_the_key_is_absent() {
+        let snap = |pairs: &[(&str, &str)]| crate::ciliumconfig::Snapshot {
+            changed_at: 0.0,
+            version: "..1".into(),
+            values: pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let cfg = crate::config::Config::default();
+        assert!(features(&cfg, Some(&snap(&[])), None).0.ipv6);
+        assert!(
+            !features(&cfg, Some(&snap(&[("enable-ipv6", "false")])), None)
+                .0
+                .ipv6
+        );
+        assert!(
+            !features(&cfg, None, None).0.ipv6,
+            "no ConfigMap: Helm's default"
+        );
+        let mut own = crate::config::Config::default();
+        own.maps.ipv6 = Some(false);
+        assert!(!features(&own, Some(&snap(&[])), None).0.ipv6);
     }
 }

@@ -78,13 +78,28 @@ impl Default for Features {
 impl Features {
     /// From cilium-config keys, over `base` for keys that are absent.
     pub fn from_cilium_config(cfg: &BTreeMap<String, String>, base: Features) -> Features {
+        Self::from_cilium_config_at(cfg, base, None)
+    }
+
+    /// [`Features::from_cilium_config`] for the agent's release (`1.20`) when known:
+    /// `enable-node-port` exists up to 1.18 only (1.19 removed the key; the SNAT maps follow
+    /// kube-proxy replacement and BPF masquerade), so from 1.19 it counts for nothing.
+    pub fn from_cilium_config_at(
+        cfg: &BTreeMap<String, String>,
+        base: Features,
+        release: Option<&str>,
+    ) -> Features {
+        let minor = release
+            .and_then(|r| r.strip_prefix("1."))
+            .and_then(|m| m.split('.').next())
+            .and_then(|m| m.parse::<u32>().ok());
         let flag = |k: &str| {
             cfg.get(k)
                 .map(|v| matches!(v.trim(), "true" | "strict" | "True" | "TRUE"))
         };
         let kpr = flag("kube-proxy-replacement");
         let masq = flag("enable-bpf-masquerade");
-        let nodeport = flag("enable-node-port");
+        let nodeport = flag("enable-node-port").filter(|_| minor.is_none_or(|m| m <= 18));
         let tunnel = match (cfg.get("routing-mode"), cfg.get("tunnel")) {
             (Some(m), _) => m.trim() != "native",
             (None, Some(t)) => t.trim() != "disabled",

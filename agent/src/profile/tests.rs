@@ -81,6 +81,19 @@ fn features_come_from_cilium_config_keys() {
     );
 }
 
+/// `enable-node-port` was removed in 1.19: from then on it asks for no SNAT map (kube-proxy
+/// replacement and BPF masquerade do); up to 1.18, or when the release is not known, it does.
+#[test]
+fn enable_node_port_counts_only_up_to_1_18() {
+    let cfg: BTreeMap<String, String> = [("enable-node-port", "true")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let at = |r: Option<&str>| Features::from_cilium_config_at(&cfg, Features::default(), r).snat;
+    assert!(at(Some("1.18")) && at(None));
+    assert!(!at(Some("1.19")) && !at(Some("1.20")));
+}
+
 #[test]
 fn the_version_is_inferred_from_names_present() {
     assert_eq!(
