@@ -541,22 +541,25 @@ fn an_endpoint_renamed_while_the_agent_is_down_fails_naming_it() {
     );
 }
 
-/// A Service's frontend gone from the services map across a restart, judged by the agent's
-/// own services (`GET /v1/service`): a Service deleted in Kubernetes while the agent was
-/// down is gone from what the agent holds, so its entries were deleted — the step passes
-/// with no loss named; a frontend deleted from the map behind the agent's back after its
-/// start is one the agent still holds — the step is not green while it is missing and fails
-/// `kept_state_lost` at its timeout, naming it.
+/// A node with pods, the lab's Services and two more over the web pods (`gone` at
+/// 198.51.100.90, `held` at .91), and stepguard's agent on it.
+fn node_with_extra_services(test: &'static str) -> (Kept, Daemon) {
+    let node = Kept(real_node_with_pods(true), test);
+    node.add_web_service("gone", std::net::Ipv4Addr::new(198, 51, 100, 90))
+        .unwrap();
+    node.add_web_service("held", std::net::Ipv4Addr::new(198, 51, 100, 91))
+        .unwrap();
+    let agent = real_agent_on(&node);
+    (node, agent)
+}
+
+/// A Service deleted in Kubernetes while the agent is down: the restarted agent no longer
+/// holds it (`GET /v1/service`), so its entries gone from the services map were deleted —
+/// the step passes with no loss named.
 #[test]
 #[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
-fn a_service_deleted_passes_and_a_frontend_lost_behind_the_agents_back_fails() {
-    let mut node = Kept(real_node_with_pods(true), "fault-service-frontends");
-    let gone = std::net::Ipv4Addr::new(198, 51, 100, 90);
-    let held = std::net::Ipv4Addr::new(198, 51, 100, 91);
-    node.add_web_service("gone", gone).unwrap();
-    node.add_web_service("held", held).unwrap();
-    let agent = real_agent_on(&node);
-
+fn a_service_deleted_while_the_agent_is_down_is_no_loss() {
+    let (mut node, agent) = node_with_extra_services("fault-service-deleted");
     // Deleted in Kubernetes while the agent is down.
     let id = agent.begin_probing(r#"{"settle":"2s","timeout":"60s"}"#);
     node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
@@ -584,7 +587,16 @@ fn a_service_deleted_passes_and_a_frontend_lost_behind_the_agents_back_fails() {
             && judged.contains("198.51.100.90:80/TCP"),
         "{step:#}"
     );
+}
 
+/// A frontend deleted from the services map behind the agent's back once it is up: the agent
+/// still holds it, so the step is not green while it is missing and fails `kept_state_lost`
+/// at its timeout, naming it (1.20.2 did not restore it within the step).
+#[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
+fn a_frontend_deleted_behind_the_agents_back_fails_kept_state_lost() {
+    let (mut node, agent) = node_with_extra_services("fault-frontend-lost");
+    let held = std::net::Ipv4Addr::new(198, 51, 100, 91);
     // Deleted from the map behind the agent's back once it is up (settle long enough for
     // the deletion to land inside the step).
     let id = agent.begin_probing(r#"{"settle":"20s","timeout":"45s"}"#);
