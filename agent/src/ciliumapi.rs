@@ -132,6 +132,45 @@ pub async fn agent_status(socket: &Path) -> Result<AgentStatus, ApiError> {
     })
 }
 
+/// How long an answer of [`agent_status_cached`] serves: the status carries every
+/// controller (megabytes on a 1,000-endpoint node), the selection it is read for changes
+/// only with the node's devices.
+pub const STATUS_MAX_AGE: Duration = Duration::from_secs(10);
+
+type StatusEntry = (
+    Identity,
+    std::path::PathBuf,
+    std::time::Instant,
+    AgentStatus,
+);
+static STATUS_CACHE: std::sync::Mutex<Option<StatusEntry>> = std::sync::Mutex::new(None);
+
+/// [`agent_status`], read again when the agent restarted (a new socket) or the last answer
+/// is older than [`STATUS_MAX_AGE`]; failures are not remembered.
+pub async fn agent_status_cached(socket: &Path) -> Result<AgentStatus, ApiError> {
+    let id = socket_identity(socket);
+    if let Some(id) = id {
+        let c = STATUS_CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((cid, path, at, s)) = c.as_ref() {
+            if *cid == id && path == socket && at.elapsed() < STATUS_MAX_AGE {
+                return Ok(s.clone());
+            }
+        }
+    }
+    let r = agent_status(socket).await;
+    if let (Ok(s), Some(id)) = (&r, id) {
+        if socket_identity(socket) == Some(id) {
+            *STATUS_CACHE.lock().unwrap_or_else(|e| e.into_inner()) = Some((
+                id,
+                socket.to_path_buf(),
+                std::time::Instant::now(),
+                s.clone(),
+            ));
+        }
+    }
+    r
+}
+
 /// The services the running agent holds (`GET /v1/service`): their frontends as the step
 /// names a services-map entry (`10.96.0.10:53/UDP`, `[2001:db8::1]:80/TCP`, ` (internal)`
 /// for the internal scope) and their backends as it names a backend (`10.0.1.5:80`). What
@@ -229,32 +268,44 @@ pub fn parse_services(body: &[u8]) -> Result<AgentServices, String> {
     Ok(out)
 }
 
+/// The parts of a `/v1/healthz` answer read (everything else, the controllers above all, is
+/// skipped without being kept).
+#[derive(serde::Deserialize)]
+struct StatusAnswer {
+    #[serde(rename = "kube-proxy-replacement", default)]
+    kpr: Option<KprAnswer>,
+    #[serde(rename = "attach-mode", default)]
+    attach_mode: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct KprAnswer {
+    #[serde(rename = "deviceList", default)]
+    device_list: Option<Vec<DeviceAnswer>>,
+    #[serde(default)]
+    devices: Option<Vec<String>>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeviceAnswer {
+    #[serde(default)]
+    name: String,
+}
+
 /// A `/v1/healthz` answer's selected devices and attach mode.
 pub fn parse_status(body: &[u8]) -> Result<AgentStatus, String> {
-    let v: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| format!("/v1/healthz: not JSON ({e})"))?;
-    if !v.is_object() {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err("/v1/healthz: not a status object".into());
     }
-    let kpr = &v["kube-proxy-replacement"];
-    let names = |list: &serde_json::Value, key: Option<&str>| -> Option<Vec<String>> {
-        let a = list.as_array()?;
-        let out: Vec<String> = a
-            .iter()
-            .filter_map(|d| match key {
-                Some(k) => d[k].as_str(),
-                None => d.as_str(),
-            })
-            .filter(|n| !n.is_empty() && n.len() <= 64)
-            .map(String::from)
-            .collect();
-        Some(out)
-    };
-    let devices = names(&kpr["deviceList"], Some("name")).or_else(|| names(&kpr["devices"], None));
-    let attach_mode = v["attach-mode"]
-        .as_str()
-        .filter(|s| !s.is_empty() && s.len() <= 32)
-        .map(String::from);
+    let a: StatusAnswer = serde_json::from_slice(body)
+        .map_err(|e| format!("/v1/healthz: not a status object ({e})"))?;
+    let ok = |n: &String| !n.is_empty() && n.len() <= 64;
+    let devices = a.kpr.and_then(|k| {
+        k.device_list
+            .map(|l| l.into_iter().map(|d| d.name).filter(ok).collect())
+            .or_else(|| k.devices.map(|l| l.into_iter().filter(ok).collect()))
+    });
+    let attach_mode = a.attach_mode.filter(|s| !s.is_empty() && s.len() <= 32);
     Ok(AgentStatus {
         devices,
         attach_mode,

@@ -87,9 +87,9 @@ pub async fn run(
         Some(sock) if needs.agent => Some(crate::ciliumapi::loaded_settings_cached(sock).await),
         _ => None,
     };
-    // What it selected now (its status changes: not cached).
+    // What it selected (its status: read again at a restart, or when 10 s old).
     let status = match &cfg.cilium_api {
-        Some(sock) if needs.status => Some(crate::ciliumapi::agent_status(sock).await),
+        Some(sock) if needs.status => Some(crate::ciliumapi::agent_status_cached(sock).await),
         _ => None,
     };
     let loaded_took = t.elapsed();

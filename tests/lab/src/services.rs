@@ -399,12 +399,48 @@ fn endpoint_json(i: usize) -> serde_json::Value {
     })
 }
 
+/// The lab agent's status (`GET /v1/healthz`), as big as the real one: the agent's state and
+/// its controllers, five per endpoint as Cilium runs them. It carries no
+/// `kube-proxy-replacement` device list: the lab does not imitate Cilium's device selection,
+/// so stepguard's checks fall back to the selection rules here (the real agent's answer is
+/// followed in the real-agent tests).
+fn status_json(endpoints: usize) -> serde_json::Value {
+    let controller = |name: String| {
+        serde_json::json!({
+            "name": name,
+            "uuid": format!("{:08x}-0000-4000-8000-{:012x}", name.len(), name.len() * 7919),
+            "configuration": {"error-retry": true, "error-retry-base": "2s", "interval": "5m0s"},
+            "status": {"consecutive-failure-count": 0, "failure-count": 0, "last-failure-timestamp": "0001-01-01T00:00:00.000Z", "last-success-timestamp": "2026-01-01T00:00:00.000Z", "success-count": 12}
+        })
+    };
+    let mut controllers: Vec<serde_json::Value> = (0..endpoints)
+        .flat_map(|i| {
+            let id = i + 1;
+            [
+                format!("endpoint-{id}-regeneration-recovery"),
+                format!("resolve-identity-{id}"),
+                format!("resolve-labels-lab/lab-pod-{i}"),
+                format!("sync-policymap-{id}"),
+                format!("sync-to-k8s-ciliumendpoint ({id})"),
+            ]
+        })
+        .map(controller)
+        .collect();
+    controllers.push(controller("ipcache-inject-labels".into()));
+    serde_json::json!({
+        "cilium": {"state": "Ok", "msg": "OK"},
+        "datapath-mode": "veth",
+        "controllers": controllers,
+    })
+}
+
 /// Beside the settings: the version the lab agent reports (`cilium-version`).
 pub fn agent_version_file(settings: &Path) -> std::path::PathBuf {
     settings.with_file_name("cilium-version")
 }
 
-/// Serves `GET /v1/debuginfo` on a unix socket until killed (the body of `agent-api`).
+/// Serves `GET /v1/debuginfo` and `GET /v1/healthz` on a unix socket until killed (the body
+/// of `agent-api`).
 pub fn serve_agent_api(socket: &Path, settings: &Path) -> Result<()> {
     use std::io::{Read, Write};
     let _ = std::fs::remove_file(socket);
@@ -441,6 +477,12 @@ pub fn serve_agent_api(socket: &Path, settings: &Path) -> Result<()> {
                 "200 OK",
                 serde_json::json!({"cilium-version": version.map(|v| v.trim().to_string()), "environment-variables": env, "endpoint-list": list}).to_string(),
             )
+        } else if req.starts_with("GET /v1/healthz") {
+            let endpoints: usize = std::fs::read_to_string(agent_endpoints_file(settings))
+                .ok()
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or(0);
+            ("200 OK", status_json(endpoints).to_string())
         } else {
             ("404 Not Found", "{}".to_string())
         };

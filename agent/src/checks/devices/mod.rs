@@ -807,7 +807,7 @@ pub fn expected_from_agent(
         Some(Ok(s)) => match &s.devices {
             None => (
                 rules,
-                Some("the agent's status lists no devices yet (kube-proxy-replacement.deviceList absent)".into()),
+                Some("the agent's status lists no devices (kube-proxy-replacement.deviceList absent: an agent still starting, or one that does not report them)".into()),
             ),
             Some(devices) => (
                 Expected::Reported {

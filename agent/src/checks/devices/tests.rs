@@ -568,5 +568,5 @@ fn the_agents_reported_devices_decide_when_it_answers() {
     let starting = AgentStatus::default();
     let (exp, why) = expected_from_agent(Expected::Auto, Some(Ok(&starting)));
     assert_eq!(exp, Expected::Auto);
-    assert!(why.unwrap().contains("no devices yet"));
+    assert!(why.unwrap().contains("lists no devices"));
 }
