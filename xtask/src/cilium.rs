@@ -279,3 +279,42 @@ pub fn ensure(r: &Release) -> Result<(PathBuf, PathBuf)> {
     );
     Ok((bin, module))
 }
+
+/// The primary CNI plugins the real-agent chaining tests put before `cilium-cni`
+/// (`github.com/containernetworking/plugins`: `ptp` and its IPAM, `host-local`), pinned.
+pub const CNI_PLUGINS: &str = "v1.10.0";
+
+/// The environment variable that gives the tests the CNI plugins' directory.
+pub const CNI_PLUGINS_ENV: &str = "STEPGUARD_CNI_PLUGINS";
+
+/// Builds `ptp` and `host-local` from their module by the ordinary `go` command into the
+/// cache (a throw-away module beside them), when missing; their directory.
+pub fn cni_plugins() -> Result<PathBuf> {
+    let root = cache_root().join(format!("cni-plugins-{CNI_PLUGINS}"));
+    let bin = root.join("bin");
+    if ["ptp", "host-local"].iter().all(|p| bin.join(p).exists()) {
+        return Ok(bin);
+    }
+    let work = root.join("work");
+    std::fs::create_dir_all(&work)?;
+    std::fs::write(
+        work.join("go.mod"),
+        "module stepguard.invalid/cni-plugins-build\n\ngo 1.25\n",
+    )?;
+    let module = "github.com/containernetworking/plugins";
+    run(
+        go().current_dir(&work)
+            .arg("get")
+            .arg(format!("{module}@{CNI_PLUGINS}")),
+        "go get the CNI plugins",
+    )?;
+    run(
+        go().current_dir(&work)
+            .args(["build", "-o"])
+            .arg(format!("{}/", bin.display()))
+            .arg(format!("{module}/plugins/main/ptp"))
+            .arg(format!("{module}/plugins/ipam/host-local")),
+        "build ptp and host-local",
+    )?;
+    Ok(bin)
+}

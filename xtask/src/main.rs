@@ -272,6 +272,9 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
                 let (bin, _) = cilium::ensure(r)?;
                 agents.push((cilium::env_var(r), bin));
             }
+            if real_extended {
+                agents.push((cilium::CNI_PLUGINS_ENV.into(), cilium::cni_plugins()?));
+            }
             Ok((kube, agents))
         })
     });

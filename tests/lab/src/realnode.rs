@@ -157,6 +157,10 @@ pub struct RealState {
     /// The Services over them exist (their VIPs are stepguard targets).
     #[serde(default)]
     pub services: bool,
+    /// Pods are made by a primary plugin with `cilium-cni` chained after it (generic-veth):
+    /// the directory holding `ptp` and `host-local` (`github.com/containernetworking/plugins`).
+    #[serde(default)]
+    pub cni_chain: Option<PathBuf>,
 }
 
 /// A running real-agent node. [`RealNode::down`] (or dropping a [`RealGuard`]) removes
@@ -435,6 +439,7 @@ impl RealNode {
                 control_plane: None,
                 pods: vec![],
                 services: false,
+                cni_chain: None,
             },
             child: None,
             forward: None,

@@ -80,15 +80,110 @@ impl RealNode {
         ]
     }
 
-    /// Runs `cilium-cni` as a runtime does: in the node's network namespace (with its own
-    /// sysfs), the network configuration on stdin; returns its stdout (the CNI result).
+    /// Makes the node's pods through a primary plugin with `cilium-cni` chained after it, as
+    /// Cilium's generic-veth chaining runs (aws-cni, Calico): `ptp` (a veth per pod, the
+    /// host side named `veth…`, addresses from `host-local` in the top of the pod CIDR) from
+    /// `plugins`, then `cilium-cni` with its result. The agent is told by its ConfigMap
+    /// (`cni-chaining-mode: generic-veth`); it takes effect at its next start.
+    pub fn chain_cni(&mut self, plugins: &std::path::Path) -> Result<()> {
+        for p in ["ptp", "host-local"] {
+            if !plugins.join(p).exists() {
+                bail!(
+                    "no {p} in {} (`cargo xtask cni-plugins` builds them)",
+                    plugins.display()
+                );
+            }
+        }
+        self.config_set(&[("cni-chaining-mode".into(), "generic-veth".into())])?;
+        self.state.cni_chain = Some(plugins.to_path_buf());
+        self.save_state()
+    }
+
+    /// The primary plugin's network configuration (chaining).
+    fn ptp_conf(&self) -> Value {
+        let cidr = self.pod_cidr();
+        let base = cidr.split('/').next().unwrap_or("10.0.0.0");
+        let prefix: Vec<&str> = base.split('.').take(3).collect();
+        let p = prefix.join(".");
+        json!({
+            "cniVersion": "1.0.0",
+            "name": "generic-veth",
+            "type": "ptp",
+            "ipMasq": false,
+            "ipam": {
+                "type": "host-local",
+                "dataDir": self.state.run_dir.join("host-local").display().to_string(),
+                "ranges": [[{"subnet": cidr, "rangeStart": format!("{p}.200"), "rangeEnd": format!("{p}.250")}]],
+                "routes": [{"dst": "0.0.0.0/0"}],
+            },
+        })
+    }
+
+    /// Runs `cilium-cni` as a runtime does (with chaining, the primary plugin first on ADD and
+    /// last on DEL); returns the last result.
     fn cni(&self, pod: &RealPod, command: &str) -> Result<String> {
-        let conf = json!({
-            "cniVersion": "0.3.1",
-            "name": "cilium",
-            "type": "cilium-cni",
-            "log-file": self.state.run_dir.join("cilium-cni.log").display().to_string(),
-        });
+        let Some(plugins) = self.state.cni_chain.clone() else {
+            let conf = json!({
+                "cniVersion": "0.3.1",
+                "name": "cilium",
+                "type": "cilium-cni",
+                "log-file": self.state.run_dir.join("cilium-cni.log").display().to_string(),
+            });
+            return self.run_plugin(pod, command, "cilium-cni", &conf, None);
+        };
+        let ptp = self.ptp_conf();
+        let cilium = |prev: Option<Value>| {
+            let mut c = json!({
+                "cniVersion": "1.0.0",
+                "name": "generic-veth",
+                "type": "cilium-cni",
+                "chaining-mode": "generic-veth",
+                "log-file": self.state.run_dir.join("cilium-cni.log").display().to_string(),
+            });
+            if let Some(p) = prev {
+                c["prevResult"] = p;
+            }
+            c
+        };
+        if command == "DEL" {
+            let first = self.run_plugin(pod, "DEL", "cilium-cni", &cilium(None), Some(&plugins));
+            let second = self.run_plugin(pod, "DEL", "ptp", &ptp, Some(&plugins));
+            return first.and(second);
+        }
+        let out = self.run_plugin(pod, command, "ptp", &ptp, Some(&plugins))?;
+        let prev: Value =
+            serde_json::from_str(&out).with_context(|| format!("parse ptp's result {out:?}"))?;
+        self.run_plugin(
+            pod,
+            command,
+            "cilium-cni",
+            &cilium(Some(prev)),
+            Some(&plugins),
+        )
+    }
+
+    /// One CNI plugin run as a runtime does it: in the node's network namespace (with its own
+    /// sysfs), the network configuration on stdin; returns its stdout (the CNI result).
+    fn run_plugin(
+        &self,
+        pod: &RealPod,
+        command: &str,
+        plugin: &str,
+        conf: &Value,
+        chain: Option<&std::path::Path>,
+    ) -> Result<String> {
+        let bin = match chain {
+            Some(dir) if plugin != "cilium-cni" => dir.join(plugin),
+            _ => self.state.spec.release.bin.join(plugin),
+        };
+        let mut env = self.cni_env(pod, command);
+        if let Some(dir) = chain {
+            for (k, v) in env.iter_mut() {
+                if k == "CNI_PATH" {
+                    *v = format!("{}:{v}", dir.display());
+                }
+            }
+        }
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!(
             "--net={}",
@@ -105,21 +200,21 @@ impl RealNode {
             "-c",
             "mount -t sysfs sysfs /sys && exec \"$0\"",
         ])
-        .arg(self.state.spec.release.bin.join("cilium-cni"))
-        .envs(self.cni_env(pod, command))
+        .arg(&bin)
+        .envs(env)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-        let mut child = cmd.spawn().context("run cilium-cni")?;
+        let mut child = cmd.spawn().with_context(|| format!("run {plugin}"))?;
         child
             .stdin
             .take()
-            .context("cilium-cni's stdin")?
+            .with_context(|| format!("{plugin}'s stdin"))?
             .write_all(conf.to_string().as_bytes())?;
         let out = child.wait_with_output()?;
         if !out.status.success() {
             bail!(
-                "cilium-cni {command} for pod {}: {} {}",
+                "{plugin} {command} for pod {}: {} {}",
                 pod.name,
                 String::from_utf8_lossy(&out.stdout).trim(),
                 String::from_utf8_lossy(&out.stderr).trim()
