@@ -449,6 +449,13 @@ impl Runner {
                 self.readings.endpoints = node.links.as_ref().map(watch::endpoint_readings);
             }
             self.readings.maps = node.maps.as_ref().map(map_counts);
+            self.readings.required_maps = node.results.get("maps").and_then(|r| {
+                r.evidence["required"].as_array().map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_str().map(String::from))
+                        .collect()
+                })
+            });
             self.readings.map_ids = node.maps.as_ref().map(watch::map_ids);
             self.readings.endpoint_maps = node.maps.as_ref().map(|m| m.endpoint_maps.clone());
         }

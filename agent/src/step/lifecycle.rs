@@ -49,6 +49,8 @@ pub struct Readings {
     /// The services the agent holds, read after kept service maps were seen to shrink
     /// (None: not read, or the agent could not be asked).
     pub services: Option<crate::ciliumapi::AgentServices>,
+    /// The maps the node's features require now (the `maps` check's `required`), when known.
+    pub required_maps: Option<std::collections::BTreeSet<String>>,
 }
 
 /// What an observation reads only at its own moment.
@@ -242,6 +244,7 @@ impl Step {
             endpoints: r.endpoints.take(),
             overlay: r.overlay.clone(),
             services: r.services.clone(),
+            required_maps: r.required_maps.clone(),
         };
         verdict::decide(self, &o);
         if self.is_final() {

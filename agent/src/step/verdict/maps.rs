@@ -89,6 +89,7 @@ pub fn judge_maps(
         endpoint_maps,
         entries_now,
         services,
+        required,
     } = reads;
     let v = va.map(|a| a.version);
     let mut ev = BTreeMap::new();
@@ -184,7 +185,9 @@ pub fn judge_maps(
             .unwrap_or_default();
         let Some(after) = maps.get(m) else {
             let judged = match v {
-                _ if profile::swept_when_disabled(m) => {
+                _ if profile::swept_when_disabled(m)
+                    && !required.is_some_and(|r| r.contains(m.as_str())) =>
+                {
                     "unpinned: Cilium's start-up sweep removes it when its feature is disabled (the maps check holds the node to its required maps)".into()
                 }
                 Some(v) if profile::removed_by_design(m, v) => {
@@ -505,6 +508,7 @@ pub(super) fn judge_observed_maps(
             endpoint_maps: o.endpoint_maps.as_ref(),
             entries_now: &o.map_entries,
             services: o.services.as_ref(),
+            required: o.required_maps.as_ref(),
         },
         va,
         past_timeout,
@@ -518,6 +522,9 @@ pub struct MapReads<'a> {
     pub endpoint_maps: Option<&'a BTreeMap<String, u64>>,
     pub entries_now: &'a BTreeMap<String, Vec<String>>,
     pub services: Option<&'a crate::ciliumapi::AgentServices>,
+    /// The maps the node's features require now: one of them vanishing is never the
+    /// start-up sweep of a disabled feature.
+    pub required: Option<&'a std::collections::BTreeSet<String>>,
 }
 
 /// What [`judge_maps`] found.

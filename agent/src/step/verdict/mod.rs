@@ -56,6 +56,8 @@ pub struct Observed {
     /// The services the agent holds, read after the map entries (kept service maps that
     /// lost entries are judged against it: what it no longer lists was deleted).
     pub services: Option<crate::ciliumapi::AgentServices>,
+    /// The maps the node's features require now (None: not known).
+    pub required_maps: Option<std::collections::BTreeSet<String>>,
 }
 
 /// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,

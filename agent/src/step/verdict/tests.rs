@@ -837,6 +837,18 @@ fn maps_swept_for_a_disabled_feature_may_vanish() {
     }
     let s = run("cilium_lb4_source_range_x");
     assert_eq!(s.verdict.unwrap().reasons, vec![Reason::MapMissing]);
+    // A swept map the node's features require (IPv6 on: `cilium_ct6_global`) is no sweep.
+    let mut s = step();
+    std::sync::Arc::make_mut(&mut s.baseline)
+        .maps
+        .insert("cilium_ct6_global".into(), Some(3));
+    for t in [1.0, 2.5, 5.0, 8.0] {
+        let mut o = obs(t, progs(Some(20), Some(21)));
+        o.required_maps = Some(["cilium_ct6_global".to_string()].into_iter().collect());
+        decide(&mut s, &o);
+    }
+    assert_eq!(s.verdict.unwrap().reasons, vec![Reason::MapMissing]);
+    assert_eq!(s.maps["cilium_ct6_global"].judged, "missing");
 }
 
 #[test]
