@@ -703,7 +703,7 @@ fn chained_endpoints_are_followed_and_a_stall_among_them_fails() {
     let id = agent.begin_probing(r#"{"settle":"2s","timeout":"45s"}"#);
     node.stop_agent(libc::SIGTERM, Duration::from_secs(30))
         .unwrap();
-    let dir = node.agent_run_dir().join(ep_id.to_string());
+    let dir = node.agent_run_dir().join("state").join(ep_id.to_string());
     std::fs::remove_dir_all(&dir)
         .unwrap_or_else(|e| panic!("remove the endpoint's state {}: {e}", dir.display()));
     node.start_agent().unwrap();
