@@ -195,7 +195,8 @@ pub fn required_maps(v: CiliumVersion, f: Features) -> BTreeSet<String> {
 #[serde(rename_all = "snake_case")]
 pub enum MapClass {
     /// State Cilium keeps (opened, not recreated) and traffic depends on: endpoints,
-    /// services, backends, reverse NAT, the node map. It must come back with its entries.
+    /// services, backends, reverse NAT, Maglev tables, the node map. It must come back with
+    /// its entries.
     Kept,
     /// Recreated by design on every start (unpinned, created anew, refilled): ipcache, the
     /// tunnel map (≤ 1.17), the VTEP map. It must have refilled within the step's timeout.
@@ -209,7 +210,12 @@ pub enum MapClass {
 
 /// The class of a global map by name.
 pub fn map_class(name: &str) -> MapClass {
-    const KEPT: [&str; 10] = [
+    const KEPT: [&str; 12] = [
+        // Maglev's outer maps (one entry per service using Maglev, its inner table): an
+        // emptied one drops the services' traffic (`bpf_lxc`/`nodeport` look the table up by
+        // the service's id); Cilium does not check them after it wrote them.
+        "cilium_lb4_maglev",
+        "cilium_lb6_maglev",
         "cilium_lxc",
         "cilium_lb4_services_v2",
         "cilium_lb4_backends_v3",

@@ -727,3 +727,54 @@ fn chained_endpoints_are_followed_and_a_stall_among_them_fails() {
         "named: {step:#}"
     );
 }
+
+/// Kube-proxy replacement with Maglev (`bpf-lb-algorithm: maglev`) on the real agent: its
+/// outer maps hold a table per service, counted as kept state (the `maps` check counts
+/// them; a step holds them to their entries); one emptied behind the agent's back once it is
+/// up fails the step (`map_emptied`, naming it): the services' traffic has no table.
+#[test]
+#[ignore = "real-agent faults, beyond CI's budget: cargo xtask test --real-extended"]
+fn a_maglev_table_emptied_fails_the_step() {
+    let mut node = Kept(real_node_with_pods(true), "fault-maglev-emptied");
+    node.config_set(&[("bpf-lb-algorithm".into(), "maglev".into())])
+        .unwrap();
+    restart(&mut node);
+    let before = node.map_entries("cilium_lb4_maglev").unwrap();
+    assert!(before > 0, "a Maglev table per service: {before}");
+    let cfg = node.write_stepguard_config().unwrap();
+    let (code, v, err) = check_real_with(&node, &cfg, &["--only", "maps"]);
+    let m = result(&v, "maps");
+    let counted = m["evidence"]["maps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "cilium_lb4_maglev")
+        .map(|x| x["entries"].clone());
+    eprintln!(
+        "maps check exit {code}; cilium_lb4_maglev entries {counted:?} ({before} by bpftool)"
+    );
+    assert_eq!(code, 0, "{m:#}\n{err}");
+    assert_eq!(counted, Some(serde_json::json!(before)), "counted: {m:#}");
+    let agent = real_agent_on(&node);
+    let id = agent.begin_probing(r#"{"settle":"20s","timeout":"45s"}"#);
+    restart(&mut node);
+    let n = node.empty_map("cilium_lb4_maglev").unwrap();
+    assert!(n > 0, "the tables were there after the restart");
+    let step = agent.verdict(&id);
+    eprintln!(
+        "Maglev tables emptied behind the agent's back ({n}): {:#}\nmaglev {:#}",
+        step["verdict"], step["maps"]["cilium_lb4_maglev"]
+    );
+    assert_eq!(step["verdict"]["status"], "failed", "{step:#}");
+    assert!(
+        step_reasons(&step).contains(&"map_emptied".to_string()),
+        "{step:#}"
+    );
+    assert!(
+        step["verdict"]["summary"]
+            .as_str()
+            .unwrap()
+            .contains("cilium_lb4_maglev"),
+        "named: {step:#}"
+    );
+}

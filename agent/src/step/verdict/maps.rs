@@ -285,16 +285,16 @@ pub fn judge_maps(
                     )
                 }
             }
-            // A deleted service's reverse NAT entry goes with it (its key is the service's
-            // id, which names nothing to compare): as many lost as services the agent
-            // deleted are deletions too.
+            // A deleted service's reverse NAT entry and Maglev table go with it (their key is
+            // the service's id, which names nothing to compare): as many lost as services the
+            // agent deleted are deletions too.
             profile::MapClass::Kept
-                if m.ends_with("_reverse_nat")
+                if (m.ends_with("_reverse_nat") || m.ends_with("_maglev"))
                     && a < b
                     && b - a <= deleted_services.get(family(m)).copied().unwrap_or(0) =>
             {
                 deleted = b - a;
-                format!("kept {b}→{a}; the reverse NAT of services the agent deleted meanwhile")
+                format!("kept {b}→{a}; the entries of services the agent deleted meanwhile")
             }
             profile::MapClass::Kept => {
                 let lost = lost_entries(step.baseline.map_entries.get(m), entries_now.get(m));
@@ -368,6 +368,8 @@ pub fn kept_losses(step: &Step) -> Vec<String> {
                 "service frontends"
             } else if m.contains("backends") {
                 "service backends"
+            } else if m.contains("maglev") {
+                "Maglev tables"
             } else if m.contains("lxc") {
                 "endpoints"
             } else if m.contains("rev") {

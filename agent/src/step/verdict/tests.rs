@@ -1234,6 +1234,76 @@ fn a_frontend_gone_is_a_deletion_or_a_loss_by_the_agents_services() {
     assert!(v.finished_at >= 60.0, "only at the timeout: {v:?}");
 }
 
+/// Maglev's outer map is kept state: emptied across the restart it fails `map_emptied`; a
+/// table gone with a service the agent deleted is no loss.
+#[test]
+fn a_maglev_table_is_kept_state() {
+    assert_eq!(
+        profile::map_class("cilium_lb4_maglev"),
+        profile::MapClass::Kept
+    );
+    let run = |after: u64, agent: Option<crate::ciliumapi::AgentServices>| {
+        let mut s = step();
+        {
+            let b = std::sync::Arc::make_mut(&mut s.baseline);
+            b.maps.insert("cilium_lb4_maglev".into(), Some(3));
+            b.maps.insert("cilium_lb4_services_v2".into(), Some(3));
+            b.map_entries.insert(
+                "cilium_lb4_services_v2".into(),
+                vec![
+                    "198.51.100.10:80/TCP".into(),
+                    "198.51.100.11:80/TCP".into(),
+                    "198.51.100.12:80/TCP".into(),
+                ],
+            );
+        }
+        for t in [0.0, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 7.0, 9.0] {
+            let p = if t < 1.2 {
+                progs(Some(10), Some(11))
+            } else {
+                progs(Some(20), Some(21))
+            };
+            let mut o = obs(t, p);
+            let mut m = maps(100).unwrap();
+            let later = t >= 1.5;
+            m.insert(
+                "cilium_lb4_maglev".into(),
+                Some(if later { after } else { 3 }),
+            );
+            m.insert(
+                "cilium_lb4_services_v2".into(),
+                Some(if later { 2 } else { 3 }),
+            );
+            o.maps = Some(m);
+            if later {
+                o.map_entries.insert(
+                    "cilium_lb4_services_v2".into(),
+                    vec!["198.51.100.10:80/TCP".into(), "198.51.100.11:80/TCP".into()],
+                );
+                o.services = agent.clone();
+            }
+            decide(&mut s, &o);
+            if s.verdict.is_some() {
+                break;
+            }
+        }
+        s
+    };
+    let s = run(0, None);
+    let v = s.verdict.clone().expect("decided");
+    assert_eq!(v.reasons, vec![Reason::MapEmptied], "{v:?}");
+    assert!(v.summary.contains("cilium_lb4_maglev"), "{}", v.summary);
+    // One service deleted in Kubernetes: its frontend and its table gone, no loss.
+    let mut agent = crate::ciliumapi::AgentServices::default();
+    agent.frontends.insert("198.51.100.10:80/TCP".into());
+    agent.frontends.insert("198.51.100.11:80/TCP".into());
+    let s = run(2, Some(agent));
+    let v = s.verdict.clone().expect("decided");
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    assert!(v.warnings.is_empty(), "{v:?}");
+    assert_eq!(s.maps["cilium_lb4_maglev"].deleted, 1);
+}
+
 /// A config step may declare hooks going away (tunnel → native: the overlay device and its
 /// egress hook): the step is judged against the declaration — gone as declared passes, the
 /// overlay still attached (the override not followed) fails naming it; undeclared, its loss
