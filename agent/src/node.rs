@@ -31,6 +31,10 @@ pub struct NodeObservation {
     /// the ConfigMap when no API socket is configured), and when it was read (unix seconds,
     /// before the read began). None: not known.
     pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
+    /// Whether the node's configuration runs the endpoint health checker (its `lxc_health`
+    /// endpoint: `enable-endpoint-health-checking`, on by Cilium's default), read as
+    /// `overlay` is. None: not known.
+    pub health_endpoint: Option<bool>,
 }
 
 /// Runs the registered checks named in `only` (all when empty), in registry order: reads what
@@ -140,8 +144,19 @@ pub async fn run(
         _ => None,
     }
     .map(|s| (checks::devices::overlay_intent(&s.values), read_at));
+    let health_endpoint = match (&cfg.cilium_api, effective.as_ref(), cilium_snap) {
+        (Some(_), Some(e), _) => Some(e),
+        (None, _, Some(s)) => Some(s),
+        _ => None,
+    }
+    .map(|s| {
+        s.values
+            .get("enable-endpoint-health-checking")
+            .is_none_or(|v| !matches!(v.trim(), "false" | "False" | "FALSE" | "0" | "f" | "F"))
+    });
     let obs = NodeObservation {
         overlay,
+        health_endpoint,
         links: links.and_then(|o| o.ok()),
         maps: maps.and_then(|o| o.ok()),
         agent_version: loaded

@@ -55,6 +55,8 @@ pub struct NodeView {
     /// The overlay the configuration asks for, as last read, and when (the newest read:
     /// refreshes may overlap).
     pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
+    /// Whether the configuration runs the endpoint health checker, as last read.
+    pub health_endpoint: Option<bool>,
     pub checked_at: f64,
 }
 
@@ -376,6 +378,11 @@ impl Daemon {
         lock(&self.node).overlay.clone()
     }
 
+    /// Whether the configuration runs the endpoint health checker, as last read.
+    pub fn health_endpoint(&self) -> Option<bool> {
+        lock(&self.node).health_endpoint
+    }
+
     /// Kernel drops by reason now (None: the signal is unknown).
     pub fn kernel_drops_now(&self) -> Option<BTreeMap<String, u64>> {
         lock(&self.kernel_drops).by_reason().ok()
@@ -472,6 +479,9 @@ impl Daemon {
             if view.overlay.as_ref().is_none_or(|(_, last)| at >= *last) {
                 view.overlay = Some((i, at));
             }
+        }
+        if obs.health_endpoint.is_some() {
+            view.health_endpoint = obs.health_endpoint;
         }
         view.checked_at = unix_now();
     }

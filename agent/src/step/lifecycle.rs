@@ -51,6 +51,8 @@ pub struct Readings {
     pub services: Option<crate::ciliumapi::AgentServices>,
     /// The maps the node's features require now (the `maps` check's `required`), when known.
     pub required_maps: Option<std::collections::BTreeSet<String>>,
+    /// Whether the configuration runs the endpoint health checker (None: not known).
+    pub health_endpoint: Option<bool>,
 }
 
 /// What an observation reads only at its own moment.
@@ -245,6 +247,7 @@ impl Step {
             overlay: r.overlay.clone(),
             services: r.services.clone(),
             required_maps: r.required_maps.clone(),
+            health_endpoint: r.health_endpoint,
         };
         verdict::decide(self, &o);
         if self.is_final() {

@@ -8,10 +8,15 @@ use super::*;
 /// name (another ifindex), was deleted meanwhile. One whose device lives on under another
 /// name (the same ifindex) was not deleted: it is followed under its new name (a Cilium
 /// that cannot find it drops the endpoint and leaves its old programs: a stall).
+///
+/// `health_off`: the configuration no longer runs the endpoint health checker: `lxc_health`
+/// without Cilium's programs was removed by design (Cilium leaves the device down), not a
+/// stall.
 pub fn update_endpoints(
     progress: &mut super::super::EndpointProgress,
     baseline: &BTreeMap<String, super::super::EndpointPrograms>,
     now_eps: &BTreeMap<String, super::super::EndpointPrograms>,
+    health_off: bool,
     now: f64,
 ) {
     for (name, base) in baseline {
@@ -36,6 +41,16 @@ pub fn update_endpoints(
                 progress.gone.insert(name.clone());
                 progress.old_seen_at.remove(name);
             }
+            Some(e)
+                if health_off
+                    && name == HEALTH_ENDPOINT
+                    && e.from_container.is_none()
+                    && e.to_container.is_none()
+                    && !e.raced =>
+            {
+                progress.gone.insert(name.clone());
+                progress.old_seen_at.remove(name);
+            }
             Some(e) if e.raced => {}
             Some(e) => {
                 let from_new =
@@ -51,6 +66,9 @@ pub fn update_endpoints(
         }
     }
 }
+
+/// The health endpoint's host device (`cilium-health`'s endpoint).
+pub const HEALTH_ENDPOINT: &str = "lxc_health";
 
 /// At most this many endpoints are named in a verdict or a check's reason.
 pub const ENDPOINTS_NAMED: usize = 10;

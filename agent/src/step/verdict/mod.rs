@@ -58,6 +58,8 @@ pub struct Observed {
     pub services: Option<crate::ciliumapi::AgentServices>,
     /// The maps the node's features require now (None: not known).
     pub required_maps: Option<std::collections::BTreeSet<String>>,
+    /// Whether the configuration runs the endpoint health checker (None: not known).
+    pub health_endpoint: Option<bool>,
 }
 
 /// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,
@@ -177,7 +179,13 @@ pub fn decide(step: &mut Step, o: &Observed) {
         update_reload(&mut step.reload, &base.programs, &want, p, now);
     }
     if let Some(eps) = &o.endpoints {
-        update_endpoints(&mut step.endpoints, &base.endpoints, eps, now);
+        update_endpoints(
+            &mut step.endpoints,
+            &base.endpoints,
+            eps,
+            o.health_endpoint == Some(false),
+            now,
+        );
     }
     step.gaps = gap_rows(step, o.complete_until.min(now));
     step.drops = o.drops.clone();

@@ -300,7 +300,7 @@ fn endpoint_regeneration_rules() {
         ("lxc3", ep(103, 43, Some(23))),
     ])
     .unwrap();
-    update_endpoints(&mut p, &base, &now, 2.0);
+    update_endpoints(&mut p, &base, &now, false, 2.0);
     assert_eq!(p.regenerated.keys().collect::<Vec<_>>(), ["lxc0"]);
     assert_eq!(p.gone.iter().collect::<Vec<_>>(), ["lxc1"]);
     let now = eps(&[
@@ -309,7 +309,7 @@ fn endpoint_regeneration_rules() {
         ("lxc3", ep(103, 43, None)),
     ])
     .unwrap();
-    update_endpoints(&mut p, &base, &now, 3.5);
+    update_endpoints(&mut p, &base, &now, false, 3.5);
     assert_eq!(p.regenerated.len(), 3);
     assert_eq!(p.regenerated["lxc0"], 2.0, "first seen, not last");
     let mut s = with_endpoints();
@@ -354,6 +354,38 @@ fn endpoint_regeneration_rules() {
         crate::step::EndpointsFollowed::Unknown("EPERM".into());
     let j = check_endpoints(&s, 1.0);
     assert!(!j.green() && j.shown.unwrap().status == CheckStatus::Unknown);
+}
+
+/// The health endpoint turned off by the configuration (`enable-endpoint-health-checking:
+/// false`): Cilium leaves `lxc_health` without its programs; that is a removal by design, not
+/// a stall. With the checker on, the same device without programs is waited for.
+#[test]
+fn the_health_endpoint_turned_off_is_removed_by_design() {
+    let mut base = with_endpoints().baseline.endpoints.clone();
+    base.insert("lxc_health".into(), ep(150, 15, None));
+    let bare = crate::step::EndpointPrograms {
+        ifindex: 150,
+        from_container: None,
+        to_container: None,
+        raced: false,
+    };
+    let now = eps(&[
+        ("lxc0", ep(100, 40, None)),
+        ("lxc1", ep(101, 41, None)),
+        ("lxc2", ep(102, 42, None)),
+        ("lxc3", ep(103, 43, None)),
+        ("lxc_health", bare),
+    ])
+    .unwrap();
+    let mut p = crate::step::EndpointProgress::default();
+    update_endpoints(&mut p, &base, &now, true, 2.0);
+    assert_eq!(p.gone.iter().collect::<Vec<_>>(), ["lxc_health"]);
+    let mut p = crate::step::EndpointProgress::default();
+    update_endpoints(&mut p, &base, &now, false, 2.0);
+    assert!(
+        p.gone.is_empty() && p.old_seen_at.contains_key("lxc_health"),
+        "{p:?}"
+    );
 }
 
 /// Sets a target's samples and its counts, as the runner records them.
