@@ -138,21 +138,18 @@ pub async fn run(
         }
         results.push(r);
     }
-    let overlay = match (&cfg.cilium_api, effective.as_ref(), cilium_snap) {
+    // What the node's configuration asks for: what the agent loaded, or the ConfigMap when no
+    // API socket is configured (it alone decides then).
+    let intended = match (&cfg.cilium_api, effective.as_ref(), cilium_snap) {
         (Some(_), Some(e), _) => Some(e),
         (None, _, Some(s)) => Some(s),
         _ => None,
-    }
-    .map(|s| (checks::devices::overlay_intent(&s.values), read_at));
-    let health_endpoint = match (&cfg.cilium_api, effective.as_ref(), cilium_snap) {
-        (Some(_), Some(e), _) => Some(e),
-        (None, _, Some(s)) => Some(s),
-        _ => None,
-    }
-    .map(|s| {
-        s.values
-            .get("enable-endpoint-health-checking")
-            .is_none_or(|v| !matches!(v.trim(), "false" | "False" | "FALSE" | "0" | "f" | "F"))
+    };
+    let overlay = intended.map(|s| (checks::devices::overlay_intent(&s.values), read_at));
+    // On by Cilium's default.
+    let health_endpoint = intended.map(|s| {
+        let k = "enable-endpoint-health-checking";
+        !s.values.contains_key(k) || checks::devices::on(&s.values, k)
     });
     let obs = NodeObservation {
         overlay,

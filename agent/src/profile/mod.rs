@@ -89,10 +89,7 @@ impl Features {
         base: Features,
         release: Option<&str>,
     ) -> Features {
-        let minor = release
-            .and_then(|r| r.strip_prefix("1."))
-            .and_then(|m| m.split('.').next())
-            .and_then(|m| m.parse::<u32>().ok());
+        let minor = release.and_then(minor_of);
         let flag = |k: &str| {
             cfg.get(k)
                 .map(|v| matches!(v.trim(), "true" | "strict" | "True" | "TRUE"))
@@ -618,6 +615,11 @@ pub fn names_distinguish(v: CiliumVersion) -> bool {
 /// The Cilium version(s) a set of names points to (see [`names_for_inference`]).
 pub fn version_label(present: &BTreeSet<String>) -> Option<String> {
     infer_version(present).map(|(v, _)| pair_label(v).to_string())
+}
+
+/// The minor of a 1.x release (`1.20`, `1.20.2` → 20).
+pub fn minor_of(release: &str) -> Option<u32> {
+    release.strip_prefix("1.")?.split('.').next()?.parse().ok()
 }
 
 /// The minor release (`1.18`) of a cilium-agent version string as its API reports it

@@ -65,7 +65,7 @@ pub struct ToNetdev {
 
 /// A boolean setting as Go's `strconv.ParseBool` reads it (`1`, `t`, `T`, `TRUE`, `true`,
 /// `True`), plus `strict` (kube-proxy-replacement's old value).
-fn on(cfg: &std::collections::BTreeMap<String, String>, k: &str) -> bool {
+pub(crate) fn on(cfg: &std::collections::BTreeMap<String, String>, k: &str) -> bool {
     cfg.get(k).is_some_and(|v| {
         matches!(
             v.trim(),
@@ -83,9 +83,7 @@ pub fn to_netdev_required(
     cfg: &std::collections::BTreeMap<String, String>,
     release: Option<&str>,
 ) -> ToNetdev {
-    let minor = release
-        .and_then(|r| r.strip_prefix("1."))
-        .and_then(|m| m.parse::<u32>().ok());
+    let minor = release.and_then(crate::profile::minor_of);
     let mut keys: Vec<&str> = vec![
         "kube-proxy-replacement",
         "enable-host-firewall",
@@ -162,11 +160,7 @@ impl SelectionRules {
     /// For a release (`1.19`); the newest rules when the release is not known (no profile
     /// is older than the agent it judges, see `profile::newer_than_newest`).
     pub fn of(release: Option<&str>) -> SelectionRules {
-        let minor = release
-            .and_then(|r| r.strip_prefix("1."))
-            .and_then(|m| m.split('.').next())
-            .and_then(|m| m.parse::<u32>().ok());
-        match minor {
+        match release.and_then(crate::profile::minor_of) {
             Some(m) => SelectionRules {
                 filter_first: m >= 19,
                 alt_names_and_vrf: m >= 20,

@@ -223,6 +223,8 @@ pub fn judge_maps(
         let (b, a) = (before.unwrap_or(0), after.unwrap_or(0));
         let counted = before.is_some() && after.is_some();
         let mut deleted = 0;
+        // The named entries a kept service map lost, judged by the agent's services.
+        let named_lost = services.and_then(|_| lost_named(step, m, entries_now));
         let judged = match class {
             profile::MapClass::Churn | profile::MapClass::Other => {
                 if counted {
@@ -238,11 +240,9 @@ pub fn judge_maps(
             profile::MapClass::Kept if recreated => {
                 refill(m, b, a, true, past_timeout, &mut fatal, &mut waiting)
             }
-            profile::MapClass::Kept
-                if services.is_some() && lost_named(step, m, entries_now).is_some() =>
-            {
+            profile::MapClass::Kept if services.is_some() && named_lost.is_some() => {
                 let agent = services.expect("checked");
-                let gone = lost_named(step, m, entries_now).unwrap_or_default();
+                let gone = named_lost.unwrap_or_default();
                 let held = |e: &String| {
                     if m.contains("backends") {
                         agent.lists_backend(e)
@@ -404,14 +404,17 @@ fn lost_named(
     if !(m.contains("services") || m.contains("backends")) {
         return None;
     }
-    let (before, now) = (step.baseline.map_entries.get(m)?, entries_now.get(m)?);
-    let now: std::collections::BTreeSet<&String> = now.iter().collect();
-    let lost: Vec<String> = before
-        .iter()
-        .filter(|e| !now.contains(e))
+    let lost: Vec<String> = gone_entries(step.baseline.map_entries.get(m)?, entries_now.get(m)?)
+        .into_iter()
         .cloned()
         .collect();
     (!lost.is_empty()).then_some(lost)
+}
+
+/// The entries of `before` not in `now`, in `before`'s order.
+fn gone_entries<'a>(before: &'a [String], now: &[String]) -> Vec<&'a String> {
+    let now: std::collections::BTreeSet<&String> = now.iter().collect();
+    before.iter().filter(|e| !now.contains(e)).collect()
 }
 
 /// `; lost: a, b (+3 more)` when the entries before and now are both known.
@@ -419,8 +422,7 @@ pub(super) fn lost_entries(before: Option<&Vec<String>>, now: Option<&Vec<String
     let (Some(before), Some(now)) = (before, now) else {
         return String::new();
     };
-    let now: std::collections::BTreeSet<&String> = now.iter().collect();
-    let lost: Vec<&String> = before.iter().filter(|e| !now.contains(e)).collect();
+    let lost = gone_entries(before, now);
     if lost.is_empty() {
         return String::new();
     }

@@ -422,17 +422,7 @@ impl RealNode {
             },
         )?;
         for addr in [WEB_CLUSTER_IP, WEB_LB_IP, DNS_CLUSTER_IP] {
-            services::wait_until(
-                &format!("the agent's service {addr} with a backend"),
-                Duration::from_secs(60),
-                || {
-                    if self.serves(addr)? {
-                        Ok(())
-                    } else {
-                        bail!("not yet")
-                    }
-                },
-            )?;
+            self.wait_served(addr)?;
         }
         Ok(())
     }
@@ -490,11 +480,16 @@ impl RealNode {
                             "ports": [{"name": "http", "protocol": "TCP", "port": 80, "targetPort": 80}]}}),
         )
         .with_context(|| format!("create Service {name}"))?;
+        self.wait_served(ip)
+    }
+
+    /// Waits (up to a minute) until the agent serves the service at `addr` with a backend.
+    fn wait_served(&self, addr: Ipv4Addr) -> Result<()> {
         services::wait_until(
-            &format!("the agent's service {ip} with a backend"),
+            &format!("the agent's service {addr} with a backend"),
             Duration::from_secs(60),
             || {
-                if self.serves(ip)? {
+                if self.serves(addr)? {
                     Ok(())
                 } else {
                     bail!("not yet")
