@@ -31,10 +31,9 @@ pub struct NodeObservation {
     /// the ConfigMap when no API socket is configured), and when it was read (unix seconds,
     /// before the read began). None: not known.
     pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
-    /// Whether the node's configuration runs the endpoint health checker (its `lxc_health`
-    /// endpoint: `enable-endpoint-health-checking`, on by Cilium's default), read as
-    /// `overlay` is. None: not known.
-    pub health_endpoint: Option<bool>,
+    /// What the node's configuration asks of its endpoints and host hooks (the endpoint
+    /// health checker, XDP's mode), read as `overlay` is. None: not known.
+    pub asks: Option<checks::devices::Asks>,
 }
 
 /// Runs the registered checks named in `only` (all when empty), in registry order: reads what
@@ -146,14 +145,10 @@ pub async fn run(
         _ => None,
     };
     let overlay = intended.map(|s| (checks::devices::overlay_intent(&s.values), read_at));
-    // On by Cilium's default.
-    let health_endpoint = intended.map(|s| {
-        let k = "enable-endpoint-health-checking";
-        !s.values.contains_key(k) || checks::devices::on(&s.values, k)
-    });
+    let asks = intended.map(|s| checks::devices::asks(&s.values));
     let obs = NodeObservation {
         overlay,
-        health_endpoint,
+        asks,
         links: links.and_then(|o| o.ok()),
         maps: maps.and_then(|o| o.ok()),
         agent_version: loaded

@@ -26,6 +26,118 @@ fn same(a: &str, b: &str) -> bool {
             && a.eq_ignore_ascii_case(b))
 }
 
+/// Keys of the cilium-config that only cilium-operator reads: the agent loads them with the
+/// rest (its settings list every key of its configuration directory) but never uses them, so
+/// an edit needs the operator's restart, never the agent's. Those the Helm chart writes
+/// (`install/kubernetes/cilium/templates/cilium-configmap.yaml`) that are registered under
+/// `operator/` and named nowhere in `daemon/`, `pkg/` or `plugins/`, at 1.19.7 and 1.20.2
+/// (docs/cilium-fidelity.md, "Keys the agent does not wait for").
+pub const OPERATOR_KEYS: [&str; 73] = [
+    "auto-create-cilium-pod-ip-pools",
+    "aws-enable-prefix-delegation",
+    "aws-release-excess-ips",
+    "azure-use-primary-address",
+    "azure-user-assigned-identity-id",
+    "ces-rate-limits",
+    "cilium-endpoint-gc-interval",
+    "cluster-pool-ipv4-cidr",
+    "cluster-pool-ipv4-mask-size",
+    "cluster-pool-ipv6-cidr",
+    "cluster-pool-ipv6-mask-size",
+    "ec2-api-endpoint",
+    "enable-gateway-api-alpn",
+    "enable-gateway-api-app-protocol",
+    "enable-gateway-api-proxy-protocol",
+    "enable-gateway-api-secrets-sync",
+    "enable-ingress-proxy-protocol",
+    "enable-ingress-secrets-sync",
+    "enable-metrics",
+    "enforce-ingress-https",
+    "eni-gc-interval",
+    "eni-gc-tags",
+    "eni-tags",
+    "gateway-api-hostnetwork-enabled",
+    "gateway-api-hostnetwork-nodelabelselector",
+    "gateway-api-service-externaltrafficpolicy",
+    "gateway-api-use-remote-address",
+    "gateway-api-xff-num-trusted-hops",
+    "identity-gc-interval",
+    "identity-heartbeat-timeout",
+    "ingress-default-lb-mode",
+    "ingress-default-secret-name",
+    "ingress-default-secret-namespace",
+    "ingress-default-xff-num-trusted-hops",
+    "ingress-hostnetwork-enabled",
+    "ingress-hostnetwork-http-listener-port",
+    "ingress-hostnetwork-https-listener-port",
+    "ingress-hostnetwork-nodelabelselector",
+    "ingress-hostnetwork-shared-listener-port",
+    "ingress-hostnetwork-tls-passthrough-listener-port",
+    "ingress-lb-annotation-prefixes",
+    "ingress-shared-lb-service-name",
+    "ingress-use-remote-address",
+    "instance-tags-filter",
+    "limit-ipam-api-burst",
+    "limit-ipam-api-qps",
+    "loadbalancer-l7",
+    "loadbalancer-l7-algorithm",
+    "loadbalancer-l7-ports",
+    "mesh-auth-mutual-enabled",
+    "mesh-auth-spire-agent-socket",
+    "mesh-auth-spire-server-address",
+    "mesh-auth-spire-server-connection-timeout",
+    "nodes-gc-interval",
+    "operator-api-serve-addr",
+    "operator-k8s-client-burst",
+    "operator-k8s-client-qps",
+    "operator-pprof",
+    "operator-pprof-address",
+    "operator-pprof-block-profile-rate",
+    "operator-pprof-mutex-profile-fraction",
+    "operator-pprof-port",
+    "operator-prometheus-enable-tls",
+    "operator-prometheus-serve-addr",
+    "operator-prometheus-tls-cert-file",
+    "operator-prometheus-tls-client-ca-files",
+    "operator-prometheus-tls-key-file",
+    "pod-restart-selector",
+    "subnet-ids-filter",
+    "subnet-tags-filter",
+    "synchronize-k8s-nodes",
+    "unmanaged-pod-watcher-interval",
+    "ztunnel-ca-type",
+];
+
+/// Whether the agent reads `key` only at the operator's side.
+pub fn operator_only(key: &str) -> bool {
+    OPERATOR_KEYS.binary_search(&key).is_ok()
+}
+
+/// Why the running agent applies an edit of `key` without a restart, if it does: Cilium's
+/// dynamic configuration (`enable-dynamic-config`, on by default) reflects the ConfigMap into
+/// a table the agent watches (`pkg/dynamicconfig/reflectors.go`), and two keys are read from
+/// it while the agent runs: `subnet-topology` in hybrid routing (1.20: `pkg/subnet/cell.go`
+/// `registerSubnetWatcher`) and `dynamic-lifecycle-config` with the dynamic lifecycle manager
+/// on (1.19, 1.20: `pkg/dynamiclifecycle/watcher.go` `registerWatcher`). The settings the
+/// agent reports keep the value it started with.
+pub fn applied_live(key: &str, loaded: &BTreeMap<String, String>) -> Option<&'static str> {
+    let get = |k: &str| loaded.get(k).map(|v| v.trim().to_ascii_lowercase());
+    if get("enable-dynamic-config").as_deref() == Some("false") {
+        return None;
+    }
+    match key {
+        "subnet-topology" if get("routing-mode").as_deref() == Some("hybrid") => {
+            Some("watched in hybrid routing")
+        }
+        "dynamic-lifecycle-config"
+            if get("enable-dynamic-lifecycle-manager").as_deref() == Some("true") =>
+        {
+            Some("watched by the dynamic lifecycle manager")
+        }
+        _ => None,
+    }
+}
+
 /// The declared keys against the loaded ones.
 struct Classified {
     sources: String,
@@ -37,6 +149,11 @@ struct Classified {
     overrides: Vec<serde_json::Value>,
     unsure: Vec<serde_json::Value>,
     unverifiable: Vec<String>,
+    /// Keys only the operator reads (never the agent's to apply).
+    operator: Vec<String>,
+    /// Rows `{key, declared, loaded, why}` of keys the agent applies while it runs, whose
+    /// start value it still reports.
+    live: Vec<serde_json::Value>,
 }
 
 /// Whether the agent's config came with a per-node source (a CiliumNodeConfig, Node labels).
@@ -76,12 +193,18 @@ fn classify(
         overrides: vec![],
         unsure: vec![],
         unverifiable: vec![],
+        operator: vec![],
+        live: vec![],
     };
     for (k, want) in snap
         .values
         .iter()
         .filter(|(k, _)| k.as_str() != CONFIG_SOURCES)
     {
+        if operator_only(k) {
+            c.operator.push(k.clone());
+            continue;
+        }
         let Some(have) = loaded.get(k) else {
             c.unverifiable.push(k.clone());
             continue;
@@ -89,6 +212,11 @@ fn classify(
         if same(have, want) {
             c.verified += 1;
             c.verified_keys.push(k.clone());
+            continue;
+        }
+        if let Some(why) = applied_live(k, loaded) {
+            c.live
+                .push(json!({"key": k, "declared": want, "loaded": have, "why": why}));
             continue;
         }
         let earlier = store
@@ -228,6 +356,8 @@ pub fn evaluate(
         overrides,
         unsure,
         unverifiable,
+        operator,
+        live,
     } = classify(snap, loaded, started_at, store);
     let keys = |v: &[serde_json::Value]| {
         v.iter()
@@ -244,6 +374,8 @@ pub fn evaluate(
         "per_node_overrides": overrides,
         "override_or_not_applied": unsure,
         "unverifiable_keys": unverifiable,
+        "operator_keys": operator,
+        "applied_live": live,
     });
     if !not_applied.is_empty() {
         return CheckResult::fail(
@@ -280,8 +412,20 @@ pub fn evaluate(
     if !overrides.is_empty() {
         reason.push_str(&format!("; per-node overrides: {}", keys(&overrides)));
     }
+    if !live.is_empty() {
+        reason.push_str(&format!(
+            "; applied while it runs (it reports its start value): {}",
+            keys(&live)
+        ));
+    }
     if !unverifiable.is_empty() {
         reason.push_str(&format!("; {} keys it does not report", unverifiable.len()));
+    }
+    if !operator.is_empty() {
+        reason.push_str(&format!(
+            "; {} keys only cilium-operator reads",
+            operator.len()
+        ));
     }
     reason.push(')');
     CheckResult::pass(CHECK, "config_applied", reason, evidence)
@@ -527,5 +671,73 @@ mod tests {
         assert!(per_node(&with(
             "config-map:kube-system/cilium-config,node:/n1"
         )));
+    }
+
+    /// An edit of a key only cilium-operator reads is not the agent's to apply: never
+    /// "merged but inert", whatever the agent still reports for it.
+    #[test]
+    fn operator_keys_are_not_the_agents_to_apply() {
+        assert!(OPERATOR_KEYS.windows(2).all(|w| w[0] < w[1]), "sorted");
+        let (st, dir) = store("operator");
+        st.remember(&snap(50.0, &[("identity-gc-interval", "15m0s")]))
+            .unwrap();
+        let now = snap(
+            200.0,
+            &[("identity-gc-interval", "30m0s"), ("devices", "eth0")],
+        );
+        st.remember(&now).unwrap();
+        let l = loaded(&[("identity-gc-interval", "15m0s"), ("devices", "eth0")]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
+        assert_eq!(r.status, Status::Pass, "{}", r.reason);
+        assert!(
+            r.reason.contains("1 keys only cilium-operator reads"),
+            "{}",
+            r.reason
+        );
+        assert_eq!(r.evidence["operator_keys"], json!(["identity-gc-interval"]));
+        assert_eq!(r.evidence["verified_keys"], json!(["devices"]));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// `subnet-topology` is applied while the agent runs in hybrid routing (its reported
+    /// value stays the start value); in another routing mode, or with dynamic configuration
+    /// off, an edit the agent has not loaded is not applied.
+    #[test]
+    fn a_key_applied_while_the_agent_runs_is_not_merged_but_inert() {
+        let (st, dir) = store("live");
+        st.remember(&snap(50.0, &[("subnet-topology", "192.0.2.0/24")]))
+            .unwrap();
+        let now = snap(200.0, &[("subnet-topology", "198.51.100.0/24")]);
+        st.remember(&now).unwrap();
+        let mut l = loaded(&[
+            ("subnet-topology", "192.0.2.0/24"),
+            ("routing-mode", "hybrid"),
+        ]);
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
+        assert_eq!(r.status, Status::Pass, "{}", r.reason);
+        assert!(
+            r.reason
+                .contains("applied while it runs (it reports its start value): subnet-topology"),
+            "{}",
+            r.reason
+        );
+        assert_eq!(
+            r.evidence["applied_live"][0]["why"],
+            "watched in hybrid routing"
+        );
+        l.insert("enable-dynamic-config".into(), "false".into());
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
+        assert_eq!(r.code, "config_not_applied", "{}", r.reason);
+        l.remove("enable-dynamic-config");
+        l.insert("routing-mode".into(), "native".into());
+        let r = evaluate(Some(Ok(&now)), Some(Ok(&l)), None, Some(&st));
+        assert_eq!(r.code, "config_not_applied", "{}", r.reason);
+        let l = loaded(&[
+            ("dynamic-lifecycle-config", "[]"),
+            ("enable-dynamic-lifecycle-manager", "true"),
+        ]);
+        assert!(applied_live("dynamic-lifecycle-config", &l).is_some());
+        assert!(applied_live("devices", &l).is_none());
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

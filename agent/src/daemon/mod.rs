@@ -55,8 +55,8 @@ pub struct NodeView {
     /// The overlay the configuration asks for, as last read, and when (the newest read:
     /// refreshes may overlap).
     pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
-    /// Whether the configuration runs the endpoint health checker, as last read.
-    pub health_endpoint: Option<bool>,
+    /// What the configuration asks of endpoints and host hooks, as last read.
+    pub asks: Option<checks::devices::Asks>,
     pub checked_at: f64,
 }
 
@@ -379,8 +379,8 @@ impl Daemon {
     }
 
     /// Whether the configuration runs the endpoint health checker, as last read.
-    pub fn health_endpoint(&self) -> Option<bool> {
-        lock(&self.node).health_endpoint
+    pub fn asks(&self) -> Option<checks::devices::Asks> {
+        lock(&self.node).asks
     }
 
     /// Kernel drops by reason now (None: the signal is unknown).
@@ -480,8 +480,8 @@ impl Daemon {
                 view.overlay = Some((i, at));
             }
         }
-        if obs.health_endpoint.is_some() {
-            view.health_endpoint = obs.health_endpoint;
+        if obs.asks.is_some() {
+            view.asks = obs.asks;
         }
         view.checked_at = unix_now();
     }

@@ -461,7 +461,7 @@ impl Runner {
         }
         self.readings.agent_version = d.agent_version().map(|v| (v, unix_now()));
         self.readings.overlay = d.overlay_intent();
-        self.readings.health_endpoint = d.health_endpoint();
+        self.readings.asks = d.asks();
         let shrunk = self
             .active()
             .map(|s| s.kept_maps_shrunk(self.readings.maps.as_ref()))

@@ -380,11 +380,32 @@ pub fn possible_maps(v: CiliumVersion) -> BTreeSet<String> {
     all
 }
 
-/// Whether a map gone after a restart was removed by design: the version `v` that came back
-/// has no such map whatever its features (e.g. `cilium_tunnel_map` and the v1
-/// `cilium_node_map` on 1.18).
+/// Whether a map gone after a restart was removed by design: a map of an earlier release's
+/// profile that the version `v` that came back has no longer, whatever its features (e.g.
+/// `cilium_tunnel_map` and the v1 `cilium_node_map` on 1.18), or one Cilium retired before
+/// 1.16 and deletes where an old node still pins it. A name no profile knows is never
+/// "removed by design": whether Cilium removes it is not known here ([`known_map`]).
 pub fn removed_by_design(name: &str, v: CiliumVersion) -> bool {
+    const RETIRED: [&str; 6] = [
+        "cilium_lb4_backends",
+        "cilium_lb4_backends_v2",
+        "cilium_lb4_services",
+        "cilium_lb6_backends",
+        "cilium_lb6_backends_v2",
+        "cilium_lb6_services",
+    ];
     !possible_maps(v).contains(name)
+        && (RETIRED.contains(&name)
+            || CiliumVersion::ALL
+                .iter()
+                .any(|w| possible_maps(*w).contains(name)))
+}
+
+/// Whether any release's profile knows the map (required for some features, or optional).
+pub fn known_map(name: &str) -> bool {
+    CiliumVersion::ALL
+        .iter()
+        .any(|w| possible_maps(*w).contains(name))
 }
 
 /// Maps Cilium's start-up sweep removes when their feature is disabled

@@ -51,8 +51,8 @@ pub struct Readings {
     pub services: Option<crate::ciliumapi::AgentServices>,
     /// The maps the node's features require now (the `maps` check's `required`), when known.
     pub required_maps: Option<std::collections::BTreeSet<String>>,
-    /// Whether the configuration runs the endpoint health checker (None: not known).
-    pub health_endpoint: Option<bool>,
+    /// What the configuration asks of endpoints and host hooks (None: not known).
+    pub asks: Option<crate::checks::devices::Asks>,
 }
 
 /// What an observation reads only at its own moment.
@@ -247,7 +247,7 @@ impl Step {
             overlay: r.overlay.clone(),
             services: r.services.clone(),
             required_maps: r.required_maps.clone(),
-            health_endpoint: r.health_endpoint,
+            asks: r.asks,
         };
         verdict::decide(self, &o);
         if self.is_final() {

@@ -223,6 +223,10 @@ pub struct Reload {
     /// agent's intent is awaited before a pass).
     #[serde(default)]
     pub intent_readable: bool,
+    /// The configuration attaches XDP best-effort (a device that refuses it is skipped), as
+    /// last read.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub xdp_best_effort: bool,
 }
 
 /// Where a step is: waiting for the reload, settling after it, decided.

@@ -123,11 +123,15 @@ impl Lab {
             })
             .collect();
         datapath::detach(&self.node_ns(), &gone)?;
-        let added = datapath::attach_all(
+        let best_effort = cfg
+            .get("bpf-lb-acceleration")
+            .is_some_and(|v| v.trim() == "best-effort");
+        let added = datapath::attach_all_xdp(
             &self.node_ns(),
             &self.state.bpffs,
             self.state.spec.attach,
             &missing,
+            best_effort,
         )?;
         self.state.attachments = keep.into_iter().chain(added).collect();
         self.save()?;
@@ -203,7 +207,7 @@ impl Lab {
         let values: BTreeMap<String, String> = [
             ("cluster-name", "stepguard-lab".to_string()),
             ("devices", self.state.devices.join(" ")),
-            ("enable-ipv4", "true".into()),
+            ("enable-ipv4", b(s.features.ipv4)),
             ("enable-ipv6", b(s.features.ipv6)),
             (
                 "kube-proxy-replacement",
@@ -221,7 +225,9 @@ impl Lab {
             ("enable-tcx", b(s.attach == AttachMode::Tcx)),
             (
                 "bpf-lb-acceleration",
-                if s.xdp {
+                if s.xdp && s.xdp_best_effort {
+                    "best-effort".into()
+                } else if s.xdp {
                     "native".into()
                 } else {
                     "disabled".into()

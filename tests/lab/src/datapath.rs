@@ -196,6 +196,20 @@ pub fn attach_all(
     mode: AttachMode,
     plan: &Plan,
 ) -> Result<Vec<Attachment>> {
+    attach_all_xdp(ns, bpffs, mode, plan, false)
+}
+
+/// [`attach_all`], with `xdp_best_effort` as Cilium's `bpf-lb-acceleration: best-effort`: a
+/// device whose driver refuses XDP is skipped (`reinitializeXDPLocked`,
+/// `pkg/datapath/loader/base.go`: "Failed to attach XDP program, ignoring due to best-effort
+/// mode"); otherwise its refusal fails the whole attach, as `native` fails the agent.
+pub fn attach_all_xdp(
+    ns: &str,
+    bpffs: &Path,
+    mode: AttachMode,
+    plan: &Plan,
+    xdp_best_effort: bool,
+) -> Result<Vec<Attachment>> {
     let bpffs_owned = bpffs.to_path_buf();
     let plan_owned = plan.clone();
     let atts = in_netns(ns, move || {
@@ -210,9 +224,16 @@ pub fn attach_all(
             let (via, link_pin) = match (hook, mode) {
                 (Hook::Xdp, _) => {
                     let p: &mut Xdp = prog.try_into()?;
-                    let id = p
-                        .attach(&dev, XdpMode::Default)
-                        .with_context(|| format!("attach {name} (XDP) to {dev}"))?;
+                    let id = match p.attach(&dev, XdpMode::Default) {
+                        Ok(id) => id,
+                        Err(e) if xdp_best_effort => {
+                            eprintln!("lab agent: failed to attach {name} (XDP) to {dev}, ignoring due to best-effort mode: {e}");
+                            continue;
+                        }
+                        Err(e) => {
+                            return Err(e).with_context(|| format!("attach {name} (XDP) to {dev}"))
+                        }
+                    };
                     let link =
                         FdLink::try_from(p.take_link(id)?).context("XDP link is not a bpf_link")?;
                     let pin = link_pin_path(bpffs, &dev, name, ep);

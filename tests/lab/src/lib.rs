@@ -56,6 +56,15 @@ pub struct LabSpec {
     pub profile: Profile,
     pub attach: AttachMode,
     pub xdp: bool,
+    /// With `xdp`: `bpf-lb-acceleration: best-effort` (a device refusing XDP is skipped)
+    /// instead of `native`.
+    #[serde(default)]
+    pub xdp_best_effort: bool,
+    /// Host devices whose driver refuses native XDP: their veth peer gets an MTU above what
+    /// XDP without fragments allows (the kernel's `veth_xdp_set`: "Peer MTU is too large to
+    /// set XDP", ERANGE).
+    #[serde(default)]
+    pub xdp_refused: Vec<String>,
     pub pods: u32,
     pub features: Features,
     #[serde(default)]
@@ -116,8 +125,11 @@ impl LabSpec {
             profile: Profile::V1_18,
             attach: AttachMode::Tcx,
             xdp: false,
+            xdp_best_effort: false,
+            xdp_refused: vec![],
             pods: 3,
             features: Features {
+                ipv4: true,
                 ipv6: false,
                 kube_proxy_replacement: true,
                 l2_announcements: true,
@@ -409,6 +421,19 @@ impl Lab {
                 )?;
             }
         }
+        for dev in &self.state.spec.xdp_refused {
+            let peer = match (dev.as_str(), &self.state.spec.lan) {
+                ("eth0", _) => "fab0".to_string(),
+                ("eth1", None) => "fab1".to_string(),
+                ("eth1", Some(port)) => format!("n{}", port.index),
+                _ => bail!("xdp_refused: {dev} is no host device of the lab (eth0, eth1)"),
+            };
+            let ns = match &self.state.spec.lan {
+                Some(port) if dev == "eth1" => port.ns.clone(),
+                _ => fabric.clone(),
+            };
+            netns::ip(&ns, &["link", "set", &peer, "mtu", "9000"])?;
+        }
         for vip in [GATEWAY_VIP, DNS_VIP] {
             netns::add_addr(&fabric, "lo", &format!("{vip}/32"))?;
         }
@@ -548,8 +573,13 @@ route add {ip}/32 dev lxc_health
         self.write_cilium_config()?;
 
         let plan = datapath::plan(&self.state.devices, &self.state.lxc, self.plan_opts(true));
-        self.state.attachments =
-            datapath::attach_all(&node, &self.state.bpffs, self.state.spec.attach, &plan)?;
+        self.state.attachments = datapath::attach_all_xdp(
+            &node,
+            &self.state.bpffs,
+            self.state.spec.attach,
+            &plan,
+            self.state.spec.xdp_best_effort,
+        )?;
         self.create_tail_call_maps()?;
         self.save()?;
 

@@ -68,6 +68,9 @@ impl std::fmt::Display for Profile {
 /// Datapath features that change which maps exist (mirrors cilium-config keys).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct Features {
+    /// `enable-ipv4` (on by default); off, an IPv6-only node: Cilium creates no IPv4 maps.
+    #[serde(default = "yes")]
+    pub ipv4: bool,
     pub ipv6: bool,
     pub kube_proxy_replacement: bool,
     pub l2_announcements: bool,
@@ -169,11 +172,6 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
             if profile.before_1_18() { 20 } else { 24 },
             512000,
         ),
-        spec("cilium_ct4_global", LRU_HASH, 14, 56, ct),
-        spec("cilium_ct_any4_global", LRU_HASH, 14, 56, (ct / 2).max(1)),
-        spec("cilium_lb4_services_v2", HASH, 12, 12, 65536),
-        spec("cilium_lb4_backends_v3", HASH, 4, 12, 65536),
-        spec("cilium_lb4_reverse_nat", HASH, 2, 8, 65536),
         spec("cilium_events", PERF_EVENT_ARRAY, 4, 4, ncpu),
         spec("cilium_signals", PERF_EVENT_ARRAY, 4, 4, ncpu),
         spec("cilium_runtime_config", ARRAY, 4, 8, 256),
@@ -197,11 +195,22 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
         }
         v.push(spec("cilium_node_map", HASH, 20, 2, 16384));
     }
-    if f.kube_proxy_replacement {
-        v.push(spec("cilium_snat_v4_external", LRU_HASH, 14, 16, ct));
-    }
-    if f.l2_announcements {
-        v.push(spec("cilium_l2_responder_v4", HASH, 8, 8, 4096));
+    if f.ipv4 {
+        // The IPv4 conntrack and load-balancing maps exist only with IPv4 on
+        // (`ctmap.GlobalMaps(ipv4, ipv6)`, `lbmaps.go` `allMaps` per enabled family).
+        v.extend([
+            spec("cilium_ct4_global", LRU_HASH, 14, 56, ct),
+            spec("cilium_ct_any4_global", LRU_HASH, 14, 56, (ct / 2).max(1)),
+            spec("cilium_lb4_services_v2", HASH, 12, 12, 65536),
+            spec("cilium_lb4_backends_v3", HASH, 4, 12, 65536),
+            spec("cilium_lb4_reverse_nat", HASH, 2, 8, 65536),
+        ]);
+        if f.kube_proxy_replacement {
+            v.push(spec("cilium_snat_v4_external", LRU_HASH, 14, 16, ct));
+        }
+        if f.l2_announcements {
+            v.push(spec("cilium_l2_responder_v4", HASH, 8, 8, 4096));
+        }
     }
     if f.ipv6 {
         v.push(spec("cilium_ct6_global", LRU_HASH, 38, 56, ct));

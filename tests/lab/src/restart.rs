@@ -223,6 +223,26 @@ impl Lab {
                 .map(|l| l.0.clone())
                 .collect(),
         };
+        let node = self.node_ns();
+        // Endpoint health checking off: the restarted agent never restores the health
+        // endpoint (`validateEndpoint`, `daemon/cmd/endpoint_restore.go` l. 316-333, 1.20.2)
+        // and does not create one (`pkg/health/health_manager.go` l. 162): `lxc_health` is
+        // left down without programs.
+        let health_off = self
+            .effective_config(true)?
+            .get("enable-endpoint-health-checking")
+            .is_some_and(|v| v.trim() == "false");
+        if health_off && self.state.lxc.iter().any(|l| l.0 == "lxc_health") {
+            let (gone, keep): (Vec<Attachment>, Vec<Attachment>) = self
+                .state
+                .attachments
+                .iter()
+                .cloned()
+                .partition(|a| a.device == "lxc_health");
+            datapath::detach(&node, &gone)?;
+            netns::ip(&node, &["link", "set", "lxc_health", "down"])?;
+            self.state.attachments = keep;
+        }
         let due: Vec<Attachment> = self
             .state
             .attachments
@@ -230,7 +250,6 @@ impl Lab {
             .filter(|a| a.endpoint.is_some() && !stalled.contains(&a.device))
             .cloned()
             .collect();
-        let node = self.node_ns();
         for batch in due.chunks(ENDPOINT_BATCH) {
             let names: std::collections::BTreeSet<(&str, &str)> = batch
                 .iter()

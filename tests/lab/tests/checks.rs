@@ -622,3 +622,132 @@ fn a_write_through_the_agents_map_handle_fails() {
     let dump = bpftool_json(&["map", "dump", "pinned", &pin.to_string_lossy()]);
     assert_eq!(dump.as_array().unwrap().len(), 2);
 }
+
+/// The features a node's configuration turns on decide the maps, as Cilium creates them.
+/// An IPv6-only node (`enable-ipv4: false`) has no IPv4 conntrack or load-balancing maps
+/// (`ctmap.Maps(ipv4, ipv6)`, `pkg/maps/ctmap/ctmap.go` l. 732; `BPFLBMaps.allMaps`,
+/// `pkg/loadbalancer/maps/lbmaps.go` l. 314–369, 1.20.2): held to the IPv6 ones only, one of
+/// those missing fails. `enable-node-port`, a key 1.19 removed, asks for no SNAT maps on 1.20;
+/// on 1.18 it does (NodePort without kube-proxy replacement).
+#[test]
+fn the_maps_a_node_must_have_follow_its_families_and_its_release() {
+    let v6 = lab(|s| {
+        s.profile = Profile::V1_20;
+        s.features.ipv4 = false;
+        s.features.ipv6 = true;
+    });
+    let (code, v, err) = check(&v6, &["--only", "maps"]);
+    let r = result(&v, "maps");
+    assert_eq!(code, 0, "{r}\n{err}");
+    assert_eq!(r["evidence"]["features"]["ipv4"], false, "{r}");
+    let required = r["evidence"]["required"].as_array().unwrap();
+    assert!(required.contains(&"cilium_ct6_global".into()), "{r}");
+    assert!(
+        !required.iter().any(|m| m.as_str().unwrap().contains('4')
+            && m.as_str().unwrap().starts_with("cilium_ct")
+            || m.as_str().unwrap().starts_with("cilium_lb4")),
+        "no IPv4 map required: {r}"
+    );
+    std::fs::remove_file(v6.state.bpffs.join("tc/globals/cilium_lb6_services_v2")).unwrap();
+    let (code, v, _) = check(&v6, &["--only", "maps"]);
+    let r = result(&v, "maps");
+    assert_eq!((code, r["code"].as_str()), (1, Some("map_missing")), "{r}");
+    assert_eq!(
+        r["evidence"]["missing"],
+        serde_json::json!(["cilium_lb6_services_v2"])
+    );
+    drop(v6);
+
+    for (profile, snat) in [(Profile::V1_20, false), (Profile::V1_18, true)] {
+        let lab = lab(|s| {
+            s.profile = profile;
+            s.features.kube_proxy_replacement = false;
+            s.features.l2_announcements = false;
+        });
+        lab.config_set(&[("enable-node-port".into(), "true".into())])
+            .unwrap();
+        let (code, v, err) = check(&lab, &["--only", "maps"]);
+        let r = result(&v, "maps");
+        assert_eq!(r["evidence"]["features"]["snat"], snat, "{profile}: {r}");
+        if snat {
+            assert_eq!((code, r["code"].as_str()), (1, Some("map_missing")), "{r}");
+            assert!(
+                r["reason"]
+                    .as_str()
+                    .unwrap()
+                    .contains("cilium_snat_v4_external"),
+                "{r}"
+            );
+        } else {
+            assert_eq!(code, 0, "{profile}: {r}\n{err}");
+        }
+    }
+}
+
+/// Keys the agent does not wait for a restart to apply are never "merged but inert": one only
+/// cilium-operator reads (`identity-gc-interval`), and `subnet-topology`, which a 1.20 agent in
+/// hybrid routing watches while it runs (`pkg/subnet/cell.go`). A key the agent reads at its
+/// start edited beside them still fails until the restart.
+#[test]
+fn keys_the_agent_applies_without_a_restart_are_not_merged_but_inert() {
+    let mut lab = lab(|s| s.profile = Profile::V1_20);
+    let state = lab.state.run_dir.join("agent-state");
+    let state = state.to_string_lossy().into_owned();
+    let one = |lab: &stepguard_lab::Lab| {
+        let (code, v, err) = check(lab, &["--only", "config", "--state-dir", &state]);
+        assert!(v.is_object(), "{err}");
+        (code, result(&v, "config").clone())
+    };
+    lab.config_set(&[
+        ("routing-mode".into(), "hybrid".into()),
+        ("subnet-topology".into(), "192.0.2.0/24".into()),
+        ("identity-gc-interval".into(), "15m0s".into()),
+    ])
+    .unwrap();
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(10),
+        ..Default::default()
+    })
+    .unwrap();
+    let (code, r) = one(&lab);
+    assert_eq!(code, 0, "loaded at the restart: {r}");
+    lab.config_set(&[
+        (
+            "subnet-topology".into(),
+            "192.0.2.0/24,198.51.100.0/24".into(),
+        ),
+        ("identity-gc-interval".into(), "30m0s".into()),
+    ])
+    .unwrap();
+    let (code, r) = one(&lab);
+    assert_eq!(code, 0, "{r}");
+    let reason = r["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("applied while it runs (it reports its start value): subnet-topology"),
+        "{r}"
+    );
+    assert!(reason.contains("keys only cilium-operator reads"), "{r}");
+    assert!(
+        r["evidence"]["operator_keys"]
+            .as_array()
+            .unwrap()
+            .contains(&"identity-gc-interval".into()),
+        "{r}"
+    );
+    // A key the agent reads only at its start, edited beside them.
+    lab.config_set(&[("enable-l2-announcements".into(), "false".into())])
+        .unwrap();
+    let (code, r) = one(&lab);
+    assert_eq!(
+        (code, r["code"].as_str()),
+        (1, Some("config_not_applied")),
+        "{r}"
+    );
+    assert!(
+        r["reason"]
+            .as_str()
+            .unwrap()
+            .ends_with("changed keys: enable-l2-announcements"),
+        "{r}"
+    );
+}

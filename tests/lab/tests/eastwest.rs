@@ -255,3 +255,41 @@ fn east_west_probes_held_by_a_resolving_neighbour_are_measured_within_the_bound(
         );
     }
 }
+
+/// Endpoint health checking turned off in the configuration, then the agent restarted: the
+/// restarted agent neither restores nor creates the health endpoint, so `lxc_health` is left
+/// down without Cilium's programs. That is a removal by design: the step passes, counting it
+/// deleted, instead of waiting for a regeneration that never comes.
+#[test]
+fn the_health_endpoint_turned_off_by_the_configuration_is_no_stall() {
+    let mut lab = lan(2);
+    let agent = agent_on(&lab, 0);
+    lab.node(0)
+        .unwrap()
+        .config_set(&[("enable-endpoint-health-checking".into(), "false".into())])
+        .unwrap();
+    let id = agent.begin_probing(STEP);
+    lab.restart(
+        0,
+        &RestartOpts {
+            down: std::time::Duration::from_millis(200),
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap();
+    let node = lab.node(0).unwrap();
+    assert!(
+        !node
+            .state
+            .attachments
+            .iter()
+            .any(|a| a.device == "lxc_health"),
+        "lxc_health keeps no programs: {:?}",
+        node.state.attachments
+    );
+    let v = agent.verdict(&id);
+    assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+    let reason = v["checks"]["endpoints"]["reason"].as_str().unwrap();
+    assert!(reason.ends_with("; 1 deleted meanwhile"), "{reason}");
+}

@@ -194,6 +194,57 @@ fn a_declared_device_set_passes_when_it_comes_back_that_way() {
     );
 }
 
+/// `bpf-lb-acceleration: best-effort`: Cilium skips a device whose driver refuses XDP
+/// (`reinitializeXDPLocked`, `pkg/datapath/loader/base.go`, 1.19.7 and 1.20.2). Here eth1
+/// refuses it for real (its veth peer's MTU is too large for XDP). A step declaring the
+/// node's devices holds each to XDP only where it had it: the restart passes without XDP on
+/// eth1, and the same restart losing XDP on eth0 fails.
+#[test]
+fn best_effort_xdp_is_held_only_where_the_driver_took_it() {
+    let spec = |s: &mut stepguard_lab::LabSpec| {
+        s.xdp = true;
+        s.xdp_best_effort = true;
+        s.xdp_refused = vec!["eth1".into()];
+    };
+    let body = r#"{"settle":"1s","timeout":"20s","expect":{"devices":["eth0","eth1"]}}"#;
+    for lose_xdp in [false, true] {
+        let mut lab = lab(spec);
+        let xdp_on = |d: &str| {
+            lab.state
+                .attachments
+                .iter()
+                .any(|a| a.device == d && a.program == "cil_xdp_entry")
+        };
+        assert!(
+            xdp_on("eth0") && !xdp_on("eth1"),
+            "{:?}",
+            lab.state.attachments
+        );
+        let agent = Daemon::start(&lab, &[]);
+        let id = agent.begin_probing(body);
+        lab.restart(&RestartOpts {
+            down: Duration::from_millis(100),
+            blackhole: true,
+            lose_program: lose_xdp.then(|| "cil_xdp_entry".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        let v = agent.verdict(&id);
+        if lose_xdp {
+            assert_eq!(v["verdict"]["status"], "failed", "{v:#}");
+            assert!(
+                v["verdict"]["summary"]
+                    .as_str()
+                    .unwrap()
+                    .contains("eth0:xdp"),
+                "{v:#}"
+            );
+        } else {
+            assert_eq!(v["verdict"]["status"], "passed", "{v:#}");
+        }
+    }
+}
+
 /// A property change recreates a kept-state map (new id) and Cilium refills it: the step
 /// passes and names the map as recreated (before, a new map was judged only by its counts).
 #[test]

@@ -261,6 +261,30 @@ impl OverlayIntent {
     }
 }
 
+/// What a node's configuration asks of its endpoints and host hooks beside the overlay, read
+/// as the overlay is (the agent's loaded configuration, or the ConfigMap without its API).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Asks {
+    /// The endpoint health checker runs (its `lxc_health` endpoint):
+    /// `enable-endpoint-health-checking`, on by Cilium's default.
+    pub health_endpoint: bool,
+    /// `bpf-lb-acceleration: best-effort`: the agent attaches XDP where the driver takes it and
+    /// skips a device that refuses it (`reinitializeXDPLocked`,
+    /// `pkg/datapath/loader/base.go`, 1.19.7 and 1.20.2); `native` fails the agent instead.
+    pub xdp_best_effort: bool,
+}
+
+/// See [`Asks`].
+pub fn asks(cfg: &std::collections::BTreeMap<String, String>) -> Asks {
+    let k = "enable-endpoint-health-checking";
+    Asks {
+        health_endpoint: !cfg.contains_key(k) || on(cfg, k),
+        xdp_best_effort: cfg
+            .get("bpf-lb-acceleration")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("best-effort")),
+    }
+}
+
 /// See [`OverlayIntent`].
 pub fn overlay_intent(cfg: &std::collections::BTreeMap<String, String>) -> OverlayIntent {
     let get = |k: &str| cfg.get(k).map(|v| v.trim().to_ascii_lowercase());

@@ -193,6 +193,14 @@ pub fn judge_maps(
                 Some(v) if profile::removed_by_design(m, v) => {
                     format!("removed by design: Cilium {} has no {m}", v.as_str())
                 }
+                // A map of no profile (affinity, source ranges, egress gateway, ip-masq,
+                // bandwidth, …): not said to be by design, and not counted as kept state.
+                Some(v) if class != profile::MapClass::Kept && !profile::known_map(m) => {
+                    format!(
+                        "vanished (reported only): stepguard's profiles do not know {m}, so whether Cilium {} removes it by design is not known",
+                        v.as_str()
+                    )
+                }
                 _ => {
                     fail(
                         Reason::MapMissing,

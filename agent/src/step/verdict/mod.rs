@@ -58,8 +58,8 @@ pub struct Observed {
     pub services: Option<crate::ciliumapi::AgentServices>,
     /// The maps the node's features require now (None: not known).
     pub required_maps: Option<std::collections::BTreeSet<String>>,
-    /// Whether the configuration runs the endpoint health checker (None: not known).
-    pub health_endpoint: Option<bool>,
+    /// What the configuration asks of endpoints and host hooks (None: not known).
+    pub asks: Option<crate::checks::devices::Asks>,
 }
 
 /// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,
@@ -183,7 +183,7 @@ pub fn decide(step: &mut Step, o: &Observed) {
             &mut step.endpoints,
             &base.endpoints,
             eps,
-            o.health_endpoint == Some(false),
+            o.asks.is_some_and(|a| !a.health_endpoint),
             now,
         );
     }

@@ -52,6 +52,9 @@ fn overlay_not_intended(step: &Step) -> Vec<String> {
 /// once the datapath had begun to change is the restarted agent's (the previous agent stopped
 /// before the new one loaded anything); an earlier read is the previous agent's.
 pub fn note_overlay_intent(step: &mut Step, o: &Observed) {
+    if let Some(a) = o.asks {
+        step.reload.xdp_best_effort = a.xdp_best_effort;
+    }
     let Some((intent, read_at)) = &o.overlay else {
         return;
     };
@@ -74,7 +77,13 @@ fn wanted_before_gone(step: &Step) -> std::collections::BTreeSet<String> {
         Some(d) => {
             let mut w: std::collections::BTreeSet<String> = d.iter().cloned().collect();
             if base.keys().any(|k| k.ends_with(XDP_KEY)) {
-                w.extend(d.iter().map(|d| format!("{d}{XDP_KEY}")));
+                // Best-effort XDP is wanted where it was attached before: a device that
+                // refused it refuses again, a new one may.
+                w.extend(
+                    d.iter()
+                        .map(|d| format!("{d}{XDP_KEY}"))
+                        .filter(|k| !step.reload.xdp_best_effort || base.contains_key(k)),
+                );
             }
             let to_netdev = crate::checks::devices::TO_NETDEV_KEY;
             if base.keys().any(|k| k.ends_with(to_netdev)) {

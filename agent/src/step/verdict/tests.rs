@@ -725,6 +725,26 @@ fn declared_devices_carry_xdp_and_the_overlay_along() {
     assert!(wanted_devices(&s).contains("eth0:xdp"));
 }
 
+/// `bpf-lb-acceleration: best-effort`: the agent skips a device that refuses XDP, so a
+/// declared device is held to XDP only where it had it before the restart.
+#[test]
+fn best_effort_xdp_is_wanted_only_where_it_was_attached() {
+    let mut s = step();
+    for k in ["eth0:xdp", "eth1"] {
+        std::sync::Arc::make_mut(&mut s.baseline)
+            .programs
+            .insert(k.into(), 9);
+    }
+    s.params.expect_devices = Some(vec!["eth0".into(), "eth1".into(), "eth2".into()]);
+    assert!(
+        wanted_devices(&s).contains("eth1:xdp"),
+        "native: every device"
+    );
+    s.reload.xdp_best_effort = true;
+    let w: Vec<String> = wanted_devices(&s).into_iter().collect();
+    assert_eq!(w, ["eth0", "eth0:xdp", "eth1", "eth2"]);
+}
+
 /// The real 1.20.2 agent after a per-node override dropped eth1: the overlay device reloads
 /// first, eth0 about five seconds later, and eth1's programs are detached only after that.
 /// Judged at the first quiet second after the overlay, the step failed
@@ -815,17 +835,7 @@ fn a_declared_version_is_what_the_maps_are_held_to() {
 /// An upgrade to 1.18 unpins the tunnel map and the v1 node map by design.
 #[test]
 fn maps_removed_by_design_in_the_new_version_are_expected() {
-    let mut s = step();
-    std::sync::Arc::make_mut(&mut s.baseline)
-        .maps
-        .insert("cilium_tunnel_map".into(), Some(3));
-    for t in [1.0, 2.5, 5.0, 8.0] {
-        let mut o = obs(t, progs(Some(20), Some(21)));
-        let mut m = maps(100).unwrap();
-        m.insert("cilium_ipcache_v2".into(), Some(5));
-        o.maps = Some(m);
-        decide(&mut s, &o);
-    }
+    let s = restarted_without("cilium_tunnel_map", Some(3), true);
     assert_eq!(
         s.verdict.as_ref().unwrap().status,
         Status::Passed,
@@ -837,22 +847,53 @@ fn maps_removed_by_design_in_the_new_version_are_expected() {
         .contains("removed by design: Cilium 1.18"));
 }
 
+/// A step whose baseline had `extra` (with `before` entries) through a restart that comes back
+/// without it; with `v1_18`, the maps now name the release (`cilium_ipcache_v2`).
+fn restarted_without(extra: &str, before: Option<u64>, v1_18: bool) -> Step {
+    let mut s = step();
+    std::sync::Arc::make_mut(&mut s.baseline)
+        .maps
+        .insert(extra.into(), before);
+    for t in [1.0, 2.5, 5.0, 8.0] {
+        let mut o = obs(t, progs(Some(20), Some(21)));
+        if v1_18 {
+            let mut m = maps(100).unwrap();
+            m.insert("cilium_ipcache_v2".into(), Some(5));
+            o.maps = Some(m);
+        }
+        decide(&mut s, &o);
+    }
+    s
+}
+
+/// A map no profile knows is never said to be removed by design: its vanishing is reported
+/// as not known (it is not kept state stepguard counts); a retired name still is by design.
+#[test]
+fn a_map_no_profile_knows_is_not_removed_by_design() {
+    let run = |extra: &str| restarted_without(extra, Some(4), true);
+    let s = run("cilium_lb_affinity_match");
+    assert_eq!(
+        s.verdict.as_ref().unwrap().status,
+        Status::Passed,
+        "{:?}",
+        s.verdict
+    );
+    let judged = &s.maps["cilium_lb_affinity_match"].judged;
+    assert!(judged.starts_with("vanished (reported only)"), "{judged}");
+    assert!(!judged.contains("by design:"), "{judged}");
+    let s = run("cilium_lb4_backends_v2");
+    assert!(s.maps["cilium_lb4_backends_v2"]
+        .judged
+        .contains("removed by design"));
+}
+
 /// The real 1.20.2 agent's start-up sweep unpins `cilium_l2_responder_v6` and
 /// `cilium_lb4_maglev` on an IPv4-only node without Maglev while its program loads may pin
 /// them again (a SIGKILL restart failed `map_missing` on the real agent): their vanishing is
 /// no failure; another map's still is.
 #[test]
 fn maps_swept_for_a_disabled_feature_may_vanish() {
-    let run = |extra: &str| {
-        let mut s = step();
-        std::sync::Arc::make_mut(&mut s.baseline)
-            .maps
-            .insert(extra.into(), None);
-        for t in [1.0, 2.5, 5.0, 8.0] {
-            decide(&mut s, &obs(t, progs(Some(20), Some(21))));
-        }
-        s
-    };
+    let run = |extra: &str| restarted_without(extra, None, false);
     for m in ["cilium_l2_responder_v6", "cilium_lb4_maglev"] {
         let s = run(m);
         assert_eq!(
