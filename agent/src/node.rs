@@ -144,7 +144,16 @@ pub async fn run(
         (None, _, Some(s)) => Some(s),
         _ => None,
     };
-    let overlay = intended.map(|s| (checks::devices::overlay_intent(&s.values), read_at));
+    let release = loaded
+        .as_ref()
+        .and_then(|l| l.as_ref().ok())
+        .and_then(|l| l.version.as_deref())
+        .and_then(crate::profile::release_of);
+    let overlay = intended.map(|s| {
+        let i =
+            checks::devices::overlay_intent(&s.values).with_hooks(&s.values, release.as_deref());
+        (i, read_at)
+    });
     let asks = intended.map(|s| checks::devices::asks(&s.values));
     let obs = NodeObservation {
         overlay,

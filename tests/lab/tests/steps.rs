@@ -818,3 +818,58 @@ fn a_routing_mode_override_is_judged_by_whether_the_datapath_followed_it() {
     }
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
+
+/// Per-node overrides that turn host hooks off, declared nowhere in the step: XDP
+/// (`bpf-lb-acceleration: disabled`) and `cil_to_netdev` (kube-proxy replacement and L2
+/// announcements off: no setting requires devices). The restarted agent's configuration says
+/// they go: the datapath that followed passes, one that kept them fails naming them.
+#[test]
+fn host_hooks_an_override_turns_off_are_judged_by_whether_the_datapath_followed_it() {
+    let mut errors = vec![];
+    for followed in [true, false] {
+        let mut lab = lab(|s| s.xdp = true);
+        let agent = Daemon::start(&lab, &[]);
+        let id = agent.begin_probing(r#"{"settle": "1s", "timeout": "20s"}"#);
+        let (_, b) = agent.get_json(&format!("/v1/steps/{id}"));
+        for k in ["eth0:xdp", "eth0:to_netdev"] {
+            assert!(
+                b["baseline"]["programs"][k].is_number(),
+                "{k}: {}",
+                b["baseline"]
+            );
+        }
+        lab.config_override(&[
+            ("bpf-lb-acceleration".to_string(), "disabled".to_string()),
+            ("kube-proxy-replacement".to_string(), "false".to_string()),
+            ("enable-l2-announcements".to_string(), "false".to_string()),
+        ])
+        .unwrap();
+        lab.restart(&RestartOpts {
+            down: Duration::from_millis(100),
+            ignore_override: !followed,
+            ..Default::default()
+        })
+        .unwrap();
+        let xdp_left = lab
+            .state
+            .attachments
+            .iter()
+            .any(|a| a.program == "cil_xdp_entry");
+        assert_eq!(xdp_left, !followed, "{:?}", lab.state.attachments);
+        let v = agent.verdict(&id);
+        let (status, summary) = (
+            v["verdict"]["status"].as_str().unwrap_or("?"),
+            v["verdict"]["summary"].as_str().unwrap_or(""),
+        );
+        match followed {
+            true if status != "passed" => {
+                errors.push(format!("followed: want passed, got {status}: {summary}"))
+            }
+            false if status != "failed" || !summary.contains("eth0:xdp") => errors.push(format!(
+                "not followed: want failed naming eth0:xdp, got {status}: {summary}"
+            )),
+            _ => {}
+        }
+    }
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}

@@ -249,15 +249,55 @@ pub struct OverlayIntent {
     pub device: Option<String>,
     /// The keys that decided it, as `key=value`.
     pub because: String,
+    /// Whether the configuration asks for XDP on the host devices (`bpf-lb-acceleration`
+    /// other than `disabled`, Cilium's default; the loader unloads XDP programs it no longer
+    /// asks for: `maybeUnloadObsoleteXDPPrograms`, `pkg/datapath/loader/base.go`). None: not
+    /// read with the overlay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xdp: Option<bool>,
+    /// Whether it asks for `cil_to_netdev` ([`to_netdev_required`]). None: not read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_netdev: Option<bool>,
 }
 
 impl OverlayIntent {
-    /// The intent in a line: "cilium_vxlan (routing-mode=tunnel)" or "no overlay (…)".
+    /// The intent in a line: "cilium_vxlan (routing-mode=tunnel)" or "no overlay (…)", and
+    /// the host hooks it does not ask for.
     pub fn describe(&self) -> String {
-        match &self.device {
+        let mut s = match &self.device {
             Some(d) => format!("{d} ({})", self.because),
             None => format!("no overlay ({})", self.because),
+        };
+        if self.xdp == Some(false) {
+            s.push_str(", no XDP (bpf-lb-acceleration disabled)");
         }
+        if self.to_netdev == Some(false) {
+            s.push_str(", no cil_to_netdev (no setting requires devices)");
+        }
+        s
+    }
+
+    /// With the host hooks the configuration asks for, at the agent's `release` when known.
+    pub fn with_hooks(
+        mut self,
+        cfg: &std::collections::BTreeMap<String, String>,
+        release: Option<&str>,
+    ) -> Self {
+        self.xdp = Some(
+            cfg.get("bpf-lb-acceleration")
+                .is_some_and(|v| !matches!(v.trim(), "" | "disabled")),
+        );
+        self.to_netdev = Some(!to_netdev_required(cfg, release).because.is_empty());
+        self
+    }
+
+    /// Whether a reload key (`eth0:xdp`, `cilium_vxlan`, …) is one this intent does not ask
+    /// for: an overlay other than its own, XDP or `cil_to_netdev` it has turned off.
+    pub fn leaves_out(&self, key: &str) -> bool {
+        let dev = key.split(':').next().unwrap_or(key);
+        (is_overlay(dev) && Some(dev) != self.device.as_deref())
+            || (self.xdp == Some(false) && key.ends_with(XDP_KEY))
+            || (self.to_netdev == Some(false) && key.ends_with(TO_NETDEV_KEY))
     }
 }
 
@@ -328,6 +368,8 @@ pub fn overlay_intent(cfg: &std::collections::BTreeMap<String, String>) -> Overl
     OverlayIntent {
         device,
         because: why.join(", "),
+        xdp: None,
+        to_netdev: None,
     }
 }
 

@@ -15,10 +15,7 @@ pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
     // The restarted agent's configuration decides the overlay (tunnel or native, VXLAN or
     // Geneve): the overlays it does not ask for are not wanted, a new one is.
     if let Some(i) = &step.reload.overlay_intent {
-        w.retain(|k| {
-            let dev = k.split(':').next().unwrap_or(k);
-            !devices::is_overlay(dev) || Some(dev) == i.device.as_deref()
-        });
+        w.retain(|k| !i.leaves_out(k));
         if let Some(d) = &i.device {
             if !w.contains(d) {
                 w.insert(d.clone());
@@ -32,20 +29,26 @@ pub fn wanted_devices(step: &Step) -> std::collections::BTreeSet<String> {
     w
 }
 
-/// Overlay keys of the baseline the restarted agent's configuration no longer asks for.
-fn overlay_not_intended(step: &Step) -> Vec<String> {
+/// Keys of the baseline the restarted agent's configuration no longer asks for (an overlay,
+/// XDP, `cil_to_netdev`).
+fn not_intended(step: &Step) -> Vec<String> {
     let Some(i) = &step.reload.overlay_intent else {
         return vec![];
     };
     step.baseline
         .programs
         .keys()
-        .filter(|k| {
-            let dev = k.split(':').next().unwrap_or(k);
-            devices::is_overlay(dev) && Some(dev) != i.device.as_deref()
-        })
+        .filter(|k| i.leaves_out(k))
         .cloned()
         .collect()
+}
+
+/// A key the restarted agent's configuration may turn off: an overlay always (read whenever
+/// the node's configuration is), XDP and `cil_to_netdev` once the configuration was readable.
+fn intent_decides(step: &Step, key: &str) -> bool {
+    devices::is_overlay(key.split(':').next().unwrap_or(key))
+        || (step.reload.intent_readable
+            && (key.ends_with(devices::XDP_KEY) || key.ends_with(devices::TO_NETDEV_KEY)))
 }
 
 /// Takes the overlay the node's configuration asks for from an observation: a read begun
@@ -146,15 +149,13 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
     let want = wanted_devices(step);
     let quiet = r.last_change_at.is_some_and(|t| now - t >= RELOAD_QUIET_S);
     let declared = step.params.expect_devices.is_some() || !step.params.expect_gone.is_empty();
-    let not_intended = overlay_not_intended(step);
+    let not_intended = not_intended(step);
     // Only wanted keys count as lost: an overlay the configuration no longer asks for is
     // meant to go. An overlay lost before the restarted agent's configuration was read waits
     // for it (until the timeout) rather than failing on the previous agent's intent.
     let lost: Vec<&String> = r.lost.iter().filter(|d| want.contains(*d)).collect();
-    let awaiting_intent = step.reload.overlay_intent.is_none()
-        && lost
-            .iter()
-            .any(|d| devices::is_overlay(d.split(':').next().unwrap_or(d)));
+    let awaiting_intent =
+        step.reload.overlay_intent.is_none() && lost.iter().any(|d| intent_decides(step, d));
     // The rest of the datapath reloaded: every wanted device that still carries it has new
     // ids. Cilium reloads the overlay device seconds before the host devices, and detaches
     // devices it no longer selects only after attaching the others (the real 1.20.2 agent,
@@ -175,14 +176,14 @@ pub fn check_reload(step: &Step, now: f64) -> Judged {
             shown: Some(StepCheck {
                 status: CheckStatus::Fail,
                 reason: format!(
-                    "waiting for the restarted agent's configuration: {lost} lost, meant to go only if it no longer asks for that overlay"
+                    "waiting for the restarted agent's configuration: {lost} lost, meant to go only if it no longer asks for them"
                 ),
             }),
             fatal: None,
             at_timeout: Some((
                 Some(Reason::DeviceSetChanged),
                 format!(
-                    "the reloaded datapath is no longer attached to {lost}, and the restarted agent's configuration was not read to say whether the overlay was meant to go"
+                    "the reloaded datapath is no longer attached to {lost}, and the restarted agent's configuration was not read to say whether they were meant to go"
                 ),
             )),
         };

@@ -1565,3 +1565,75 @@ fn an_overlay_the_configuration_adds_is_wanted() {
     assert_eq!(v.status, Status::Failed, "{v:?}");
     assert!(v.summary.contains("cilium_vxlan"), "{}", v.summary);
 }
+
+/// XDP turned off by the restarted agent's configuration (`bpf-lb-acceleration: disabled`)
+/// or `cil_to_netdev` no longer required: the hooks going away are what it asks for, not a
+/// changed device set; one it no longer asks for that stays attached fails, naming why.
+#[test]
+fn hooks_the_restarted_agents_configuration_turns_off_are_meant_to_go() {
+    const BEFORE: [(&str, &str); 3] = [
+        ("routing-mode", "native"),
+        ("bpf-lb-acceleration", "native"),
+        ("kube-proxy-replacement", "true"),
+    ];
+    let run = |gone_after: bool, off: &[(&str, &str)]| {
+        let mut s = step();
+        s.params.settle = Duration::from_secs(2);
+        s.params.timeout = Duration::from_secs(20);
+        let mut b = (*s.baseline).clone();
+        b.programs.insert("eth0:xdp".into(), 30);
+        b.programs.insert("eth0:to_netdev".into(), 31);
+        s.baseline = std::sync::Arc::new(b);
+        let intent = |pairs: &[(&str, &str)]| {
+            let cfg: std::collections::BTreeMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            crate::checks::devices::overlay_intent(&cfg).with_hooks(&cfg, Some("1.20"))
+        };
+        for i in 0..=250 {
+            let t = i as f64 * 0.1;
+            let mut p = if t < 1.2 {
+                progs(Some(10), Some(11)).unwrap()
+            } else {
+                progs(Some(20), Some(21)).unwrap()
+            };
+            let (x, n) = match (t < 1.2, gone_after) {
+                (true, _) => (Some(30), Some(31)),
+                (false, true) => (None, None),
+                (false, false) => (Some(30), Some(31)),
+            };
+            p.insert("eth0:xdp".into(), x);
+            p.insert("eth0:to_netdev".into(), n);
+            let mut o = obs(t, Some(p));
+            o.overlay = Some(if t >= 1.5 {
+                (intent(off), t)
+            } else {
+                (intent(&BEFORE), t.min(1.0))
+            });
+            decide(&mut s, &o);
+            if s.verdict.is_some() {
+                break;
+            }
+        }
+        s.verdict.expect("decided")
+    };
+    let off = [
+        ("routing-mode", "native"),
+        ("bpf-lb-acceleration", "disabled"),
+        ("kube-proxy-replacement", "false"),
+    ];
+    let v = run(true, &off);
+    assert_eq!(v.status, Status::Passed, "{v:?}");
+    // Left attached although the configuration turned them off: the datapath did not follow.
+    let v = run(false, &off);
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+    assert!(
+        v.summary.contains("eth0:xdp") && v.summary.contains("no XDP"),
+        "{}",
+        v.summary
+    );
+    // Lost while the configuration still asks for them: a changed device set, as before.
+    let v = run(true, &BEFORE);
+    assert_eq!(v.reasons, vec![Reason::DeviceSetChanged], "{v:?}");
+}
