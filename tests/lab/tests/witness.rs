@@ -47,8 +47,8 @@ fn gap_of<'a>(gaps: &'a [Value], target: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no gap for {target} in {gaps:?}"))
 }
 
-/// The witness's gap for a VIP matches the lab's ground truth within ± (its stated error bound
-/// + 10 ms), widened by the lab's recording windows. The error bound is the cadence when the
+/// The witness's gap for a VIP matches the lab's ground truth within its stated error bound
+/// plus 10 ms, widened by the lab's recording windows. The error bound is the cadence when the
 /// probes went out on time, wider when a loaded machine sent the edge probes late (the witness
 /// says so); it must stay within ten cadences for the measurement to mean anything.
 fn assert_lan_gap(g: &Value, r: &LanRestartReport, vip: &str, cadence: f64) {
