@@ -322,7 +322,11 @@ fn the_rollout_rbac_is_least_privilege() {
     let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(
         rules("ClusterRole", None),
-        [("nodes".to_string(), v(&["list"]))]
+        [
+            ("nodes".to_string(), v(&["list"])),
+            ("services".to_string(), v(&["list"])),
+            ("endpointslices".to_string(), v(&["list"]))
+        ]
     );
     let ks = rules("Role", Some("kube-system"));
     assert!(

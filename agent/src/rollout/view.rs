@@ -125,9 +125,12 @@ impl Cluster {
                     duration: Duration::from_secs(
                         spec.lease_duration_seconds.unwrap_or(15).max(0) as u64
                     ),
+                    local_backends: None,
                 })
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let mut leases = leases;
+        self.local_backends(&mut leases).await;
         let l2_timings = self.l2_timings(&ds).await;
         let status = ds.status.clone().unwrap_or_default();
         let view = ClusterView {
@@ -163,6 +166,59 @@ impl Cluster {
     /// Cilium's L2-announcement renew deadline and retry period from its ConfigMap
     /// (`cilium-config` in the DaemonSet's namespace, the chart's name), else Cilium's
     /// defaults with the reason; the agent pod's grace from the DaemonSet's template.
+    /// For the leases of Services with `externalTrafficPolicy: Local`, the nodes with a ready
+    /// backend (the Service's EndpointSlices; an endpoint without a `ready` condition is
+    /// ready, as the API says). A read that fails leaves them unknown: the estimate is then
+    /// the lease timings' alone, and a warning says why.
+    async fn local_backends(&self, leases: &mut [L2Lease]) {
+        use k8s_openapi::api::core::v1::Service;
+        use k8s_openapi::api::discovery::v1::EndpointSlice;
+        if leases.is_empty() {
+            return;
+        }
+        let services = match Api::<Service>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+        {
+            Ok(l) => l.items,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list Services: each expected blip assumes another node may take its VIP over");
+                return;
+            }
+        };
+        for l in leases.iter_mut() {
+            let Some((ns, name)) = services.iter().find_map(|s| {
+                let (ns, name) = (
+                    s.metadata.namespace.as_deref()?,
+                    s.metadata.name.as_deref()?,
+                );
+                let local = s.spec.as_ref()?.external_traffic_policy.as_deref() == Some("Local");
+                (local && format!("{ns}-{name}") == l.service).then_some((ns, name))
+            }) else {
+                continue;
+            };
+            let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={name}"));
+            match Api::<EndpointSlice>::namespaced(self.client.clone(), ns)
+                .list(&lp)
+                .await
+            {
+                Ok(slices) => {
+                    let nodes: std::collections::BTreeSet<String> = slices
+                        .items
+                        .iter()
+                        .flat_map(|s| s.endpoints.iter())
+                        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false))
+                        .filter_map(|e| e.node_name.clone())
+                        .collect();
+                    l.local_backends = Some(nodes.into_iter().collect());
+                }
+                Err(e) => {
+                    tracing::warn!(service = %format!("{ns}/{name}"), error = %e, "cannot list the EndpointSlices of a Service with externalTrafficPolicy Local: its expected blip assumes another node may take its VIP over")
+                }
+            }
+        }
+    }
+
     async fn l2_timings(&self, ds: &DaemonSet) -> plan::L2Timings {
         let mut t = plan::L2Timings::default();
         if let Some(pod) = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()) {

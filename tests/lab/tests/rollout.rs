@@ -652,6 +652,49 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
         out.contains("up to 1.1s for a client resolving it meanwhile; 1.5-4.2s if the lease is not released within the 1s grace (lease 2s, retry 0.5s: kube-system/cilium-config)"),
         "{out}"
     );
+    // One VIP's Service with externalTrafficPolicy Local and its only ready backend on its
+    // holder: nobody may take it over (Cilium's L2 announcer: a node without a local backend is
+    // no candidate), and the holder's expected blip says so; the other VIPs' stay as they were.
+    let (vip, holder) = {
+        let lan = e.lan.lock().unwrap();
+        let (v, h) = lan.state.holders.iter().next().expect("a VIP");
+        (v.clone(), node_name(*h))
+    };
+    let svc = e.k.ns::<k8s_openapi::api::core::v1::Service>("default");
+    e.k.create(
+        &svc,
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": vip, "namespace": "default"},
+               "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                        "ports": [{"port": 80, "protocol": "TCP"}]}}),
+    )
+    .unwrap();
+    let slices =
+        e.k.ns::<k8s_openapi::api::discovery::v1::EndpointSlice>("default");
+    e.k.create(
+        &slices,
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": format!("{vip}-1"), "namespace": "default",
+                            "labels": {"kubernetes.io/service-name": vip}},
+               "addressType": "IPv4",
+               "endpoints": [{"addresses": ["192.0.2.80"], "nodeName": holder,
+                              "conditions": {"ready": true}},
+                             {"addresses": ["192.0.2.81"], "nodeName": "node-elsewhere",
+                              "conditions": {"ready": false}}],
+               "ports": [{"port": 80, "protocol": "TCP"}]}),
+    )
+    .unwrap();
+    let (code, out) = rollout(&e, &["--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!("default-{vip}: externalTrafficPolicy Local with no ready backend on another node, so nobody takes the lease over")),
+        "{out}"
+    );
+    assert_eq!(
+        out.matches("externalTrafficPolicy Local").count(),
+        1,
+        "only {vip}'s holder: {out}"
+    );
     // node-2's agent gone (its replacement never started), node-1 NotReady, and the
     // DaemonSet's status stale (the controller frozen across a template change).
     e.kubelet

@@ -60,6 +60,11 @@ pub struct L2Lease {
     pub service: String,
     pub holder: Option<String>,
     pub duration: Duration,
+    /// With `externalTrafficPolicy: Local`, the nodes with a ready backend of the Service:
+    /// only they may announce it (`pkg/l2announcer/l2announcer.go` l. 413, 682: a node
+    /// without a local backend is no candidate). None: `Cluster`, or not read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_backends: Option<Vec<String>>,
 }
 
 /// What the plan is made from.
@@ -149,6 +154,11 @@ pub struct ExpectedBlip {
     pub retry_s: f64,
     pub grace_s: f64,
     pub timings: String,
+    /// Moving VIPs no other node may take over (`externalTrafficPolicy: Local`, no ready
+    /// backend elsewhere): a client resolving one meanwhile waits until the restarted agent
+    /// announces it again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_taker: Vec<String>,
 }
 
 /// The expected blip of a step that moves VIPs whose longest lease is `lease`. The timings
@@ -172,13 +182,14 @@ pub fn expected_blip(lease: Duration, t: &L2Timings) -> ExpectedBlip {
         retry_s: retry.as_secs_f64(),
         grace_s: t.grace.as_secs_f64(),
         timings: t.source.clone(),
+        no_taker: vec![],
     }
 }
 
 impl ExpectedBlip {
     /// One line for people.
     pub fn text(&self) -> String {
-        format!(
+        let mut s = format!(
             "expected LAN blip: none for clients that resolved the VIP (this node forwards until the takeover); up to {:.1}s for a client resolving it meanwhile; {:.1}-{:.1}s if the lease is not released within the {}s grace (lease {}s, retry {}s: {})",
             self.resolving_max_s,
             self.unreleased_min_s,
@@ -187,7 +198,14 @@ impl ExpectedBlip {
             self.lease_s,
             self.retry_s,
             self.timings
-        )
+        );
+        if !self.no_taker.is_empty() {
+            s.push_str(&format!(
+                "; {}: externalTrafficPolicy Local with no ready backend on another node, so nobody takes the lease over: a client resolving it meanwhile waits until the restarted cilium-agent announces it again (its restart, not the lease timings, bounds that)",
+                self.no_taker.join(", ")
+            ));
+        }
+        s
     }
 }
 
@@ -684,7 +702,19 @@ pub fn plan(v: &ClusterView, o: &PlanOpts) -> Result<Vec<PlannedStep>, Vec<Refus
                 .map(|l| l.duration)
                 .max()
                 .unwrap_or(Duration::ZERO);
-            expected_blip(lease, &v.l2_timings)
+            let mut b = expected_blip(lease, &v.l2_timings);
+            b.no_taker = v
+                .leases
+                .iter()
+                .filter(|l| moves.contains(&l.service))
+                .filter(|l| {
+                    l.local_backends
+                        .as_ref()
+                        .is_some_and(|nodes| nodes.iter().all(|n| n == &p.node))
+                })
+                .map(|l| l.service.clone())
+                .collect();
+            b
         });
         let why = match unproven.get(p.node.as_str()) {
             Some(u) if why != "retry" => format!("{why}; on the revision but not proven: {u}"),

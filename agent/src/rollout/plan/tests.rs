@@ -59,11 +59,13 @@ fn view() -> ClusterView {
                 service: "net-pihole-a".into(),
                 holder: Some("a1".into()),
                 duration: Duration::from_secs(15),
+                local_backends: None,
             },
             L2Lease {
                 service: "net-pihole-b".into(),
                 holder: Some("b1".into()),
                 duration: Duration::from_secs(15),
+                local_backends: None,
             },
         ],
         l2_timings: L2Timings::default(),
@@ -153,6 +155,51 @@ fn a_holders_step_names_its_expected_blip_from_the_lease_timings() {
         (b.retry_s - 2.5).abs() < 1e-9 && (b.resolving_max_s - 5.5).abs() < 1e-9,
         "{b:?}"
     );
+}
+
+/// `externalTrafficPolicy: Local`: only nodes with a ready backend may announce the VIP. With
+/// the holder the only one, nobody takes the lease over while its agent restarts, and the
+/// estimate says a resolving client waits for the restarted agent; with a backend on another
+/// node (or `Cluster`), the lease timings stand.
+#[test]
+fn a_local_policy_vip_with_its_only_backend_on_the_holder_has_no_taker() {
+    let mut v = view();
+    v.leases[0].local_backends = Some(vec!["a1".into()]);
+    let p = plan(&v, &PlanOpts::default()).unwrap();
+    let b = p
+        .iter()
+        .find(|s| s.node == "a1")
+        .unwrap()
+        .blip
+        .clone()
+        .unwrap();
+    assert_eq!(b.no_taker, ["net-pihole-a"]);
+    let text = render(&v, &p);
+    assert!(
+        text.contains("net-pihole-a: externalTrafficPolicy Local with no ready backend on another node, so nobody takes the lease over"),
+        "{text}"
+    );
+    v.leases[0].local_backends = Some(vec!["a1".into(), "a2".into()]);
+    let p = plan(&v, &PlanOpts::default()).unwrap();
+    let b = p
+        .iter()
+        .find(|s| s.node == "a1")
+        .unwrap()
+        .blip
+        .clone()
+        .unwrap();
+    assert!(b.no_taker.is_empty(), "{b:?}");
+    // No backend anywhere: still nobody else may take it.
+    v.leases[0].local_backends = Some(vec![]);
+    let p = plan(&v, &PlanOpts::default()).unwrap();
+    let b = p
+        .iter()
+        .find(|s| s.node == "a1")
+        .unwrap()
+        .blip
+        .clone()
+        .unwrap();
+    assert_eq!(b.no_taker, ["net-pihole-a"]);
 }
 
 #[test]
