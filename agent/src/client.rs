@@ -1,7 +1,7 @@
 //! The stepper's side: `stepguard step` and `stepguard wait` talk to an agent over HTTP/1.1
 //! (hyper), with the bearer token when given.
 use anyhow::{bail, Context, Result};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
 use hyper::Request;
 use hyper_util::rt::TokioIo;
@@ -15,7 +15,13 @@ pub struct Agent {
     /// The Host header: `host:port`, IPv6 literals in brackets.
     authority: String,
     token: Option<String>,
+    /// The largest answer read (bytes); a longer one is an error, never read to its end.
+    limit: usize,
 }
+
+/// The largest answer an agent's API gives a stepper (a step with its samples and evidence is
+/// a few MB at most).
+pub const ANSWER_CAP: usize = 64 << 20;
 
 impl Agent {
     /// `http://HOST[:PORT]` (default port 9969; https is not supported: the agent serves plain
@@ -27,7 +33,14 @@ impl Agent {
             port: u.port,
             authority: u.authority,
             token,
+            limit: ANSWER_CAP,
         })
+    }
+
+    /// Reads answers up to `bytes` only (a peer that is not trusted to be small: a witness).
+    pub fn limited(mut self, bytes: usize) -> Agent {
+        self.limit = bytes;
+        self
     }
 
     /// The URL in one spelling: `http://host:port` (lower-case host, the port always given).
@@ -87,11 +100,17 @@ impl Agent {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .map(|s| Duration::from_secs(s.min(60)));
-            let bytes = resp
-                .into_body()
+            let limit = self.limit;
+            let bytes = Limited::new(resp.into_body(), limit)
                 .collect()
                 .await
-                .context("read response")?
+                .map_err(|e| {
+                    if e.is::<http_body_util::LengthLimitError>() {
+                        anyhow::anyhow!("the answer is longer than {limit} bytes: not read")
+                    } else {
+                        anyhow::anyhow!("read response: {e}")
+                    }
+                })?
                 .to_bytes();
             let v = serde_json::from_slice(&bytes)
                 .unwrap_or_else(|_| serde_json::json!({"text": String::from_utf8_lossy(&bytes)}));

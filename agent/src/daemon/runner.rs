@@ -103,6 +103,8 @@ struct Runner {
     /// The node checks and drop counters as last read (every second, and at every decision
     /// once a pass is near: [`Step::pass_near`]).
     slow: Option<SlowReadings>,
+    /// Witnesses (URLs) whose poll has not come back yet.
+    polling: std::collections::BTreeSet<String>,
 }
 
 /// Readings a step needs every second, not every decision: the node checks (the kernel
@@ -134,6 +136,7 @@ pub async fn run(d: Arc<Daemon>) {
         resumed_from: None,
         loads: ProgramLoads::from_now(),
         slow: None,
+        polling: Default::default(),
         d,
     };
     r.resume();
@@ -272,6 +275,7 @@ impl Runner {
 
     /// Folds a witness's answer into the active step.
     fn witness_poll(&mut self, p: WitnessPoll) {
+        self.polling.remove(&p.url);
         if let Some(s) = self.step.as_mut().filter(|s| s.id == p.step) {
             s.witness_answered(&p.url, p.result, unix_now());
         }
@@ -279,10 +283,17 @@ impl Runner {
 
     /// Asks every witness of the active step for its report (answers come back as
     /// [`WitnessPoll`]s; a slow witness never holds up the runner).
-    fn poll_witnesses(&self) {
-        let Some(s) = self.active() else { return };
+    /// A witness whose previous poll has not come back is not asked again: polls never pile
+    /// up behind a slow or hostile one.
+    fn poll_witnesses(&mut self) {
+        let Some(s) = self.step.as_ref().filter(|s| !s.is_final()) else {
+            return;
+        };
         let (after, from) = (s.reload.complete_at, s.created_at);
         for url in s.witnesses.keys() {
+            if !self.polling.insert(url.clone()) {
+                continue;
+            }
             let (url, id, token) = (url.clone(), s.id.clone(), self.d.opts.token.current());
             let tx = self.d.ports.witness.clone();
             tokio::spawn(async move {

@@ -41,6 +41,10 @@ pub fn named_entries<'a>(
 /// How long the agent waits for a witness's answer.
 pub const WITNESS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// The largest witness answer read: a report is its gaps per target, a few KB; a witness (or
+/// whoever answers at its address) sending more is refused, never read to its end.
+pub const WITNESS_ANSWER_CAP: usize = 1 << 20;
+
 /// Begins the step on every witness it names (idempotent there); their instances and start
 /// times, by URL.
 /// `since`: an implicit step's start (the witness seeds it with its continuous probes).
@@ -57,7 +61,8 @@ pub async fn begin_witnesses(
             problem,
         };
         let w = crate::client::Agent::new(url, d.opts.token.current())
-            .map_err(|e| fail(format!("{e:#}")))?;
+            .map_err(|e| fail(format!("{e:#}")))?
+            .limited(WITNESS_ANSWER_CAP);
         let ms = |d: std::time::Duration| Some(format!("{}ms", d.as_millis().max(1)));
         let body = crate::witness::WitnessStepRequest {
             id: id.to_string(),
@@ -105,7 +110,8 @@ pub async fn poll_witness(
     from: f64,
 ) -> Result<crate::witness::WitnessReport, WitnessPollError> {
     let w = crate::client::Agent::new(&url, token)
-        .map_err(|e| WitnessPollError::Failed(format!("{e:#}")))?;
+        .map_err(|e| WitnessPollError::Failed(format!("{e:#}")))?
+        .limited(WITNESS_ANSWER_CAP);
     // The gaps over this step's own window only (`from`: where it began).
     let path = match after {
         Some(a) => format!("/v1/steps/{id}?from={from:.3}&after={a:.3}"),

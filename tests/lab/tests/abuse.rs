@@ -469,3 +469,133 @@ fn a_full_state_dir_loses_no_verdict() {
     );
     assert!(v["not_persisted"].is_null(), "{}", v["not_persisted"]);
 }
+
+/// A peer at a witness's address (a compromised LAN witness, or anyone answering at its
+/// address over plain HTTP): it accepts the step's begin, then answers every poll with a body
+/// that never ends (`endless`) or not at all. Counts the polls, and the most in flight at once.
+struct HostileWitness {
+    url: String,
+    polls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    most_at_once: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    let listener =
+        stepguard_lab::netns::in_netns(ns, || Ok(std::net::TcpListener::bind("127.0.0.1:0")?))
+            .unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (polls, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let now_in = Arc::new(AtomicUsize::new(0));
+    let (p, m) = (polls.clone(), most.clone());
+    let until = Instant::now() + Duration::from_secs(for_s);
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        while Instant::now() < until {
+            let Ok((mut c, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            };
+            let (p, m, now_in) = (p.clone(), m.clone(), now_in.clone());
+            std::thread::spawn(move || {
+                c.set_nonblocking(false).unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                let mut head = Vec::new();
+                let mut b = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65536 {
+                    match c.read(&mut b) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&b[..n]),
+                    }
+                }
+                if head.starts_with(b"POST") {
+                    let body = format!(
+                        r#"{{"id":"hostile","instance":"hostile-1","created_at":{}}}"#,
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .unwrap()
+                            .as_secs_f64()
+                    );
+                    let _ = write!(
+                        c,
+                        "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    return;
+                }
+                p.fetch_add(1, SeqCst);
+                let at_once = now_in.fetch_add(1, SeqCst) + 1;
+                m.fetch_max(at_once, SeqCst);
+                if endless {
+                    let chunk = format!("10000\r\n{}\r\n", " ".repeat(0x10000));
+                    let _ = c.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n");
+                    while Instant::now() < until && c.write_all(chunk.as_bytes()).is_ok() {}
+                } else {
+                    // Never answers: holds the poll until the agent gives up on it.
+                    while Instant::now() < until && !matches!(c.read(&mut b), Ok(0)) {}
+                }
+                now_in.fetch_sub(1, SeqCst);
+            });
+        }
+    });
+    HostileWitness {
+        url,
+        polls,
+        most_at_once: most,
+    }
+}
+
+/// A witness answering polls with an endless body: the agent reads at most its cap (1 MiB)
+/// of each answer, its memory stays under the DaemonSet's 64 Mi limit, and the step records the
+/// witness's failure. One that never answers is polled one poll at a time, never piled up
+/// (polls every 500 ms, each waiting up to 3 s).
+#[test]
+fn a_hostile_witness_neither_fills_the_agents_memory_nor_piles_up_its_polls() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    for endless in [true, false] {
+        let w = hostile_witness(&agent.ns, endless, 40);
+        let id = agent.begin_probing(&format!(
+            r#"{{"settle":"1s","timeout":"12s","witnesses":["{}"]}}"#,
+            w.url
+        ));
+        let (pid, mut peak) = (agent.child.id(), 0.0f64);
+        let sampler = std::thread::spawn(move || {
+            let mut peak = 0.0f64;
+            let until = Instant::now() + Duration::from_secs(8);
+            while Instant::now() < until {
+                peak = peak.max(rss_mib(pid));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            peak
+        });
+        lab.restart(&RestartOpts {
+            down: Duration::from_millis(100),
+            ..Default::default()
+        })
+        .unwrap();
+        peak = peak.max(sampler.join().unwrap());
+        let v = agent.verdict(&id);
+        let polls = w.polls.load(SeqCst);
+        assert!(polls >= 2, "the witness was polled: {polls}");
+        assert!(peak < 64.0, "RSS peaked at {peak:.1} MiB ({polls} polls)");
+        let track = &v["witnesses"][&w.url];
+        assert!(track.is_object(), "{v:#}");
+        if endless {
+            assert!(
+                track.to_string().contains("longer than 1048576 bytes"),
+                "the cap named: {track}"
+            );
+        } else {
+            assert_eq!(
+                w.most_at_once.load(SeqCst),
+                1,
+                "one poll at a time ({polls} polls)"
+            );
+        }
+        assert!(agent.get_json("/readyz").0 == 200, "the agent still ready");
+    }
+}
