@@ -122,8 +122,7 @@ impl SnapshotStore {
             return Ok(());
         }
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, &bytes)?;
-        std::fs::rename(tmp, path)
+        crate::durable::write(&tmp, &path, &bytes)
     }
 
     /// Every value `key` had in a remembered snapshot (oldest first, deduplicated).

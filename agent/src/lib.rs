@@ -10,6 +10,7 @@ pub mod ciliumconfig;
 pub mod client;
 pub mod config;
 pub mod daemon;
+pub mod durable;
 pub mod duration;
 pub mod hooks;
 pub use stepguard_kernel as kernel;

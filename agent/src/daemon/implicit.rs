@@ -30,12 +30,11 @@ fn load_steady(d: &Daemon) -> Option<Steady> {
 fn save_steady(d: &Daemon, s: &Steady) {
     let path = steady_file(d);
     let tmp = path.with_extension("json.tmp");
-    let ok = serde_json::to_vec(s)
-        .ok()
-        .and_then(|b| std::fs::write(&tmp, b).ok())
-        .and_then(|_| std::fs::rename(&tmp, &path).ok());
-    if ok.is_none() {
-        tracing::warn!(path = %path.display(), "cannot persist the steady snapshot");
+    let r = serde_json::to_vec(s)
+        .map_err(std::io::Error::other)
+        .and_then(|b| crate::durable::write(&tmp, &path, &b));
+    if let Err(e) = r {
+        tracing::warn!(path = %path.display(), error = %e, "cannot persist the steady snapshot");
     }
 }
 

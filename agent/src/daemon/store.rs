@@ -77,6 +77,20 @@ impl StepStore {
                 Ok(_) => {}
             }
             match std::fs::read(&path).map(|d| serde_json::from_slice::<Step>(&d)) {
+                // The id names the file the step is written to (and pruned from): one that
+                // is no valid id, or not this file's name, is not this store's record.
+                Ok(Ok(s))
+                    if !crate::step::admission::valid_id(&s.id)
+                        || name != format!("{}.json", s.id) =>
+                {
+                    Self::quarantine(
+                        &path,
+                        &format!(
+                            "its id {:?} is not a step id naming this file",
+                            s.id.chars().take(80).collect::<String>()
+                        ),
+                    )
+                }
                 Ok(Ok(s)) => {
                     steps.insert(s.id.clone(), s);
                 }
@@ -137,21 +151,9 @@ impl StepStore {
     }
 
     pub(super) fn write(&self, s: &Step) -> std::io::Result<()> {
-        use std::io::Write;
         let path = self.dir.join(format!("{}.json", s.id));
         let tmp = self.dir.join(format!(".{}.json.tmp", s.id));
-        let r = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&serde_json::to_vec(s)?)?;
-            f.sync_all()?;
-            drop(f);
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(&self.dir)?.sync_all()
-        })();
-        if r.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        r
+        crate::durable::write(&tmp, &path, &serde_json::to_vec(s)?)
     }
 
     /// Why some step's latest record is not on disk (readiness and the view say so).
@@ -249,6 +251,38 @@ mod tests {
         assert!(root.join("steps/broken.quarantined").exists());
         assert!(root.join("steps/huge.quarantined").exists());
         assert!(!root.join("steps/broken.json").exists());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A planted record whose id climbs out of the directory, and one whose id is not its
+    /// file's name: neither is loaded (a resume would write, and pruning delete, `<id>.json`
+    /// wherever the id points), both are quarantined; nothing is written outside.
+    #[test]
+    fn ids_read_from_disk_are_held_to_the_apis_rule_and_their_file_name() {
+        let root = std::env::temp_dir().join(format!("sg-ids-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = StepStore::new(&root).unwrap();
+        let outside = root.join("PWNED");
+        for (file, id) in [
+            ("innocent", format!("/../../{}", outside.display())),
+            ("other", "someone-else".to_string()),
+        ] {
+            let mut s = bare();
+            s.id = id;
+            std::fs::write(
+                root.join(format!("steps/{file}.json")),
+                serde_json::to_vec(&s).unwrap(),
+            )
+            .unwrap();
+        }
+        drop(store);
+        let store = StepStore::new(&root).unwrap();
+        assert!(store.list().is_empty(), "{:?}", store.list().len());
+        for file in ["innocent", "other"] {
+            assert!(root.join(format!("steps/{file}.quarantined")).exists());
+        }
+        store.prune(0);
+        assert!(!root.join("PWNED.json").exists());
         let _ = std::fs::remove_dir_all(&root);
     }
 
