@@ -22,9 +22,25 @@ fn steady_file(d: &Daemon) -> std::path::PathBuf {
     d.opts.state_dir.join("steady.json")
 }
 
-fn load_steady(d: &Daemon) -> Option<Steady> {
-    let b = std::fs::read(steady_file(d)).ok()?;
-    serde_json::from_slice(&b).ok()
+/// The steady snapshot a previous run left: None when there is none; an error when there is
+/// one that cannot be read (truncated, garbage, too big, not a file).
+fn load_steady(d: &Daemon) -> Result<Option<Steady>, String> {
+    let path = steady_file(d);
+    let meta = match std::fs::symlink_metadata(&path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    if meta.len() > crate::daemon::store::MAX_STEP_FILE {
+        return Err(format!("{} bytes is more than a snapshot", meta.len()));
+    }
+    let b = std::fs::read(&path).map_err(|e| e.to_string())?;
+    serde_json::from_slice(&b)
+        .map(Some)
+        .map_err(|e| format!("not a snapshot ({e})"))
 }
 
 fn save_steady(d: &Daemon, s: &Steady) {
@@ -33,9 +49,10 @@ fn save_steady(d: &Daemon, s: &Steady) {
     let r = serde_json::to_vec(s)
         .map_err(std::io::Error::other)
         .and_then(|b| crate::durable::write(&tmp, &path, &b));
-    if let Err(e) = r {
+    if let Err(e) = &r {
         tracing::warn!(path = %path.display(), error = %e, "cannot persist the steady snapshot");
     }
+    d.store.note_write(&r);
 }
 
 /// Whether the cilium-agent's API socket accepts a connection (None: not configured).
@@ -125,7 +142,39 @@ pub async fn run(d: Arc<Daemon>) {
     // Give the slow loop its first round (maps for the snapshot).
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Was the cilium-agent restarted while this agent was down?
-    if let Some(old) = load_steady(&d) {
+    let found = match load_steady(&d) {
+        Ok(s) => s,
+        Err(why) => {
+            // What it held is lost (a crash mid-write on an older agent, a power loss, a
+            // hand): whether the cilium-agent restarted meanwhile cannot be told, so a step
+            // says so rather than nothing.
+            tracing::error!(path = %steady_file(&d).display(), error = %why, "the steady snapshot cannot be read: a cilium-agent restart while this agent was down cannot be ruled out");
+            if !busy(&d) && !d.store.list().iter().any(|s| !s.is_final()) {
+                if let Ok(obs) = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await {
+                    let maps = lock(&d.node).maps.clone();
+                    let now = unix_now();
+                    if let Ok(baseline) = watch::baseline_from(&d, &obs, maps.as_ref(), now) {
+                        let steady = Steady {
+                            at: now,
+                            boot_id: crate::kernel::clock::boot_id(),
+                            baseline,
+                        };
+                        begin(
+                            &d,
+                            &steady,
+                            "found at the agent's start: its steady snapshot unreadable".into(),
+                            Some(format!(
+                                "this agent's steady snapshot could not be read at its start ({why}): whether the cilium-agent restarted while this agent was down is not known"
+                            )),
+                        )
+                        .await;
+                    }
+                }
+            }
+            None
+        }
+    };
+    if let Some(old) = found {
         if !busy(&d) && !d.store.list().iter().any(|s| !s.is_final()) {
             if let Ok(obs) = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await {
                 let keys: Vec<String> = old.baseline.programs.keys().cloned().collect();

@@ -238,9 +238,20 @@ impl Runner {
                     Some(a) => Begun::Conflict(a.id.clone()),
                     None => {
                         let mut s = *step;
-                        match watch::persist(&self.d, &mut s) {
-                            Err(e) => Begun::NotSaved(e.to_string()),
-                            Ok(()) => {
+                        let saved = watch::persist(&self.d, &mut s);
+                        // A restart nobody stepped is verified whether or not the disk takes
+                        // its record: kept in memory, not persisted (said in the step, the
+                        // log, the write-error count and /readyz), written once the disk
+                        // takes it. A posted step is refused instead: its poster retries.
+                        let keep = s.trigger.is_some();
+                        if let (Err(e), true) = (&saved, keep) {
+                            let why = format!("the step's record could not be written: {e}");
+                            tracing::error!(step = %s.id, error = %e, "an implicit step is kept in memory only: the state dir refuses its record");
+                            self.d.store.keep_unsaved(&s, why);
+                        }
+                        match saved {
+                            Err(e) if !keep => Begun::NotSaved(e.to_string()),
+                            _ => {
                                 s.installed(unix_now());
                                 watch::exported_begin(&self.d, &s);
                                 tracing::info!(step = %s.id, "step begun; probing in burst mode");

@@ -16,6 +16,8 @@ pub struct StepStore {
     unsaved: std::sync::Mutex<BTreeMap<String, String>>,
     /// Writes that failed since start.
     pub write_errors: std::sync::atomic::AtomicU64,
+    /// The last write that failed, until one succeeds (any record: a refused new step too).
+    last_failed: std::sync::Mutex<Option<String>>,
 }
 
 /// A step file larger than this is not read (a step's record is bounded far below it).
@@ -33,6 +35,7 @@ impl StepStore {
             dir,
             unsaved: Default::default(),
             write_errors: Default::default(),
+            last_failed: Default::default(),
         };
         Ok(store)
     }
@@ -125,7 +128,10 @@ impl StepStore {
                 None => false,
             }
         };
-        match self.write(&on_disk) {
+        let written = self.write(&on_disk);
+        *self.last_failed.lock().unwrap_or_else(|e| e.into_inner()) =
+            written.as_ref().err().map(|e| e.to_string());
+        match written {
             Ok(()) => {
                 self.unsaved_mut().remove(&s.id);
                 self.mem().insert(s.id.clone(), on_disk);
@@ -146,6 +152,32 @@ impl StepStore {
         }
     }
 
+    /// Keeps a step the disk refused in memory, marked not persisted, to be written again by
+    /// [`StepStore::retry_unsaved`].
+    pub fn keep_unsaved(&self, s: &Step, why: String) {
+        let mut on_disk = s.clone();
+        on_disk.not_persisted = None;
+        self.mem().insert(s.id.clone(), on_disk);
+        if let Some(k) = self.mem().get_mut(&s.id) {
+            k.not_persisted = Some(why.clone());
+        }
+        self.unsaved_mut().insert(s.id.clone(), why);
+    }
+
+    /// Records how a write to the state directory that is no step's (the steady snapshot)
+    /// went: a failure keeps the agent unready until a later write succeeds.
+    pub fn note_write(&self, r: &std::io::Result<()>) {
+        let mut w = self.last_failed.lock().unwrap_or_else(|e| e.into_inner());
+        match r {
+            Ok(()) => *w = None,
+            Err(e) => {
+                self.write_errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                *w = Some(e.to_string());
+            }
+        }
+    }
+
     pub(super) fn unsaved_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, String>> {
         self.unsaved.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -159,6 +191,17 @@ impl StepStore {
     /// Why some step's latest record is not on disk (readiness and the view say so).
     pub fn unsaved(&self) -> Option<String> {
         self.unsaved_mut().values().next().cloned()
+    }
+
+    /// Why the state directory is not taking writes: a step's record not on disk, or the last
+    /// write failed (a refused step, the steady snapshot) and none succeeded since.
+    pub fn write_problem(&self) -> Option<String> {
+        self.unsaved().or_else(|| {
+            self.last_failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
     }
 
     /// Writes again the steps whose last write failed; how many writes failed again.

@@ -371,14 +371,6 @@ fn waiters_back_off_when_every_long_poll_slot_is_held() {
     }
 }
 
-/// Unmounts the test's tmpfs however the test ends.
-struct Tmpfs(std::path::PathBuf);
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
 /// Issue 22, item 6: the state dir fills after the first save. The verdict is served and says
 /// it is not persisted, readiness says why, a metric counts the failed writes, no temporary
 /// file is left, and once there is room again the record is written and survives a restart.
@@ -386,19 +378,7 @@ impl Drop for Tmpfs {
 fn a_full_state_dir_loses_no_verdict() {
     let mut lab = lab(|_| {});
     let dir = lab.state.run_dir.join("small-state");
-    std::fs::create_dir_all(&dir).unwrap();
-    sh(
-        "mount",
-        &[
-            "-t",
-            "tmpfs",
-            "-o",
-            "size=256k",
-            "tmpfs",
-            dir.to_str().unwrap(),
-        ],
-    );
-    let _mounted = Tmpfs(dir.clone());
+    let _mounted = Tmpfs::small(&dir);
     let mut agent = Daemon::start_with(
         lab.node_ns(),
         lab.stepguard_config(),
@@ -408,12 +388,7 @@ fn a_full_state_dir_loses_no_verdict() {
     );
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"30s"}"#);
     // Fill the disk: the step's later writes fail.
-    let filler = dir.join("filler");
-    let _ = std::process::Command::new("dd")
-        .args(["if=/dev/zero", "bs=4k", "count=1000"])
-        .arg(format!("of={}", filler.display()))
-        .stderr(std::process::Stdio::null())
-        .status();
+    let filler = Tmpfs::fill(&dir);
     lab.restart(&RestartOpts {
         down: Duration::from_millis(200),
         ..Default::default()

@@ -149,3 +149,117 @@ fn an_agent_down_during_the_restart_reports_evidence_incomplete() {
         "{v:#}"
     );
 }
+
+/// Waits (bounded) for the agent's steady snapshot on disk.
+fn steady_persisted(agent: &Daemon) -> std::path::PathBuf {
+    let steady = agent.state_dir.join("steady.json");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !steady.exists() {
+        assert!(Instant::now() < deadline, "no steady snapshot persisted");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    steady
+}
+
+/// The steady snapshot cut in half (as a crash mid-write leaves a file that was not written
+/// durably) while the cilium-agent restarted with this agent down: whether it restarted cannot
+/// be told, and an implicit step says so (`evidence_incomplete`), never nothing.
+#[test]
+fn an_unreadable_steady_snapshot_is_an_incomplete_implicit_step() {
+    let mut lab = lab(|_| {});
+    let mut agent = Daemon::start(&lab, &[]);
+    let steady = steady_persisted(&agent);
+    agent.kill9();
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
+    let whole = std::fs::read(&steady).unwrap();
+    std::fs::write(&steady, &whole[..whole.len() / 2]).unwrap();
+    agent.restart_same();
+    let v = implicit_verdict(&agent, None);
+    assert_eq!(
+        v["verdict"]["reasons"],
+        serde_json::json!(["evidence_incomplete"]),
+        "{v:#}"
+    );
+    assert!(
+        v["verdict"]["summary"]
+            .as_str()
+            .unwrap()
+            .contains("steady snapshot could not be read"),
+        "{v:#}"
+    );
+}
+
+/// The state dir full when the cilium-agent restarts unstepped: the implicit step is still
+/// verified, kept in memory and marked not persisted, the failed writes counted, and the agent
+/// unready until the disk takes its record.
+#[test]
+fn a_full_state_dir_keeps_an_implicit_step_in_memory_and_the_agent_unready() {
+    let mut lab = lab(|_| {});
+    let dir = lab.state.run_dir.join("small-state");
+    let _mounted = Tmpfs::small(&dir);
+    let agent = Daemon::start_with(
+        lab.node_ns(),
+        lab.stepguard_config(),
+        dir.clone(),
+        free_port(),
+        &[],
+    );
+    steady_persisted(&agent);
+    let filler = Tmpfs::fill(&dir);
+    lab.restart(&RestartOpts {
+        down: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .unwrap();
+    let v = implicit_verdict(&agent, None);
+    assert_eq!(v["verdict"]["status"], "passed", "{:#}", v["verdict"]);
+    assert!(
+        v["not_persisted"]
+            .as_str()
+            .is_some_and(|n| n.contains("could not be written")),
+        "{v:#}"
+    );
+    let (s, body) = agent.get("/readyz");
+    assert_eq!(s, 503, "{body}");
+    let (_, m) = agent.get("/metrics");
+    let errors = metric_value(&m, "stepguard_state_write_errors_total").unwrap_or(0.0);
+    assert!(errors >= 1.0, "write errors counted: {errors}");
+    std::fs::remove_file(&filler).unwrap();
+    let id = v["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !(dir.join(format!("steps/{id}.json")).exists() && agent.get("/readyz").0 == 200) {
+        assert!(
+            Instant::now() < deadline,
+            "the record was not written again"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A read-only state dir: every write fails, and readiness says so from the first failed
+/// write on (a refused step, the steady snapshot), not only while a step is unsaved.
+#[test]
+fn a_read_only_state_dir_makes_the_agent_unready() {
+    let lab = lab(|_| {});
+    let dir = lab.state.run_dir.join("ro-state");
+    let _mounted = Tmpfs::small(&dir);
+    let agent = Daemon::start_with(
+        lab.node_ns(),
+        lab.stepguard_config(),
+        dir.clone(),
+        free_port(),
+        &[],
+    );
+    steady_persisted(&agent);
+    assert_eq!(agent.get("/readyz").0, 200);
+    sh("mount", &["-o", "remount,ro", dir.to_str().unwrap()]);
+    let (s, _) = agent.post("/v1/steps", r#"{"settle":"1s","timeout":"10s"}"#, None);
+    assert_eq!(s, 503, "a step that cannot be saved is refused");
+    let (s, body) = agent.get("/readyz");
+    assert_eq!(s, 503, "{body}");
+    assert!(body.contains("state dir"), "{body}");
+}

@@ -87,7 +87,7 @@ impl crate::serving::Admin for Daemon {
     }
 
     fn ready(&self) -> Result<String, String> {
-        if let Some(why) = self.store.unsaved() {
+        if let Some(why) = self.store.write_problem() {
             // Verdicts are served from memory but would not survive a restart.
             return Err(format!(
                 "not ready: the state dir cannot be written ({why})\n"

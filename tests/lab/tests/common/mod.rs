@@ -701,3 +701,42 @@ pub fn agent_on(lan: &stepguard_lab::lan::LanLab, i: u8) -> Daemon {
         &[],
     )
 }
+
+/// A 256 KiB tmpfs mounted at `dir` for a test's state directory; unmounted however the test
+/// ends.
+pub struct Tmpfs(pub PathBuf);
+
+impl Tmpfs {
+    pub fn small(dir: &std::path::Path) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        sh(
+            "mount",
+            &[
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=256k",
+                "tmpfs",
+                dir.to_str().unwrap(),
+            ],
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+
+    /// Fills the tmpfs at `dir` (writes after this fail); returns the filler to remove.
+    pub fn fill(dir: &std::path::Path) -> PathBuf {
+        let filler = dir.join("filler");
+        let _ = Command::new("dd")
+            .args(["if=/dev/zero", "bs=4k", "count=1000"])
+            .arg(format!("of={}", filler.display()))
+            .stderr(std::process::Stdio::null())
+            .status();
+        filler
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
