@@ -119,18 +119,21 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let id = s.id.clone();
-    if d.ports
+    let begun_on = s.clone();
+    let sent = d
+        .ports
         .commands
         .send(super::runner::Command::Begin {
             step: Box::new(s),
             reply: tx,
         })
-        .await
-        .is_ok()
-    {
-        if let Ok(super::runner::Begun::Created(_)) = rx.await {
+        .await;
+    match (sent, rx.await) {
+        (Ok(()), Ok(super::runner::Begun::Created(_))) => {
             tracing::warn!(step = %id, trigger = %trigger, "a cilium-agent restart nobody stepped: verifying it as an implicit step");
         }
+        // Another step won meanwhile: what this one began on the witnesses is ended.
+        _ => watch::end_witnesses(d, &begun_on),
     }
 }
 

@@ -89,6 +89,8 @@ pub struct Daemon {
     pub long_polls: Arc<tokio::sync::Semaphore>,
     /// Set on SIGTERM: long-polls answer at once.
     pub shutting_down: tokio::sync::watch::Sender<bool>,
+    /// Held while a posted step is admitted and begun (one at a time).
+    pub begin_lock: tokio::sync::Mutex<()>,
     /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
     pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
     /// The targets' probes as recorded: metrics, latest outcomes, and the steady samples of
@@ -205,6 +207,7 @@ impl Daemon {
             answer_refs: Mutex::new(BTreeMap::new()),
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
+            begin_lock: tokio::sync::Mutex::new(()),
             recorder: crate::timeline::Recorder::new(
                 metrics_probes,
                 crate::timeline::RingBounds {

@@ -55,6 +55,21 @@ pub async fn begin_witnesses(
     since: Option<f64>,
 ) -> Result<BTreeMap<String, crate::step::WitnessTrack>, BeginError> {
     let mut out = BTreeMap::new();
+    let r = begin_each(d, id, params, since, &mut out).await;
+    if r.is_err() {
+        // The witnesses begun before one refused: ended, not left probing an orphan.
+        end_on(d, id, out.keys());
+    }
+    r.map(|()| out)
+}
+
+async fn begin_each(
+    d: &Daemon,
+    id: &str,
+    params: &StepParams,
+    since: Option<f64>,
+    out: &mut BTreeMap<String, crate::step::WitnessTrack>,
+) -> Result<(), BeginError> {
     for url in &params.witnesses {
         let fail = |problem: String| BeginError::Witness {
             url: url.clone(),
@@ -98,7 +113,7 @@ pub async fn begin_witnesses(
             },
         );
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Polls a witness for its report of step `id`.
@@ -136,10 +151,17 @@ pub async fn poll_witness(
 
 /// Ends the step on its witnesses (best effort, in the background).
 pub fn end_witnesses(d: &Daemon, s: &Step) {
-    for url in s.witnesses.keys() {
-        let (url, token, id) = (url.clone(), d.opts.token.current(), s.id.clone());
+    end_on(d, &s.id, s.witnesses.keys());
+}
+
+/// Ends step `id` on the witnesses at `urls` (best effort, in the background): a step that
+/// ended, or one begun there but never installed here.
+fn end_on<'a>(d: &Daemon, id: &str, urls: impl IntoIterator<Item = &'a String>) {
+    for url in urls {
+        let (url, token, id) = (url.clone(), d.opts.token.current(), id.to_string());
         tokio::spawn(async move {
             if let Ok(w) = crate::client::Agent::new(&url, token) {
+                let w = w.limited(WITNESS_ANSWER_CAP);
                 let _ = w
                     .call("DELETE", &format!("/v1/steps/{id}"), None, WITNESS_TIMEOUT)
                     .await;

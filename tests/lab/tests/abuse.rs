@@ -452,6 +452,8 @@ struct HostileWitness {
     url: String,
     polls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     most_at_once: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Steps begun on it (POSTs).
+    begins: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
@@ -463,8 +465,9 @@ fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
             .unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (polls, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let begins = Arc::new(AtomicUsize::new(0));
     let now_in = Arc::new(AtomicUsize::new(0));
-    let (p, m) = (polls.clone(), most.clone());
+    let (p, m, bg) = (polls.clone(), most.clone(), begins.clone());
     let until = Instant::now() + Duration::from_secs(for_s);
     listener.set_nonblocking(true).unwrap();
     std::thread::spawn(move || {
@@ -473,7 +476,7 @@ fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
                 std::thread::sleep(Duration::from_millis(20));
                 continue;
             };
-            let (p, m, now_in) = (p.clone(), m.clone(), now_in.clone());
+            let (p, m, now_in, bg) = (p.clone(), m.clone(), now_in.clone(), bg.clone());
             std::thread::spawn(move || {
                 c.set_nonblocking(false).unwrap();
                 c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -485,7 +488,14 @@ fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
                         Ok(n) => head.extend_from_slice(&b[..n]),
                     }
                 }
+                if head.starts_with(b"DELETE") {
+                    let _ = c.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+                    );
+                    return;
+                }
                 if head.starts_with(b"POST") {
+                    bg.fetch_add(1, SeqCst);
                     let body = format!(
                         r#"{{"id":"hostile","instance":"hostile-1","created_at":{}}}"#,
                         std::time::SystemTime::now()
@@ -519,6 +529,7 @@ fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
         url,
         polls,
         most_at_once: most,
+        begins,
     }
 }
 
@@ -573,4 +584,31 @@ fn a_hostile_witness_neither_fills_the_agents_memory_nor_piles_up_its_polls() {
         }
         assert!(agent.get_json("/readyz").0 == 200, "the agent still ready");
     }
+}
+
+/// Twenty POSTs at once (different ids, the same witness): one step begins, the others are
+/// refused 409 before anything is begun on the witness, which so sees exactly one step
+/// (before, all twenty were begun there and never ended, evicting the winner's).
+#[test]
+fn concurrent_posts_naming_a_witness_begin_only_the_winner_there() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    let w = hostile_witness(&agent.ns, false, 30);
+    let posts: Vec<_> = (0..20)
+        .map(|i| {
+            let (ns, addr, url) = (agent.ns.clone(), agent.addr, w.url.clone());
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"id":"race-{i}","settle":"1s","timeout":"10s","witnesses":["{url}"]}}"#
+                );
+                http(&ns, addr, "POST", "/v1/steps", Some(&body), None).0
+            })
+        })
+        .collect();
+    let mut codes: Vec<u16> = posts.into_iter().map(|h| h.join().unwrap()).collect();
+    codes.sort();
+    assert_eq!(codes.iter().filter(|c| **c == 201).count(), 1, "{codes:?}");
+    assert_eq!(codes.iter().filter(|c| **c == 409).count(), 19, "{codes:?}");
+    assert_eq!(w.begins.load(SeqCst), 1, "steps begun on the witness");
 }

@@ -271,6 +271,10 @@ async fn post_step(
     if let Some(why) = admission::cadence_refused(&params, longest_timeout) {
         return err(StatusCode::BAD_REQUEST, why);
     }
+    // One begin at a time: a POST is admitted (against the step the runner has) only once
+    // the previous begin has been installed or refused, so concurrent POSTs never contact
+    // witnesses for steps that cannot begin.
+    let _one = d.begin_lock.lock().await;
     let active = d.current_step();
     let finished = id.as_deref().and_then(|i| d.store.load(i));
     match admission::admit(id.as_deref(), &params, active.as_deref(), finished.as_ref()) {
@@ -282,6 +286,9 @@ async fn post_step(
         Ok(s) => s,
         Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
+    // Not installed (another step won, the disk refused it): what its begin started on the
+    // witnesses is ended.
+    let begun_on = s.clone();
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sent = d
         .ports
@@ -291,7 +298,11 @@ async fn post_step(
             reply: tx,
         })
         .await;
-    match (sent, rx.await) {
+    let answer = rx.await;
+    if !matches!(answer, Ok(Begun::Created(_))) {
+        watch::end_witnesses(&d, &begun_on);
+    }
+    match (sent, answer) {
         (Ok(()), Ok(Begun::Created(s))) => {
             (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
         }
