@@ -243,6 +243,9 @@ pub fn parse_resolver(r: &str) -> Result<SocketAddr, ConfigError> {
 /// four critical targets at 1 ms and 100 more at 10 ms.
 pub const MAX_STEP_PROBES_PER_S: f64 = 5_000.0;
 
+/// Targets one agent probes at most.
+pub const MAX_TARGETS: usize = 1_000;
+
 /// Targets with a `burst_interval` below this are critical targets; at most [`MAX_CRITICAL`].
 pub const CRITICAL_BELOW: Duration = Duration::from_millis(10);
 pub const MAX_CRITICAL: usize = 4;
@@ -289,8 +292,31 @@ impl Config {
     }
 
     /// Probes a second during a step at `burst` (each target's own `burst_interval` where
-    /// set) must fit [`MAX_STEP_PROBES_PER_S`]: 500 targets at 10 ms cost more than a core.
-    pub fn check_probe_budget(&self, burst: Duration) -> Result<(), ConfigError> {
+    /// set), and between steps at `steady`, must fit [`MAX_STEP_PROBES_PER_S`]: 500 targets at
+    /// 10 ms cost more than a core. At most [`MAX_TARGETS`] targets (each is a series of
+    /// every probe metric).
+    pub fn check_probe_budget(&self, burst: Duration, steady: Duration) -> Result<(), ConfigError> {
+        if self.targets.len() > MAX_TARGETS {
+            return Err(ConfigError::Field {
+                field: "targets".into(),
+                problem: format!(
+                    "{} targets: at most {MAX_TARGETS} (each is probed every {} and is a series of every probe metric)",
+                    self.targets.len(),
+                    crate::duration::human(steady)
+                ),
+            });
+        }
+        let steady_per_s = self.targets.len() as f64 / steady.as_secs_f64().max(1e-3);
+        if steady_per_s > MAX_STEP_PROBES_PER_S {
+            return Err(ConfigError::Field {
+                field: "targets".into(),
+                problem: format!(
+                    "{} targets make {steady_per_s:.0} probes a second between steps at a {} cadence (at most {MAX_STEP_PROBES_PER_S:.0}): probe fewer targets, or set a coarser --probe-interval",
+                    self.targets.len(),
+                    crate::duration::human(steady)
+                ),
+            });
+        }
         let per_s: f64 = self
             .targets
             .iter()
@@ -333,6 +359,12 @@ impl Config {
                     "{:?} is not auto, 1.16, 1.17, 1.18, 1.19, 1.20 (or newer: checked against 1.20)",
                     self.cilium
                 ),
+            );
+        }
+        if self.implicit_steps.settle < Duration::from_millis(100) {
+            return field(
+                "implicit_steps.settle",
+                "must be at least 100ms (a green-for window shorter than one decision passes on a single look)".into(),
             );
         }
         if self.implicit_steps.settle >= self.implicit_steps.timeout {

@@ -337,7 +337,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
         None => Config::default(),
     };
     cfg.check_paths()?;
-    cfg.check_probe_budget(args.burst_interval)?;
+    cfg.check_probe_budget(args.burst_interval, args.probe_interval)?;
     let token = stepguard::serving::Token::from_file(args.token_file.as_deref())?;
     let opts = DaemonOptions {
         state_dir: args.state_dir.clone(),
@@ -437,8 +437,16 @@ async fn shutdown_signal() {
         Ok(s) => s,
         Err(_) => return std::future::pending().await,
     };
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
+    // SIGHUP (a terminal closing, a habit of reloading daemons) would end the process by
+    // default: it is handled, and ignored with a line saying so.
+    let mut hup = signal(SignalKind::hangup()).ok();
+    loop {
+        tokio::select! {
+            _ = term.recv() => return,
+            _ = tokio::signal::ctrl_c() => return,
+            Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                tracing::warn!("SIGHUP ignored: the configuration is read at start; restart the process to apply a change (the token file is read again whenever it changes)");
+            }
+        }
     }
 }

@@ -411,6 +411,12 @@ impl Token {
     /// the file changes.
     pub fn from_file(path: Option<&std::path::Path>) -> anyhow::Result<Token> {
         let token = crate::client::read_token(path)?;
+        if let Some(p) = path {
+            use std::os::unix::fs::PermissionsExt;
+            if std::fs::metadata(p).is_ok_and(|m| m.permissions().mode() & 0o004 != 0) {
+                tracing::warn!(file = %p.display(), "the token file is readable by every user of this host: make it readable by this process's user (or group) only, e.g. chmod 0400");
+            }
+        }
         let seen = path.and_then(file_stamp);
         Ok(Token {
             inner: Arc::new(std::sync::Mutex::new(TokenState {

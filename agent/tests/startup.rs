@@ -204,3 +204,36 @@ fn a_probe_budget_is_checked_at_startup() {
     let (_, err) = agent(&[], Some(&y));
     assert!(err.contains("probes a second"), "{err}");
 }
+
+/// The guard counts the probes between steps too: 400 targets with a coarse step cadence
+/// are fine at the default 1 s steady cadence and refused at 50 ms (8,000 a second); more
+/// than 1,000 targets are refused whatever the cadences.
+#[test]
+fn the_steady_probe_rate_and_the_target_count_are_checked_at_startup() {
+    let targets = |n: usize| {
+        let mut y = String::from("targets:\n");
+        for i in 0..n {
+            y.push_str(&format!(
+                "  - {{name: t{i}, address: 198.51.100.10, probe: tcp, port: 80}}\n"
+            ));
+        }
+        y
+    };
+    let y = targets(400);
+    let (_, err) = agent(
+        &["--burst-interval", "1s", "--probe-interval", "50ms"],
+        Some(&y),
+    );
+    assert!(err.contains("probes a second between steps"), "{err}");
+    refused(
+        &["--burst-interval", "1s", "--probe-interval", "50ms"],
+        Some(&y),
+        "targets",
+    );
+    // Accepted (checked without starting an agent that would then run).
+    let cfg = stepguard::config::Config::parse(&y).unwrap();
+    let s = std::time::Duration::from_secs(1);
+    assert!(cfg.check_probe_budget(s, s).is_ok());
+    let (_, err) = agent(&["--burst-interval", "10s"], Some(&targets(1001)));
+    assert!(err.contains("1001 targets: at most 1000"), "{err}");
+}

@@ -185,11 +185,13 @@ impl StepParams {
             Duration::from_secs(1),
             Duration::from_secs(6 * 3600),
         )?;
+        // Settle is how long everything must stay green: a window shorter than one decision
+        // (every 100 ms) would pass on a single look.
         let settle = dur(
             "settle",
             &r.settle,
             Duration::from_secs(10),
-            Duration::ZERO,
+            Duration::from_millis(100),
             Duration::from_secs(3600),
         )?;
         if settle >= timeout {

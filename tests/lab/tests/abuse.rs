@@ -612,3 +612,15 @@ fn concurrent_posts_naming_a_witness_begin_only_the_winner_there() {
     assert_eq!(codes.iter().filter(|c| **c == 409).count(), 19, "{codes:?}");
     assert_eq!(w.begins.load(SeqCst), 1, "steps begun on the witness");
 }
+
+/// SIGHUP (a closed terminal, a habit of reloading daemons) no longer ends the agent: it is
+/// ignored with a line saying so, and the agent keeps serving.
+#[test]
+fn sighup_does_not_end_the_agent() {
+    let lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &[]);
+    // SAFETY: a signal to the agent this test started.
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGHUP) };
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(agent.get("/livez").0, 200, "the agent still serves after SIGHUP");
+}

@@ -241,8 +241,17 @@ async fn post_step(
         StepRequest::default()
     } else {
         let de = &mut serde_json::Deserializer::from_slice(&body);
-        match serde_path_to_error::deserialize(de) {
-            Ok(r) => r,
+        match serde_path_to_error::deserialize(&mut *de) {
+            // One JSON value and nothing after it but whitespace.
+            Ok(r) => match de.end() {
+                Ok(()) => r,
+                Err(e) => {
+                    return err(
+                        StatusCode::BAD_REQUEST,
+                        format!("invalid step request: more after the JSON body ({e})"),
+                    )
+                }
+            },
             Err(e) => {
                 let path = e.path().to_string();
                 let inner = e.into_inner();

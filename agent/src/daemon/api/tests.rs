@@ -119,6 +119,8 @@ async fn every_documented_status_code() {
         (r#"{"frobnicate": 1}"#, "unknown field `frobnicate`"),
         (r#"{"timeout": "soon"}"#, "timeout"),
         (r#"{"id": "../x"}"#, "id"),
+        (r#"{"id": "b1"} xx"#, "more after the JSON body"),
+        (r#"{"settle": "0s"}"#, "settle: 0us is out of range (100ms"),
     ] {
         let (s, v) = call(&d, "POST", "/v1/steps", body, None).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {v}");
