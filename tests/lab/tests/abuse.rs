@@ -768,3 +768,44 @@ fn connection_floods_do_not_lock_a_prompt_client_out() {
     drop(slow);
     eprintln!("{}", report.join("\n"));
 }
+
+/// Every slot held by a request being answered (long-polls, which no newcomer may evict): a
+/// probe still gets the slot set aside for `/livez` and `/readyz`, at once.
+#[test]
+fn a_probe_is_served_while_every_slot_answers_a_long_poll() {
+    let lab = lab(|_| {});
+    let agent = Daemon::start(&lab, &["--max-connections", "8", "--max-long-polls", "8"]);
+    let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
+    let polls: Vec<_> = (0..8)
+        .map(|_| {
+            let (ns, addr, id) = (agent.ns.clone(), agent.addr, id.clone());
+            std::thread::spawn(move || {
+                http(
+                    &ns,
+                    addr,
+                    "GET",
+                    &format!("/v1/steps/{id}?wait=4s"),
+                    None,
+                    None,
+                )
+                .0
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1000));
+    let t = Instant::now();
+    let (s, body) = agent.get("/readyz");
+    assert_eq!(s, 200, "{body}");
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
+    for p in polls {
+        assert_eq!(
+            p.join().unwrap(),
+            202,
+            "the long-polls were held to their wait"
+        );
+    }
+}
