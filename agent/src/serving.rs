@@ -218,9 +218,6 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    // One slot beyond them for the probes (`GET /livez`, `GET /readyz`) when every other is
-    // held by connections answering requests.
-    let probe_slot = Arc::new(Semaphore::new(1));
     let waiters: Waiters = Default::default();
     let serving: Serving = Default::default();
     let graceful = GracefulShutdown::new();
@@ -252,7 +249,6 @@ pub async fn serve(
             }
             w.push_back((id, cancel_tx));
         }
-        let probe_slot = probe_slot.clone();
         let (slots, waiters, serving, watcher, router) = (
             slots.clone(),
             waiters.clone(),
@@ -277,24 +273,8 @@ pub async fn serve(
             if !arrived {
                 return; // idle, evicted or broken: closed, having held no slot
             }
-            // A probe is known from its request line (in the same packet as its first byte).
-            let mut line = [0u8; 12];
-            let seen = sock.peek(&mut line).await.unwrap_or(0);
-            let head = &line[..seen];
-            let probe = head.starts_with(b"GET /livez") || head.starts_with(b"GET /readyz");
-            let reserved = || {
-                slots
-                    .clone()
-                    .try_acquire_owned()
-                    .or_else(|_| probe_slot.clone().try_acquire_owned())
-                    .ok()
-            };
-            let permit = match probe.then(reserved).flatten() {
-                Some(p) => p,
-                None => match take_slot(&slots, &serving, source, per_source).await {
-                    Some(p) => p,
-                    None => return, // nothing gave a slot up in time: closed
-                },
+            let Some(permit) = take_slot(&slots, &serving, source, per_source).await else {
+                return; // nothing gave a slot up in time: closed
             };
             let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let in_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
