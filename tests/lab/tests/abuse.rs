@@ -622,5 +622,9 @@ fn sighup_does_not_end_the_agent() {
     // SAFETY: a signal to the agent this test started.
     unsafe { libc::kill(agent.child.id() as i32, libc::SIGHUP) };
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(agent.get("/livez").0, 200, "the agent still serves after SIGHUP");
+    assert_eq!(
+        agent.get("/livez").0,
+        200,
+        "the agent still serves after SIGHUP"
+    );
 }

@@ -161,6 +161,22 @@ fn steady_persisted(agent: &Daemon) -> std::path::PathBuf {
     steady
 }
 
+/// An agent whose state directory is a 256 KiB tmpfs `name` in the lab's run directory, once
+/// its steady snapshot is on disk.
+fn on_small_state_dir(lab: &stepguard_lab::Lab, name: &str) -> (std::path::PathBuf, Tmpfs, Daemon) {
+    let dir = lab.state.run_dir.join(name);
+    let mounted = Tmpfs::small(&dir);
+    let agent = Daemon::start_with(
+        lab.node_ns(),
+        lab.stepguard_config(),
+        dir.clone(),
+        free_port(),
+        &[],
+    );
+    steady_persisted(&agent);
+    (dir, mounted, agent)
+}
+
 /// The steady snapshot cut in half (as a crash mid-write leaves a file that was not written
 /// durably) while the cilium-agent restarted with this agent down: whether it restarted cannot
 /// be told, and an implicit step says so (`evidence_incomplete`), never nothing.
@@ -199,16 +215,7 @@ fn an_unreadable_steady_snapshot_is_an_incomplete_implicit_step() {
 #[test]
 fn a_full_state_dir_keeps_an_implicit_step_in_memory_and_the_agent_unready() {
     let mut lab = lab(|_| {});
-    let dir = lab.state.run_dir.join("small-state");
-    let _mounted = Tmpfs::small(&dir);
-    let agent = Daemon::start_with(
-        lab.node_ns(),
-        lab.stepguard_config(),
-        dir.clone(),
-        free_port(),
-        &[],
-    );
-    steady_persisted(&agent);
+    let (dir, _mounted, agent) = on_small_state_dir(&lab, "small-state");
     let filler = Tmpfs::fill(&dir);
     lab.restart(&RestartOpts {
         down: Duration::from_millis(300),
@@ -245,16 +252,7 @@ fn a_full_state_dir_keeps_an_implicit_step_in_memory_and_the_agent_unready() {
 #[test]
 fn a_read_only_state_dir_makes_the_agent_unready() {
     let lab = lab(|_| {});
-    let dir = lab.state.run_dir.join("ro-state");
-    let _mounted = Tmpfs::small(&dir);
-    let agent = Daemon::start_with(
-        lab.node_ns(),
-        lab.stepguard_config(),
-        dir.clone(),
-        free_port(),
-        &[],
-    );
-    steady_persisted(&agent);
+    let (dir, _mounted, agent) = on_small_state_dir(&lab, "ro-state");
     assert_eq!(agent.get("/readyz").0, 200);
     sh("mount", &["-o", "remount,ro", dir.to_str().unwrap()]);
     let (s, _) = agent.post("/v1/steps", r#"{"settle":"1s","timeout":"10s"}"#, None);

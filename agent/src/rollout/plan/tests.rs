@@ -164,42 +164,30 @@ fn a_holders_step_names_its_expected_blip_from_the_lease_timings() {
 #[test]
 fn a_local_policy_vip_with_its_only_backend_on_the_holder_has_no_taker() {
     let mut v = view();
-    v.leases[0].local_backends = Some(vec!["a1".into()]);
-    let p = plan(&v, &PlanOpts::default()).unwrap();
-    let b = p
-        .iter()
-        .find(|s| s.node == "a1")
-        .unwrap()
-        .blip
-        .clone()
-        .unwrap();
-    assert_eq!(b.no_taker, ["net-pihole-a"]);
-    let text = render(&v, &p);
+    // The VIPs a1's step says nobody takes over, with its backends on `nodes`.
+    let no_taker = |v: &mut ClusterView, nodes: &[&str]| {
+        v.leases[0].local_backends = Some(nodes.iter().map(|n| n.to_string()).collect());
+        let p = plan(v, &PlanOpts::default()).unwrap();
+        let b = p
+            .iter()
+            .find(|s| s.node == "a1")
+            .unwrap()
+            .blip
+            .clone()
+            .unwrap();
+        (b.no_taker, render(v, &p))
+    };
+    let (vips, text) = no_taker(&mut v, &["a1"]);
+    assert_eq!(vips, ["net-pihole-a"]);
     assert!(
         text.contains("net-pihole-a: externalTrafficPolicy Local with no ready backend on another node, so nobody takes the lease over"),
         "{text}"
     );
-    v.leases[0].local_backends = Some(vec!["a1".into(), "a2".into()]);
-    let p = plan(&v, &PlanOpts::default()).unwrap();
-    let b = p
-        .iter()
-        .find(|s| s.node == "a1")
-        .unwrap()
-        .blip
-        .clone()
-        .unwrap();
-    assert!(b.no_taker.is_empty(), "{b:?}");
+    let (vips, _) = no_taker(&mut v, &["a1", "a2"]);
+    assert!(vips.is_empty(), "{vips:?}");
     // No backend anywhere: still nobody else may take it.
-    v.leases[0].local_backends = Some(vec![]);
-    let p = plan(&v, &PlanOpts::default()).unwrap();
-    let b = p
-        .iter()
-        .find(|s| s.node == "a1")
-        .unwrap()
-        .blip
-        .clone()
-        .unwrap();
-    assert_eq!(b.no_taker, ["net-pihole-a"]);
+    let (vips, _) = no_taker(&mut v, &[]);
+    assert_eq!(vips, ["net-pihole-a"]);
 }
 
 #[test]
