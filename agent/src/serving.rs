@@ -9,6 +9,9 @@
 //! waiting so are bounded too, and when they are all taken the oldest waiter is closed: idle
 //! connections (a flood, half-open sockets) can never hold the slots that serve requests, and
 //! a client that sends its request at once (`/readyz`, `/metrics`) is served under a flood.
+//! When every slot is held, a newcomer whose request has arrived takes the slot of a stalled
+//! writer, else of the oldest connection not answering a request (idle keep-alive, headers
+//! arriving a byte at a time); one source holds at most `per_source` slots.
 //! Request headers have a read timeout; a response the client does not read within
 //! `write_timeout` closes the connection (a slow reader with a tiny receive buffer holds no
 //! slot); one connection serves at most `max_requests` requests (pipelined or not), then
@@ -33,21 +36,42 @@ pub trait Admin: Send + Sync + 'static {
     fn ready(&self) -> Result<String, String>;
 }
 
+/// How long an encoded `/metrics` answer is served again: each encoding walks every series,
+/// and hundreds of clients pipelining `/metrics` would otherwise starve the process; a scrape
+/// (every 15 s or so) sees values at most this old.
+pub const METRICS_REUSE: Duration = Duration::from_millis(100);
+
+/// An encoded `/metrics` answer and when it was encoded.
+type Encoded = (std::time::Instant, Arc<str>);
+
 /// `/metrics`, `/livez` and `/readyz` for `state`, to merge into a process's own router.
 pub fn admin<S: Admin>(state: Arc<S>) -> Router {
     use axum::extract::State;
     use axum::response::IntoResponse;
     use axum::routing::get;
+    // One encoding at a time, its answer reused for a moment (coalesced, as `/v1/checks`).
+    let last: Arc<tokio::sync::Mutex<Option<Encoded>>> = Default::default();
     Router::new()
         .route(
             "/metrics",
-            get(|State(s): State<Arc<S>>| async move {
+            get(move |State(s): State<Arc<S>>| async move {
+                let body = {
+                    let mut last = last.lock().await;
+                    match last.as_ref() {
+                        Some((at, body)) if at.elapsed() < METRICS_REUSE => body.clone(),
+                        _ => {
+                            let body: Arc<str> = s.metrics().into();
+                            *last = Some((std::time::Instant::now(), body.clone()));
+                            body
+                        }
+                    }
+                };
                 (
                     [(
                         header::CONTENT_TYPE,
                         "application/openmetrics-text; version=1.0.0; charset=utf-8",
                     )],
-                    s.metrics(),
+                    body.to_string(),
                 )
                     .into_response()
             }),
@@ -80,6 +104,9 @@ pub struct Limits {
     pub write_timeout: Duration,
     /// Requests one connection may send (pipelined or one after another) before it is closed.
     pub max_requests: usize,
+    /// Slots one source address may hold; beyond it its own oldest idle connection gives one
+    /// up, or the newcomer is closed.
+    pub per_source: usize,
 }
 
 impl Default for Limits {
@@ -91,6 +118,7 @@ impl Default for Limits {
             shutdown_grace: Duration::from_secs(5),
             write_timeout: Duration::from_secs(5),
             max_requests: 64,
+            per_source: 64,
         }
     }
 }
@@ -98,25 +126,88 @@ impl Default for Limits {
 /// Connections waiting for their first bytes, oldest first, each with its eviction signal.
 type Waiters = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, oneshot::Sender<()>)>>>;
 
-/// Connections holding a slot: id, whether a response write is stalled, the eviction signal.
-type Serving =
-    Arc<std::sync::Mutex<Vec<(u64, Arc<std::sync::atomic::AtomicBool>, oneshot::Sender<()>)>>>;
+/// A connection holding a slot.
+struct Held {
+    id: u64,
+    source: std::net::IpAddr,
+    /// A response write is stalled (the client does not read).
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+    /// A request is being answered (headers read, response not yet produced); otherwise the
+    /// connection is reading a request's headers or idle between keep-alive requests.
+    in_request: Arc<std::sync::atomic::AtomicBool>,
+    evict: oneshot::Sender<()>,
+}
+
+/// Connections holding a slot, oldest first.
+type Serving = Arc<std::sync::Mutex<Vec<Held>>>;
 
 /// How long a new request waits for the slot an evicted connection gives up.
 const EVICTION_WAIT: Duration = Duration::from_millis(200);
 
-/// Closes the oldest connection whose response write is stalled; false when none is.
-fn evict_stalled(serving: &Serving) -> bool {
+/// Closes the oldest connection `which` selects; false when none is selected.
+fn evict(serving: &Serving, which: impl Fn(&Held) -> bool) -> bool {
     let mut s = serving.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(i) = s
-        .iter()
-        .position(|(_, stalled, _)| stalled.load(std::sync::atomic::Ordering::Relaxed))
-    else {
+    let Some(i) = s.iter().position(which) else {
         return false;
     };
-    let (_, _, tx) = s.remove(i);
-    let _ = tx.send(());
+    let h = s.remove(i);
+    let _ = h.evict.send(());
     true
+}
+
+/// A connection that gives its slot up to a newcomer whose request has arrived: one whose
+/// response write is stalled, else the oldest that is not answering a request (idle between
+/// keep-alive requests, or still sending its headers a byte at a time).
+fn evict_for_newcomer(serving: &Serving, source: Option<std::net::IpAddr>) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mine = |h: &Held| source.is_none_or(|s| h.source == s);
+    evict(serving, |h| mine(h) && h.stalled.load(Relaxed))
+        || evict(serving, |h| mine(h) && !h.in_request.load(Relaxed))
+}
+
+/// How long a newcomer whose request has arrived waits for a slot to be given up before it is
+/// closed (every held connection may be answering a request at that moment).
+const NEWCOMER_PATIENCE: Duration = Duration::from_millis(500);
+
+/// A slot for a newcomer from `source` whose request has arrived: a free one, else one given
+/// up by a connection [`evict_for_newcomer`] picks (within the source's share, one of its
+/// own), as soon as one can be, for up to [`NEWCOMER_PATIENCE`]. None: closed.
+async fn take_slot(
+    slots: &Arc<Semaphore>,
+    serving: &Serving,
+    source: std::net::IpAddr,
+    per_source: usize,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    let deadline = tokio::time::Instant::now() + NEWCOMER_PATIENCE;
+    loop {
+        let over_share = serving
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|h| h.source == source)
+            .count()
+            >= per_source;
+        if !over_share {
+            if let Ok(p) = slots.clone().try_acquire_owned() {
+                return Some(p);
+            }
+        }
+        let evicted = evict_for_newcomer(serving, over_share.then_some(source));
+        if evicted {
+            // The evicted connection's task gives its permit back as it ends.
+            if let Ok(Ok(p)) =
+                tokio::time::timeout(EVICTION_WAIT, slots.clone().acquire_owned()).await
+            {
+                return Some(p);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        if !evicted {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then closes within the grace.
@@ -127,13 +218,16 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    // One slot beyond them for the probes (`GET /livez`, `GET /readyz`) when every other is
+    // held by connections answering requests.
+    let probe_slot = Arc::new(Semaphore::new(1));
     let waiters: Waiters = Default::default();
     let serving: Serving = Default::default();
     let graceful = GracefulShutdown::new();
     let mut next_id: u64 = 0;
     tokio::pin!(shutdown);
     loop {
-        let (sock, _) = tokio::select! {
+        let (sock, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
@@ -158,6 +252,7 @@ pub async fn serve(
             }
             w.push_back((id, cancel_tx));
         }
+        let probe_slot = probe_slot.clone();
         let (slots, waiters, serving, watcher, router) = (
             slots.clone(),
             waiters.clone(),
@@ -167,6 +262,7 @@ pub async fn serve(
         );
         let header_timeout = limits.header_timeout;
         let (write_timeout, max_requests) = (limits.write_timeout, limits.max_requests.max(1));
+        let (source, per_source) = (peer.ip().to_canonical(), limits.per_source.max(1));
         tokio::spawn(async move {
             let mut first = [0u8; 1];
             let arrived = tokio::select! {
@@ -181,34 +277,55 @@ pub async fn serve(
             if !arrived {
                 return; // idle, evicted or broken: closed, having held no slot
             }
-            // Every slot taken: a connection whose client is not reading its responses (a
-            // stalled write) gives its slot up; otherwise this one is closed at once.
-            let permit = match slots.clone().try_acquire_owned() {
-                Ok(p) => p,
-                Err(_) => {
-                    if !evict_stalled(&serving) {
-                        return;
-                    }
-                    match tokio::time::timeout(EVICTION_WAIT, slots.acquire_owned()).await {
-                        Ok(Ok(p)) => p,
-                        _ => return,
-                    }
-                }
+            // A probe is known from its request line (in the same packet as its first byte).
+            let mut line = [0u8; 12];
+            let seen = sock.peek(&mut line).await.unwrap_or(0);
+            let head = &line[..seen];
+            let probe = head.starts_with(b"GET /livez") || head.starts_with(b"GET /readyz");
+            let reserved = || {
+                slots
+                    .clone()
+                    .try_acquire_owned()
+                    .or_else(|_| probe_slot.clone().try_acquire_owned())
+                    .ok()
+            };
+            let permit = match probe.then(reserved).flatten() {
+                Some(p) => p,
+                None => match take_slot(&slots, &serving, source, per_source).await {
+                    Some(p) => p,
+                    None => return, // nothing gave a slot up in time: closed
+                },
             };
             let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let in_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let (evict_tx, evict_rx) = oneshot::channel::<()>();
             serving
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push((id, stalled.clone(), evict_tx));
+                .push(Held {
+                    id,
+                    source,
+                    stalled: stalled.clone(),
+                    in_request: in_request.clone(),
+                    evict: evict_tx,
+                });
             let _ = sock.set_nodelay(true);
             // The last request a connection may send is answered with `Connection: close`.
             let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let answering = in_request.clone();
+            let router = tower::ServiceExt::<hyper::Request<hyper::body::Incoming>>::map_request(
+                router,
+                move |r: hyper::Request<hyper::body::Incoming>| {
+                    answering.store(true, std::sync::atomic::Ordering::Relaxed);
+                    r
+                },
+            );
             let svc = TowerToHyperService::new(tower::ServiceExt::<
                 hyper::Request<hyper::body::Incoming>,
             >::map_response(
                 router,
                 move |mut r: axum::response::Response| {
+                    in_request.store(false, std::sync::atomic::Ordering::Relaxed);
                     let n = served.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                     if n >= max_requests {
                         r.headers_mut()
@@ -232,7 +349,7 @@ pub async fn serve(
             serving
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .retain(|(c, _, _)| *c != id);
+                .retain(|h| h.id != id);
             drop(permit);
         });
     }

@@ -7,7 +7,9 @@
 //! is host-wide is counted in the solo targets, which run afterwards with nothing beside them:
 //! kernel drop accounting counts every drop on the host (`kernel_drops`, the step tests' drop
 //! budgets), and the step tests measure gaps to within the probe cadence, which a loaded CPU
-//! would blur. `STEPGUARD_TEST_LANES=1` runs everything one target at a time.
+//! would blur. The host's RTNL lock is shared as well: a target that holds it for seconds runs
+//! in one lane with the targets whose timing it would break (`ONE_LANE`).
+//! `STEPGUARD_TEST_LANES=1` runs everything one target at a time.
 use crate::testrun::{parse_output, run_capturing, Ledger, Package, Stage, Target};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -20,6 +22,11 @@ use std::time::Instant;
 
 /// Targets that run alone, after the lanes (see the module's comment).
 pub const SOLO: [&str; 3] = ["steps", "kernel_drops", "budgets"];
+
+/// Targets that run in one lane, one after the other. The witness's LAN lab moves leases on a
+/// timeline of kernel changes that each wait for the host's RTNL lock, which the endpoint
+/// tests (a thousand pods' interfaces made and removed) hold for seconds at a time.
+const ONE_LANE: [&[&str]; 1] = [&["witness", "endpoints"]];
 
 /// Each target's running time on the reference machine (2 cores), seconds: how the lanes are
 /// balanced (longest first, to the least loaded lane). A target not listed counts 30 s.
@@ -62,18 +69,24 @@ pub fn plan<'a>(targets: &[&'a Target], n: usize) -> (Vec<Vec<&'a Target>>, Vec<
     let (solo, mut rest): (Vec<&Target>, Vec<&Target>) = targets
         .iter()
         .partition(|t| n > 1 && SOLO.contains(&t.name.as_str()));
-    // The real cilium-agent's targets share one lane: one real agent at a time.
+    // The real cilium-agent's targets share one lane: one real agent at a time; so do the
+    // targets of each of `ONE_LANE`'s groups.
+    let mut shared: BTreeMap<&str, Vec<&Target>> = BTreeMap::new();
     let mut groups: Vec<(f64, Vec<&Target>)> = Vec::new();
-    let mut real: Vec<&Target> = Vec::new();
     for t in rest.drain(..) {
-        if t.name.starts_with("real_") {
-            real.push(t);
+        let name = t.name.as_str();
+        let group = if name.starts_with("real_") {
+            Some("real_")
         } else {
-            groups.push((expected(&t.name), vec![t]));
+            ONE_LANE.iter().find(|g| g.contains(&name)).map(|g| g[0])
+        };
+        match group {
+            Some(g) => shared.entry(g).or_default().push(t),
+            None => groups.push((expected(name), vec![t])),
         }
     }
-    if !real.is_empty() {
-        groups.push((real.iter().map(|t| expected(&t.name)).sum(), real));
+    for (_, g) in shared {
+        groups.push((g.iter().map(|t| expected(&t.name)).sum(), g));
     }
     groups.sort_by(|a, b| b.0.total_cmp(&a.0));
     let mut lanes: Vec<(f64, Vec<&Target>)> = vec![(0.0, vec![]); n.max(1)];
@@ -289,6 +302,7 @@ mod tests {
             "matrix",
             "versions",
             "witness",
+            "endpoints",
             "steps",
             "budgets",
             "x",
@@ -323,6 +337,7 @@ mod tests {
         );
         let lane_of = |name: &str| lanes.iter().position(|l| l.iter().any(|t| t.name == name));
         assert_eq!(lane_of("real_cilium"), lane_of("real_faults"), "{lanes:?}");
+        assert_eq!(lane_of("witness"), lane_of("endpoints"), "{lanes:?}");
         let (one, solo) = plan(&refs, 1);
         assert!(solo.is_empty());
         assert_eq!(one.len(), 1);

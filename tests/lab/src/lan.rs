@@ -455,6 +455,13 @@ pub struct LanRestartReport {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forgot: Option<Forgotten>,
     pub vips: Vec<VipTruth>,
+    /// How late the lease clock finished its latest-running move (a takeover, the responder
+    /// going quiet, a forget, a re-acquisition) against Cilium's timeline, ms. The kernel
+    /// changes behind each move wait for the host's RTNL lock, which another test creating or
+    /// deleting a thousand interfaces can hold for seconds: past a few cadences, the restart
+    /// did not follow the timeline it was asked for (the truth above still says what happened).
+    #[serde(default)]
+    pub clock_late_ms: f64,
     /// The node's own restart, as [`Lab::restart`] reports it.
     pub restart: RestartReport,
 }

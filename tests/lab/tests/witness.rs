@@ -606,6 +606,47 @@ fn assert_ends_at_release(g: &Value, t: &stepguard_lab::lan::VipTruth, what: &st
     );
 }
 
+/// A witness flooded with connections that each send one byte, beyond all its slots and from
+/// the stepped node's own address (the agent's polls come from it too), for the whole step:
+/// the agent's polls are still served (a newcomer whose request has arrived takes the slot of
+/// one that is not answering a request; one address holds at most its share), and the step
+/// over a graceful restart that moves the leases passes with the witness's measurement.
+/// Without these rules the witness refused its step and the agent's verdict was
+/// `evidence_incomplete`.
+#[test]
+fn a_flooded_witness_still_serves_the_stepped_agent() {
+    let mut lab = lan(short_lease(2000));
+    let w = start_witness(&lab, &[]);
+    let addr: std::net::SocketAddr = w.url.trim_start_matches("http://").parse().unwrap();
+    let node = lab.state.holders["gateway"];
+    let f = flood(
+        &lab.node(node).unwrap().node_ns(),
+        addr,
+        Flood::OneByte,
+        300,
+        15,
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let a = agent_on(&lab, node);
+    let id = a.begin_probing(&step_body(&w, r#","max_gap":"30s""#));
+    let r = restart(&mut lab, node, 1500, true, false);
+    let v = a.verdict(&id);
+    let made = f.join().unwrap();
+    assert!(made >= 300, "the flood opened {made} connections");
+    assert_eq!(v["verdict"]["status"], "passed", "{:#}", v["verdict"]);
+    let gaps = witness_gaps(&v, &w);
+    let moved: Vec<_> = r.vips.iter().filter(|t| t.holder_before == node).collect();
+    assert!(!moved.is_empty(), "{r:?}");
+    for t in moved {
+        let g = gap_of(gaps, &t.name);
+        assert!(
+            g["count"].as_u64() >= Some(1),
+            "{}: the lease move measured: {g}",
+            t.name
+        );
+    }
+}
+
 /// Issue 26, item 1, in the witness: the LAN client's neighbour entries are forgotten
 /// mid-outage (`ip neigh flush`), so its kernel queues the witness's probes on an INCOMPLETE
 /// entry until the taker's gratuitous ARP resolves it, and sends them then: probes sent up to
@@ -625,12 +666,11 @@ fn held_probes_are_measured_within_the_reported_bound() {
             on: None,
             after: Some(Duration::from_millis(300)),
         });
-        // (node restarted, down, options): graceful on node 0 (the leases move to node 1 at
-        // its retry), a crash of node 1 (they expire and move back), a delete of node 0 whose
-        // release takes longer than the grace (they expire).
+        // (down, options), each on the node holding the gateway VIP: graceful (the leases
+        // move to the other node at its retry), a crash (they expire and move back), a
+        // delete whose release takes longer than the grace (they expire).
         let cases = [
             (
-                0u8,
                 lease_ms / 2 + 500,
                 LanRestartOpts {
                     forget,
@@ -639,7 +679,6 @@ fn held_probes_are_measured_within_the_reported_bound() {
                 "graceful",
             ),
             (
-                1,
                 lease_ms + lease_ms / 4 + 1000,
                 LanRestartOpts {
                     crash: true,
@@ -649,7 +688,6 @@ fn held_probes_are_measured_within_the_reported_bound() {
                 "crash",
             ),
             (
-                0,
                 lease_ms + lease_ms / 4 + 1000,
                 LanRestartOpts {
                     release_takes: Duration::from_millis(1500),
@@ -659,41 +697,79 @@ fn held_probes_are_measured_within_the_reported_bound() {
                 "release past the grace",
             ),
         ];
-        for (node, down_ms, lo, what) in cases {
-            let a = agent_on(&lab, node);
-            let id = a.begin_probing(&step_body(&w, r#","max_gap":"30s""#));
-            let r = restart_lan(&mut lab, node, down_ms, true, &lo);
-            let v = a.verdict(&id);
-            let gaps = witness_gaps(&v, &w);
-            if what == "release past the grace" {
-                assert_eq!(r.released, Some(false), "{r:?}");
-            }
-            let mut held = 0;
-            for t in r.vips.iter().filter(|t| t.holder_before == node) {
-                let what = format!("lease {lease_ms} ms, {what}, {}", t.name);
-                let took = t.takeover.expect("the lease moved");
-                let waited = (took.0 - r.restart.blackhole_start_ns) as f64 / 1e3 / 1e6;
-                if lo.crash || lo.release_takes >= lo.grace {
-                    assert!(
-                        waited * 1e3 >= (lease_ms + lease_ms / 4) as f64 - 5.0,
-                        "{what}: taken {waited:.3}s after the stop, before the lease expired"
-                    );
+        for (down_ms, lo, what) in cases {
+            let mut late = vec![];
+            loop {
+                let node = lab.state.holders["gateway"];
+                let a = agent_on(&lab, node);
+                let id = a.begin_probing(&step_body(&w, r#","max_gap":"30s""#));
+                let r = restart_lan(&mut lab, node, down_ms, true, &lo);
+                let v = a.verdict(&id);
+                let gaps = witness_gaps(&v, &w);
+                if what == "release past the grace" {
+                    assert_eq!(r.released, Some(false), "{r:?}");
                 }
-                let (stopped, resumed) = (t.stopped.unwrap(), t.resumed.expect("resolved"));
-                let g = gap_of(gaps, &t.name);
-                assert_within_reported_bound(g, stopped, resumed, &what);
-                if t.takeover_garp {
-                    assert_client_queued(&r, t);
-                    assert_ends_at_release(g, t, &what);
-                    held += 1;
+                // Whatever the timeline, each measurement is within its bound of the truth.
+                let mine: Vec<_> = r.vips.iter().filter(|t| t.holder_before == node).collect();
+                for t in &mine {
+                    let what = format!("lease {lease_ms} ms, {what}, {}", t.name);
+                    let (stopped, resumed) = (t.stopped.unwrap(), t.resumed.expect("resolved"));
+                    assert_within_reported_bound(gap_of(gaps, &t.name), stopped, resumed, &what);
                 }
+                if !on_timeline(&r, &mut late, &format!("lease {lease_ms} ms, {what}")) {
+                    continue;
+                }
+                let mut held = 0;
+                for t in mine {
+                    let what = format!("lease {lease_ms} ms, {what}, {}", t.name);
+                    let took = t.takeover.expect("the lease moved");
+                    let waited = (took.0 - r.restart.blackhole_start_ns) as f64 / 1e3 / 1e6;
+                    if lo.crash || lo.release_takes >= lo.grace {
+                        assert!(
+                            waited * 1e3 >= (lease_ms + lease_ms / 4) as f64 - 5.0,
+                            "{what}: taken {waited:.3}s after the stop, before the lease expired"
+                        );
+                    }
+                    let g = gap_of(gaps, &t.name);
+                    if t.takeover_garp {
+                        assert_client_queued(&r, t);
+                        assert_ends_at_release(g, t, &what);
+                        held += 1;
+                    }
+                }
+                assert!(
+                    held > 0,
+                    "lease {lease_ms} ms, {what}: no answer was held, the case proves nothing: {gaps:?}"
+                );
+                break;
             }
-            assert!(
-                held > 0,
-                "lease {lease_ms} ms, {what}: no answer was held, the case proves nothing: {gaps:?}"
-            );
         }
     }
+}
+
+/// How late the lab's lease clock may finish a move and the restart still follow the timeline
+/// a case asks for: half the time between the closest two moves of a timeline (1 s).
+const CLOCK_SLACK_MS: f64 = 500.0;
+
+/// Whether restart `r` followed its timeline (the lab's moves on time). A late one is noted in
+/// `late` and printed; a case whose restarts were late three times fails naming the delays:
+/// the lab could not make the scenario (the host's RTNL lock held elsewhere, for seconds).
+fn on_timeline(r: &LanRestartReport, late: &mut Vec<f64>, what: &str) -> bool {
+    if r.clock_late_ms <= CLOCK_SLACK_MS {
+        return true;
+    }
+    late.push(r.clock_late_ms);
+    eprintln!(
+        "{what}: the lab's lease clock ran {:.0} ms late; the restart did not follow the \
+         timeline asked for, and is run again",
+        r.clock_late_ms
+    );
+    assert!(
+        late.len() < 3,
+        "{what}: the lab's lease clock ran late in every try ({late:.0?} ms; at most \
+         {CLOCK_SLACK_MS} ms): the scenario was never made"
+    );
+    false
 }
 
 /// Issue 26, item 2: the lease holder's own restart (a crash shorter than its lease, so it
@@ -714,25 +790,38 @@ fn a_holders_responder_flush_at_start_is_a_lan_gap_measured_within_bound() {
         (ResponderFlush::All, vec!["gateway", "dns-a"]),
         (ResponderFlush::None, vec![]),
     ] {
-        let a0 = agent_on(&lab, 0);
-        let id = a0.begin_probing(&step_body(&w, r#","max_gap":"30s""#));
-        let r = restart_lan(
-            &mut lab,
-            0,
-            300,
-            false,
-            &LanRestartOpts {
-                crash: true,
-                flush,
-                reacquire_after: Duration::from_millis(1200),
-                forget: Some(Forget {
-                    on: None,
-                    after: None,
-                }),
-                ..Default::default()
-            },
-        );
-        let v = a0.verdict(&id);
+        let mut late = vec![];
+        let (r, v) = loop {
+            let a0 = agent_on(&lab, 0);
+            let id = a0.begin_probing(&step_body(&w, r#","max_gap":"30s""#));
+            let r = restart_lan(
+                &mut lab,
+                0,
+                300,
+                false,
+                &LanRestartOpts {
+                    crash: true,
+                    flush,
+                    reacquire_after: Duration::from_millis(1200),
+                    forget: Some(Forget {
+                        on: None,
+                        after: None,
+                    }),
+                    ..Default::default()
+                },
+            );
+            let v = a0.verdict(&id);
+            let gaps = witness_gaps(&v, &w);
+            for t in &r.vips {
+                if let (Some(stopped), Some(resumed)) = (t.stopped, t.resumed) {
+                    let what = format!("{flush:?}, {}", t.name);
+                    assert_within_reported_bound(gap_of(gaps, &t.name), stopped, resumed, &what);
+                }
+            }
+            if on_timeline(&r, &mut late, &format!("{flush:?}")) {
+                break (r, v);
+            }
+        };
         let gaps = witness_gaps(&v, &w);
         for t in &r.vips {
             let what = format!("{flush:?}, {}", t.name);
@@ -753,7 +842,6 @@ fn a_holders_responder_flush_at_start_is_a_lan_gap_measured_within_bound() {
                 let truth = (resumed.0 - stopped.1) as f64 / 1e9;
                 assert!(truth > 0.8, "{what}: the silence lasted {truth:.3}s");
                 assert_client_queued(&r, t);
-                assert_within_reported_bound(g, stopped, resumed, &what);
                 assert_ends_at_release(g, t, &what);
             } else {
                 assert!(t.flushed.is_none(), "{what}: {t:?}");

@@ -202,6 +202,7 @@ impl LanLab {
             flush: lo.flush,
             forgot,
             vips: vips_out,
+            clock_late_ms: clock.late.as_secs_f64() * 1e3,
             restart: r,
         })
     }
@@ -365,7 +366,7 @@ impl LanLab {
             }
             let now = Instant::now();
             while sched.first().is_some_and(|x| x.0 <= now) {
-                let (_, act) = sched.remove(0);
+                let (due, act) = sched.remove(0);
                 match act {
                     Act::Quiet => {
                         // The stopped agent's liveness stamp is older than the lease: its
@@ -413,6 +414,8 @@ impl LanLab {
                         }
                     }
                 }
+                // (A takeover skipped above does not count: nothing was due.)
+                c.late = c.late.max(Instant::now().saturating_duration_since(due));
             }
         }
         Ok(())
@@ -435,4 +438,6 @@ struct LeaseClock {
     withdrawn: BTreeMap<String, (u128, u128)>,
     reannounced: BTreeMap<String, (u128, u128)>,
     forgot: Option<(String, &'static str, (u128, u128))>,
+    /// The longest any scheduled move finished after its time.
+    late: Duration,
 }

@@ -740,3 +740,68 @@ impl Drop for Tmpfs {
         let _ = Command::new("umount").arg(&self.0).status();
     }
 }
+
+/// What a flooder does with each of its connections.
+#[derive(Clone, Copy, Debug)]
+pub enum Flood {
+    /// Sends one byte of a request, then nothing.
+    OneByte,
+    /// Sends a whole request, reads the answer, then keeps the connection open and idle.
+    IdleKeepAlive,
+    /// Sends its request headers a byte every half second.
+    Slowloris,
+}
+
+/// Keeps `n` connections of kind `kind` open to `addr` from `ns` for `for_s`, opening a new one
+/// whenever the agent closes one (bounded in time). Returns how many it opened.
+pub fn flood(
+    ns: &str,
+    addr: std::net::SocketAddr,
+    kind: Flood,
+    n: usize,
+    for_s: u64,
+) -> std::thread::JoinHandle<usize> {
+    use std::io::{Read, Write};
+    let ns = ns.to_string();
+    std::thread::spawn(move || {
+        stepguard_lab::netns::in_netns(&ns, move || {
+            let until = Instant::now() + Duration::from_secs(for_s);
+            let mut conns: Vec<std::net::TcpStream> = Vec::new();
+            let (mut made, mut dribbled) = (0, Instant::now());
+            while Instant::now() < until {
+                while conns.len() < n && Instant::now() < until {
+                    let Ok(mut c) =
+                        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200))
+                    else {
+                        break;
+                    };
+                    let first: &[u8] = match kind {
+                        Flood::OneByte | Flood::Slowloris => b"G",
+                        Flood::IdleKeepAlive => b"GET /livez HTTP/1.1\r\nhost: flood\r\n\r\n",
+                    };
+                    let _ = c.write_all(first);
+                    let _ = c.set_nonblocking(true);
+                    conns.push(c);
+                    made += 1;
+                }
+                let mut b = [0u8; 1024];
+                conns.retain_mut(|c| match c.read(&mut b) {
+                    Ok(0) => false,
+                    Ok(_) => true,
+                    Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+                });
+                if matches!(kind, Flood::Slowloris)
+                    && dribbled.elapsed() > Duration::from_millis(500)
+                {
+                    for c in conns.iter_mut() {
+                        let _ = c.write(b"E");
+                    }
+                    dribbled = Instant::now();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(made)
+        })
+        .unwrap()
+    })
+}
