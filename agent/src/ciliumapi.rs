@@ -150,7 +150,7 @@ static STATUS_CACHE: std::sync::Mutex<Option<StatusEntry>> = std::sync::Mutex::n
 pub async fn agent_status_cached(socket: &Path) -> Result<AgentStatus, ApiError> {
     let id = socket_identity(socket);
     if let Some(id) = id {
-        let c = STATUS_CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let c = crate::locks::lock(&STATUS_CACHE);
         if let Some((cid, path, at, s)) = c.as_ref() {
             if *cid == id && path == socket && at.elapsed() < STATUS_MAX_AGE {
                 return Ok(s.clone());
@@ -160,7 +160,7 @@ pub async fn agent_status_cached(socket: &Path) -> Result<AgentStatus, ApiError>
     let r = agent_status(socket).await;
     if let (Ok(s), Some(id)) = (&r, id) {
         if socket_identity(socket) == Some(id) {
-            *STATUS_CACHE.lock().unwrap_or_else(|e| e.into_inner()) = Some((
+            *crate::locks::lock(&STATUS_CACHE) = Some((
                 id,
                 socket.to_path_buf(),
                 std::time::Instant::now(),
@@ -338,7 +338,7 @@ pub const WAIT: Duration = Duration::from_secs(2);
 pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn cached(id: Identity, socket: &Path) -> Option<AgentInfo> {
-    let c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let c = crate::locks::lock(&CACHE);
     c.as_ref()?
         .answer
         .as_ref()
@@ -369,7 +369,7 @@ pub async fn loaded_settings_cached(socket: &Path) -> Result<AgentInfo, ApiError
         };
     }
     let start = {
-        let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = crate::locks::lock(&CACHE);
         let c = c.get_or_insert_with(Cache::default);
         let busy = c
             .reading
@@ -384,7 +384,7 @@ pub async fn loaded_settings_cached(socket: &Path) -> Result<AgentInfo, ApiError
         let sock = socket.to_path_buf();
         let read = tokio::spawn(async move {
             let r = loaded_settings_within(&sock, READ_TIMEOUT).await;
-            let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = crate::locks::lock(&CACHE);
             let c = c.get_or_insert_with(Cache::default);
             c.reading = None;
             // Kept only if the socket is still the one that answered.

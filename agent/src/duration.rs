@@ -39,7 +39,9 @@ pub fn parse(s: &str) -> Result<Duration, DurationError> {
 /// Formats for humans: `300ms`, `1.5s`, `2m5s`.
 pub fn human(d: Duration) -> String {
     let ms = d.as_secs_f64() * 1000.0;
-    if ms < 1.0 {
+    if d.is_zero() {
+        "0s".into()
+    } else if ms < 1.0 {
         format!("{}us", d.as_micros())
     } else if ms < 1000.0 {
         format!("{:.0}ms", ms)
@@ -48,6 +50,36 @@ pub fn human(d: Duration) -> String {
     } else {
         format!("{}m{}s", d.as_secs() / 60, d.as_secs() % 60)
     }
+}
+
+/// `d` when within `min..=max`, else the one-line reason ("5ms is out of range (10ms to
+/// 60m0s)"), for the caller to prefix with the field or flag.
+pub fn within(d: Duration, min: Duration, max: Duration) -> Result<Duration, String> {
+    if d < min || d > max {
+        return Err(format!(
+            "{} is out of range ({} to {})",
+            human(d),
+            human(min),
+            human(max)
+        ));
+    }
+    Ok(d)
+}
+
+/// A request's optional duration field: `default` when absent, else parsed; either way within
+/// `min..=max`. The error names `field`.
+pub fn field(
+    field: &str,
+    v: Option<&str>,
+    default: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, String> {
+    let d = match v {
+        None => default,
+        Some(s) => parse(s).map_err(|e| format!("{field}: {e}"))?,
+    };
+    within(d, min, max).map_err(|e| format!("{field}: {e}"))
 }
 
 pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -78,8 +110,27 @@ mod tests {
     }
     #[test]
     fn formats_for_humans() {
+        assert_eq!(human(Duration::ZERO), "0s");
         assert_eq!(human(Duration::from_millis(300)), "300ms");
         assert_eq!(human(Duration::from_millis(1500)), "1.50s");
         assert_eq!(human(Duration::from_secs(2)), "2s");
+    }
+
+    #[test]
+    fn a_field_is_its_default_or_parsed_and_within_its_range() {
+        let ms = Duration::from_millis;
+        assert_eq!(field("t", None, ms(50), ms(10), ms(100)), Ok(ms(50)));
+        assert_eq!(
+            field("t", Some("20ms"), ms(50), ms(10), ms(100)),
+            Ok(ms(20))
+        );
+        assert_eq!(
+            field("t", Some("5ms"), ms(50), ms(10), ms(100)),
+            Err("t: 5ms is out of range (10ms to 100ms)".into())
+        );
+        assert!(
+            field("t", Some("soon"), ms(50), ms(10), ms(100)).is_err_and(|e| e.starts_with("t: "))
+        );
+        assert_eq!(within(ms(10), ms(10), ms(10)), Ok(ms(10)));
     }
 }

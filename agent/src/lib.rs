@@ -15,6 +15,7 @@ pub mod duration;
 pub mod hooks;
 pub use stepguard_kernel as kernel;
 pub mod limits;
+pub mod locks;
 pub mod metrics;
 pub mod node;
 pub mod probe;

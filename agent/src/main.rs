@@ -309,14 +309,7 @@ fn check_intervals(args: &AgentArgs) -> Result<()> {
         ("--header-timeout", args.header_timeout, ms(100), ms(60_000)),
         ("--shutdown-grace", args.shutdown_grace, ms(0), ms(60_000)),
     ] {
-        if v < min || v > max {
-            anyhow::bail!(
-                "{field}: {} is out of range ({} to {})",
-                stepguard::duration::human(v),
-                stepguard::duration::human(min),
-                stepguard::duration::human(max)
-            );
-        }
+        stepguard::duration::within(v, min, max).map_err(|e| anyhow::anyhow!("{field}: {e}"))?;
     }
     if args.max_connections == 0 || args.max_connections > 65_536 {
         anyhow::bail!("--max-connections: must be between 1 and 65536");
@@ -351,7 +344,7 @@ fn agent(args: AgentArgs) -> Result<i32> {
     runtime()?.block_on(async move {
         let d = Daemon::new(cfg, opts)?;
         {
-            let kd = d.kernel_drops.lock().unwrap_or_else(|e| e.into_inner());
+            let kd = stepguard::locks::lock(&d.kernel_drops);
             match (kd.attach_point(), kd.unavailable_reason()) {
                 (Some(at), _) => tracing::info!(attach = at, "kernel drop accounting active"),
                 (_, Some(r)) => tracing::warn!(reason = r, "kernel drop accounting unavailable: the drops signal is unknown"),

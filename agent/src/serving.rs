@@ -44,6 +44,22 @@ pub const METRICS_REUSE: Duration = Duration::from_millis(100);
 /// An encoded `/metrics` answer and when it was encoded.
 type Encoded = (std::time::Instant, Arc<str>);
 
+/// A JSON error answer, `{"error": msg}`, with `status` (the agent's and the witness's API).
+pub fn error(status: StatusCode, msg: impl Into<String>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (status, axum::Json(serde_json::json!({"error": msg.into()}))).into_response()
+}
+
+/// A process's API: its `routes`, an unknown route answered 404 with `routes_help` (where to
+/// look instead), request bodies capped at [`BODY_LIMIT`], and the [`admin`] routes.
+pub fn api<S: Admin>(routes: Router<Arc<S>>, state: Arc<S>, routes_help: &'static str) -> Router {
+    routes
+        .fallback(move || async move { error(StatusCode::NOT_FOUND, routes_help) })
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(state.clone())
+        .merge(admin(state))
+}
+
 /// `/metrics`, `/livez` and `/readyz` for `state`, to merge into a process's own router.
 pub fn admin<S: Admin>(state: Arc<S>) -> Router {
     use axum::extract::State;
@@ -146,7 +162,7 @@ const EVICTION_WAIT: Duration = Duration::from_millis(200);
 
 /// Closes the oldest connection `which` selects; false when none is selected.
 fn evict(serving: &Serving, which: impl Fn(&Held) -> bool) -> bool {
-    let mut s = serving.lock().unwrap_or_else(|e| e.into_inner());
+    let mut s = crate::locks::lock(serving);
     let Some(i) = s.iter().position(which) else {
         return false;
     };
@@ -180,9 +196,7 @@ async fn take_slot(
 ) -> Option<tokio::sync::OwnedSemaphorePermit> {
     let deadline = tokio::time::Instant::now() + NEWCOMER_PATIENCE;
     loop {
-        let over_share = serving
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let over_share = crate::locks::lock(serving)
             .iter()
             .filter(|h| h.source == source)
             .count()
@@ -243,7 +257,7 @@ pub async fn serve(
         let id = next_id;
         let (cancel_tx, cancel_rx) = oneshot::channel();
         {
-            let mut w = waiters.lock().unwrap_or_else(|e| e.into_inner());
+            let mut w = crate::locks::lock(&waiters);
             if w.len() >= limits.waiting.max(1) {
                 // The oldest waiter has sent nothing for the longest: it goes.
                 if let Some((_, oldest)) = w.pop_front() {
@@ -270,10 +284,7 @@ pub async fn serve(
                 r = tokio::time::timeout(header_timeout, sock.peek(&mut first)) => matches!(r, Ok(Ok(n)) if n > 0),
                 _ = cancel_rx => false,
             };
-            waiters
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(w, _)| *w != id);
+            crate::locks::lock(&waiters).retain(|(w, _)| *w != id);
             if !arrived {
                 return; // idle, evicted or broken: closed, having held no slot
             }
@@ -299,16 +310,13 @@ pub async fn serve(
             let stalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let in_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let (evict_tx, evict_rx) = oneshot::channel::<()>();
-            serving
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Held {
-                    id,
-                    source,
-                    stalled: stalled.clone(),
-                    in_request: in_request.clone(),
-                    evict: evict_tx,
-                });
+            crate::locks::lock(&serving).push(Held {
+                id,
+                source,
+                stalled: stalled.clone(),
+                in_request: in_request.clone(),
+                evict: evict_tx,
+            });
             let _ = sock.set_nodelay(true);
             // The last request a connection may send is answered with `Connection: close`.
             let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -346,16 +354,13 @@ pub async fn serve(
                 _ = watcher.watch(conn) => {}
                 _ = evict_rx => {}
             }
-            serving
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|h| h.id != id);
+            crate::locks::lock(&serving).retain(|h| h.id != id);
             drop(permit);
         });
     }
     drop(listener);
     // Waiting connections are closed; served ones finish their request within the grace.
-    for (_, w) in waiters.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+    for (_, w) in crate::locks::lock(&waiters).drain(..) {
         let _ = w.send(());
     }
     tokio::select! {
@@ -553,7 +558,7 @@ impl Token {
 
     /// The token now (the file is looked at again at most once a second).
     pub fn current(&self) -> Option<String> {
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = crate::locks::lock(&self.inner);
         let due = s.checked_at.is_none_or(|t| t.elapsed() >= TOKEN_RECHECK);
         if let (true, Some(path)) = (due, s.path.clone()) {
             s.checked_at = Some(std::time::Instant::now());

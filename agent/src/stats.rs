@@ -1,13 +1,13 @@
 //! Small statistics used by verdicts: quantiles over latencies.
-use std::time::Duration;
 
-/// Nearest-rank quantile (q in 0..=1) of unsorted samples; None when empty.
-pub fn quantile(samples: &[Duration], q: f64) -> Option<Duration> {
+/// Nearest-rank quantile (q in 0..=1) of unsorted samples (latencies as durations or
+/// milliseconds; a NaN sorts as equal to anything); None when empty.
+pub fn quantile<T: Copy + PartialOrd>(samples: &[T], q: f64) -> Option<T> {
     if samples.is_empty() {
         return None;
     }
     let mut v = samples.to_vec();
-    v.sort();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     let rank = ((q.clamp(0.0, 1.0) * v.len() as f64).ceil() as usize).clamp(1, v.len());
     Some(v[rank - 1])
 }
@@ -15,6 +15,7 @@ pub fn quantile(samples: &[Duration], q: f64) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     #[test]
     fn nearest_rank_quantiles() {
         let ms = |v: &[u64]| {
@@ -26,7 +27,8 @@ mod tests {
         assert_eq!(quantile(&s, 0.5), Some(Duration::from_millis(3)));
         assert_eq!(quantile(&s, 0.99), Some(Duration::from_millis(5)));
         assert_eq!(quantile(&s, 0.0), Some(Duration::from_millis(1)));
-        assert_eq!(quantile(&[], 0.5), None);
+        assert_eq!(quantile::<Duration>(&[], 0.5), None);
+        assert_eq!(quantile(&[3.0f32, 1.0, 2.0], 0.5), Some(2.0));
         let hundred: Vec<u64> = (1..=100).collect();
         assert_eq!(
             quantile(&ms(&hundred), 0.99),

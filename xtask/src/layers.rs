@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 /// The agent's layers, lowest first (see `docs/architecture.md`).
 pub const AGENT_LAYERS: &[(&str, &[&str])] = &[
     (
-        "base: durations, statistics, limits, durable files, Cilium's naming rules",
-        &["duration", "stats", "limits", "durable", "profile"],
+        "base: durations, statistics, limits, locks, durable files, Cilium's naming rules",
+        &["duration", "stats", "limits", "locks", "durable", "profile"],
     ),
     (
         "wire: what agent, witness and stepper send each other; agent URLs and the HTTP client",

@@ -12,6 +12,7 @@ use crate::checks::{self, vips as vips_check, CheckResult};
 use crate::config::Config;
 use crate::kernel::drops::KernelDrops;
 use crate::kernel::{bpffs, ciliumdrops, links};
+use crate::locks::lock;
 use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
 use crate::node::{self, NodeOptions};
 use crate::probe::{dns as dns_probe, unix_now, ProbeOutcome};
@@ -138,10 +139,6 @@ const RECENT_MAX: usize = 6000;
 
 /// How long DNS samples are kept (the baseline uses the last minute).
 const DNS_WINDOW_S: f64 = 120.0;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 impl Daemon {
     pub fn new(cfg: Config, opts: DaemonOptions) -> anyhow::Result<Arc<Daemon>> {

@@ -107,7 +107,7 @@ impl StepStore {
     }
 
     pub(super) fn mem(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Step>> {
-        self.steps.lock().unwrap_or_else(|e| e.into_inner())
+        crate::locks::lock(&self.steps)
     }
 
     /// Saves a step to disk (written to a temporary file, fsynced, renamed, the directory
@@ -129,8 +129,7 @@ impl StepStore {
             }
         };
         let written = self.write(&on_disk);
-        *self.last_failed.lock().unwrap_or_else(|e| e.into_inner()) =
-            written.as_ref().err().map(|e| e.to_string());
+        *crate::locks::lock(&self.last_failed) = written.as_ref().err().map(|e| e.to_string());
         match written {
             Ok(()) => {
                 self.unsaved_mut().remove(&s.id);
@@ -167,7 +166,7 @@ impl StepStore {
     /// Records how a write to the state directory that is no step's (the steady snapshot)
     /// went: a failure keeps the agent unready until a later write succeeds.
     pub fn note_write(&self, r: &std::io::Result<()>) {
-        let mut w = self.last_failed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = crate::locks::lock(&self.last_failed);
         match r {
             Ok(()) => *w = None,
             Err(e) => {
@@ -179,7 +178,7 @@ impl StepStore {
     }
 
     pub(super) fn unsaved_mut(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, String>> {
-        self.unsaved.lock().unwrap_or_else(|e| e.into_inner())
+        crate::locks::lock(&self.unsaved)
     }
 
     pub(super) fn write(&self, s: &Step) -> std::io::Result<()> {
@@ -196,12 +195,8 @@ impl StepStore {
     /// Why the state directory is not taking writes: a step's record not on disk, or the last
     /// write failed (a refused step, the steady snapshot) and none succeeded since.
     pub fn write_problem(&self) -> Option<String> {
-        self.unsaved().or_else(|| {
-            self.last_failed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-        })
+        self.unsaved()
+            .or_else(|| crate::locks::lock(&self.last_failed).clone())
     }
 
     /// Writes again the steps whose last write failed; how many writes failed again.

@@ -236,7 +236,7 @@ impl Actions for Live<'_, '_> {
         });
         if let Event::Begun(Ok(id)) = &ev {
             // Recorded before the pod is deleted: a resumed run finishes this step.
-            cx.shared.lock().unwrap_or_else(|e| e.into_inner()).inflight = Some(InFlight {
+            crate::locks::lock(cx.shared).inflight = Some(InFlight {
                 node: st.node.clone(),
                 step: id.clone(),
                 pod: st.pod.clone(),

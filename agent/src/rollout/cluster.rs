@@ -274,11 +274,9 @@ impl Cluster {
     }
 
     pub(super) async fn event(&self, ds: &DaemonSet, warning: bool, reason: &str, message: &str) {
-        let sink = self.told.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let sink = crate::locks::lock(&self.told).clone();
         if let Some(rec) = sink {
-            rec.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .tell(&stamp(), warning, reason, message);
+            crate::locks::lock(&rec).tell(&stamp(), warning, reason, message);
         }
         let t = Time(k8s_openapi::jiff::Timestamp::now());
         let ev = KEvent {

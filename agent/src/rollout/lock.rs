@@ -236,7 +236,7 @@ async fn renew_now(c: &Cluster, shared: &Mutex<Record>) -> Result<(), RenewError
                 }
             )));
         }
-        let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rec = crate::locks::lock(shared).clone();
         let mut ann = annotations(&l.metadata);
         rec.write(&mut ann);
         l.metadata.annotations = Some(ann.into_iter().collect());
@@ -280,11 +280,11 @@ pub(super) async fn renew_held(c: &Cluster, shared: &Mutex<Record>, held: &Held)
     }
     let t = lock_times(c);
     let started = Instant::now();
-    let last = *held.last_ok.lock().unwrap_or_else(|e| e.into_inner());
+    let last = *crate::locks::lock(&held.last_ok);
     let left = t.renew_deadline.saturating_sub(last.elapsed());
     match renew(c, shared, left).await {
         Ok(()) => {
-            *held.last_ok.lock().unwrap_or_else(|e| e.into_inner()) = started;
+            *crate::locks::lock(&held.last_ok) = started;
             true
         }
         Err(RenewError::NotOurs(e)) => {

@@ -306,7 +306,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     // stops everything.
     let held = Arc::new(Held::new());
     let shared = Arc::new(Mutex::new(rec.clone()));
-    *c.told.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared.clone());
+    *crate::locks::lock(&c.told) = Some(shared.clone());
     let renewer = {
         let (held, shared) = (held.clone(), shared.clone());
         let c2 = Cluster {
@@ -433,10 +433,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                         ),
                     );
                     run_rev = cur.0.clone();
-                    shared
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .forget_other_revisions(&run_rev);
+                    crate::locks::lock(&shared).forget_other_revisions(&run_rev);
                 } else {
                     code = 2;
                     let why = format!(
@@ -452,7 +449,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 }
             }
             {
-                let r = shared.lock().unwrap_or_else(|e| e.into_inner());
+                let r = crate::locks::lock(&shared);
                 opts.skip = r.skipped_on(&run_rev).into_iter().collect();
                 opts.again = r.retry.clone();
             }
@@ -529,7 +526,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         if let Outcome::Deferred { why } = &r.outcome {
             // Nothing was deleted: the node is planned again from what its agent says.
             say(json_out, format!("{}: {why}; re-planning", st.node));
-            shared.lock().unwrap_or_else(|e| e.into_inner()).inflight = None;
+            crate::locks::lock(&shared).inflight = None;
             persist(c, &shared, &held).await;
             deferred += 1;
             if deferred > 20 {
@@ -545,7 +542,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             stepped.insert(st.node.clone());
         }
         {
-            let mut rec = shared.lock().unwrap_or_else(|e| e.into_inner());
+            let mut rec = crate::locks::lock(&shared);
             match &r.outcome {
                 Outcome::Passed { .. } => {
                     rec.inflight = None;
@@ -573,11 +570,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             // The halt is on the lock before anything else happens (release may not get
             // through; a later run must see it).
             persist(c, &shared, &held).await;
-            let h = shared
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .halt
-                .clone();
+            let h = crate::locks::lock(&shared).halt.clone();
             if let Some(h) = h {
                 c.event(&ds, true, "StepguardRolloutHalted", &record::halt_text(&h))
                     .await;
@@ -624,8 +617,8 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     .await;
     // The rollout's end is on the record too; then the lock is given up.
     renewer.abort();
-    *c.told.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    let rec = shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    *crate::locks::lock(&c.told) = None;
+    let rec = crate::locks::lock(&shared).clone();
     if !held.is_lost() {
         release(c, &rec).await;
     }

@@ -6,7 +6,12 @@ use crate::duration;
 use crate::limits::MAX_IN_FLIGHT;
 use std::time::Duration;
 
-/// A step id: 1–64 of `[A-Za-z0-9-_.]`, not starting with a dot (it names a file).
+/// What [`valid_id`] accepts, as a refusal says it.
+pub const ID_RULE: &str =
+    "1-64 characters of letters, digits, '-', '_' or '.', not starting with '.'";
+
+/// A step id (the agent's and the witness's): 1–64 of `[A-Za-z0-9-_.]`, not starting with a
+/// dot (it names a file).
 pub fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64

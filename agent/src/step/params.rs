@@ -165,18 +165,7 @@ impl StepParams {
                 None => default,
                 Some(s) => duration::parse(s).map_err(|e| RequestError::new(field, e))?,
             };
-            if d < min || d > max {
-                return Err(RequestError::new(
-                    field,
-                    format!(
-                        "{} is out of range ({} to {})",
-                        duration::human(d),
-                        duration::human(min),
-                        duration::human(max)
-                    ),
-                ));
-            }
-            Ok(d)
+            duration::within(d, min, max).map_err(|e| RequestError::new(field, e))
         };
         let timeout = dur(
             "timeout",
@@ -315,16 +304,10 @@ impl StepParams {
         witnesses.sort();
         witnesses.dedup();
         if let Some(id) = &r.id {
-            if id.is_empty()
-                || id.len() > 64
-                || !id
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-                || id.starts_with('.')
-            {
+            if !super::admission::valid_id(id) {
                 return Err(RequestError::new(
                     "id",
-                    format!("{id:?} must be 1-64 characters of letters, digits, '-', '_' or '.'"),
+                    format!("{id:?} must be {}", super::admission::ID_RULE),
                 ));
             }
         }

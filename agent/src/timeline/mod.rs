@@ -9,6 +9,7 @@
 pub mod gaps;
 
 use crate::config::Target;
+use crate::locks::lock;
 use crate::probe::ProbeOutcome;
 use crate::wire::{ProbeCount, TargetGap};
 use gaps::{summarize, Outage, RttFloor, Sample};
@@ -19,7 +20,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// A target's evidence during the step.
@@ -298,10 +299,6 @@ impl ProbeMetrics {
 pub struct RingBounds {
     pub age_s: f64,
     pub max: usize,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Whether `new` replaces `old` as a target's latest outcome: only a probe sent no earlier.

@@ -1,25 +1,18 @@
 //! The witness's HTTP API: steps (begin, report, end; bearer token), status, moves, metrics.
 use super::*;
 
-pub(super) fn err(status: StatusCode, msg: impl Into<String>) -> Response {
-    (status, axum::Json(json!({"error": msg.into()}))).into_response()
-}
+pub(super) use crate::serving::error as err;
 
 pub fn router(w: Arc<Witness>) -> Router {
-    Router::new()
-        .route("/v1/status", get(status))
-        .route("/v1/moves", get(moves))
-        .route("/v1/steps", axum::routing::post(post_step))
-        .route("/v1/steps/{id}", get(get_step).delete(delete_step))
-        .fallback(|| async {
-            err(
-                StatusCode::NOT_FOUND,
-                "no such route; see /v1/status, /v1/steps, /metrics",
-            )
-        })
-        .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
-        .with_state(w.clone())
-        .merge(crate::serving::admin(w))
+    crate::serving::api(
+        Router::new()
+            .route("/v1/status", get(status))
+            .route("/v1/moves", get(moves))
+            .route("/v1/steps", axum::routing::post(post_step))
+            .route("/v1/steps/{id}", get(get_step).delete(delete_step)),
+        w,
+        "no such route; see /v1/status, /v1/steps, /metrics",
+    )
 }
 
 /// The witness's `/metrics` and `/readyz` (always ready once serving), by the shared admin

@@ -18,12 +18,13 @@ mod api;
 mod steps;
 use crate::config::Config;
 use crate::kernel::neigh::NeighLog;
+use crate::locks::lock;
 use crate::probe::{unix_now, ProbeOutcome};
 use crate::step::verdict::gap_row;
 use crate::step::TargetTimeline;
 pub use crate::wire::{Latency, MacChange, Move, WitnessBegun, WitnessReport, WitnessStepRequest};
 pub use api::*;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -145,18 +146,9 @@ pub struct Witness {
     engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
+/// A quantile of latencies in ms (see [`crate::stats::quantile`]).
 fn quantile_ms(v: &[f32], q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let i = ((s.len() - 1) as f64 * q).round() as usize;
-    Some(f64::from(s[i]))
+    crate::stats::quantile(v, q).map(f64::from)
 }
 
 fn push_bounded(q: &mut VecDeque<(f64, f32)>, x: (f64, f32)) {
@@ -170,11 +162,11 @@ fn push_bounded(q: &mut VecDeque<(f64, f32)>, x: (f64, f32)) {
 /// errors name `stepguard witness`'s flags).
 pub fn check_intervals(probe: Duration, burst: Duration) -> anyhow::Result<()> {
     let ms = Duration::from_millis;
-    if !(ms(10)..=ms(3_600_000)).contains(&probe) {
-        anyhow::bail!("--probe-interval: out of range (10ms to 1h)");
-    }
-    if !(ms(1)..=ms(10_000)).contains(&burst) {
-        anyhow::bail!("--burst-interval: out of range (1ms to 10s)");
+    for (flag, v, min, max) in [
+        ("--probe-interval", probe, ms(10), ms(3_600_000)),
+        ("--burst-interval", burst, ms(1), ms(10_000)),
+    ] {
+        crate::duration::within(v, min, max).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
     }
     Ok(())
 }

@@ -36,31 +36,12 @@ impl Witness {
     }
 
     fn params(&self, r: &WitnessStepRequest) -> Result<(Duration, Duration, Duration), String> {
-        if r.id.is_empty()
-            || r.id.len() > 64
-            || !r
-                .id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-        {
-            return Err("id: 1-64 characters of letters, digits, - _ .".into());
+        if !crate::step::admission::valid_id(&r.id) {
+            return Err(format!("id: {}", crate::step::admission::ID_RULE));
         }
-        let d =
-            |field: &str, v: &Option<String>, default: Duration, min: Duration, max: Duration| {
-                let x = match v {
-                    None => default,
-                    Some(s) => crate::duration::parse(s).map_err(|e| format!("{field}: {e}"))?,
-                };
-                if x < min || x > max {
-                    return Err(format!(
-                        "{field}: {} is out of range ({} to {})",
-                        crate::duration::human(x),
-                        crate::duration::human(min),
-                        crate::duration::human(max)
-                    ));
-                }
-                Ok(x)
-            };
+        let d = |field: &str, v: &Option<String>, default, min, max| {
+            crate::duration::field(field, v.as_deref(), default, min, max)
+        };
         let ms = Duration::from_millis;
         let burst = d(
             "burst_interval",

@@ -9,11 +9,12 @@ use crate::duration;
 use crate::node::{self, NodeOptions};
 use crate::probe::unix_now;
 use crate::report;
+use crate::serving::error as err;
 use crate::step::admission::{self, valid_id, Admission};
 use crate::step::view::StepView;
 use crate::step::{Step, StepParams, StepRequest};
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -27,25 +28,16 @@ use std::time::Duration;
 const MAX_WAIT: Duration = Duration::from_secs(900);
 
 pub fn router(d: Arc<Daemon>) -> Router {
-    Router::new()
-        .route("/v1/verdict", get(verdict))
-        .route("/v1/checks", get(checks))
-        .route("/v1/steps", get(list_steps).post(post_step))
-        .route("/v1/steps/{id}", get(get_step).delete(delete_step))
-        .route("/v1/proof", get(proof))
-        .fallback(|| async {
-            err(
-                StatusCode::NOT_FOUND,
-                "no such route; see /v1/verdict, /v1/checks, /v1/steps, /v1/proof, /metrics",
-            )
-        })
-        .layer(DefaultBodyLimit::max(crate::serving::BODY_LIMIT))
-        .with_state(d.clone())
-        .merge(crate::serving::admin(d))
-}
-
-fn err(status: StatusCode, msg: impl Into<String>) -> Response {
-    (status, axum::Json(json!({"error": msg.into()}))).into_response()
+    crate::serving::api(
+        Router::new()
+            .route("/v1/verdict", get(verdict))
+            .route("/v1/checks", get(checks))
+            .route("/v1/steps", get(list_steps).post(post_step))
+            .route("/v1/steps/{id}", get(get_step).delete(delete_step))
+            .route("/v1/proof", get(proof)),
+        d,
+        "no such route; see /v1/verdict, /v1/checks, /v1/steps, /v1/proof, /metrics",
+    )
 }
 
 fn wants_text(headers: &HeaderMap, q: &HashMap<String, String>) -> bool {

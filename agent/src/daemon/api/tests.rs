@@ -120,7 +120,7 @@ async fn every_documented_status_code() {
         (r#"{"timeout": "soon"}"#, "timeout"),
         (r#"{"id": "../x"}"#, "id"),
         (r#"{"id": "b1"} xx"#, "more after the JSON body"),
-        (r#"{"settle": "0s"}"#, "settle: 0us is out of range (100ms"),
+        (r#"{"settle": "0s"}"#, "settle: 0s is out of range (100ms"),
     ] {
         let (s, v) = call(&d, "POST", "/v1/steps", body, None).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {v}");
