@@ -190,6 +190,13 @@ async fn steps_begin_once_report_gaps_and_end() {
     )
     .await;
     assert_eq!(s, 400, "unknown fields are refused");
+    // The agent's id rule: nothing that could name a hidden file.
+    for id in [".hidden", "a/b", ""] {
+        let body = format!(r#"{{"id":"{id}"}}"#);
+        let (s, v) = call(&w, "POST", "/v1/steps", &body, Some("s3cret")).await;
+        assert_eq!(s, 400, "{id:?}: {v}");
+        assert!(v["error"].as_str().unwrap().starts_with("id: 1-64"), "{v}");
+    }
 }
 
 #[test]
