@@ -478,6 +478,36 @@ pub async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, (Sta
     }
 }
 
+/// A request body as one JSON value of `T` (an empty body: `T::default()`), read by
+/// [`read_body`]; anything after the value but whitespace, a wrong field or type is a 400
+/// naming where (`invalid {what}: {path}: {why}`).
+pub async fn read_json<T: serde::de::DeserializeOwned + Default>(
+    body: axum::body::Body,
+    what: &str,
+) -> Result<T, axum::response::Response> {
+    let body = read_body(body).await.map_err(|(s, why)| error(s, why))?;
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(T::default());
+    }
+    let bad = |why: String| error(StatusCode::BAD_REQUEST, format!("invalid {what}: {why}"));
+    let de = &mut serde_json::Deserializer::from_slice(&body);
+    match serde_path_to_error::deserialize(&mut *de) {
+        Ok(r) => match de.end() {
+            Ok(()) => Ok(r),
+            Err(e) => Err(bad(format!("more after the JSON body ({e})"))),
+        },
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            Err(bad(if path == "." {
+                inner.to_string()
+            } else {
+                format!("{path}: {inner}")
+            }))
+        }
+    }
+}
+
 /// Whether `headers` carry `Authorization: Bearer <token>` (always true without a token).
 /// Constant-time comparison: the token is a secret.
 pub fn bearer_ok(token: Option<&str>, headers: &HeaderMap) -> bool {

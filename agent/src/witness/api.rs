@@ -84,21 +84,10 @@ pub(super) async fn post_step(
     if let Some(r) = unauthorized(&w, &headers) {
         return r;
     }
-    let body = match crate::serving::read_body(body).await {
-        Ok(b) => b,
-        Err((status, why)) => return err(status, why),
-    };
-    let r: WitnessStepRequest = match serde_json::from_slice(&body) {
+    let r: WitnessStepRequest = match crate::serving::read_json(body, "witness step request").await
+    {
         Ok(r) => r,
-        Err(e) => {
-            return err(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "invalid JSON body: {}",
-                    e.to_string().lines().next().unwrap_or("")
-                ),
-            )
-        }
+        Err(r) => return r,
     };
     match w.begin(&r) {
         Ok(b) => (StatusCode::CREATED, axum::Json(b)).into_response(),

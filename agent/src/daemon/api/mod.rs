@@ -13,7 +13,6 @@ use crate::serving::error as err;
 use crate::step::admission::{self, valid_id, Admission};
 use crate::step::view::StepView;
 use crate::step::{Step, StepParams, StepRequest};
-use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -225,38 +224,9 @@ async fn post_step(
     if let Err(r) = authorized(&d, &headers) {
         return *r;
     }
-    let body: Bytes = match crate::serving::read_body(body).await {
-        Ok(b) => b,
-        Err((status, why)) => return err(status, why),
-    };
-    let req: StepRequest = if body.iter().all(|b| b.is_ascii_whitespace()) {
-        StepRequest::default()
-    } else {
-        let de = &mut serde_json::Deserializer::from_slice(&body);
-        match serde_path_to_error::deserialize(&mut *de) {
-            // One JSON value and nothing after it but whitespace.
-            Ok(r) => match de.end() {
-                Ok(()) => r,
-                Err(e) => {
-                    return err(
-                        StatusCode::BAD_REQUEST,
-                        format!("invalid step request: more after the JSON body ({e})"),
-                    )
-                }
-            },
-            Err(e) => {
-                let path = e.path().to_string();
-                let inner = e.into_inner();
-                return err(
-                    StatusCode::BAD_REQUEST,
-                    if path == "." {
-                        format!("invalid step request: {inner}")
-                    } else {
-                        format!("invalid step request: {path}: {inner}")
-                    },
-                );
-            }
-        }
+    let req: StepRequest = match crate::serving::read_json(body, "step request").await {
+        Ok(r) => r,
+        Err(r) => return r,
     };
     let budgets: Vec<Duration> = d.cfg.targets.iter().filter_map(|t| t.max_gap).collect();
     let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval, &budgets) {
