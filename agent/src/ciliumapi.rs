@@ -455,7 +455,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            info.version.as_deref().map(crate::profile::release_of),
+            info.version
+                .as_deref()
+                .map(crate::cilium::profile::release_of),
             Some(Some("1.18".into()))
         );
         let m = info.settings;

@@ -350,8 +350,8 @@ impl Config {
             })
         };
         if self.cilium != "auto"
-            && crate::profile::CiliumVersion::parse(&self.cilium).is_none()
-            && !crate::profile::CiliumVersion::newer_than_newest(&self.cilium)
+            && crate::cilium::profile::CiliumVersion::parse(&self.cilium).is_none()
+            && !crate::cilium::profile::CiliumVersion::newer_than_newest(&self.cilium)
         {
             return field(
                 "cilium",

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checks;
+pub mod cilium;
 pub mod ciliumapi;
 pub mod ciliumconfig;
 pub mod client;
@@ -19,7 +20,6 @@ pub mod locks;
 pub mod metrics;
 pub mod node;
 pub mod probe;
-pub mod profile;
 pub mod report;
 pub mod rollout;
 pub mod serving;

@@ -30,10 +30,10 @@ pub struct NodeObservation {
     /// The overlay the node's configuration asks for (the agent's loaded configuration, or
     /// the ConfigMap when no API socket is configured), and when it was read (unix seconds,
     /// before the read began). None: not known.
-    pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
+    pub overlay: Option<(crate::cilium::devices::OverlayIntent, f64)>,
     /// What the node's configuration asks of its endpoints and host hooks (the endpoint
     /// health checker, XDP's mode), read as `overlay` is. None: not known.
-    pub asks: Option<checks::devices::Asks>,
+    pub asks: Option<crate::cilium::devices::Asks>,
 }
 
 /// Runs the registered checks named in `only` (all when empty), in registry order: reads what
@@ -148,13 +148,13 @@ pub async fn run(
         .as_ref()
         .and_then(|l| l.as_ref().ok())
         .and_then(|l| l.version.as_deref())
-        .and_then(crate::profile::release_of);
+        .and_then(crate::cilium::profile::release_of);
     let overlay = intended.map(|s| {
-        let i =
-            checks::devices::overlay_intent(&s.values).with_hooks(&s.values, release.as_deref());
+        let i = crate::cilium::devices::overlay_intent(&s.values)
+            .with_hooks(&s.values, release.as_deref());
         (i, read_at)
     });
-    let asks = intended.map(|s| checks::devices::asks(&s.values));
+    let asks = intended.map(|s| crate::cilium::devices::asks(&s.values));
     let obs = NodeObservation {
         overlay,
         asks,

@@ -6,8 +6,8 @@
 pub mod bpf;
 pub mod bpffs;
 pub mod btf;
-pub mod ciliumdrops;
 pub mod clock;
+pub mod counters;
 pub mod drops;
 pub mod links;
 pub mod neigh;

@@ -13,8 +13,12 @@ use std::path::{Path, PathBuf};
 /// The agent's layers, lowest first (see `docs/architecture.md`).
 pub const AGENT_LAYERS: &[(&str, &[&str])] = &[
     (
-        "base: durations, statistics, limits, locks, durable files, Cilium's naming rules",
-        &["duration", "stats", "limits", "locks", "durable", "profile"],
+        "base: durations, statistics, limits, locks, durable files",
+        &["duration", "stats", "limits", "locks", "durable"],
+    ),
+    (
+        "cilium: Cilium's own rules per release (maps, drop reasons, device selection and hooks)",
+        &["cilium"],
     ),
     (
         "wire: what agent, witness and stepper send each other; agent URLs and the HTTP client",

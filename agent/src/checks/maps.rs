@@ -2,8 +2,8 @@
 //! config's `required`/`optional`) is pinned under `<bpffs>/tc/globals/` and opens read-only;
 //! evidence: type, key/value size, max entries, entry count of every global map.
 use super::CheckResult;
+use crate::cilium::profile::{self, CiliumVersion, Features};
 use crate::kernel::bpffs::{BpffsError, MapsObservation};
-use crate::profile::{self, CiliumVersion, Features};
 use serde_json::json;
 use std::collections::BTreeSet;
 
@@ -192,7 +192,7 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
             .loaded
             .and_then(|l| l.ok())
             .and_then(|l| l.version.as_deref())
-            .and_then(crate::profile::release_of);
+            .and_then(crate::cilium::profile::release_of);
         let (features, features_from) = features(
             cfg,
             i.effective.or(i.cilium.and_then(|c| c.ok())),

@@ -53,7 +53,7 @@ pub async fn east_west_routes(targets: &[Target], bpffs: &std::path::Path) -> Ea
     }
     let mut endpoints = std::collections::BTreeSet::new();
     let read = crate::kernel::bpffs::read_entries(bpffs, "cilium_lxc", 1 << 20, |k, _| {
-        if let Some(ip) = crate::profile::endpoint_ip(k) {
+        if let Some(ip) = crate::cilium::profile::endpoint_ip(k) {
             endpoints.insert(ip);
         }
     });

@@ -11,7 +11,7 @@ mod watch;
 use crate::checks::{self, vips as vips_check, CheckResult};
 use crate::config::Config;
 use crate::kernel::drops::KernelDrops;
-use crate::kernel::{bpffs, ciliumdrops, links};
+use crate::kernel::{bpffs, links};
 use crate::locks::lock;
 use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
 use crate::node::{self, NodeOptions};
@@ -55,9 +55,9 @@ pub struct NodeView {
     pub agent_version: Option<String>,
     /// The overlay the configuration asks for, as last read, and when (the newest read:
     /// refreshes may overlap).
-    pub overlay: Option<(checks::devices::OverlayIntent, f64)>,
+    pub overlay: Option<(crate::cilium::devices::OverlayIntent, f64)>,
     /// What the configuration asks of endpoints and host hooks, as last read.
-    pub asks: Option<checks::devices::Asks>,
+    pub asks: Option<crate::cilium::devices::Asks>,
     pub checked_at: f64,
 }
 
@@ -374,12 +374,12 @@ impl Daemon {
     }
 
     /// The overlay the configuration asked for at the newest read, and when it was read.
-    pub fn overlay_intent(&self) -> Option<(checks::devices::OverlayIntent, f64)> {
+    pub fn overlay_intent(&self) -> Option<(crate::cilium::devices::OverlayIntent, f64)> {
         lock(&self.node).overlay.clone()
     }
 
     /// Whether the configuration runs the endpoint health checker, as last read.
-    pub fn asks(&self) -> Option<checks::devices::Asks> {
+    pub fn asks(&self) -> Option<crate::cilium::devices::Asks> {
         lock(&self.node).asks
     }
 
@@ -388,8 +388,20 @@ impl Daemon {
         lock(&self.kernel_drops).by_reason().ok()
     }
 
+    /// Cilium's own drop counters by reason now (None: `cilium_metrics` unreadable).
     pub fn cilium_drops_now(&self) -> Option<BTreeMap<String, u64>> {
-        ciliumdrops::read(&self.cfg.bpffs).ok()
+        use crate::cilium::drops;
+        let (key_size, value_size) = drops::METRICS_LAYOUT;
+        let layout = crate::kernel::counters::Layout {
+            key_size,
+            value_size,
+        };
+        crate::kernel::counters::sum_by_first_key_byte(
+            &self.cfg.bpffs.join(drops::METRICS_MAP),
+            layout,
+        )
+        .ok()
+        .map(drops::by_reason)
     }
 
     /// Runs devices/maps/config now, stores and exports them.
@@ -422,7 +434,7 @@ impl Daemon {
                     !checks::devices::excluded(
                         d,
                         &l.devices,
-                        checks::devices::SelectionRules::newest(),
+                        crate::cilium::devices::SelectionRules::newest(),
                     ) || sel.contains(&d.name)
                 }) {
                     m.device_selected

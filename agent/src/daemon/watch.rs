@@ -3,10 +3,10 @@
 //! written, the outcome exported. The runner (`runner/`) alone owns and advances the active
 //! step.
 use super::{lock, Daemon};
+use crate::cilium::profile;
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
 use crate::probe::unix_now;
-use crate::profile;
 pub use crate::step::lifecycle::WitnessPollError;
 pub use crate::step::observe::{
     current_programs, endpoint_readings, map_counts, map_ids, BeginError,

@@ -45,14 +45,14 @@ pub struct Readings {
     /// The endpoints' programs at the last device observation (taken by the next decision).
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
     /// The overlay the configuration asks for, and when it was read.
-    pub overlay: Option<(crate::checks::devices::OverlayIntent, f64)>,
+    pub overlay: Option<(crate::cilium::devices::OverlayIntent, f64)>,
     /// The services the agent holds, read after kept service maps were seen to shrink
     /// (None: not read, or the agent could not be asked).
     pub services: Option<crate::ciliumapi::AgentServices>,
     /// The maps the node's features require now (the `maps` check's `required`), when known.
     pub required_maps: Option<std::collections::BTreeSet<String>>,
     /// What the configuration asks of endpoints and host hooks (None: not known).
-    pub asks: Option<crate::checks::devices::Asks>,
+    pub asks: Option<crate::cilium::devices::Asks>,
 }
 
 /// What an observation reads only at its own moment.

@@ -185,7 +185,7 @@ pub struct EndpointProgress {
 /// `profile::MapClass` and docs/cilium-fidelity.md).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct MapEvidence {
-    pub class: crate::profile::MapClass,
+    pub class: crate::cilium::profile::MapClass,
     pub before: Option<u64>,
     pub after: Option<u64>,
     /// The map has a new id: recreated (by design on every start, or for a property change).
@@ -218,7 +218,7 @@ pub struct Reload {
     /// The overlay the restarted agent's configuration asks for: read after the datapath
     /// began to change (an earlier read is the previous agent's). None: not read yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub overlay_intent: Option<crate::checks::devices::OverlayIntent>,
+    pub overlay_intent: Option<crate::cilium::devices::OverlayIntent>,
     /// The node's configuration was readable at some point of the step (so the restarted
     /// agent's intent is awaited before a pass).
     #[serde(default)]

@@ -2,11 +2,11 @@
 //! endpoints' programs, the maps' counts and ids, and the baseline taken from them. Pure:
 //! the daemon makes the observations (and the reads they need) and passes them in.
 use super::{Baseline, EndpointPrograms, EndpointsFollowed};
-use crate::checks::devices::{self, FROM_HOST_KEY, TO_NETDEV_KEY, TO_OVERLAY_KEY, XDP_KEY};
 use crate::checks::CheckResult;
+use crate::cilium::devices::{self, FROM_HOST_KEY, TO_NETDEV_KEY, TO_OVERLAY_KEY, XDP_KEY};
+use crate::cilium::profile;
 use crate::kernel::bpffs::MapsObservation;
 use crate::kernel::links;
-use crate::profile;
 use std::collections::BTreeMap;
 
 /// What the reload check follows under a tracking key: the device and the program (Cilium's
@@ -252,9 +252,13 @@ impl Baseline {
         }
         // Host devices only: Cilium's own devices change programs by design across versions
         // (cilium_wg0: cil_from_netdev up to 1.17, cil_from_wireguard from 1.18).
-        let selected: Vec<String> = devices::carrying(&obs.devices)
+        let selected: Vec<String> = obs
+            .devices
+            .iter()
+            .filter(|d| d.carries("ingress", "cil_from_netdev") && !devices::ciliums_own(&d.name))
+            .map(|d| d.name.clone())
+            .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
-            .filter(|d| !devices::ciliums_own(d))
             .collect();
         if selected.is_empty() {
             return Err(BeginError::NoDatapath);

@@ -264,7 +264,7 @@ impl StepParams {
             None => None,
         };
         let expect_cilium = match expect.cilium {
-            Some(v) if crate::profile::CiliumVersion::parse(&v).is_none() => {
+            Some(v) if crate::cilium::profile::CiliumVersion::parse(&v).is_none() => {
                 return Err(RequestError::new(
                     "expect.cilium",
                     format!("{v:?} is not 1.16, 1.17, 1.18, 1.19 or 1.20"),

@@ -85,6 +85,16 @@ pub struct Device {
     pub programs: Vec<AttachedProgram>,
 }
 
+impl Device {
+    /// Whether a program named `program` (see [`AttachedProgram::is`]) is attached at `hook`
+    /// (`ingress`, `egress`, `xdp`).
+    pub fn carries(&self, hook: &str, program: &str) -> bool {
+        self.programs
+            .iter()
+            .any(|p| p.hook == hook && p.is(program))
+    }
+}
+
 /// Everything observed, plus what could not be read (each entry one line).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Observation {

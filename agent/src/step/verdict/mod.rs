@@ -10,7 +10,7 @@ mod reload;
 mod witnesses;
 use super::{MapEvidence, Phase, Reason, Reload, Status, Step, StepCheck, TargetGap, Verdict};
 use crate::checks::Status as CheckStatus;
-use crate::profile;
+use crate::cilium::profile;
 pub use crate::timeline::gap_row;
 pub use drops::*;
 pub use endpoints::*;
@@ -52,14 +52,14 @@ pub struct Observed {
     /// Every endpoint device's Cilium programs now; None when they could not be read.
     pub endpoints: Option<BTreeMap<String, super::EndpointPrograms>>,
     /// The overlay the node's configuration asks for as last read, and when the read began.
-    pub overlay: Option<(crate::checks::devices::OverlayIntent, f64)>,
+    pub overlay: Option<(crate::cilium::devices::OverlayIntent, f64)>,
     /// The services the agent holds, read after the map entries (kept service maps that
     /// lost entries are judged against it: what it no longer lists was deleted).
     pub services: Option<crate::ciliumapi::AgentServices>,
     /// The maps the node's features require now (None: not known).
     pub required_maps: Option<std::collections::BTreeSet<String>>,
     /// What the configuration asks of endpoints and host hooks (None: not known).
-    pub asks: Option<crate::checks::devices::Asks>,
+    pub asks: Option<crate::cilium::devices::Asks>,
 }
 
 /// The step's only deadline: its timeout. Whatever must happen after a restart (the reload,

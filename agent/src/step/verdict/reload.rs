@@ -1,7 +1,7 @@
 //! The reload check: the datapath's programs were replaced on every device that had them, and
 //! stayed quiet since.
 use super::*;
-use crate::checks::devices;
+use crate::cilium::devices;
 
 /// How long nothing may change before a reload counts as complete (Cilium attaches devices one
 /// after another).
@@ -74,7 +74,7 @@ pub fn note_overlay_intent(step: &mut Step, o: &Observed) {
 }
 
 fn wanted_before_gone(step: &Step) -> std::collections::BTreeSet<String> {
-    use crate::checks::devices::XDP_KEY;
+    use crate::cilium::devices::XDP_KEY;
     let base = &step.baseline.programs;
     match &step.params.expect_devices {
         Some(d) => {
@@ -88,7 +88,7 @@ fn wanted_before_gone(step: &Step) -> std::collections::BTreeSet<String> {
                         .filter(|k| !step.reload.xdp_best_effort || base.contains_key(k)),
                 );
             }
-            let to_netdev = crate::checks::devices::TO_NETDEV_KEY;
+            let to_netdev = crate::cilium::devices::TO_NETDEV_KEY;
             if base.keys().any(|k| k.ends_with(to_netdev)) {
                 w.extend(d.iter().map(|d| format!("{d}{to_netdev}")));
             }
@@ -98,7 +98,7 @@ fn wanted_before_gone(step: &Step) -> std::collections::BTreeSet<String> {
                         let dev = k.split(':').next().unwrap_or(k);
                         dev == "cilium_host"
                             || dev == "cilium_net"
-                            || crate::checks::devices::is_overlay(dev)
+                            || crate::cilium::devices::is_overlay(dev)
                     })
                     .cloned(),
             );

@@ -1448,7 +1448,7 @@ fn overlay_run(
     b.programs.insert("cilium_vxlan:to_overlay".into(), 31);
     s.baseline = std::sync::Arc::new(b);
     let cfg = |mode: &str| {
-        crate::checks::devices::overlay_intent(
+        crate::cilium::devices::overlay_intent(
             &[("routing-mode".to_string(), mode.to_string())].into(),
         )
     };
@@ -1540,7 +1540,7 @@ fn an_overlay_the_configuration_adds_is_wanted() {
     s.params.settle = Duration::from_secs(2);
     s.params.timeout = Duration::from_secs(10);
     let intent = |mode: &str| {
-        crate::checks::devices::overlay_intent(
+        crate::cilium::devices::overlay_intent(
             &[("routing-mode".to_string(), mode.to_string())].into(),
         )
     };
@@ -1589,7 +1589,7 @@ fn hooks_the_restarted_agents_configuration_turns_off_are_meant_to_go() {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect();
-            crate::checks::devices::overlay_intent(&cfg).with_hooks(&cfg, Some("1.20"))
+            crate::cilium::devices::overlay_intent(&cfg).with_hooks(&cfg, Some("1.20"))
         };
         for i in 0..=250 {
             let t = i as f64 * 0.1;

@@ -1,9 +1,14 @@
-//! Cilium's own drop counters from the pinned per-CPU `cilium_metrics` map (opened read-only):
-//! key `struct metrics_key {u8 reason; u8 dir; u16 line; u8 file; u8 reserved[3]}`, value
-//! `struct metrics_value {u64 count; u64 bytes}` per CPU. Summed per drop reason.
-use super::bpf;
+//! Cilium's drop reasons, and where its drop counters are: the pinned per-CPU
+//! `cilium_metrics` map, key `struct metrics_key {u8 reason; u8 dir; u16 line; u8 file; u8
+//! reserved[3]}`, value `struct metrics_value {u64 count; u64 bytes}` per CPU.
 use std::collections::BTreeMap;
-use std::path::Path;
+
+/// Where a node's counters are pinned, under its bpffs.
+pub const METRICS_MAP: &str = "tc/globals/cilium_metrics";
+
+/// `cilium_metrics`'s key and (per-CPU) value sizes, in bytes; the count is the value's first
+/// `u64`, the reason the key's first byte.
+pub const METRICS_LAYOUT: (u32, u32) = (8, 16);
 
 /// Cilium's drop reasons (codes 130–207) with their names: Cilium's own descriptions from
 /// `pkg/monitor/api/drop.go` (`errors` table), snake-cased; 159 has no description there and
@@ -112,67 +117,18 @@ fn is_drop(code: u8) -> bool {
     code == 2 || code >= 130
 }
 
-/// `cilium_metrics` could not be read (the drops signal is unknown).
-#[derive(Debug, thiserror::Error)]
-pub enum ReadError {
-    #[error("{what} {path}: {source}")]
-    Io {
-        what: &'static str,
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: unexpected layout {key}x{value} (want 8x16)")]
-    Layout { path: String, key: u32, value: u32 },
-}
-
-/// Drops per reason label (`202_host_datapath_not_ready`), summed over CPUs, direction, line.
-pub fn read(bpffs: &Path) -> Result<BTreeMap<String, u64>, ReadError> {
-    let path = bpffs.join("tc/globals/cilium_metrics");
-    let io = |what: &'static str| {
-        let path = path.display().to_string();
-        move |source| ReadError::Io { what, path, source }
-    };
-    let fd = bpf::obj_get_rdonly(&path).map_err(io("open"))?;
-    let info = bpf::map_info(&fd).map_err(io("map info"))?;
-    if info.key_size != 8 || info.value_size != 16 {
-        return Err(ReadError::Layout {
-            path: path.display().to_string(),
-            key: info.key_size,
-            value: info.value_size,
-        });
-    }
-    // One batched read of the whole map (a step reads it every 100 ms; a real node's
-    // `cilium_metrics` holds hundreds of (reason, direction, file, line) entries, and walking
-    // them cost two syscalls each).
+/// Drops per reason label (`202_host_datapath_not_ready`) from counts per reason code (summed
+/// over CPUs, directions and lines); codes that are not drops are left out.
+pub fn by_reason(by_code: BTreeMap<u8, u64>) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    bpf::for_each_entry(&fd, &info, 4096, |k, value| {
-        if !is_drop(k[0]) {
-            return;
-        }
-        let count: u64 = value
-            .chunks(16)
-            .map(|c| u64::from_ne_bytes(c[..8].try_into().unwrap_or([0; 8])))
-            .sum();
-        *out.entry(reason_name(k[0])).or_insert(0) += count;
-    })
-    .map_err(io("read"))?;
-    Ok(out)
+    for (code, n) in by_code.into_iter().filter(|(c, _)| is_drop(*c)) {
+        *out.entry(reason_name(code)).or_insert(0) += n;
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn possible_cpus_are_parsed_never_guessed() {
-        use crate::bpf::parse_possible;
-        assert_eq!(parse_possible("0-1\n"), Some(2));
-        assert_eq!(parse_possible("0"), Some(1));
-        assert_eq!(parse_possible("0-3,8-11"), Some(8));
-        assert_eq!(parse_possible(""), None);
-        assert_eq!(parse_possible("3-1"), None);
-        assert!(crate::bpf::possible_cpus().unwrap() >= 1);
-    }
-
     /// Every code Cilium defines (130..=207) has its name, and the names that were wrong
     /// before (136, 150, 151, 153, 158, 160–164, 189) are Cilium's.
     #[test]
@@ -203,6 +159,20 @@ mod tests {
             codes,
             (130u8..=207).collect::<Vec<_>>(),
             "no gaps, no duplicates"
+        );
+    }
+
+    #[test]
+    fn counts_become_drops_per_reason() {
+        let counts = std::collections::BTreeMap::from([(0, 9), (2, 1), (133, 4), (202, 5)]);
+        let by = super::by_reason(counts);
+        assert_eq!(
+            by.into_iter().collect::<Vec<_>>(),
+            [
+                ("133_policy_denied".to_string(), 4),
+                ("202_host_datapath_not_ready".to_string(), 5),
+                ("2_invalid_packet".to_string(), 1),
+            ]
         );
     }
 
