@@ -3,8 +3,9 @@
 //! name, default `kubernetes.default.svc.cluster.local`), `record` (`A`, the default, or
 //! `AAAA`) and `answers` (the addresses expected, or `baseline`: during a step the answer
 //! must stay what it was when the step began). Port 53 unless given. The `dns` check's resolver queries are the same exchange.
-use super::engine::{would_block, Progress};
-use super::kind::{Exchange, Kind, Probe, Problem, Transport};
+use super::contract::{would_block, Progress};
+use super::contract::{Exchange, Probe, Transport};
+use super::kind::{Kind, Problem};
 use super::ProbeError;
 use crate::config::{Answers, Target};
 use crate::kernel::sock::{recv, send};

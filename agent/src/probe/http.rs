@@ -1,7 +1,8 @@
 //! `http`: a GET over a fresh connection; the status line is the answer. Options: `path`
 //! (default `/`) and `expect` (the status, default 200). Port 80 unless given.
-use super::engine::{would_block, Finished, Progress};
-use super::kind::{Exchange, Kind, Probe, Problem, Transport};
+use super::contract::{would_block, Finished, Progress};
+use super::contract::{Exchange, Probe, Transport};
+use super::kind::{Kind, Problem};
 use super::ProbeError;
 use crate::config::Target;
 use crate::kernel::sock::{recv, send};

@@ -6,8 +6,9 @@
 //! `ca` the handshake must complete but the certificate is not verified, and every answer
 //! says so. Port 443 unless given. A failed handshake (an alert, a certificate that does not
 //! verify, a close) is a failed probe, like a wrong status.
-use super::engine::{would_block, Progress};
-use super::kind::{Exchange, Kind, Probe, Problem, Transport};
+use super::contract::{would_block, Progress};
+use super::contract::{Exchange, Probe, Transport};
+use super::kind::{Kind, Problem};
 use super::ProbeError;
 use crate::config::Target;
 use crate::kernel::sock::{recv, send};

@@ -3,8 +3,9 @@
 //! judges what comes back; the engine's echo transport sends it (an unprivileged ping socket
 //! when the kernel allows it, else a raw socket with CAP_NET_RAW; for IPv4 one socket shared
 //! by the targets without a `source`, for IPv6 a socket per echo).
-use super::engine::Progress;
-use super::kind::{Exchange, Kind, Probe, Problem, Transport};
+use super::contract::Progress;
+use super::contract::{Exchange, Probe, Transport};
+use super::kind::{Kind, Problem};
 use super::ProbeError;
 use crate::config::Target;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};

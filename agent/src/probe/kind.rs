@@ -5,10 +5,8 @@
 //! knows transports, not kinds: it connects a stream or a datagram socket, times the probe,
 //! and hands the socket to the kind's [`Exchange`]; ICMP echoes have a transport of their own
 //! (one shared socket).
-use super::engine::Progress;
+use super::contract::Probe;
 use crate::config::{Config, ConfigError, Target};
-use std::net::SocketAddr;
-use std::os::fd::RawFd;
 use std::sync::Arc;
 
 /// Every probe kind, in the order `--help` and errors list them.
@@ -31,32 +29,6 @@ pub trait Kind: Sync {
     }
     /// Reads the target's options and prepares its probes (once per target).
     fn prepare(&self, t: &Target) -> Result<Arc<dyn Probe>, Problem>;
-}
-
-/// How a probe's packets travel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// A TCP connection (closed with RST); the exchange begins once it is established.
-    Stream,
-    /// A connected UDP socket; the exchange sends the first datagram.
-    Datagram,
-    /// An ICMP echo on the engine's shared socket (or one of its own with a `source`).
-    Echo,
-}
-
-/// A target's prepared probes.
-pub trait Probe: Send + Sync + std::fmt::Debug {
-    fn transport(&self) -> Transport;
-    /// One probe's exchange on a connected socket (stream and datagram transports).
-    fn exchange(self: Arc<Self>, addr: SocketAddr) -> Box<dyn Exchange>;
-}
-
-/// One probe's conversation on its socket.
-pub trait Exchange: Send {
-    /// The socket is connected: send what opens the exchange (nothing, for a bare connect).
-    fn open(&mut self, fd: RawFd) -> Progress;
-    /// The socket is ready for what the last [`Progress::Wait`] asked for.
-    fn ready(&mut self, fd: RawFd) -> Progress;
 }
 
 /// A target option that cannot be taken: the field (under the target) and why.

@@ -2,6 +2,7 @@
 //! (TLS handshake, then the GET), `icmp` echo, `dns` query: one file per kind, registered in
 //! [`kind::KINDS`]. An answer that arrives after the timeout (e.g. after a SYN retransmit) is
 //! a failure, even if it eventually succeeded.
+pub mod contract;
 pub mod dns;
 pub mod engine;
 mod error;

@@ -1,7 +1,8 @@
 //! `tcp`: a connect; the handshake completing is the answer (then closed with RST). Needs a
 //! `port`; no options of its own.
-use super::engine::Progress;
-use super::kind::{Exchange, Kind, Probe, Problem, Transport};
+use super::contract::Progress;
+use super::contract::{Exchange, Probe, Transport};
+use super::kind::{Kind, Problem};
 use crate::config::Target;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;

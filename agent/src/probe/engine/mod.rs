@@ -13,8 +13,9 @@
 //! probes of `stepguard check` ([`run_once`]), so there is one implementation per probe kind.
 mod echo;
 mod scheduler;
+use super::contract::{would_block, Finished, Progress};
+use super::contract::{Exchange, Probe, Transport};
 use super::icmp;
-use super::kind::{Exchange, Probe, Transport};
 use crate::config::Target;
 use crate::kernel::sock::{
     bind, connect, drain_counter, epoll_create, epoll_ctl, epoll_pwait2, epoll_wait, eventfd,
@@ -114,17 +115,6 @@ pub struct Op {
     /// Echo: the sequence number, and whether the socket is raw (replies carry the IP header).
     id: u16,
     raw: bool,
-}
-
-/// A finished probe's detail (and dns answers), or what went wrong.
-pub type Finished = Result<(String, Option<Vec<IpAddr>>), ProbeError>;
-
-/// What happened after an event.
-pub enum Progress {
-    /// Wait for these epoll events.
-    Wait(u32),
-    /// Finished: the detail (and dns answers) or what went wrong.
-    Done(Finished),
 }
 
 fn cannot(ctx: &str) -> impl Fn(io::Error) -> ProbeError + '_ {
@@ -257,11 +247,6 @@ fn open(op: &mut Op, fd: RawFd) -> Progress {
         Some(x) => x.open(fd),
         None => Progress::Done(Err(ProbeError::unsupported("probe", "no exchange"))),
     }
-}
-
-/// Whether a non-blocking call would have blocked (or was interrupted): wait and try again.
-pub fn would_block(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR))
 }
 
 /// Advances a probe after its socket became ready.
