@@ -7,6 +7,7 @@
 //! whose config sources include a CiliumNodeConfig, is a per-node override (reported). Keys
 //! the agent does not report cannot be verified (listed, never counted as a pass).
 use super::CheckResult;
+use crate::checks::Code;
 use crate::ciliumconfig::{Snapshot, SnapshotStore};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -314,7 +315,7 @@ pub fn evaluate(
         None => {
             return CheckResult::unknown(
                 CHECK,
-                "no_cilium_config",
+                Code::NoCiliumConfig,
                 "no cilium-config directory configured (`cilium_config` / --cilium-config)",
                 json!({}),
             )
@@ -322,7 +323,7 @@ pub fn evaluate(
         Some(Err(e)) => {
             return CheckResult::unknown(
                 CHECK,
-                "cilium_config_unreadable",
+                Code::CiliumConfigUnreadable,
                 e.to_string(),
                 json!({}),
             )
@@ -333,7 +334,7 @@ pub fn evaluate(
         None => {
             return CheckResult::unknown(
                 CHECK,
-                "no_agent_api",
+                Code::NoAgentApi,
                 "cannot tell what the running cilium-agent loaded: set `cilium_api` to its API socket (/var/run/cilium/cilium.sock)",
                 json!({"config_version": snap.version, "keys": snap.values.len()}),
             )
@@ -341,7 +342,7 @@ pub fn evaluate(
         Some(Err(e)) => {
             return CheckResult::unknown(
                 CHECK,
-                "agent_api_unreachable",
+                Code::AgentApiUnreachable,
                 format!("cannot ask the running cilium-agent what it loaded: {e}"),
                 json!({"config_version": snap.version}),
             )
@@ -380,7 +381,7 @@ pub fn evaluate(
     if !not_applied.is_empty() {
         return CheckResult::fail(
             CHECK,
-            "config_not_applied",
+            Code::ConfigNotApplied,
             format!(
                 "cilium-config changed but the running cilium-agent still has the old value: merged but inert until it restarts; changed keys: {}",
                 keys(&not_applied)
@@ -391,7 +392,7 @@ pub fn evaluate(
     if !unsure.is_empty() {
         return CheckResult::unknown(
             CHECK,
-            "config_unverified",
+            Code::ConfigUnverified,
             format!(
                 "the running cilium-agent runs with values the mounted cilium-config does not declare on {}: {}",
                 keys(&unsure),
@@ -428,7 +429,7 @@ pub fn evaluate(
         ));
     }
     reason.push(')');
-    CheckResult::pass(CHECK, "config_applied", reason, evidence)
+    CheckResult::pass(CHECK, Code::ConfigApplied, reason, evidence)
 }
 
 /// The `config` node check: asks the agent's API what it loaded.

@@ -2,6 +2,7 @@
 //! (hickory-proto messages over UDP): no cache, no retries. Success ratio and p50/p99 latency
 //! against configured thresholds. SERVFAIL, wrong answers and timeouts are failures.
 use super::CheckResult;
+use crate::checks::Code;
 use crate::config::DnsConfig;
 use crate::probe::dns::{self, RecordKind};
 use crate::stats::quantile;
@@ -79,12 +80,12 @@ pub async fn burst(resolver: SocketAddr, cfg: &DnsConfig) -> ResolverSample {
 pub async fn run(cfg: &DnsConfig) -> CheckResult {
     let resolvers = match cfg.resolver_addrs() {
         Ok(r) => r,
-        Err(e) => return CheckResult::unknown(CHECK, "config_error", e.to_string(), json!({})),
+        Err(e) => return CheckResult::unknown(CHECK, Code::ConfigError, e.to_string(), json!({})),
     };
     if resolvers.is_empty() || cfg.names.is_empty() {
         return CheckResult::unknown(
             CHECK,
-            "no_resolvers",
+            Code::NoResolvers,
             "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)",
             json!({}),
         );
@@ -130,7 +131,7 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
             .unwrap_or_else(|| "no queries sent".into());
         return CheckResult::unknown(
             CHECK,
-            "probe_not_run",
+            Code::ProbeNotRun,
             format!("could not query: {why}"),
             evidence,
         );
@@ -150,9 +151,9 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
             })
             .collect();
         let code = if ok == 0 && samples.iter().all(|s| s.timeouts == s.sent - s.ok) {
-            "dns_timeout"
+            Code::DnsTimeout
         } else {
-            "dns_failures"
+            Code::DnsFailures
         };
         return CheckResult::fail(
             CHECK,
@@ -169,7 +170,7 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
     if let Some(p) = p99.filter(|p| *p > cfg.max_p99) {
         return CheckResult::fail(
             CHECK,
-            "dns_slow",
+            Code::DnsSlow,
             format!(
                 "p99 {:.1}ms > {}ms",
                 p.as_secs_f64() * 1e3,
@@ -180,7 +181,7 @@ pub fn evaluate(cfg: &DnsConfig, samples: &[ResolverSample]) -> CheckResult {
     }
     CheckResult::pass(
         CHECK,
-        "dns_ok",
+        Code::DnsOk,
         format!(
             "{ok}/{sent} answered, p50 {:.1}ms, p99 {:.1}ms",
             p50.unwrap_or_default().as_secs_f64() * 1e3,
@@ -198,7 +199,7 @@ pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
     if resolvers.is_empty() || w.cfg.dns.names.is_empty() {
         return CheckResult::unknown(
             CHECK,
-            "no_resolvers",
+            Code::NoResolvers,
             "no DNS resolvers/names configured (`dns.resolvers`, `dns.names`)",
             json!({}),
         );
@@ -234,7 +235,7 @@ pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
     if samples.iter().all(|s| s.sent == 0) {
         return CheckResult::unknown(
             CHECK,
-            "no_probe_yet",
+            Code::NoProbeYet,
             "no DNS query in the last 10s yet",
             json!({}),
         );
@@ -243,7 +244,7 @@ pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
     if r.status == super::Status::Fail && !ever_answered {
         return CheckResult::unknown(
             CHECK,
-            "resolver_never_answered",
+            Code::ResolverNeverAnswered,
             format!(
                 "no resolver has answered since the agent started: {}",
                 r.reason
@@ -323,11 +324,11 @@ mod tests {
         let r = evaluate(&cfg, &[sample(4, 5, 2, "Server Failure for a.test")]);
         assert_eq!((r.status, r.code.as_str()), (Status::Fail, "dns_failures"));
         let r = evaluate(&cfg, &[sample(0, 5, 0, "timeout after 1000ms")]);
-        assert_eq!(r.code, "dns_timeout");
+        assert_eq!(r.code, Code::DnsTimeout);
         // The code follows the counted timeouts, not the wording of the errors.
         let mut reworded = sample(0, 5, 0, "no answer in time");
         reworded.timeouts = 5;
-        assert_eq!(evaluate(&cfg, &[reworded]).code, "dns_timeout");
+        assert_eq!(evaluate(&cfg, &[reworded]).code, Code::DnsTimeout);
         let r = evaluate(&cfg, &[sample(5, 5, 900, "")]);
         assert_eq!(r.code, "dns_slow");
     }

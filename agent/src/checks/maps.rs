@@ -2,6 +2,7 @@
 //! config's `required`/`optional`) is pinned under `<bpffs>/tc/globals/` and opens read-only;
 //! evidence: type, key/value size, max entries, entry count of every global map.
 use super::CheckResult;
+use crate::checks::Code;
 use crate::cilium::profile::{self, CiliumVersion, Features};
 use crate::kernel::bpffs::{BpffsError, MapsObservation};
 use serde_json::json;
@@ -50,7 +51,7 @@ pub struct MapsExpectation {
 pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectation) -> CheckResult {
     let obs = match obs {
         Ok(o) => o,
-        Err(e) => return CheckResult::unknown(CHECK, "bpffs_missing", e.to_string(), json!({})),
+        Err(e) => return CheckResult::unknown(CHECK, Code::BpffsMissing, e.to_string(), json!({})),
     };
     let present: BTreeSet<String> = obs
         .globals
@@ -67,7 +68,7 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
             None => {
                 return CheckResult::unknown(
                     CHECK,
-                    "version_unknown",
+                    Code::VersionUnknown,
                     format!(
                     "cannot infer the Cilium version from {} pinned maps; set `cilium:` / --cilium",
                     present.len()
@@ -103,13 +104,18 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
     if obs.permission_denied {
         return CheckResult::unknown(
             CHECK,
-            "no_permission",
+            Code::NoPermission,
             "cannot open pinned maps: permission denied (needs CAP_BPF, or CAP_SYS_ADMIN)",
             evidence,
         );
     }
     if let Some((name, why)) = obs.unreadable.iter().find(|(n, _)| required.contains(*n)) {
-        return CheckResult::fail(CHECK, "map_unreadable", format!("{name}: {why}"), evidence);
+        return CheckResult::fail(
+            CHECK,
+            Code::MapUnreadable,
+            format!("{name}: {why}"),
+            evidence,
+        );
     }
     if !missing.is_empty() {
         let mut reason = format!(
@@ -133,11 +139,11 @@ pub fn evaluate(obs: Result<&MapsObservation, &BpffsError>, exp: &MapsExpectatio
                     .unwrap_or_default()
             ));
         }
-        return CheckResult::fail(CHECK, "map_missing", reason, evidence);
+        return CheckResult::fail(CHECK, Code::MapMissing, reason, evidence);
     }
     CheckResult::pass(
         CHECK,
-        "maps_ok",
+        Code::MapsOk,
         format!(
             "all {} maps of the Cilium {} profile present and readable",
             required.len(),
@@ -182,7 +188,7 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
         let Some(obs) = i.maps else {
             return CheckResult::unknown(
                 CHECK,
-                "not_observed",
+                Code::NotObserved,
                 "maps were not observed",
                 json!({}),
             );

@@ -1,7 +1,9 @@
 //! The five node checks. Each lives in its own module with one entry point returning a
 //! [`CheckResult`]: a status, a machine reason code, a one-line human reason, and the evidence
 //! (what was read, from where). A check that could not run is `unknown`, never `pass`.
+mod code;
 pub mod config;
+pub use code::Code;
 pub mod devices;
 pub mod dns;
 pub mod maps;
@@ -122,7 +124,7 @@ pub struct CheckResult {
     pub check: &'static str,
     pub status: Status,
     /// Stable machine reason code, e.g. `device_missing`.
-    pub code: String,
+    pub code: Code,
     /// One line for a human.
     pub reason: String,
     #[serde(serialize_with = "ser_ms")]
@@ -138,14 +140,14 @@ impl CheckResult {
     pub fn new(
         check: &'static str,
         status: Status,
-        code: &str,
+        code: Code,
         reason: impl Into<String>,
         evidence: Value,
     ) -> Self {
         Self {
             check,
             status,
-            code: code.into(),
+            code,
             reason: reason.into(),
             duration_ms: Duration::ZERO,
             evidence,
@@ -153,7 +155,7 @@ impl CheckResult {
     }
     pub fn pass(
         check: &'static str,
-        code: &str,
+        code: Code,
         reason: impl Into<String>,
         evidence: Value,
     ) -> Self {
@@ -161,7 +163,7 @@ impl CheckResult {
     }
     pub fn fail(
         check: &'static str,
-        code: &str,
+        code: Code,
         reason: impl Into<String>,
         evidence: Value,
     ) -> Self {
@@ -169,7 +171,7 @@ impl CheckResult {
     }
     pub fn unknown(
         check: &'static str,
-        code: &str,
+        code: Code,
         reason: impl Into<String>,
         evidence: Value,
     ) -> Self {
@@ -215,9 +217,9 @@ mod tests {
     use super::*;
     #[test]
     fn exit_codes_follow_the_worst_status() {
-        let p = CheckResult::pass("maps", "ok", "", Value::Null);
-        let f = CheckResult::fail("maps", "x", "", Value::Null);
-        let u = CheckResult::unknown("maps", "x", "", Value::Null);
+        let p = CheckResult::pass("maps", Code::Ok, "", Value::Null);
+        let f = CheckResult::fail("maps", Code::NotObserved, "", Value::Null);
+        let u = CheckResult::unknown("maps", Code::NotObserved, "", Value::Null);
         assert_eq!(exit_code(&[p.clone(), p.clone()]), 0);
         assert_eq!(exit_code(&[p.clone(), u.clone()]), 2);
         assert_eq!(exit_code(&[u, f, p]), 1);
@@ -230,7 +232,8 @@ mod tests {
         assert_eq!(names, NODE_CHECKS);
         // Every check renders its own evidence (the text report has no per-check code).
         for c in REGISTRY {
-            let r = CheckResult::unknown(c.name, "x", "", serde_json::json!({"k": 1}));
+            let r =
+                CheckResult::unknown(c.name, Code::NotObserved, "", serde_json::json!({"k": 1}));
             let _ = (c.render)(&r);
         }
     }

@@ -2,6 +2,7 @@
 //! timeout. On kube-proxy-replacement nodes, Cilium's socket-LB may translate a host-namespace
 //! connect to a VIP straight to a backend: see README, "Known limit: socket-LB".
 use super::CheckResult;
+use crate::checks::Code;
 use crate::config::Target;
 use crate::probe::{self, ProbeOutcome};
 use serde_json::json;
@@ -12,7 +13,7 @@ pub const CHECK: &str = "vips";
 fn no_targets() -> CheckResult {
     CheckResult::unknown(
         CHECK,
-        "no_targets",
+        Code::NoTargets,
         "no VIP targets configured (`targets:`)",
         json!({"targets": []}),
     )
@@ -115,7 +116,7 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
     if !failed.is_empty() {
         return CheckResult::fail(
             CHECK,
-            "vip_unreachable",
+            Code::VipUnreachable,
             format!(
                 "{} of {} targets failed: {}",
                 failed.len(),
@@ -128,7 +129,7 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
     if !ew.looked_up && targets.iter().any(|t| t.east_west) {
         return CheckResult::unknown(
             CHECK,
-            "east_west_unconfirmed",
+            Code::EastWestUnconfirmed,
             "the east-west targets' routes were not looked up yet",
             evidence,
         );
@@ -136,7 +137,7 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
     if !ew.local.is_empty() {
         return CheckResult::fail(
             CHECK,
-            "east_west_target_local",
+            Code::EastWestTargetLocal,
             format!(
                 "not east-west, answered on this node: {} (an east-west target must be on another node, e.g. its health endpoint, or it cannot see a broken overlay)",
                 ew.local
@@ -151,7 +152,7 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
     if !ew.unconfirmed.is_empty() {
         return CheckResult::unknown(
             CHECK,
-            "east_west_unconfirmed",
+            Code::EastWestUnconfirmed,
             format!(
                 "cannot tell whether east-west targets leave this node: {}",
                 ew.unconfirmed
@@ -166,14 +167,14 @@ pub fn evaluate(targets: &[Target], outcomes: &[ProbeOutcome], ew: &EastWest) ->
     if !not_run.is_empty() {
         return CheckResult::unknown(
             CHECK,
-            "probe_not_run",
+            Code::ProbeNotRun,
             format!("could not probe: {}", not_run.join("; ")),
             evidence,
         );
     }
     CheckResult::pass(
         CHECK,
-        "vips_ok",
+        Code::VipsOk,
         format!("all {} targets answered", targets.len()),
         evidence,
     )
@@ -194,7 +195,7 @@ pub fn from_probes(w: &super::ProbeWindows) -> CheckResult {
             None => {
                 return CheckResult::unknown(
                     CHECK,
-                    "no_probe_yet",
+                    Code::NoProbeYet,
                     format!("{} not probed yet", t.name),
                     json!({}),
                 )

@@ -357,7 +357,7 @@ impl Daemon {
                     None => view.results.get(c.name).cloned().unwrap_or_else(|| {
                         CheckResult::unknown(
                             c.name,
-                            "not_checked_yet",
+                            crate::checks::Code::NotCheckedYet,
                             "not checked yet",
                             serde_json::json!({}),
                         )

@@ -267,29 +267,65 @@ impl Status {
     }
 }
 
-/// Why a step did not pass: the reason codes of DESIGN.md (plus `cancelled`).
+/// Why a step did not pass (the README's "The step protocol" lists each with its rule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
+    /// Cilium's programs on the host devices were not replaced within the timeout.
     DatapathNotReloaded,
+    /// Never green for `settle` before the timeout.
     NotSettled,
+    /// A target's longest outage over its `max_gap`, or the outages together over
+    /// `max_total_gap`.
     GapOverBudget,
+    /// The devices carrying Cilium's programs came back other than expected: unlike the
+    /// baseline, or unlike `expect.devices` when the step declared them.
     DeviceSetChanged,
+    /// A map the returning release must have is not pinned.
     MapMissing,
+    /// Kept state came back empty or lost more than half its entries, or a recreated map did
+    /// not refill.
     MapEmptied,
+    /// The node came back on another Cilium release than `expect.cilium` declared.
     CiliumVersionMismatch,
+    /// A target lost more than `max_loss` of its probes outside its longest outage.
     LossOverBudget,
+    /// DNS answers slower than `dns_slower_ratio` times the baseline.
     DnsSlower,
+    /// An endpoint did not run a new `cil_from_container` within the timeout.
     EndpointsNotRegenerated,
+    /// Drops of a reason over its `drops_budget`.
     DropsOverBudget,
+    /// A hole in the evidence: the agent was down, the node rebooted, a probe loop stalled,
+    /// a witness did not report, or a reading could not be had.
     EvidenceIncomplete,
+    /// Ended by `DELETE` before it was decided.
     Cancelled,
-    /// Kept state (service frontends, backends, endpoints) vanished across the restart, less
-    /// than fails the step: a warning on a pass, never silent.
+    /// Service frontends or backends gone from a kept map: a failure while the cilium-agent
+    /// still lists them past the timeout; a warning on a step that passes.
     KeptStateLost,
 }
 
 impl Reason {
+    /// Every reason.
+    pub const ALL: [Reason; 14] = [
+        Reason::DatapathNotReloaded,
+        Reason::NotSettled,
+        Reason::GapOverBudget,
+        Reason::DeviceSetChanged,
+        Reason::MapMissing,
+        Reason::MapEmptied,
+        Reason::CiliumVersionMismatch,
+        Reason::LossOverBudget,
+        Reason::DnsSlower,
+        Reason::EndpointsNotRegenerated,
+        Reason::DropsOverBudget,
+        Reason::EvidenceIncomplete,
+        Reason::Cancelled,
+        Reason::KeptStateLost,
+    ];
+
+    /// Its name in JSON (the same as serde's).
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::DatapathNotReloaded => "datapath_not_reloaded",

@@ -163,13 +163,28 @@ fn only_failing_or_regressed_node_checks_block_a_step() {
     let now = [
         crate::checks::CheckResult::unknown(
             "config",
-            "no_cilium_config",
+            crate::checks::Code::NoCiliumConfig,
             "",
             serde_json::json!({}),
         ),
-        crate::checks::CheckResult::unknown("maps", "no_permission", "", serde_json::json!({})),
-        crate::checks::CheckResult::fail("devices", "device_missing", "", serde_json::json!({})),
-        crate::checks::CheckResult::pass("vips", "ok", "", serde_json::json!({})),
+        crate::checks::CheckResult::unknown(
+            "maps",
+            crate::checks::Code::NoPermission,
+            "",
+            serde_json::json!({}),
+        ),
+        crate::checks::CheckResult::fail(
+            "devices",
+            crate::checks::Code::DeviceMissing,
+            "",
+            serde_json::json!({}),
+        ),
+        crate::checks::CheckResult::pass(
+            "vips",
+            crate::checks::Code::Ok,
+            "",
+            serde_json::json!({}),
+        ),
     ];
     let baseline: BTreeMap<String, String> = [
         ("config", "unknown"),
@@ -392,4 +407,26 @@ fn a_host_device_carrying_cil_from_container_is_an_endpoint() {
     assert_eq!(eps["cali1234"].from_container, Some(9));
     assert_eq!(eps["cali1234"].to_container, Some(10));
     assert_eq!(eps["cali1234"].ifindex, 7);
+}
+
+/// Every reason is named in JSON as `as_str` names it, and the README's step protocol lists
+/// each; a reason missing from `Reason::ALL` makes the count wrong.
+#[test]
+fn every_reason_is_named_alike_and_documented() {
+    let readme = include_str!("../../../README.md");
+    let mut names = std::collections::BTreeSet::new();
+    for r in Reason::ALL {
+        assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());
+        assert!(names.insert(r.as_str()));
+        assert!(
+            readme.contains(&format!("`{}`", r.as_str())),
+            "README.md does not name `{}`",
+            r.as_str()
+        );
+    }
+    // As many as the enum has: `as_str`'s match is exhaustive; this counts its arms.
+    let arms = include_str!("mod.rs")
+        .matches("            Reason::")
+        .count();
+    assert_eq!(names.len(), arms, "Reason::ALL misses a reason");
 }

@@ -4,6 +4,7 @@
 //! the baseline for "was the datapath reloaded?".
 
 use super::CheckResult;
+use crate::checks::Code;
 use crate::cilium::devices::*;
 use crate::kernel::links::{Device, Observation};
 use serde_json::json;
@@ -70,10 +71,7 @@ pub fn excluded(d: &Device, all: &[Device], rules: SelectionRules) -> bool {
 
 /// The overlay against the configuration's intent: the wanted overlay device carries
 /// `cil_from_overlay`, no other overlay device carries Cilium's programs. None: as intended.
-pub fn overlay_mismatch(
-    obs: &Observation,
-    intent: &OverlayIntent,
-) -> Option<(&'static str, String)> {
+pub fn overlay_mismatch(obs: &Observation, intent: &OverlayIntent) -> Option<(Code, String)> {
     let carries = |name: &str| {
         obs.devices
             .iter()
@@ -93,7 +91,7 @@ pub fn overlay_mismatch(
         .collect();
     if !stray.is_empty() {
         return Some((
-            "overlay_unexpected",
+            Code::OverlayUnexpected,
             format!(
                 "{} still carries Cilium's programs, but the configuration asks for {}",
                 stray.join(", "),
@@ -103,7 +101,7 @@ pub fn overlay_mismatch(
     }
     match &intent.device {
         Some(d) if !carries(d) => Some((
-            "overlay_missing",
+            Code::OverlayMissing,
             format!(
                 "{d} lacks cil_from_overlay, but the configuration asks for {}",
                 intent.describe()
@@ -320,7 +318,7 @@ pub fn evaluate_by(
     if obs.prog_details_unreadable {
         return CheckResult::unknown(
             CHECK,
-            "no_permission",
+            Code::NoPermission,
             format!(
                 "cannot read program details: {}",
                 obs.problems
@@ -332,12 +330,12 @@ pub fn evaluate_by(
         );
     }
     if let Some(p) = obs.problems.first() {
-        return CheckResult::unknown(CHECK, "kernel_error", p.clone(), evidence);
+        return CheckResult::unknown(CHECK, Code::KernelError, p.clone(), evidence);
     }
     if expected.is_empty() {
         return CheckResult::unknown(
             CHECK,
-            "no_expected_devices",
+            Code::NoExpectedDevices,
             "no expected devices: none configured and none auto-detected",
             evidence,
         );
@@ -367,7 +365,7 @@ pub fn evaluate_by(
             evidence["to_netdev_missing"] = json!(no_egress);
             CheckResult::unknown(
                 CHECK,
-                "to_netdev_unconfirmed",
+                Code::ToNetdevUnconfirmed,
                 format!(
                     "cil_to_netdev missing on {}; the ConfigMap requires it ({}), but what the running cilium-agent loaded could not be read, and a per-node override may turn it off",
                     no_egress.join(", "),
@@ -381,7 +379,7 @@ pub fn evaluate_by(
             evidence["to_netdev_missing"] = json!(no_egress);
             CheckResult::fail(
                 CHECK,
-                "to_netdev_missing",
+                Code::ToNetdevMissing,
                 format!(
                     "cil_to_netdev missing on {}, required because {} (Cilium attaches it on every selected device when devices are required)",
                     no_egress.join(", "),
@@ -393,7 +391,7 @@ pub fn evaluate_by(
         (true, true) => match host_ok {
             Some(true) => CheckResult::pass(
                 CHECK,
-                "devices_ok",
+                Code::DevicesOk,
                 format!(
                     "cil_from_netdev on {} (as expected by {decided_by})",
                     list(&have.iter().collect::<Vec<_>>())
@@ -402,20 +400,20 @@ pub fn evaluate_by(
             ),
             Some(false) => CheckResult::fail(
                 CHECK,
-                "host_device_missing",
+                Code::HostDeviceMissing,
                 "cilium_host lacks cil_to_host/cil_from_host",
                 evidence,
             ),
             None => CheckResult::fail(
                 CHECK,
-                "host_device_missing",
+                Code::HostDeviceMissing,
                 "no cilium_host device: the datapath is not set up",
                 evidence,
             ),
         },
         (false, true) => CheckResult::fail(
             CHECK,
-            "device_missing",
+            Code::DeviceMissing,
             format!(
                 "cil_from_netdev missing on {} (expected by {decided_by})",
                 list(&missing)
@@ -424,7 +422,7 @@ pub fn evaluate_by(
         ),
         (true, false) => CheckResult::fail(
             CHECK,
-            "device_unexpected",
+            Code::DeviceUnexpected,
             format!(
                 "cil_from_netdev on unexpected {} (not expected by {decided_by})",
                 list(&unexpected)
@@ -433,7 +431,7 @@ pub fn evaluate_by(
         ),
         (false, false) => CheckResult::fail(
             CHECK,
-            "device_set_mismatch",
+            Code::DeviceSetMismatch,
             format!(
                 "cil_from_netdev missing on {}; unexpected on {} (expected by {decided_by})",
                 list(&missing),
@@ -504,12 +502,15 @@ fn evaluate_node<'a>(i: &'a super::Inputs<'a>) -> super::Evaluating<'a> {
                 o,
                 overlay.as_ref(),
             ),
-            Some(Err(e)) => {
-                CheckResult::unknown(CHECK, "netlink_error", e.to_string(), serde_json::json!({}))
-            }
+            Some(Err(e)) => CheckResult::unknown(
+                CHECK,
+                Code::NetlinkError,
+                e.to_string(),
+                serde_json::json!({}),
+            ),
             None => CheckResult::unknown(
                 CHECK,
-                "not_observed",
+                Code::NotObserved,
                 "devices were not observed",
                 serde_json::json!({}),
             ),
