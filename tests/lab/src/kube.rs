@@ -343,6 +343,29 @@ impl ControlPlane {
         self.unready.iter().any(|(a, b)| *a <= t && t <= *b)
     }
 
+    /// Waits until the CRDs `crds` (`crd/<name>`, or `crd --all`) are established, for up to
+    /// `timeout`. A CRD created a moment ago may have no `status.conditions` yet, which
+    /// `kubectl wait` reports as an error rather than waiting for: asked again until the
+    /// deadline.
+    pub fn wait_crds_established(&self, crds: &[&str], timeout: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let mut args = vec!["wait", "--for=condition=Established", "--timeout=5s"];
+            args.extend_from_slice(crds);
+            match self.kubectl(&args) {
+                Ok(_) => return Ok(()),
+                Err(e) if std::time::Instant::now() < deadline => {
+                    let e = format!("{e:#}");
+                    if !(e.contains("accessor error") || e.contains("timed out")) {
+                        return Err(anyhow::anyhow!(e)).context("CRDs established");
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(e).context("CRDs established"),
+            }
+        }
+    }
+
     /// `kubectl` (the one built beside the control plane) as admin.
     pub fn kubectl(&self, args: &[&str]) -> Result<String> {
         let out = std::process::Command::new(self.bin.join("kubectl"))

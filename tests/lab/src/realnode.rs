@@ -279,13 +279,7 @@ pub(crate) fn apply_crds(cp: &ControlPlane, release: &Release) -> Result<()> {
         cp.kubectl(&["create", "-f", &dir.display().to_string()])
             .with_context(|| format!("apply Cilium's CRDs from {}", dir.display()))?;
     }
-    cp.kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "crd",
-        "--all",
-        "--timeout=60s",
-    ])?;
+    cp.wait_crds_established(&["crd", "--all"], Duration::from_secs(60))?;
     Ok(())
 }
 

@@ -53,14 +53,8 @@ fn cluster(bin: &Path, name: &str) -> (Guard, Kube) {
             apply(&g.0, &["-f", f.to_str().unwrap()]);
         }
     }
-    g.0.kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=30s",
-        "crd",
-        "--all",
-    ])
-    .expect("CRDs established");
+    g.0.wait_crds_established(&["crd", "--all"], std::time::Duration::from_secs(30))
+        .expect("CRDs established");
     stepguard_lab::kube::create_nodes(&k, &[("node-a".into(), "192.0.2.10".into())]).unwrap();
     (g, k)
 }

@@ -30,13 +30,13 @@ pub fn apply_shipped_manifests(c: &ControlPlane) {
         c.kubectl(&["apply", "--server-side", "-f", f.to_str().unwrap()])
             .expect("CRD");
     }
-    c.kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=30s",
-        "crd/servicemonitors.monitoring.coreos.com",
-        "crd/prometheusrules.monitoring.coreos.com",
-    ])
+    c.wait_crds_established(
+        &[
+            "crd/servicemonitors.monitoring.coreos.com",
+            "crd/prometheusrules.monitoring.coreos.com",
+        ],
+        Duration::from_secs(30),
+    )
     .expect("CRDs established");
     for d in ["deploy/base", "deploy/rollout"] {
         c.kubectl(&[
