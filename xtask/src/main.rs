@@ -59,8 +59,9 @@ enum Cmd {
     },
     /// The demo on a simulated node.
     Demo,
-    /// Check that the agent's imports point only down its layers and the workspace's crates
-    /// depend only on crates below them (also the first thing `test` does).
+    /// Check that the imports of the agent, the kernel crate and the lab point only down their
+    /// layers and the workspace's crates depend only on crates below them (also the first
+    /// thing `test` does).
     Layers,
     /// Build the real Kubernetes control plane for the tests (kube-apiserver,
     /// kube-controller-manager, kube-scheduler, kubectl, etcd) from the Go module proxy, into

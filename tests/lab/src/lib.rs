@@ -234,12 +234,7 @@ impl std::ops::DerefMut for LabGuard {
     }
 }
 
-pub fn now_ns() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos()
-}
+pub use sys::now_ns;
 
 fn lxc_name(prefix: &str, i: u32) -> String {
     // Cilium names host-side veths `lxc` + 11 hex characters of a hash.

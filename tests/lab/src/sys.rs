@@ -533,7 +533,7 @@ impl NeighWatch {
                         0,
                     )
                 };
-                let at_ns = crate::now_ns();
+                let at_ns = now_ns();
                 if n < 0 {
                     let e = io::Error::last_os_error();
                     match e.raw_os_error() {
@@ -689,4 +689,12 @@ fn parse_neigh_events(buf: &[u8], at_ns: u128, out: &mut Vec<NeighEvent>) {
         }
         off += (len + 3) & !3;
     }
+}
+
+/// Now, in unix nanoseconds: the instants the lab records as truth.
+pub fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos()
 }
