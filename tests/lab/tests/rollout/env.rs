@@ -1,0 +1,617 @@
+//! The rollout tests' world: a control plane with the lab kubelet playing the DaemonSet
+//! controller's part, a three-node LAN lab whose nodes the kubelet restarts, real stepguard
+//! agents on them, and the stepper as a process in the LAN client namespace; with the readings
+//! the tests make of it (pods, Events, the lock, deletions).
+use super::*;
+
+pub(crate) fn node_name(i: u8) -> String {
+    format!("node-{i}")
+}
+
+pub(crate) const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.18.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+pub(crate) const OPERATOR_IMAGE: &str = "quay.io/cilium/operator-generic:v1.18.2@sha256:fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+
+/// A template change at the n-th cilium pod deletion (1-based, over the kubelet's life) and
+/// moment; `approve`: the DaemonSet's approval annotation follows it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bump {
+    pub(crate) deletion: usize,
+    pub(crate) at: Moment,
+    pub(crate) approve: bool,
+}
+
+pub(crate) struct Env {
+    pub(crate) _agents: Vec<Daemon>,
+    pub(crate) kubelet: Option<Kubelet>,
+    pub(crate) _forward: Forward,
+    pub(crate) k: Arc<Kube>,
+    pub(crate) cp: Arc<Mutex<ControlPlane>>,
+    pub(crate) kubeconfig: PathBuf,
+    pub(crate) client_ns: String,
+    pub(crate) run_dir: PathBuf,
+    pub(crate) lan: Arc<Mutex<LanGuard>>,
+    /// When set, the restart for this many-th deletion (1-based, over the kubelet's life)
+    /// empties the node's endpoint map.
+    pub(crate) fault_at: Arc<Mutex<Option<usize>>>,
+    pub(crate) bumps: Arc<Mutex<Vec<Bump>>>,
+    /// How many template changes the test made (the bump annotation's value).
+    pub(crate) bumped: Arc<Mutex<u32>>,
+}
+
+/// Cilium's L2-announcement Leases in kube-system, as the lab's holders are now (the lab plays
+/// the cilium-agent's part in them; like the agent, it retries while the API server is away).
+pub(crate) fn sync_leases(k: &Kube, lan: &LanLab) {
+    let api = k.ns::<Lease>(KS);
+    for (vip, holder) in &lan.state.holders {
+        let name = format!("cilium-l2announce-default-{vip}");
+        let spec = json!({"holderIdentity": node_name(*holder), "leaseDurationSeconds": 2});
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = match k.block(api.get_opt(&name)) {
+                Ok(Some(_)) => k
+                    .merge(&api, &name, json!({"spec": spec}), false)
+                    .map(|_| ()),
+                Ok(None) => k
+                    .create(
+                        &api,
+                        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                               "metadata": {"name": name, "namespace": KS}, "spec": spec}),
+                    )
+                    .map(|_| ()),
+                Err(e) => Err(e.into()),
+            };
+            match r {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("write the L2 Lease {name}: {e:#} (retrying)");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => panic!("write the L2 Lease {name}: {e:#}"),
+            }
+        }
+    }
+}
+
+/// The DaemonSet's newest revision (hash, number), once the controller has observed the
+/// template.
+pub(crate) fn env() -> Env {
+    env_with(None)
+}
+
+pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
+    require_root();
+    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
+        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
+    ));
+    let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
+    spec.nodes = 3;
+    spec.lease = LeaseTimings {
+        duration: Duration::from_secs(2),
+        renew: Duration::from_secs(1),
+        retry: Duration::from_millis(500),
+    };
+    let lan = LanGuard(LanLab::up(spec).expect("LAN lab up"));
+    let run_dir = lan.state.run_dir.clone();
+    let client_ns = lan.client_ns();
+    let cp = ControlPlane::up(&run_dir.join("kube"), &kube_bin).expect("control plane up");
+    let cp = Arc::new(Mutex::new(cp));
+    let lan = Arc::new(Mutex::new(lan));
+    // From here on a failure still takes the control plane and the lab down.
+    struct Partial(Arc<Mutex<ControlPlane>>, Arc<Mutex<LanGuard>>);
+    impl Drop for Partial {
+        fn drop(&mut self) {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).down();
+            let _ = self.1.lock().unwrap_or_else(|e| e.into_inner()).0.down();
+        }
+    }
+    let partial = Partial(cp.clone(), lan.clone());
+    let (admin, server) = {
+        let c = cp.lock().unwrap();
+        (c.admin_kubeconfig(), c.server.clone())
+    };
+    let k = Arc::new(Kube::connect(&admin).expect("admin client"));
+
+    // The manifests as shipped: the namespace, the agents' DaemonSet, the stepper's RBAC.
+    apply_shipped_manifests(&cp.lock().unwrap());
+    let nodes: Vec<(String, String)> = (0..3u8)
+        .map(|i| (node_name(i), stepguard_lab::lan::node_addr(i).to_string()))
+        .collect();
+    stepguard_lab::kube::create_nodes(&k, &nodes).expect("Nodes");
+    k.create(
+        &k.ns::<k8s_openapi::api::core::v1::ServiceAccount>(KS),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "cilium", "namespace": KS}}),
+    )
+    .expect("cilium ServiceAccount");
+    // Cilium's ConfigMap with the lab's lease timings (the plan's expected blips read them).
+    k.create(
+        &k.ns::<k8s_openapi::api::core::v1::ConfigMap>(KS),
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cilium-config", "namespace": KS},
+               "data": {"enable-l2-announcements": "true", "l2-announcements-lease-duration": "2s",
+                        "l2-announcements-renew-deadline": "1s", "l2-announcements-retry-period": "500ms"}}),
+    )
+    .expect("cilium-config");
+    k.create(
+        &k.ns::<DaemonSet>(KS),
+        stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, revision_history_limit),
+    )
+    .expect("the Cilium DaemonSet");
+    k.create(
+        &k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS),
+        stepguard_lab::kube::cilium_operator(OPERATOR_IMAGE),
+    )
+    .expect("the cilium-operator Deployment");
+
+    let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
+    let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
+    let bumped: Arc<Mutex<u32>> = Arc::new(Mutex::new(0));
+    let restart = {
+        let (lan, fault_at, k) = (
+            lan.clone(),
+            fault_at.clone(),
+            Kube::connect(&admin).unwrap(),
+        );
+        Arc::new(move |node: &str, nth: usize| {
+            let i: u8 = node.trim_start_matches("node-").parse().unwrap();
+            let mut opts = RestartOpts {
+                down: Duration::from_millis(300),
+                ..Default::default()
+            };
+            if *fault_at.lock().unwrap() == Some(nth) {
+                opts.flush_map = Some("cilium_lxc".into());
+            }
+            eprintln!(
+                "the lab restarts {node} for deletion {nth}{}",
+                if opts.flush_map.is_some() {
+                    ", emptying cilium_lxc"
+                } else {
+                    ""
+                }
+            );
+            let mut l = lan.lock().unwrap();
+            l.restart(i, &opts, false).expect("lab restart");
+            sync_leases(&k, &l);
+        })
+    };
+    let moment = {
+        let (bumps, bumped, k) = (
+            bumps.clone(),
+            bumped.clone(),
+            Kube::connect(&admin).unwrap(),
+        );
+        Arc::new(move |m: Moment, node: &str, nth: usize| {
+            let due: Vec<Bump> = bumps
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|b| b.deletion == nth && b.at == m)
+                .copied()
+                .collect();
+            for b in due {
+                let n = {
+                    let mut c = bumped.lock().unwrap();
+                    *c += 1;
+                    *c
+                };
+                let h = set_template(&k, n, b.approve);
+                eprintln!("the test changes the template at {m:?} of deletion {nth} ({node}): revision {h}{}", if b.approve { ", approved" } else { "" });
+            }
+        })
+    };
+    let kubelet = Kubelet::start(&admin, nodes.into_iter().collect(), restart, Some(moment))
+        .expect("lab kubelet");
+
+    let mut agents = Vec::new();
+    {
+        let l = lan.lock().unwrap();
+        for i in 0..3u8 {
+            let node = l.node(i).unwrap();
+            let addr = std::net::SocketAddr::new(stepguard_lab::lan::node_addr(i).into(), 9969);
+            agents.push(Daemon::start_at(
+                node.node_ns(),
+                l.node_config(i),
+                l.state.run_dir.join(format!("agent-state-n{i}")),
+                addr,
+                &[],
+                &[],
+            ));
+        }
+        sync_leases(&k, &l);
+    }
+    let target: std::net::SocketAddr = server.trim_start_matches("https://").parse().unwrap();
+    let forward = Forward::start(
+        &client_ns,
+        &stepguard_lab::lan::CLIENT_ADDR.to_string(),
+        target,
+    )
+    .expect("forward the API server into the LAN");
+    let kubeconfig = cp
+        .lock()
+        .unwrap()
+        .stepper_kubeconfig(&format!("https://{}", forward.addr))
+        .unwrap();
+    std::mem::forget(partial);
+    let e = Env {
+        _agents: agents,
+        kubelet: Some(kubelet),
+        _forward: forward,
+        k,
+        cp,
+        kubeconfig,
+        client_ns,
+        run_dir,
+        lan,
+        fault_at,
+        bumps,
+        bumped,
+    };
+    // Every node runs a Ready cilium pod of the first revision, and a stepguard agent pod;
+    // then the template changes (unapproved), so the first rollout has work.
+    wait_until(
+        "the controller's first revision",
+        Duration::from_secs(30),
+        || observed(&e.k) && revision_now(&e.k).is_some(),
+        || control_plane_logs(&e),
+    );
+    let first = current_revision(&e.k).0;
+    wait_until(
+        "the controller's pods Ready on every node, the operator Ready",
+        Duration::from_secs(60),
+        || all_on(&e, &first) && agents_running(&e) == 3 && operator_ready(&e) == 2,
+        || format!("{:?}", cilium_pods(&e)),
+    );
+    bump(&e, false);
+    e
+}
+
+/// Changes the template now; returns the new revision's hash.
+pub(crate) fn bump(e: &Env, approve: bool) -> String {
+    let n = {
+        let mut c = e.bumped.lock().unwrap();
+        *c += 1;
+        *c
+    };
+    set_template(&e.k, n, approve)
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // A restart in flight holds the lab and writes Leases: let it finish first.
+        if let Some(k) = self.kubelet.take() {
+            if !k.wait_idle(Duration::from_secs(40)) {
+                eprintln!("a lab restart still runs at teardown");
+            }
+        }
+        self.cp.lock().unwrap_or_else(|e| e.into_inner()).down();
+        let mut lan = self.lan.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = lan.0.down() {
+            eprintln!("LAN lab down: {e:#}");
+        }
+    }
+}
+
+/// The cilium pods: name → (node it is for, revision hash, Ready, Terminating).
+pub(crate) fn cilium_pods(e: &Env) -> BTreeMap<String, (String, String, bool, bool)> {
+    cilium_pods_in(&e.k)
+}
+
+/// A cilium pod is bound to its node.
+pub(crate) fn bound(e: &Env, name: &str) -> bool {
+    e.k.block(e.k.ns::<Pod>(KS).get_opt(name))
+        .unwrap()
+        .and_then(|p| p.spec?.node_name)
+        .is_some()
+}
+
+/// The cilium-operator Deployment's Ready replicas, as its controller reports them.
+pub(crate) fn operator_ready(e: &Env) -> i32 {
+    e.k.block(
+        e.k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS)
+            .get("cilium-operator"),
+    )
+    .ok()
+    .and_then(|d| d.status?.ready_replicas)
+    .unwrap_or(0)
+}
+
+pub(crate) fn agents_running(e: &Env) -> usize {
+    let lp = kube::api::ListParams::default().labels("app.kubernetes.io/name=stepguard");
+    let pods = e.k.block(e.k.ns::<Pod>("stepguard").list(&lp)).unwrap();
+    pods.items
+        .iter()
+        .filter(|p| p.status.as_ref().and_then(|s| s.pod_ip.as_ref()).is_some())
+        .count()
+}
+
+pub(crate) fn rollout_cmd(e: &Env, extra: &[&str]) -> Command {
+    // `STEPGUARD_ROLLOUT_BIN`: another build's stepper beside this build's agents (to show a
+    // test failing against older code).
+    let stepper = std::env::var_os("STEPGUARD_ROLLOUT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| bin("STEPGUARD_BIN", "stepguard"));
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{}", e.client_ns))
+        .arg("--")
+        .arg(stepper)
+        .arg("rollout");
+    // The test's pace, unless the case sets its own.
+    for (flag, value) in [
+        ("--lock-duration", "3s"),
+        ("--settle", "1s"),
+        ("--step-timeout", "30s"),
+        ("--replace-timeout", "30s"),
+    ] {
+        if !extra.contains(&flag) {
+            c.args([flag, value]);
+        }
+    }
+    c.args(extra)
+        .env("KUBECONFIG", &e.kubeconfig)
+        .env("RUST_LOG", "warn");
+    c
+}
+
+pub(crate) fn rollout(e: &Env, extra: &[&str]) -> (i32, String) {
+    let out = rollout_cmd(e, extra)
+        .output()
+        .expect("run stepguard rollout");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// A stepper in the background, its output in a file of the lab's run directory.
+pub(crate) struct Stepper {
+    pub(crate) child: Child,
+    pub(crate) log: std::path::PathBuf,
+}
+
+impl Stepper {
+    pub(crate) fn spawn(e: &Env, name: &str, extra: &[&str]) -> Stepper {
+        let log = e.run_dir.join(format!("{name}.log"));
+        let f = std::fs::File::create(&log).unwrap();
+        let child = rollout_cmd(e, extra)
+            .stdout(Stdio::from(f.try_clone().unwrap()))
+            .stderr(Stdio::from(f))
+            .spawn()
+            .expect("spawn stepguard rollout");
+        Stepper { child, log }
+    }
+    /// `stepguard rollout --watch` with the arguments `deploy/rollout/deployment.yaml` gives
+    /// it (its token file one of the test's), at the test's pace.
+    pub(crate) fn watch(e: &Env, name: &str) -> Stepper {
+        let args = deployment_args();
+        assert_eq!(
+            args.first().map(String::as_str),
+            Some("rollout"),
+            "{args:?}"
+        );
+        assert!(args.iter().any(|a| a == "--watch"), "{args:?}");
+        let token = e.run_dir.join("agents-token");
+        std::fs::write(&token, "lab-agents-token\n").unwrap();
+        let mut extra: Vec<String> = args[1..]
+            .iter()
+            .map(|a| match a.strip_prefix("--token-file=") {
+                Some(_) => format!("--token-file={}", token.display()),
+                None => a.clone(),
+            })
+            .collect();
+        extra.extend(["--watch-interval".into(), "1s".into()]);
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        Stepper::spawn(e, name, &extra)
+    }
+    pub(crate) fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    pub(crate) fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+    pub(crate) fn kill9(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Stepper {
+    fn drop(&mut self) {
+        if self.running() {
+            self.kill9();
+        }
+    }
+}
+
+/// The tails of the control plane's logs, for a failure message.
+pub(crate) fn control_plane_logs(e: &Env) -> String {
+    let dir = e.cp.lock().unwrap().dir.clone();
+    let mut out = String::new();
+    for f in ["kube-controller-manager.log", "kube-scheduler.log"] {
+        let t = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        let lines: Vec<&str> = t.lines().collect();
+        out += &format!(
+            "--- {f} (last 30 lines)\n{}\n",
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        );
+    }
+    out
+}
+
+/// The container arguments of the stepper's Deployment as shipped.
+pub(crate) fn deployment_args() -> Vec<String> {
+    let text = std::fs::read_to_string(repo_root().join("deploy/rollout/deployment.yaml")).unwrap();
+    let mut lines = text.lines().skip_while(|l| l.trim() != "args:").skip(1);
+    let mut args = vec![];
+    for l in lines.by_ref() {
+        match l.trim().strip_prefix("- ") {
+            Some(a) => args.push(a.trim_matches('"').to_string()),
+            None => break,
+        }
+    }
+    args
+}
+
+pub(crate) fn deletions(e: &Env) -> Vec<String> {
+    e.kubelet
+        .as_ref()
+        .unwrap()
+        .state
+        .lock()
+        .unwrap()
+        .deletions
+        .clone()
+}
+
+pub(crate) fn deletions_since(e: &Env, from: usize) -> Vec<String> {
+    deletions(e)[from..].to_vec()
+}
+
+pub(crate) fn counts(v: &[String]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for n in v {
+        *m.entry(n.clone()).or_insert(0) += 1;
+    }
+    m
+}
+
+/// Every node runs one Ready cilium pod on `rev`, none being deleted.
+pub(crate) fn all_on(e: &Env, rev: &str) -> bool {
+    let pods = cilium_pods(e);
+    pods.len() == 3
+        && pods
+            .values()
+            .all(|(_, r, ready, term)| r == rev && *ready && !*term)
+}
+
+/// The Events in kube-system: (uid, reason, message), oldest first.
+pub(crate) fn all_events(e: &Env) -> Vec<(String, String, String)> {
+    let mut ev =
+        e.k.block(e.k.ns::<Event>(KS).list(&Default::default()))
+            .unwrap()
+            .items;
+    ev.sort_by_key(|v| v.metadata.creation_timestamp.clone().map(|t| t.0));
+    ev.into_iter()
+        .map(|v| {
+            (
+                v.metadata.uid.unwrap_or_default(),
+                v.reason.unwrap_or_default(),
+                v.message.unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// The Events seen so far (a later call's "since").
+pub(crate) fn events(e: &Env) -> BTreeSet<String> {
+    all_events(e).into_iter().map(|(u, _, _)| u).collect()
+}
+
+pub(crate) fn events_since(e: &Env, before: &BTreeSet<String>) -> Vec<(String, String)> {
+    all_events(e)
+        .into_iter()
+        .filter(|(u, _, _)| !before.contains(u))
+        .map(|(_, r, m)| (r, m))
+        .collect()
+}
+
+/// The nodes of the Events with `reason` since `before`.
+pub(crate) fn event_nodes(e: &Env, before: &BTreeSet<String>, reason: &str) -> Vec<String> {
+    events_since(e, before)
+        .iter()
+        .filter(|(r, _)| r == reason)
+        .filter_map(|(_, m)| Some(m.strip_prefix("node ")?.split(':').next()?.to_string()))
+        .collect()
+}
+
+pub(crate) fn reasons_since(e: &Env, before: &BTreeSet<String>) -> Vec<String> {
+    events_since(e, before)
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect()
+}
+
+/// The rollout lock, if any (the only Lease in stepguard's namespace).
+pub(crate) fn lock(e: &Env) -> Option<Value> {
+    let l =
+        e.k.block(e.k.ns::<Lease>("stepguard").list(&Default::default()))
+            .unwrap();
+    l.items
+        .into_iter()
+        .next()
+        .map(|l| serde_json::to_value(l).unwrap())
+}
+
+pub(crate) fn lock_annotation(e: &Env, key: &str) -> Option<String> {
+    lock(e).and_then(|l| l["metadata"]["annotations"][key].as_str().map(String::from))
+}
+
+/// Every request the stepper made was allowed by the shipped RBAC (the API server's audit
+/// log of its user: no 403; a request that failed authentication would carry no user and is
+/// not in this log, but then the stepper could not have done anything), and there were
+/// requests. A restarted API server serves
+/// before its authorization caches are filled and refuses (403) what RBAC allows; those
+/// requests (received while it restarted) are the server's, not the RBAC's, and the stepper
+/// retried them.
+pub(crate) fn assert_rbac_sufficed(e: &Env) {
+    let cp = e.cp.lock().unwrap();
+    let reqs = cp.stepper_requests().expect("the audit log");
+    assert!(
+        reqs.len() > 10,
+        "the stepper's requests are audited: {}",
+        reqs.len()
+    );
+    let denied: Vec<String> = reqs
+        .iter()
+        .filter(|r| r["responseStatus"]["code"].as_i64() == Some(403))
+        .filter(|r| !cp.while_restarting(r))
+        .map(|r| {
+            format!(
+                "{} {} → {}",
+                r["verb"], r["requestURI"], r["responseStatus"]["code"]
+            )
+        })
+        .collect();
+    assert!(
+        denied.is_empty(),
+        "the shipped RBAC denied the stepper: {denied:#?}"
+    );
+}
+
+/// Every node stepped exactly once since `from_del`, and every verdict read (one passed Event
+/// per node since `from_ev`), all on `rev`.
+pub(crate) fn each_node_once_every_verdict_read(
+    e: &Env,
+    from_del: usize,
+    from_ev: &BTreeSet<String>,
+    rev: &str,
+    out: &str,
+) {
+    assert_eq!(
+        e.kubelet
+            .as_ref()
+            .unwrap()
+            .state
+            .lock()
+            .unwrap()
+            .hook_failures,
+        0,
+        "the lab's restarts and template changes all worked (see the panics above)"
+    );
+    let d = deletions_since(e, from_del);
+    assert_eq!(
+        counts(&d).values().copied().collect::<Vec<_>>(),
+        [1, 1, 1],
+        "each node deleted once: {d:?}\n{out}"
+    );
+    let mut passed = event_nodes(e, from_ev, "StepguardStepPassed");
+    passed.sort();
+    assert_eq!(
+        passed,
+        [node_name(0), node_name(1), node_name(2)],
+        "every node's verdict read, once: {:?}\n{out}",
+        reasons_since(e, from_ev)
+    );
+    wait_until(
+        "all on the revision",
+        Duration::from_secs(10),
+        || all_on(e, rev),
+        || format!("{:?}", cilium_pods(e)),
+    );
+}
