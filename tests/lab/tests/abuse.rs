@@ -35,7 +35,7 @@ fn rss_mib(pid: u32) -> f64 {
 #[test]
 fn probes_that_cannot_run_are_a_hole_never_a_pass() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start_wrapped(
+    let agent = AgentProc::start_wrapped(
         lab.node_ns(),
         lab.stepguard_config(),
         lab.state.run_dir.join("agent-state"),
@@ -75,7 +75,7 @@ fn probes_that_cannot_run_are_a_hole_never_a_pass() {
 #[test]
 fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
     let mut lab = lab(|_| {});
-    let mut agent = Daemon::start(
+    let mut agent = AgentProc::start(
         &lab,
         &[
             "--max-connections",
@@ -247,7 +247,7 @@ fn slow_reader(ns: &str, addr: std::net::SocketAddr, n: usize, requests: usize) 
 #[test]
 fn slow_readers_do_not_lock_the_agent_out() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let slow = slow_reader(&agent.ns, agent.addr, 270, 400);
     assert!(slow.len() >= 250, "{} slow readers", slow.len());
     let t = Instant::now();
@@ -284,7 +284,7 @@ fn slow_readers_do_not_lock_the_agent_out() {
 
 /// `n` long-polls of step `id` on `agent`, each waiting up to `wait`: (status, body) each.
 fn long_polls(
-    agent: &Daemon,
+    agent: &AgentProc,
     id: &str,
     n: usize,
     wait: &str,
@@ -303,7 +303,7 @@ fn long_polls(
 #[test]
 fn waiters_back_off_when_every_long_poll_slot_is_held() {
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &["--max-long-polls", "2"]);
+    let agent = AgentProc::start(&lab, &["--max-long-polls", "2"]);
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
     let hold = long_polls(&agent, &id, 2, "30s");
     std::thread::sleep(Duration::from_millis(500));
@@ -381,7 +381,7 @@ fn a_full_state_dir_loses_no_verdict() {
     let mut lab = lab(|_| {});
     let dir = lab.state.run_dir.join("small-state");
     let _mounted = Tmpfs::small(&dir);
-    let mut agent = Daemon::start_with(
+    let mut agent = AgentProc::start_with(
         lab.node_ns(),
         lab.stepguard_config(),
         dir.clone(),
@@ -543,7 +543,7 @@ fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
 fn a_hostile_witness_neither_fills_the_agents_memory_nor_piles_up_its_polls() {
     use std::sync::atomic::Ordering::SeqCst;
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     for endless in [true, false] {
         let w = hostile_witness(&agent.ns, endless, 40);
         let id = agent.begin_probing(&format!(
@@ -595,7 +595,7 @@ fn a_hostile_witness_neither_fills_the_agents_memory_nor_piles_up_its_polls() {
 fn concurrent_posts_naming_a_witness_begin_only_the_winner_there() {
     use std::sync::atomic::Ordering::SeqCst;
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let w = hostile_witness(&agent.ns, false, 30);
     let posts: Vec<_> = (0..20)
         .map(|i| {
@@ -620,7 +620,7 @@ fn concurrent_posts_naming_a_witness_begin_only_the_winner_there() {
 #[test]
 fn sighup_does_not_end_the_agent() {
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     // SAFETY: a signal to the agent this test started.
     unsafe { libc::kill(agent.child.id() as i32, libc::SIGHUP) };
     std::thread::sleep(Duration::from_millis(500));
@@ -680,7 +680,7 @@ fn prompt_client(
 #[test]
 fn connection_floods_do_not_lock_a_prompt_client_out() {
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &["--max-connections", "64"]);
+    let agent = AgentProc::start(&lab, &["--max-connections", "64"]);
     let mut report = vec![];
     for kind in [Flood::OneByte, Flood::IdleKeepAlive, Flood::Slowloris] {
         let f = flood(&agent.ns, agent.addr, kind, 150, 8);
@@ -712,7 +712,7 @@ fn connection_floods_do_not_lock_a_prompt_client_out() {
 #[test]
 fn a_probe_is_served_while_every_slot_answers_a_long_poll() {
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &["--max-connections", "8", "--max-long-polls", "8"]);
+    let agent = AgentProc::start(&lab, &["--max-connections", "8", "--max-long-polls", "8"]);
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
     let polls = long_polls(&agent, &id, 8, "4s");
     std::thread::sleep(Duration::from_millis(1000));

@@ -44,7 +44,7 @@ fn random_loss_after_the_reload_fails_the_loss_budget_on_every_kind() {
     let mut lab = lab(|_| {});
     let mut errors = vec![];
     for kind in ["tcp", "http", "dns"] {
-        let agent = Daemon::start_with(
+        let agent = AgentProc::start_with(
             lab.node_ns(),
             only_kind(&lab, kind),
             lab.state.run_dir.join(format!("agent-state-loss-{kind}")),
@@ -82,7 +82,7 @@ fn random_loss_after_the_reload_fails_the_loss_budget_on_every_kind() {
 fn a_healthy_restart_is_within_every_budget() {
     let mut lab = lab(|_| {});
     let cfg = with_tcp_target(&lab);
-    let agent = Daemon::start_with(
+    let agent = AgentProc::start_with(
         lab.node_ns(),
         cfg,
         lab.state.run_dir.join("agent-state-loss"),

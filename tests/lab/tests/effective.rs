@@ -141,7 +141,7 @@ fn cil_to_netdev_is_required_exactly_when_devices_are() {
         }
         let (code, r) = one(&lab, "devices");
         assert_eq!(code, 0, "kpr {kpr} host firewall {fw}: {r}");
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin(r#"{"settle": "1s", "timeout": "30s"}"#);
         restart(
             &mut lab,

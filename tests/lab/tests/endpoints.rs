@@ -18,7 +18,7 @@ fn stalled(attach: AttachMode, pods: u32, stall: u32) -> (Vec<String>, serde_jso
         s.pods = pods;
     });
     let names = endpoint_names(&lab);
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     // The timeout is the deadline a stalled regeneration is judged at.
     let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "10s"}"#);
     lab.restart(&RestartOpts {
@@ -76,7 +76,7 @@ fn a_stalled_regeneration_of_some_endpoints_fails_naming_only_them() {
 #[test]
 fn a_healthy_regeneration_of_1000_endpoints_passes() {
     let mut lab = lab(|s| s.pods = 1000);
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(r#"{"settle": "10s", "timeout": "90s"}"#);
     let t = Instant::now();
     lab.restart(&RestartOpts {
@@ -131,7 +131,7 @@ fn a_healthy_regeneration_of_1000_endpoints_passes() {
 #[test]
 fn endpoints_regenerating_past_settle_pass_within_the_timeout() {
     let mut lab = lab(|s| s.pods = 100);
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "40s"}"#);
     let r = lab
         .restart(&RestartOpts {
@@ -169,7 +169,7 @@ fn endpoints_regenerating_past_settle_pass_within_the_timeout() {
 fn a_pod_deleted_during_a_quiet_step_is_seen_from_the_node_checks() {
     let lab = lab(|s| s.pods = 3);
     let names = endpoint_names(&lab);
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "60s"}"#);
     let (_, v) = agent.get_json(&format!("/v1/steps/{id}"));
     assert_eq!(

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use stepguard_lab::{AttachMode, RestartOpts};
 
 /// Waits (bounded) for a decided implicit step newer than `after` (its id), returns it.
-fn implicit_verdict(agent: &Daemon, after: Option<&str>) -> Value {
+fn implicit_verdict(agent: &AgentProc, after: Option<&str>) -> Value {
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let (_, list) = agent.get_json("/v1/steps");
@@ -36,7 +36,7 @@ fn settle_in() {
 
 fn unstepped_restart_passes(attach: AttachMode) {
     let mut lab = lab(|s| s.attach = attach);
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     settle_in();
     lab.restart(&RestartOpts {
         down: Duration::from_millis(300),
@@ -78,7 +78,7 @@ fn an_unstepped_restart_is_verified_as_an_implicit_step_tc() {
 #[test]
 fn faulty_unstepped_restarts_fail_their_implicit_steps() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     settle_in();
     lab.restart(&RestartOpts {
         down: Duration::from_millis(200),
@@ -120,7 +120,7 @@ fn faulty_unstepped_restarts_fail_their_implicit_steps() {
 #[test]
 fn an_agent_down_during_the_restart_reports_evidence_incomplete() {
     let mut lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     let steady = agent.state_dir.join("steady.json");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !steady.exists() {
@@ -151,7 +151,7 @@ fn an_agent_down_during_the_restart_reports_evidence_incomplete() {
 }
 
 /// Waits (bounded) for the agent's steady snapshot on disk.
-fn steady_persisted(agent: &Daemon) -> std::path::PathBuf {
+fn steady_persisted(agent: &AgentProc) -> std::path::PathBuf {
     let steady = agent.state_dir.join("steady.json");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !steady.exists() {
@@ -163,10 +163,13 @@ fn steady_persisted(agent: &Daemon) -> std::path::PathBuf {
 
 /// An agent whose state directory is a 256 KiB tmpfs `name` in the lab's run directory, once
 /// its steady snapshot is on disk.
-fn on_small_state_dir(lab: &stepguard_lab::Lab, name: &str) -> (std::path::PathBuf, Tmpfs, Daemon) {
+fn on_small_state_dir(
+    lab: &stepguard_lab::Lab,
+    name: &str,
+) -> (std::path::PathBuf, Tmpfs, AgentProc) {
     let dir = lab.state.run_dir.join(name);
     let mounted = Tmpfs::small(&dir);
-    let agent = Daemon::start_with(
+    let agent = AgentProc::start_with(
         lab.node_ns(),
         lab.stepguard_config(),
         dir.clone(),
@@ -183,7 +186,7 @@ fn on_small_state_dir(lab: &stepguard_lab::Lab, name: &str) -> (std::path::PathB
 #[test]
 fn an_unreadable_steady_snapshot_is_an_incomplete_implicit_step() {
     let mut lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     let steady = steady_persisted(&agent);
     agent.kill9();
     lab.restart(&RestartOpts {

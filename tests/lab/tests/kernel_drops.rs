@@ -10,9 +10,11 @@ use stepguard_lab::RestartOpts;
 
 #[test]
 fn packets_to_a_closed_port_raise_no_socket_drops_by_at_least_n() {
-    require_root();
-    let agent = Agent::start(None, free_port());
-    let before = agent.kernel_drops(None, "NO_SOCKET");
+    // The agent in a lab's node namespace: its tracepoint counts drops host-wide, so those of
+    // the host's loopback below.
+    let lab = lab(|_| {});
+    let agent = AgentProc::start(&lab, &[]);
+    let before = agent.kernel_drops("NO_SOCKET");
     // A port nobody listens on: bind one, learn its number, close it.
     let closed = UdpSocket::bind("127.0.0.1:0")
         .unwrap()
@@ -24,10 +26,7 @@ fn packets_to_a_closed_port_raise_no_socket_drops_by_at_least_n() {
         let _ = sock.send_to(b"stepguard", closed);
     }
     // The counters are per-CPU map values read on scrape: poll until they show the drops.
-    let after = poll_until(
-        || agent.kernel_drops(None, "NO_SOCKET"),
-        |v| v - before >= n,
-    );
+    let after = poll_until(|| agent.kernel_drops("NO_SOCKET"), |v| v - before >= n);
     assert!(
         after - before >= n,
         "NO_SOCKET drops went from {before} to {after}, expected +{n}"
@@ -69,9 +68,8 @@ fn cilium_drops_202(lab: &stepguard_lab::Lab) -> u64 {
 
 fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
     let mut lab = lab(|s| s.attach = attach);
-    let ns = lab.node_ns();
-    let agent = Agent::start(Some(&ns), free_port());
-    let tc_before = agent.kernel_drops(Some(&ns), "TC_INGRESS");
+    let agent = AgentProc::start(&lab, &[]);
+    let tc_before = agent.kernel_drops("TC_INGRESS");
     let c202_before = cilium_drops_202(&lab);
     let n = 100u64;
     let fabric = lab.fabric_ns();
@@ -101,10 +99,7 @@ fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
         last_sent < r.blackhole_end_ns,
         "all packets were sent inside the blackhole window"
     );
-    let tc_after = poll_until(
-        || agent.kernel_drops(Some(&ns), "TC_INGRESS"),
-        |v| v - tc_before >= n,
-    );
+    let tc_after = poll_until(|| agent.kernel_drops("TC_INGRESS"), |v| v - tc_before >= n);
     assert!(
         tc_after - tc_before >= n,
         "TC_INGRESS drops went from {tc_before} to {tc_after}, expected +{n}"

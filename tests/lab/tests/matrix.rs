@@ -182,7 +182,7 @@ fn run_cell(c: Cell, faults: &[Fault]) -> Vec<String> {
             s.pods = 0;
         }
     });
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
 
     // A healthy restart, as Cilium does one: no blackhole, ipcache refilled after 300 ms.
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"20s"}"#);

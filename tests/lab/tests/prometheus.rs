@@ -21,7 +21,7 @@ impl Drop for Prometheus {
 }
 
 impl Prometheus {
-    fn start(lab: &stepguard_lab::Lab, agent: &Daemon) -> Prometheus {
+    fn start(lab: &stepguard_lab::Lab, agent: &AgentProc) -> Prometheus {
         let dir = lab.state.run_dir.join("prometheus");
         std::fs::create_dir_all(&dir).unwrap();
         let cfg = dir.join("prometheus.yml");
@@ -102,7 +102,7 @@ impl Prometheus {
 #[test]
 fn a_real_prometheus_scrapes_check_and_step_metrics() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let prom = Prometheus::start(&lab, &agent);
     let checks = prom.wait_for("stepguard_check_passed", 5);
     let names: std::collections::BTreeSet<String> = checks
@@ -152,7 +152,7 @@ fn a_real_prometheus_scrapes_check_and_step_metrics() {
 #[test]
 fn promtool_finds_nothing_but_the_documented_counter_naming_difference() {
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     // Make every counter family have samples.
     agent.begin(r#"{"id":"lint","settle":"1s","timeout":"30s"}"#);
     agent.delete("/v1/steps/lint", None);

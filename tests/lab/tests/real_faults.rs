@@ -560,7 +560,7 @@ fn an_endpoint_renamed_while_the_agent_is_down_fails_naming_it() {
 
 /// A node with pods, the lab's Services and two more over the web pods (`gone` at
 /// 198.51.100.90, `held` at .91), and stepguard's agent on it.
-fn node_with_extra_services(test: &'static str) -> (Kept, Daemon) {
+fn node_with_extra_services(test: &'static str) -> (Kept, AgentProc) {
     let node = Kept(real_node_with_pods(true), test);
     node.add_web_service("gone", std::net::Ipv4Addr::new(198, 51, 100, 90))
         .unwrap();

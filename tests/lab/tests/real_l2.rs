@@ -50,7 +50,7 @@ fn witness(c: &RealCluster) -> Witness {
 }
 
 /// stepguard's agent on node `i`, with the node's config and the witness.
-fn stepguard_on(c: &RealCluster, i: u8, w: &Witness) -> Daemon {
+fn stepguard_on(c: &RealCluster, i: u8, w: &Witness) -> AgentProc {
     real_agent_with(
         &c.nodes[usize::from(i)],
         &format!("witnesses: [\"{}\"]\n", w.url),

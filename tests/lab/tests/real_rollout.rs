@@ -92,7 +92,7 @@ fn rollout(client_ns: &str, kubeconfig: &std::path::Path, extra: &[&str]) -> (i3
 
 /// The steps stepguard's agent on a node decided: (origin, status, the targets with a gap)
 /// of each; each step's record is kept in `target/real-cilium/<name>-<id>.json`.
-fn steps_of(agent: &Daemon, name: &str) -> Vec<(String, String, Vec<String>)> {
+fn steps_of(agent: &AgentProc, name: &str) -> Vec<(String, String, Vec<String>)> {
     let (_, list) = agent.get_json("/v1/steps");
     list["steps"]
         .as_array()
@@ -204,14 +204,14 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
     };
 
     // stepguard's agent on every node, at the node's address (its pod's, host network).
-    let agents: Vec<Daemon> = (0..NODES)
+    let agents: Vec<AgentProc> = (0..NODES)
         .map(|i| {
             let g = c.lock().unwrap();
             let n = &g.nodes[usize::from(i)];
             let cfg = n.write_stepguard_config().unwrap();
             let wrapper = n.in_node_cgroup();
             let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-            Daemon::start_at(
+            AgentProc::start_at(
                 n.node_ns(),
                 cfg,
                 n.state.run_dir.join("stepguard-state"),

@@ -18,7 +18,7 @@ fn gap<'a>(v: &'a serde_json::Value, target: &str) -> &'a serde_json::Value {
 
 fn gaps_are_accurate(attach: AttachMode) {
     let mut lab = lab(|s| s.attach = attach);
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     for gap_ms in [50u64, 300, 2000] {
         let id = agent.begin_probing(STEP);
         let r = lab
@@ -51,7 +51,7 @@ fn gaps_of_50ms_300ms_and_2s_are_measured_within_the_cadence_tc() {
 #[test]
 fn a_clean_restart_passes_and_reports_the_drops_of_the_window() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(STEP);
     lab.restart(&RestartOpts {
         down: Duration::from_millis(300),
@@ -95,7 +95,7 @@ fn a_clean_restart_passes_and_reports_the_drops_of_the_window() {
 
 fn fault(opts: RestartOpts, body: &str, code: &str) {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(body);
     lab.restart(&opts).unwrap();
     let v = agent.verdict(&id);
@@ -158,7 +158,7 @@ fn a_lost_map_fails_with_map_missing() {
 #[test]
 fn a_declared_device_set_passes_when_it_comes_back_that_way() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let body = r#"{"settle":"1s","timeout":"30s","expect":{"devices":["eth0"]}}"#;
     let id = agent.begin_probing(body);
     // The rollout changes the device selection on purpose, then restarts the agent.
@@ -177,7 +177,7 @@ fn a_declared_device_set_passes_when_it_comes_back_that_way() {
     drop(agent);
     drop(lab);
     let mut lab2 = common::lab(|_| {});
-    let agent = Daemon::start(&lab2, &[]);
+    let agent = AgentProc::start(&lab2, &[]);
     let id = agent.begin_probing(r#"{"id":"as-before","settle":"1s","timeout":"30s","expect":{"devices":["eth0","eth1","eth2"]}}"#);
     lab2.restart(&RestartOpts {
         down: Duration::from_millis(100),
@@ -220,7 +220,7 @@ fn best_effort_xdp_is_held_only_where_the_driver_took_it() {
             "{:?}",
             lab.state.attachments
         );
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(body);
         lab.restart(&RestartOpts {
             down: Duration::from_millis(100),
@@ -250,7 +250,7 @@ fn best_effort_xdp_is_held_only_where_the_driver_took_it() {
 #[test]
 fn a_map_recreated_for_a_property_change_and_refilled_passes() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(STEP);
     lab.restart(&RestartOpts {
         down: Duration::from_millis(50),
@@ -288,7 +288,7 @@ fn a_flushed_endpoint_map_fails_with_map_emptied() {
 #[test]
 fn a_map_refilled_after_settle_passes_within_the_timeout() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(r#"{"settle": "2s", "timeout": "30s"}"#);
     let r = lab
         .restart(&RestartOpts {
@@ -352,7 +352,7 @@ fn a_gap_over_budget_fails_with_gap_over_budget() {
 #[test]
 fn an_agent_killed_before_the_restart_resumes_the_step_from_disk_as_incomplete_evidence() {
     let mut lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(STEP);
     agent.wait_persisted(&id, every_target_persisted);
     agent.kill9();
@@ -382,7 +382,7 @@ fn an_agent_killed_before_the_restart_resumes_the_step_from_disk_as_incomplete_e
 #[test]
 fn an_outage_while_the_agent_is_down_never_passes() {
     let mut lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(
         r#"{"settle":"1s","timeout":"30s","drops_budget":{"TC_INGRESS":0,"202_host_datapath_not_ready":0}}"#,
     );
@@ -419,7 +419,7 @@ fn an_outage_while_the_agent_is_down_never_passes() {
 #[test]
 fn an_agent_killed_during_the_outage_never_passes() {
     let mut lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(STEP);
     let bpffs = lab.state.bpffs.clone();
     let restart = std::thread::spawn(move || {
@@ -451,7 +451,7 @@ fn an_agent_killed_during_the_outage_never_passes() {
 #[test]
 fn malformed_requests_get_their_status_and_one_line_and_the_daemon_keeps_serving() {
     let lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     for (body, needle) in [
         ("{not json", "invalid step request"),
         (r#"{"timeout": "soon"}"#, "timeout"),
@@ -515,7 +515,7 @@ fn with_a_token_file_mutating_routes_need_the_token() {
     let lab = lab(|_| {});
     let token = lab.state.run_dir.join("token");
     std::fs::write(&token, "s3cret-token-0123456789\n").unwrap();
-    let agent = Daemon::start(&lab, &["--token-file", &token.to_string_lossy()]);
+    let agent = AgentProc::start(&lab, &["--token-file", &token.to_string_lossy()]);
     assert_eq!(agent.post("/v1/steps", STEP, None).0, 401);
     assert_eq!(agent.post("/v1/steps", STEP, Some("wrong")).0, 401);
     let (s, v) = agent.post(
@@ -541,7 +541,7 @@ fn with_a_token_file_mutating_routes_need_the_token() {
 #[test]
 fn the_cli_steps_and_waits_with_exit_codes() {
     let mut lab = lab(|_| {});
-    let agent = Daemon::start(&lab, &[]);
+    let agent = AgentProc::start(&lab, &[]);
     let url = format!("http://{}", agent.addr);
     let out = in_node(
         &lab,
@@ -617,7 +617,7 @@ fn the_cli_steps_and_waits_with_exit_codes() {
 #[test]
 fn concurrent_posts_of_one_id_begin_one_step() {
     let lab = lab(|_| {});
-    let agent = std::sync::Arc::new(Daemon::start(&lab, &[]));
+    let agent = std::sync::Arc::new(AgentProc::start(&lab, &[]));
     let posts: Vec<_> = (0..20)
         .map(|_| {
             let a = agent.clone();
@@ -641,7 +641,7 @@ fn concurrent_posts_of_one_id_begin_one_step() {
 #[test]
 fn sigterm_turns_readiness_false_before_the_agent_closes() {
     let lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     assert_eq!(agent.get("/readyz").0, 200);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
@@ -683,7 +683,7 @@ fn sigterm_turns_readiness_false_before_the_agent_closes() {
 #[test]
 fn every_unfinished_step_is_decided_at_start() {
     let lab = lab(|_| {});
-    let mut agent = Daemon::start(&lab, &[]);
+    let mut agent = AgentProc::start(&lab, &[]);
     let id = agent.begin_probing(r#"{"settle":"1s","timeout":"60s"}"#);
     agent.wait_persisted(&id, every_target_persisted);
     agent.kill9();
@@ -754,7 +754,7 @@ fn a_stale_or_lost_host_or_overlay_hook_never_passes() {
     let mut errors = vec![];
     for (mut opts, key) in cases {
         let mut lab = lab(|_| {});
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(r#"{"settle": "1s", "timeout": "8s"}"#);
         let (_, b) = agent.get_json(&format!("/v1/steps/{id}"));
         if b["baseline"]["programs"][key].is_null() {
@@ -788,7 +788,7 @@ fn a_routing_mode_override_is_judged_by_whether_the_datapath_followed_it() {
         let mut lab = lab(|_| {});
         lab.config_override(&[("routing-mode".to_string(), "native".to_string())])
             .unwrap();
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(r#"{"settle": "1s", "timeout": "20s"}"#);
         let (_, b) = agent.get_json(&format!("/v1/steps/{id}"));
         if b["baseline"]["programs"]["cilium_vxlan"].is_null() {
@@ -828,7 +828,7 @@ fn host_hooks_an_override_turns_off_are_judged_by_whether_the_datapath_followed_
     let mut errors = vec![];
     for followed in [true, false] {
         let mut lab = lab(|s| s.xdp = true);
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(r#"{"settle": "1s", "timeout": "20s"}"#);
         let (_, b) = agent.get_json(&format!("/v1/steps/{id}"));
         for k in ["eth0:xdp", "eth0:to_netdev"] {

@@ -41,8 +41,8 @@ fn config_without(lab: &Lab, key: &str) -> std::path::PathBuf {
     p
 }
 
-fn daemon_without_api(lab: &Lab) -> Daemon {
-    Daemon::start_with(
+fn daemon_without_api(lab: &Lab) -> AgentProc {
+    AgentProc::start_with(
         lab.node_ns(),
         config_without(lab, "cilium_api"),
         lab.state.run_dir.join("agent-state-no-api"),
@@ -65,7 +65,7 @@ fn an_upgrade_judges_the_maps_of_the_returning_version_under_their_own_names() {
             "cilium_ipcache_v2"
         };
         let mut lab = lab(|s| s.profile = from);
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let body = format!(r#"{{"settle":"2s","timeout":"20s","expect":{{"cilium":"{to}"}}}}"#);
         let id = agent.begin_probing(&body);
         restart(
@@ -96,7 +96,7 @@ fn an_upgrade_judges_the_maps_of_the_returning_version_under_their_own_names() {
         drop(agent);
         drop(lab);
         let mut lab = self::lab(|s| s.profile = from);
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(&body);
         restart(
             &mut lab,
@@ -181,7 +181,7 @@ fn a_declared_version_is_enforced() {
     ];
     for (from, to, declared, want, reason) in cases {
         let mut lab = lab(|s| s.profile = from);
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(&format!(
             r#"{{"settle":"1s","timeout":"15s","expect":{{"cilium":"{declared}"}}}}"#
         ));
@@ -270,7 +270,7 @@ fn steps_and_checks_name_the_same_version_on_every_release() {
     let mut errors = vec![];
     for v in VERSIONS {
         let mut lab = lab(|s| s.profile = v);
-        let with_api = Daemon::start(&lab, &[]);
+        let with_api = AgentProc::start(&lab, &[]);
         let id = with_api.begin_probing(r#"{"settle":"1s","timeout":"15s"}"#);
         let no_api = daemon_without_api(&lab);
         let id2 = no_api.begin_probing(r#"{"settle":"1s","timeout":"15s"}"#);
@@ -367,7 +367,7 @@ fn small_kept_state_losses_are_seen_and_named() {
             s.profile = Profile::V1_18;
             s.pods = pods;
         });
-        let agent = Daemon::start(&lab, &[]);
+        let agent = AgentProc::start(&lab, &[]);
         let id = agent.begin_probing(r#"{"settle":"1s","timeout":"15s"}"#);
         let before = agent.get_json(&format!("/v1/steps/{id}")).1["baseline"]["maps"][map].clone();
         restart(

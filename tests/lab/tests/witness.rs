@@ -380,7 +380,7 @@ fn an_always_on_witness_measures_an_unstepped_lease_move() {
     text.push_str(&format!("witnesses: [\"{}\"]\n", w.url));
     std::fs::write(&cfg, text).unwrap();
     let node = lab.node(0).unwrap();
-    let a0 = Daemon::start_with(
+    let a0 = AgentProc::start_with(
         node.node_ns(),
         cfg,
         lab.state.run_dir.join("agent-state-n0"),
@@ -475,7 +475,7 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
     let tok = token.to_str().unwrap().to_string();
     let w = start_witness(&lab, &["--token-file", &tok]);
     let node = lab.node(0).unwrap();
-    let a0 = Daemon::start_with(
+    let a0 = AgentProc::start_with(
         node.node_ns(),
         lab.node_config(0),
         lab.state.run_dir.join("agent-state-tok"),

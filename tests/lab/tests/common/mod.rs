@@ -94,102 +94,6 @@ pub fn bin(env: &str, name: &str) -> PathBuf {
     })
 }
 
-/// The stepguard agent as a child process; killed on drop.
-pub struct Agent {
-    pub child: Child,
-    pub addr: SocketAddr,
-    /// Its own state directory (never the host's /var/lib/stepguard), removed on drop.
-    state_dir: std::path::PathBuf,
-}
-
-impl Agent {
-    /// Starts `stepguard agent` (in `netns` when given) and waits until /readyz answers.
-    pub fn start(netns: Option<&str>, port: u16) -> Agent {
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let stepguard = bin("STEPGUARD_BIN", "stepguard");
-        let mut cmd = match netns {
-            Some(ns) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net=/run/netns/{ns}"))
-                    .arg("--")
-                    .arg(&stepguard);
-                c
-            }
-            None => Command::new(&stepguard),
-        };
-        let state_dir = std::env::temp_dir().join(format!(
-            "stepguard-test-agent-{}-{port}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&state_dir);
-        cmd.args(["agent", "--listen", &addr.to_string(), "--state-dir"])
-            .arg(&state_dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", stepguard.display()));
-        let agent = Agent {
-            child,
-            addr,
-            state_dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if agent
-                .get_in(netns, "/readyz")
-                .map(|b| b.contains("ready"))
-                .unwrap_or(false)
-            {
-                return agent;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("stepguard agent did not become ready on {addr}");
-    }
-
-    /// GET over plain HTTP/1.1, from inside `netns` when given.
-    pub fn get_in(&self, netns: Option<&str>, path: &str) -> std::io::Result<String> {
-        let addr = self.addr;
-        let path = path.to_string();
-        let work = move || -> std::io::Result<String> {
-            use std::io::{Read, Write};
-            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            write!(
-                s,
-                "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-            )?;
-            let mut body = String::new();
-            s.read_to_string(&mut body)?;
-            Ok(body)
-        };
-        match netns {
-            None => work(),
-            Some(ns) => stepguard_lab::netns::in_netns(ns, move || Ok(work()?))
-                .map_err(std::io::Error::other),
-        }
-    }
-
-    /// `stepguard_kernel_drops_total{reason=...}` from /metrics.
-    pub fn kernel_drops(&self, netns: Option<&str>, reason: &str) -> u64 {
-        let body = self.get_in(netns, "/metrics").expect("scrape /metrics");
-        metric_value(
-            &body,
-            &format!("stepguard_kernel_drops_total{{reason=\"{reason}\"}}"),
-        )
-        .unwrap_or(0.0) as u64
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.state_dir);
-    }
-}
-
 /// Value of one exposition line `name{labels} value`.
 pub fn metric_value(body: &str, series: &str) -> Option<f64> {
     body.lines().find_map(|l| {
@@ -357,8 +261,10 @@ fn json_or_text(b: String) -> Value {
     }
 }
 
-/// `stepguard agent` in the lab's node namespace, with the lab's config; killed on drop.
-pub struct Daemon {
+/// `stepguard agent` as a process of the test, in a lab namespace with a lab's config (the one
+/// builder of agent processes: `start` for a lab's node, `start_with`/`start_wrapped`/`start_at`
+/// for anything else); killed on drop.
+pub struct AgentProc {
     pub child: Child,
     pub addr: SocketAddr,
     pub ns: String,
@@ -368,8 +274,8 @@ pub struct Daemon {
     pub wrapper: Vec<String>,
 }
 
-impl Daemon {
-    pub fn start(lab: &Lab, extra: &[&str]) -> Daemon {
+impl AgentProc {
+    pub fn start(lab: &Lab, extra: &[&str]) -> AgentProc {
         let state_dir = lab.state.run_dir.join("agent-state");
         Self::start_with(
             lab.node_ns(),
@@ -386,7 +292,7 @@ impl Daemon {
         state_dir: PathBuf,
         port: u16,
         extra: &[&str],
-    ) -> Daemon {
+    ) -> AgentProc {
         Self::start_wrapped(ns, config, state_dir, port, extra, &[])
     }
 
@@ -398,7 +304,7 @@ impl Daemon {
         port: u16,
         extra: &[&str],
         wrapper: &[&str],
-    ) -> Daemon {
+    ) -> AgentProc {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         Self::start_at(ns, config, state_dir, addr, extra, wrapper)
     }
@@ -411,7 +317,7 @@ impl Daemon {
         addr: SocketAddr,
         extra: &[&str],
         wrapper: &[&str],
-    ) -> Daemon {
+    ) -> AgentProc {
         let mut args: Vec<String> = vec![
             "agent".into(),
             "--config".into(),
@@ -433,7 +339,7 @@ impl Daemon {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start stepguard agent");
-        let d = Daemon {
+        let d = AgentProc {
             child,
             addr,
             ns,
@@ -479,6 +385,16 @@ impl Daemon {
         let (s, b) = self.get(path);
         (s, serde_json::from_str(&b).unwrap_or(Value::Null))
     }
+
+    /// `stepguard_kernel_drops_total{reason=...}` from /metrics (0 when absent).
+    pub fn kernel_drops(&self, reason: &str) -> u64 {
+        let (_, body) = self.get("/metrics");
+        metric_value(
+            &body,
+            &format!("stepguard_kernel_drops_total{{reason=\"{reason}\"}}"),
+        )
+        .unwrap_or(0.0) as u64
+    }
     pub fn post(&self, path: &str, body: &str, token: Option<&str>) -> (u16, Value) {
         let (s, b) = http(&self.ns, self.addr, "POST", path, Some(body), token);
         (s, json_or_text(b))
@@ -496,7 +412,7 @@ impl Daemon {
     }
 
     /// Waits (bounded) until every target of step `id` has at least `n` more probes recorded
-    /// in the step than `since` (from [`Daemon::probes`]): the step is probing at its cadence.
+    /// in the step than `since` (from [`AgentProc::probes`]): the step is probing at its cadence.
     pub fn wait_probing(&self, id: &str, n: u64, since: &std::collections::BTreeMap<String, u64>) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -609,7 +525,7 @@ impl Daemon {
     }
 }
 
-impl Drop for Daemon {
+impl Drop for AgentProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -691,9 +607,9 @@ pub fn wait_for_blackhole(bpffs: &std::path::Path) {
 }
 
 /// The agent on node `i` of a LAN lab, with the lab's config for that node.
-pub fn agent_on(lan: &stepguard_lab::lan::LanLab, i: u8) -> Daemon {
+pub fn agent_on(lan: &stepguard_lab::lan::LanLab, i: u8) -> AgentProc {
     let node = lan.node(i).unwrap();
-    Daemon::start_with(
+    AgentProc::start_with(
         node.node_ns(),
         lan.node_config(i),
         lan.state.run_dir.join(format!("agent-state-n{i}")),

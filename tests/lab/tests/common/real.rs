@@ -118,12 +118,12 @@ pub fn check_real_with(
 }
 
 /// stepguard's agent on the node (its network namespace and cgroup), with the node's config.
-pub fn real_agent_on(node: &RealNode) -> Daemon {
+pub fn real_agent_on(node: &RealNode) -> AgentProc {
     real_agent_with(node, "")
 }
 
 /// stepguard's agent on the node, with the node's config and `extra` YAML appended.
-pub fn real_agent_with(node: &RealNode, extra: &str) -> Daemon {
+pub fn real_agent_with(node: &RealNode, extra: &str) -> AgentProc {
     let cfg = node.write_stepguard_config().unwrap();
     if !extra.is_empty() {
         let mut text = std::fs::read_to_string(&cfg).unwrap();
@@ -132,7 +132,7 @@ pub fn real_agent_with(node: &RealNode, extra: &str) -> Daemon {
     }
     let wrapper = node.in_node_cgroup();
     let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    Daemon::start_wrapped(
+    AgentProc::start_wrapped(
         node.node_ns(),
         cfg,
         node.state.run_dir.join("stepguard-state"),
@@ -143,7 +143,7 @@ pub fn real_agent_with(node: &RealNode, extra: &str) -> Daemon {
 }
 
 /// Waits (bounded) for a decided implicit step other than those in `seen`; returns it.
-pub fn implicit_verdict(agent: &Daemon, seen: &[String]) -> Value {
+pub fn implicit_verdict(agent: &AgentProc, seen: &[String]) -> Value {
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let (_, list) = agent.get_json("/v1/steps");

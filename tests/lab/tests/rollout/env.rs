@@ -21,7 +21,7 @@ pub(crate) struct Bump {
 }
 
 pub(crate) struct Env {
-    pub(crate) _agents: Vec<Daemon>,
+    pub(crate) _agents: Vec<AgentProc>,
     pub(crate) kubelet: Option<Kubelet>,
     pub(crate) _forward: Forward,
     pub(crate) k: Arc<Kube>,
@@ -206,7 +206,7 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
         for i in 0..3u8 {
             let node = l.node(i).unwrap();
             let addr = std::net::SocketAddr::new(stepguard_lab::lan::node_addr(i).into(), 9969);
-            agents.push(Daemon::start_at(
+            agents.push(AgentProc::start_at(
                 node.node_ns(),
                 l.node_config(i),
                 l.state.run_dir.join(format!("agent-state-n{i}")),
