@@ -521,34 +521,18 @@ impl LanLab {
 
     pub fn open(prefix: &str) -> Result<LanLab> {
         validate_prefix(prefix)?;
-        let path = state_file(&Path::new(RUN_ROOT).join(prefix));
-        let data = std::fs::read(&path)
-            .with_context(|| format!("no LAN lab {prefix:?} (read {})", path.display()))?;
         Ok(LanLab {
-            state: serde_json::from_slice(&data)
-                .with_context(|| format!("parse {}", path.display()))?,
+            state: crate::fixture::read("LAN lab", prefix, "lan.json")?,
         })
     }
 
     /// Prefixes of every LAN lab on this machine.
     pub fn list() -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(RUN_ROOT)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| state_file(&e.path()).exists())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        crate::fixture::list("lan.json")
     }
 
     fn save(&self) -> Result<()> {
-        let path = state_file(&self.state.run_dir);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.state)?)?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))
+        crate::fixture::save(&state_file(&self.state.run_dir), &self.state)
     }
 
     /// The VIPs of this LAN: the IPv4 ones, and the IPv6 ones when dual-stack.
@@ -873,26 +857,15 @@ impl LanLab {
 }
 
 /// Removes the LAN lab when dropped (tests).
-pub struct LanGuard(pub LanLab);
+pub type LanGuard = crate::fixture::Guard<LanLab>;
 
-impl Drop for LanGuard {
-    fn drop(&mut self) {
-        if let Err(e) = self.0.down() {
-            eprintln!("LAN lab {}: {e:#}", self.0.state.spec.prefix);
-        }
+impl crate::fixture::Fixture for LanLab {
+    const KIND: &'static str = "LAN lab";
+    fn prefix(&self) -> &str {
+        &self.state.spec.prefix
     }
-}
-
-impl std::ops::Deref for LanGuard {
-    type Target = LanLab;
-    fn deref(&self) -> &LanLab {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for LanGuard {
-    fn deref_mut(&mut self) -> &mut LanLab {
-        &mut self.0
+    fn down(&mut self) -> Result<()> {
+        LanLab::down(self)
     }
 }
 

@@ -7,6 +7,7 @@
 mod agentcfg;
 pub mod ciliumconfig;
 pub mod datapath;
+pub mod fixture;
 pub mod kube;
 pub mod kubelet;
 pub mod lan;
@@ -212,25 +213,15 @@ pub struct Lab {
 }
 
 /// Takes a lab down when dropped, also while a test panics.
-pub struct LabGuard(pub Lab);
+pub type LabGuard = fixture::Guard<Lab>;
 
-impl Drop for LabGuard {
-    fn drop(&mut self) {
-        if let Err(e) = self.0.down() {
-            eprintln!("lab {}: down failed: {e:#}", self.0.state.spec.prefix);
-        }
+impl fixture::Fixture for Lab {
+    const KIND: &'static str = "lab";
+    fn prefix(&self) -> &str {
+        &self.state.spec.prefix
     }
-}
-
-impl std::ops::Deref for LabGuard {
-    type Target = Lab;
-    fn deref(&self) -> &Lab {
-        &self.0
-    }
-}
-impl std::ops::DerefMut for LabGuard {
-    fn deref_mut(&mut self) -> &mut Lab {
-        &mut self.0
+    fn down(&mut self) -> Result<()> {
+        Lab::down(self)
     }
 }
 
@@ -280,36 +271,20 @@ impl Lab {
     }
 
     fn save(&self) -> Result<()> {
-        let path = Self::state_file(&self.state.run_dir);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.state)?)
-            .with_context(|| format!("write {}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))
+        fixture::save(&Self::state_file(&self.state.run_dir), &self.state)
     }
 
     /// Opens the state of a running lab.
     pub fn open(prefix: &str) -> Result<Lab> {
         validate_prefix(prefix)?;
-        let path = Self::state_file(&Path::new(RUN_ROOT).join(prefix));
-        let data = std::fs::read(&path)
-            .with_context(|| format!("no lab {prefix:?} (read {})", path.display()))?;
-        let state =
-            serde_json::from_slice(&data).with_context(|| format!("parse {}", path.display()))?;
-        Ok(Lab { state })
+        Ok(Lab {
+            state: fixture::read("lab", prefix, "state.json")?,
+        })
     }
 
     /// All labs with a state file.
     pub fn list() -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(RUN_ROOT)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| Self::state_file(&e.path()).exists())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        fixture::list("state.json")
     }
 
     pub fn node_ns(&self) -> String {

@@ -174,25 +174,16 @@ pub struct RealNode {
     kubeconfig: PathBuf,
 }
 
-pub struct RealGuard(pub RealNode);
+/// Takes a real-agent node down when dropped.
+pub type RealGuard = crate::fixture::Guard<RealNode>;
 
-impl Drop for RealGuard {
-    fn drop(&mut self) {
-        if let Err(e) = self.0.down() {
-            eprintln!("real node {}: down failed: {e:#}", self.0.state.spec.prefix);
-        }
+impl crate::fixture::Fixture for RealNode {
+    const KIND: &'static str = "real node";
+    fn prefix(&self) -> &str {
+        &self.state.spec.prefix
     }
-}
-
-impl std::ops::Deref for RealGuard {
-    type Target = RealNode;
-    fn deref(&self) -> &RealNode {
-        &self.0
-    }
-}
-impl std::ops::DerefMut for RealGuard {
-    fn deref_mut(&mut self) -> &mut RealNode {
-        &mut self.0
+    fn down(&mut self) -> Result<()> {
+        RealNode::down(self)
     }
 }
 
@@ -358,27 +349,14 @@ impl RealNode {
 
     /// Real-agent nodes with a state file (`real.json`).
     pub fn list() -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(crate::RUN_ROOT)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| e.path().join("real.json").exists())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        crate::fixture::list("real.json")
     }
 
     /// The recorded state of a real-agent node, e.g. to take it down after the process that
     /// made it died (its agent and forward died with it).
     pub fn open(prefix: &str) -> Result<RealNode> {
         let run_dir = Path::new(crate::RUN_ROOT).join(prefix);
-        let path = run_dir.join("real.json");
-        let data = std::fs::read(&path)
-            .with_context(|| format!("no real-agent node {prefix:?} (read {})", path.display()))?;
-        let state: RealState =
-            serde_json::from_slice(&data).with_context(|| format!("parse {}", path.display()))?;
+        let state: RealState = crate::fixture::read("real-agent node", prefix, "real.json")?;
         Ok(RealNode {
             kubeconfig: run_dir.join("cilium-agent.kubeconfig"),
             state,
@@ -399,10 +377,7 @@ impl RealNode {
     }
 
     fn save(&self) -> Result<()> {
-        let path = self.state.run_dir.join("real.json");
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.state)?)?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))
+        crate::fixture::save(&self.state.run_dir.join("real.json"), &self.state)
     }
 
     /// Builds the node and starts the agent; returns once its host datapath is attached and

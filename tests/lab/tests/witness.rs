@@ -15,7 +15,7 @@ fn lan(lease: LeaseTimings) -> LanGuard {
     require_root();
     let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
     spec.lease = lease;
-    LanGuard(LanLab::up(spec).expect("LAN lab up"))
+    stepguard_lab::fixture::Guard(LanLab::up(spec).expect("LAN lab up"))
 }
 
 fn short_lease(duration_ms: u64) -> LeaseTimings {
@@ -211,7 +211,8 @@ fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
         spec.ipv6 = true;
         spec.profile = profile;
         spec.na = na;
-        let mut lab = LanGuard(LanLab::up(spec).expect("dual-stack LAN lab up"));
+        let mut lab =
+            stepguard_lab::fixture::Guard(LanLab::up(spec).expect("dual-stack LAN lab up"));
         let w = start_witness6(&lab);
         let cadence = 0.010;
         let a0 = agent_on(&lab, 0);

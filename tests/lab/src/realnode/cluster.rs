@@ -93,27 +93,15 @@ pub struct RealCluster {
 }
 
 /// Takes the cluster down when dropped.
-pub struct ClusterGuard(pub RealCluster);
+pub type ClusterGuard = crate::fixture::Guard<RealCluster>;
 
-impl Drop for ClusterGuard {
-    fn drop(&mut self) {
-        if let Err(e) = self.0.down() {
-            eprintln!(
-                "real cluster {}: down failed: {e:#}",
-                self.0.state.spec.prefix
-            );
-        }
+impl crate::fixture::Fixture for RealCluster {
+    const KIND: &'static str = "real cluster";
+    fn prefix(&self) -> &str {
+        &self.state.spec.prefix
     }
-}
-impl std::ops::Deref for ClusterGuard {
-    type Target = RealCluster;
-    fn deref(&self) -> &RealCluster {
-        &self.0
-    }
-}
-impl std::ops::DerefMut for ClusterGuard {
-    fn deref_mut(&mut self) -> &mut RealCluster {
-        &mut self.0
+    fn down(&mut self) -> Result<()> {
+        RealCluster::down(self)
     }
 }
 
@@ -139,33 +127,18 @@ impl RealCluster {
     }
 
     fn save(&self) -> Result<()> {
-        let path = self.state.run_dir.join("cluster.json");
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.state)?)?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))
+        crate::fixture::save(&self.state.run_dir.join("cluster.json"), &self.state)
     }
 
     /// Real-agent clusters with a state file (`cluster.json`).
     pub fn list() -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(crate::RUN_ROOT)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| e.path().join("cluster.json").exists())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        crate::fixture::list("cluster.json")
     }
 
     /// The recorded state, e.g. to take down a cluster whose process died.
     pub fn open(prefix: &str) -> Result<RealCluster> {
-        let path = Path::new(crate::RUN_ROOT).join(prefix).join("cluster.json");
-        let data = std::fs::read(&path)
-            .with_context(|| format!("no real-agent cluster {prefix:?} ({})", path.display()))?;
         let state: ClusterState =
-            serde_json::from_slice(&data).with_context(|| format!("parse {}", path.display()))?;
+            crate::fixture::read("real-agent cluster", prefix, "cluster.json")?;
         let mut nodes = Vec::new();
         for p in &state.nodes {
             // A node whose `up` failed removed itself (no state file): nothing to open.

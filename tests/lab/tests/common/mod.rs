@@ -26,7 +26,7 @@ pub fn lab(f: impl FnOnce(&mut LabSpec)) -> LabGuard {
     require_root();
     let mut spec = LabSpec::new(stepguard_lab::unique_prefix());
     f(&mut spec);
-    LabGuard(Lab::up(spec).expect("lab up"))
+    stepguard_lab::fixture::Guard(Lab::up(spec).expect("lab up"))
 }
 
 /// Runs a command, asserting success, returning stdout.

@@ -28,7 +28,7 @@ pub fn real_node_on(minor: &str, tunnel: bool) -> RealGuard {
         t0.elapsed().as_secs_f64(),
         node.state.spec.release.version
     );
-    RealGuard(node)
+    stepguard_lab::fixture::Guard(node)
 }
 
 pub fn real_node_routed(tunnel: bool) -> RealGuard {
@@ -216,7 +216,7 @@ pub fn real_cluster_with(
     test: &'static str,
     lease: stepguard_lab::lan::LeaseTimings,
 ) -> KeptCluster {
-    use stepguard_lab::realnode::cluster::{ClusterGuard, ClusterSpec, RealCluster};
+    use stepguard_lab::realnode::cluster::{ClusterSpec, RealCluster};
     require_root();
     let release = Release::from_env("1.20").expect("the real cilium-agent");
     let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
@@ -237,5 +237,5 @@ pub fn real_cluster_with(
         t0.elapsed().as_secs_f64(),
         c.holder().unwrap()
     );
-    KeptCluster(ClusterGuard(c), test)
+    KeptCluster(stepguard_lab::fixture::Guard(c), test)
 }

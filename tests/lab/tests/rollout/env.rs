@@ -90,7 +90,7 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
         renew: Duration::from_secs(1),
         retry: Duration::from_millis(500),
     };
-    let lan = LanGuard(LanLab::up(spec).expect("LAN lab up"));
+    let lan = stepguard_lab::fixture::Guard(LanLab::up(spec).expect("LAN lab up"));
     let run_dir = lan.state.run_dir.clone();
     let client_ns = lan.client_ns();
     let cp = ControlPlane::up(&run_dir.join("kube"), &kube_bin).expect("control plane up");
