@@ -5,6 +5,9 @@
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
+/// Where every lab keeps its run directory, `<RUN_ROOT>/<prefix>/`.
+pub const RUN_ROOT: &str = "/run/stepguard-lab";
+
 /// A lab that can be taken down.
 pub trait Fixture {
     /// What it is, for messages ("LAN lab").
@@ -41,7 +44,7 @@ impl<T: Fixture> std::ops::DerefMut for Guard<T> {
 
 /// The state file `file` of lab `prefix`.
 pub fn state_path(prefix: &str, file: &str) -> PathBuf {
-    Path::new(crate::RUN_ROOT).join(prefix).join(file)
+    Path::new(RUN_ROOT).join(prefix).join(file)
 }
 
 /// Writes `state` to `path` whole: a temporary file beside it, then renamed over it.
@@ -62,7 +65,7 @@ pub fn read<S: serde::de::DeserializeOwned>(kind: &str, prefix: &str, file: &str
 
 /// The prefixes of every lab with a state file named `file`, sorted.
 pub fn list(file: &str) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(crate::RUN_ROOT)
+    let mut v: Vec<String> = std::fs::read_dir(RUN_ROOT)
         .map(|rd| {
             rd.flatten()
                 .filter(|e| e.path().join(file).exists())

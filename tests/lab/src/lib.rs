@@ -33,7 +33,7 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub const RUN_ROOT: &str = "/run/stepguard-lab";
+pub use fixture::RUN_ROOT;
 pub const GATEWAY_VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 pub const GATEWAY_PORT: u16 = 80;
 /// The gateway's TLS port (nginx; a certificate for `gateway.<DNS_ZONE>` signed by the lab's

@@ -70,7 +70,10 @@ pub const KERNEL_LAYERS: Layers = &[
 /// [`LAB_UNITS`] names; `bin` is the lab's command line (`src/bin/`), which reaches the
 /// library as `stepguard_lab::`.
 pub const LAB_LAYERS: Layers = &[
-    ("netns: namespaces, veths, addresses", &["netns"]),
+    (
+        "netns: namespaces, veths, addresses; fixture: a lab's state file and guard",
+        &["netns", "fixture"],
+    ),
     (
         "the fabric's servers and the cilium-config directory",
         &["services", "ciliumconfig"],

@@ -392,7 +392,8 @@ fn a_kernel_module_reaching_up_fails() {
     assert!(p[1].starts_with("import circle over bpf, links"), "{p:?}");
 }
 
-const LAB_LIB: &str = "mod agentcfg;\npub mod ciliumconfig;\npub mod datapath;\npub mod kube;\n\
+const LAB_LIB: &str =
+    "mod agentcfg;\npub mod ciliumconfig;\npub mod datapath;\npub mod fixture;\npub mod kube;\n\
     pub mod kubelet;\npub mod lan;\npub mod maps;\npub mod netns;\nmod nodemaps;\nmod overlay;\n\
     pub mod realnode;\nmod restart;\npub use restart::*;\npub mod services;\npub mod sys;\n\
     pub use maps::Profile;\npub use sys::now_ns;\n";
@@ -455,9 +456,9 @@ fn the_lab_root_s_names_resolve() {
             "bin/stepguard-lab.rs:2 bin -> netns `stepguard_lab::netns`",
             "lan.rs:1 lan -> sys `crate::now_ns`",
             "lan.rs:1 lan -> restart `crate::RestartOpts`",
-            "lib.rs:13 lib -> restart `restart`",
-            "lib.rs:16 lib -> maps `maps`",
-            "lib.rs:17 lib -> sys `sys`",
+            "lib.rs:14 lib -> restart `restart`",
+            "lib.rs:17 lib -> maps `maps`",
+            "lib.rs:18 lib -> sys `sys`",
             "nodemaps.rs:1 nodemaps -> lib `super::*`",
             "nodemaps.rs:2 nodemaps -> maps `Profile`",
             "nodemaps.rs:2 nodemaps -> sys `sys`",
