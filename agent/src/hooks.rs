@@ -80,7 +80,7 @@ pub struct WaitArgs {
 }
 
 /// `stepguard step`: begins a step on the agent; prints its id (exit 0), or why not (2).
-pub fn step(args: StepArgs) -> Result<i32> {
+pub fn step(args: StepArgs) -> Result<crate::exit::ExitCode> {
     let token = crate::client::read_token(args.token_file.as_deref())?;
     let agent = crate::client::Agent::new(&args.agent, token)?;
     let mut body = serde_json::Map::new();
@@ -132,7 +132,7 @@ pub fn step(args: StepArgs) -> Result<i32> {
                     .unwrap_or(0)
             );
             say!("{}", v["id"].as_str().unwrap_or(""));
-            Ok(0)
+            Ok(crate::exit::ExitCode::Ok)
         }
         _ => {
             eprintln!(
@@ -142,14 +142,14 @@ pub fn step(args: StepArgs) -> Result<i32> {
                     .map(String::from)
                     .unwrap_or_else(|| v.to_string())
             );
-            Ok(2)
+            Ok(crate::exit::ExitCode::NotDecided)
         }
     }
 }
 
 /// `stepguard wait`: long-polls the step until its verdict: 0 passed, 1 failed, 2 not
 /// decided in time or unreachable.
-pub fn wait(args: WaitArgs) -> Result<i32> {
+pub fn wait(args: WaitArgs) -> Result<crate::exit::ExitCode> {
     let token = crate::client::read_token(args.token_file.as_deref())?;
     let agent = crate::client::Agent::new(&args.agent, token)?;
     let deadline = std::time::Instant::now() + args.timeout;
@@ -173,7 +173,7 @@ pub fn wait(args: WaitArgs) -> Result<i32> {
                     format!(" (last error: {last_err})")
                 }
             );
-            return Ok(2);
+            return Ok(crate::exit::ExitCode::NotDecided);
         }
         let wait = left.min(Duration::from_secs(20));
         let path = format!("/v1/steps/{}?wait={}ms", args.step, wait.as_millis().max(1));
@@ -189,8 +189,8 @@ pub fn wait(args: WaitArgs) -> Result<i32> {
                     serde_json::from_value(v).context("the agent's step response is not a step")?;
                 say!("{}", view.text());
                 return Ok(match view.verdict.map(|v| v.status) {
-                    Some(crate::step::Status::Passed) => 0,
-                    _ => 1,
+                    Some(crate::step::Status::Passed) => crate::exit::ExitCode::Ok,
+                    _ => crate::exit::ExitCode::Failed,
                 });
             }
             Ok((202, v)) => {
@@ -208,7 +208,7 @@ pub fn wait(args: WaitArgs) -> Result<i32> {
             }
             Ok((404, _)) => {
                 eprintln!("stepguard: the agent has no step {}", args.step);
-                return Ok(2);
+                return Ok(crate::exit::ExitCode::NotDecided);
             }
             Ok((status, v)) => {
                 last_err = format!("{status}: {}", v["error"].as_str().unwrap_or(""));

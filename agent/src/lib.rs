@@ -13,6 +13,7 @@ pub mod config;
 pub mod daemon;
 pub mod durable;
 pub mod duration;
+pub mod exit;
 pub mod hooks;
 pub use stepguard_kernel as kernel;
 pub mod limits;

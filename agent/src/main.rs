@@ -201,7 +201,7 @@ fn load_config(args: &CheckArgs) -> Result<Config> {
     Ok(cfg)
 }
 
-fn check(args: CheckArgs) -> Result<i32> {
+fn check(args: CheckArgs) -> Result<stepguard::exit::ExitCode> {
     let cfg = load_config(&args)?;
     cfg.check_paths()?;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -247,13 +247,13 @@ fn main() {
         Ok(code) => code,
         Err(e) => {
             eprintln!("stepguard: {e:#}");
-            2
+            stepguard::exit::ExitCode::NotDecided
         }
     };
-    std::process::exit(code);
+    std::process::exit(code.code());
 }
 
-fn run(cmd: Cmd) -> Result<i32> {
+fn run(cmd: Cmd) -> Result<stepguard::exit::ExitCode> {
     match cmd {
         Cmd::Agent(args) => agent(args),
         Cmd::Witness(args) => witness(args),
@@ -265,7 +265,7 @@ fn run(cmd: Cmd) -> Result<i32> {
             let drops = KernelDrops::start();
             if let Some(reason) = drops.unavailable_reason() {
                 say!("kernel drops: unknown ({reason})");
-                return Ok(2);
+                return Ok(stepguard::exit::ExitCode::NotDecided);
             }
             std::thread::sleep(std::time::Duration::from_secs(seconds));
             say!(
@@ -275,7 +275,7 @@ fn run(cmd: Cmd) -> Result<i32> {
             for (reason, n) in drops.by_reason()? {
                 say!("  {reason:<32} {n}");
             }
-            Ok(0)
+            Ok(stepguard::exit::ExitCode::Ok)
         }
     }
 }
@@ -323,7 +323,7 @@ fn check_intervals(args: &AgentArgs) -> Result<()> {
     Ok(())
 }
 
-fn agent(args: AgentArgs) -> Result<i32> {
+fn agent(args: AgentArgs) -> Result<stepguard::exit::ExitCode> {
     check_intervals(&args)?;
     let cfg = match &args.config {
         Some(p) => stepguard::probe::load(p)?,
@@ -374,11 +374,11 @@ fn agent(args: AgentArgs) -> Result<i32> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         })
         .await;
-        Ok(0)
+        Ok(stepguard::exit::ExitCode::Ok)
     })
 }
 
-fn witness(args: WitnessArgs) -> Result<i32> {
+fn witness(args: WitnessArgs) -> Result<stepguard::exit::ExitCode> {
     stepguard::witness::check_intervals(args.probe_interval, args.burst_interval)?;
     if args.listen.port() == 0 {
         anyhow::bail!("--listen: port 0 is not a port an agent can find");
@@ -420,7 +420,7 @@ fn witness(args: WitnessArgs) -> Result<i32> {
             shutdown_signal(),
         )
         .await;
-        Ok(0)
+        Ok(stepguard::exit::ExitCode::Ok)
     })
 }
 

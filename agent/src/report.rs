@@ -12,9 +12,9 @@ pub fn hostname() -> String {
 
 fn overall(results: &[CheckResult]) -> Status {
     match exit_code(results) {
-        0 => Status::Pass,
-        1 => Status::Fail,
-        _ => Status::Unknown,
+        crate::exit::ExitCode::Ok => Status::Pass,
+        crate::exit::ExitCode::Failed => Status::Fail,
+        crate::exit::ExitCode::NotDecided => Status::Unknown,
     }
 }
 
@@ -23,7 +23,7 @@ pub fn json(results: &[CheckResult]) -> Value {
         "node": hostname(),
         "checked_at": crate::probe::unix_now(),
         "status": overall(results),
-        "exit_code": exit_code(results),
+        "exit_code": exit_code(results).code(),
         "checks": results,
     })
 }

@@ -179,14 +179,16 @@ impl CheckResult {
     }
 }
 
-/// Overall exit code of a set of results: 0 all pass, 1 any fail, 2 any unknown (none failed).
-pub fn exit_code(results: &[CheckResult]) -> i32 {
+/// Overall outcome of a set of results: ok when all pass, failed when any fails, not decided
+/// when any is unknown (none failed) or none ran.
+pub fn exit_code(results: &[CheckResult]) -> crate::exit::ExitCode {
+    use crate::exit::ExitCode;
     if results.iter().any(|r| r.status == Status::Fail) {
-        1
+        ExitCode::Failed
     } else if results.iter().any(|r| r.status == Status::Unknown) || results.is_empty() {
-        2
+        ExitCode::NotDecided
     } else {
-        0
+        ExitCode::Ok
     }
 }
 
@@ -220,10 +222,10 @@ mod tests {
         let p = CheckResult::pass("maps", Code::Ok, "", Value::Null);
         let f = CheckResult::fail("maps", Code::NotObserved, "", Value::Null);
         let u = CheckResult::unknown("maps", Code::NotObserved, "", Value::Null);
-        assert_eq!(exit_code(&[p.clone(), p.clone()]), 0);
-        assert_eq!(exit_code(&[p.clone(), u.clone()]), 2);
-        assert_eq!(exit_code(&[u, f, p]), 1);
-        assert_eq!(exit_code(&[]), 2, "nothing checked is not a pass");
+        assert_eq!(exit_code(&[p.clone(), p.clone()]).code(), 0);
+        assert_eq!(exit_code(&[p.clone(), u.clone()]).code(), 2);
+        assert_eq!(exit_code(&[u, f, p]).code(), 1);
+        assert_eq!(exit_code(&[]).code(), 2, "nothing checked is not a pass");
     }
 
     #[test]

@@ -3,7 +3,7 @@ use super::*;
 
 /// `--abort`, `--retry NODE`, `--skip NODE`: a person's decision, recorded on the lock with
 /// who took it and why, and told in an Event.
-pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
+pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<crate::exit::ExitCode> {
     let by = who(c).await;
     let why = c
         .args
@@ -63,13 +63,13 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
                     "no rollout lock {}/{name}: nothing to abort",
                     c.args.lock_namespace
                 );
-                return Ok(0);
+                return Ok(crate::exit::ExitCode::Ok);
             }
             eprintln!(
                 "no halt stands (there is no rollout lock {}/{name}): nothing to lift",
                 c.args.lock_namespace
             );
-            return Ok(2);
+            return Ok(crate::exit::ExitCode::NotDecided);
         };
         let mut ann = annotations(&lease.metadata);
         let spec = lease.spec.clone().unwrap_or_default();
@@ -107,14 +107,14 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
                 eprintln!(
                     "a rollout is running ({live}): decide when it has ended, or `--abort` it"
                 );
-                return Ok(2);
+                return Ok(crate::exit::ExitCode::NotDecided);
             }
         }
         let next = match record::lift(&mut rec, &l, &by, &why, &current, &stamp(), world.as_ref()) {
             Ok(n) => n,
             Err(e) => {
                 eprintln!("stepguard rollout: {e}");
-                return Ok(2);
+                return Ok(crate::exit::ExitCode::NotDecided);
             }
         };
         for k in [
@@ -183,7 +183,7 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<i32> {
         )
         .await;
         println!("{next}");
-        return Ok(0);
+        return Ok(crate::exit::ExitCode::Ok);
     }
     bail!("the rollout lock kept changing while recording the decision: try again")
 }

@@ -78,7 +78,7 @@ pub struct NodeResult {
 }
 
 /// Runs `stepguard rollout`; the exit code.
-pub fn run(args: RolloutArgs) -> Result<i32> {
+pub fn run(args: RolloutArgs) -> Result<crate::exit::ExitCode> {
     if args.canary.is_some() && args.canary_label.is_some() {
         bail!("--canary and --canary-label: give one");
     }
@@ -170,7 +170,7 @@ fn resumed_step(i: &InFlight) -> PlannedStep {
 }
 
 /// A rollout run; `watched`: started by `--watch`, which goes on only to approved revisions.
-async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
+async fn rollout(c: &Cluster, watched: bool) -> Result<crate::exit::ExitCode> {
     let json_out = c.args.output == "json";
     let mut opts = plan_opts(c);
     let start = Duration::from_secs(60);
@@ -194,7 +194,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 println!("  {}", halt_verdict(c, &view, h).await);
             }
         }
-        return Ok(2);
+        return Ok(crate::exit::ExitCode::NotDecided);
     }
     opts.skip = rec.skipped_on(&current.0).into_iter().collect();
     opts.again = rec.retry.clone();
@@ -241,7 +241,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             )
             .await;
         }
-        return Ok(1);
+        return Ok(crate::exit::ExitCode::Failed);
     }
     let only_waits = first
         .as_ref()
@@ -260,11 +260,11 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 refusals_text(refusals)
             );
         }
-        return Ok(2);
+        return Ok(crate::exit::ExitCode::NotDecided);
     }
     if c.args.dry_run {
         print_dry_run(json_out, &view, &rec, &first, &current.0)?;
-        return Ok(0);
+        return Ok(crate::exit::ExitCode::Ok);
     }
     let now = stamp();
     let (cur_hash, approve2) = (current.0.clone(), approve.clone());
@@ -299,7 +299,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         Ok(r) => r,
         Err(why) => {
             say(json_out, format!("refusing to start: {why}"));
-            return Ok(2);
+            return Ok(crate::exit::ExitCode::NotDecided);
         }
     };
     // The lock is renewed in the background every retry period (with the record); losing it
@@ -363,7 +363,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     .await;
     let t0 = Instant::now();
     let mut results: Vec<NodeResult> = Vec::new();
-    let mut code = 0;
+    let mut code = crate::exit::ExitCode::Ok;
     let mut ending: Option<String> = None;
     let mut pending = rec.inflight.clone();
     // The revision this run goes on to: under `--watch` only an approved one.
@@ -380,12 +380,12 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     let mut deferred = 0;
     loop {
         if held.is_lost() {
-            code = 2;
+            code = crate::exit::ExitCode::NotDecided;
             ending = Some("the rollout lock was lost: nothing more is touched".into());
             break;
         }
         if TERMINATING.load(Ordering::SeqCst) {
-            code = 2;
+            code = crate::exit::ExitCode::NotDecided;
             ending = Some("stopped by a signal: the next run goes on from the record".into());
             break;
         }
@@ -406,7 +406,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 continue;
             }
             Err(e) => {
-                code = 2;
+                code = crate::exit::ExitCode::NotDecided;
                 ending = Some(format!("cannot read the cluster: {e:#}"));
                 break;
             }
@@ -418,7 +418,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             (st, target, Some(i))
         } else {
             let Some(cur) = view.revision.clone() else {
-                code = 2;
+                code = crate::exit::ExitCode::NotDecided;
                 ending = Some("the DaemonSet has no ControllerRevision any more".into());
                 break;
             };
@@ -435,7 +435,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     run_rev = cur.0.clone();
                     crate::locks::lock(&shared).forget_other_revisions(&run_rev);
                 } else {
-                    code = 2;
+                    code = crate::exit::ExitCode::NotDecided;
                     let why = format!(
                         "revision {} of the DaemonSet is not approved ({}): the rollout pauses after node {}; approve it to go on{}",
                         cur.0,
@@ -466,7 +466,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     {
                         // Stepped and passed in this run, yet its agent does not vouch for the
                         // pod's start: never stepped round and round.
-                        code = 2;
+                        code = crate::exit::ExitCode::NotDecided;
                         let why = format!(
                             "node {} was stepped in this run and its verdict passed, but its agent does not prove the current pod's start ({}): stopping instead of stepping it again",
                             s.node, s.why
@@ -479,7 +479,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     None => break,
                 },
                 Err(refusals) if refusals.iter().any(|r| r.halts()) => {
-                    code = 1;
+                    code = crate::exit::ExitCode::Failed;
                     let text = refusals
                         .iter()
                         .filter(|r| r.halts())
@@ -530,7 +530,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
             persist(c, &shared, &held).await;
             deferred += 1;
             if deferred > 20 {
-                code = 2;
+                code = crate::exit::ExitCode::NotDecided;
                 ending = Some(format!("node {} could not be begun: {why}", st.node));
                 break;
             }
@@ -551,7 +551,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                     }
                 }
                 Outcome::Failed { step, why } => {
-                    code = 1;
+                    code = crate::exit::ExitCode::Failed;
                     rec.inflight = None;
                     rec.retry = None;
                     rec.halt = Some(record::Halt {
@@ -562,7 +562,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                         at: stamp(),
                     });
                 }
-                Outcome::Stopped { .. } => code = 2,
+                Outcome::Stopped { .. } => code = crate::exit::ExitCode::NotDecided,
                 Outcome::Deferred { .. } => {}
             }
         }
@@ -584,11 +584,11 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
         }
     }
     let summary = match code {
-        0 => format!(
+        crate::exit::ExitCode::Ok => format!(
             "stepguard rollout finished: {} nodes stepped and verified",
             stepped.len()
         ),
-        1 => match (&ending, results.last()) {
+        crate::exit::ExitCode::Failed => match (&ending, results.last()) {
             (Some(e), _) => format!(
                 "stepguard rollout halted: {e}; no further node is touched until a person decides"
             ),
@@ -597,7 +597,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
                 last.map(|r| r.node.as_str()).unwrap_or("?")
             ),
         },
-        _ => format!(
+        crate::exit::ExitCode::NotDecided => format!(
             "stepguard rollout interrupted: {}",
             ending
                 .clone()
@@ -606,8 +606,8 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<i32> {
     };
     c.event(
         &ds,
-        code != 0,
-        if code == 0 {
+        code != crate::exit::ExitCode::Ok,
+        if code == crate::exit::ExitCode::Ok {
             "StepguardRolloutDone"
         } else {
             "StepguardRolloutStopped"

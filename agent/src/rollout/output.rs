@@ -58,7 +58,7 @@ pub(super) async fn halt_verdict(c: &Cluster, view: &ClusterView, h: &record::Ha
 }
 
 /// `--status`: the rollout's record on its lock, for people (or `--output json`).
-pub(super) async fn status(c: &Cluster) -> Result<i32> {
+pub(super) async fn status(c: &Cluster) -> Result<crate::exit::ExitCode> {
     let (lease, rec) = patient(
         "read the rollout lock",
         Duration::from_secs(30),
@@ -78,7 +78,7 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
             Ok(v) => node_lines(v).iter().for_each(|l| println!("{l}")),
             Err(e) => println!("cannot read the cluster for the nodes' proofs: {e:#}"),
         }
-        return Ok(0);
+        return Ok(crate::exit::ExitCode::Ok);
     };
     let spec = lease.spec.clone().unwrap_or_default();
     let verdict = match (&rec.halt, &view) {
@@ -104,7 +104,7 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
                 "retry": rec.retry, "skipped": rec.skipped, "aborted": rec.aborted,
                 "decisions": rec.decisions, "history": rec.history}))?
         );
-        return Ok(0);
+        return Ok(crate::exit::ExitCode::Ok);
     }
     let h = spec.holder_identity.clone().unwrap_or_default();
     println!(
@@ -172,7 +172,7 @@ pub(super) async fn status(c: &Cluster) -> Result<i32> {
             );
         }
     }
-    Ok(0)
+    Ok(crate::exit::ExitCode::Ok)
 }
 
 /// Each node's cilium pod against the current revision and its agent's proof, one line
@@ -304,7 +304,7 @@ pub(super) fn print_dry_run(
 /// halt when there is one.
 pub(super) fn print_end(
     json_out: bool,
-    code: i32,
+    code: crate::exit::ExitCode,
     summary: &str,
     elapsed: Duration,
     results: &[NodeResult],
@@ -314,7 +314,7 @@ pub(super) fn print_end(
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &json!({"exit_code": code, "summary": summary, "elapsed_s": elapsed.as_secs_f64(), "nodes": results, "halt": rec.halt})
+                &json!({"exit_code": code.code(), "summary": summary, "elapsed_s": elapsed.as_secs_f64(), "nodes": results, "halt": rec.halt})
             )?
         );
     } else {

@@ -3,7 +3,7 @@ use super::approval::owed as plan_owed;
 use super::*;
 
 /// `--watch`: never ends on an error; a line is logged whenever what it waits for changes.
-pub(super) async fn watch(c: &Cluster) -> Result<i32> {
+pub(super) async fn watch(c: &Cluster) -> Result<crate::exit::ExitCode> {
     let mut last = String::new();
     let mut announced = String::new();
     loop {
@@ -21,7 +21,7 @@ pub(super) async fn watch(c: &Cluster) -> Result<i32> {
             if TERMINATING.load(Ordering::SeqCst) {
                 tracing::warn!("stopped by a signal");
                 eprintln!("stepguard rollout --watch: stopped by a signal");
-                return Ok(0);
+                return Ok(crate::exit::ExitCode::Ok);
             }
             tokio::time::sleep(Duration::from_millis(200).min(until - Instant::now())).await;
         }
@@ -91,7 +91,7 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
     }
     if owed || approved(&v, approve.as_deref(), &skipped) {
         let code = rollout(c, true).await?;
-        return Ok(format!("rollout ended with exit code {code}"));
+        return Ok(format!("rollout ended with exit code {}", code.code()));
     }
     let note = format!("revision {cur} is not approved ({}): waiting", unapproved);
     if *announced != cur {

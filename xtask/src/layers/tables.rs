@@ -5,8 +5,8 @@ use super::{Crate, Layers, Units};
 /// The agent's layers, lowest first (see `docs/architecture.md`).
 pub const AGENT_LAYERS: Layers = &[
     (
-        "base: durations, statistics, limits, locks, durable files",
-        &["duration", "stats", "limits", "locks", "durable"],
+        "base: durations, statistics, limits, locks, durable files, exit codes",
+        &["duration", "stats", "limits", "locks", "durable", "exit"],
     ),
     (
         "cilium: Cilium's own rules per release (maps, drop reasons, device selection and hooks)",

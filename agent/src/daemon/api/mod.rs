@@ -113,7 +113,7 @@ async fn verdict(
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let results = d.node_results();
-    let code = if exit_code(&results) == 0 {
+    let code = if exit_code(&results) == crate::exit::ExitCode::Ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
