@@ -274,7 +274,7 @@ impl Baseline {
         let (cilium, cilium_from) = match &i.agent_version {
             Some(full) => (
                 profile::release_of(full),
-                Some(format!("agent API ({full})")),
+                Some(super::verdict::VersionSource::AgentApi(full.clone()).describe()),
             ),
             None => (None, None),
         };

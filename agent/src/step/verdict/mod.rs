@@ -192,16 +192,11 @@ pub fn decide(step: &mut Step, o: &Observed) {
     if let (Some(at), Some(maps)) = (step.reload.complete_at, &o.maps) {
         let va = after_version(step, o);
         step.cilium_after = va.as_ref().map(|a| {
-            match a
-                .from
-                .strip_prefix("agent API (")
-                .and_then(profile::release_of)
-            {
-                Some(rel) => rel,
-                None => profile::pair_label(a.version).to_string(),
-            }
+            a.from
+                .api_release()
+                .unwrap_or_else(|| profile::pair_label(a.version).to_string())
         });
-        step.cilium_after_from = va.as_ref().map(|a| a.from.clone());
+        step.cilium_after_from = va.as_ref().map(|a| a.from.describe());
         let _ = at;
         step.maps = judge_observed_maps(step, o, maps, va.as_ref(), timed_out(step, now)).evidence;
     }

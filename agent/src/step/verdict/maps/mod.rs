@@ -22,10 +22,40 @@ pub const KEPT_LOSS_TOLERANCE: f64 = 0.5;
 #[derive(Clone, Debug, PartialEq)]
 pub struct AfterVersion {
     pub version: profile::CiliumVersion,
-    /// `agent API (…)`, `pinned map names: …` or `declared by the step`.
-    pub from: String,
+    pub from: VersionSource,
     /// The names leave it open between pairs (see `profile::names_ambiguous`).
     pub ambiguous: bool,
+}
+
+/// What told the version a node runs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum VersionSource {
+    /// The running cilium-agent's API, with the version it reported (`1.20.2`).
+    AgentApi(String),
+    /// The pinned maps' names, and why they point there.
+    MapNames(String),
+    /// Only the step's declaration.
+    Declared,
+}
+
+impl VersionSource {
+    /// The release the agent's API reported (`1.20`); None for the other sources.
+    pub fn api_release(&self) -> Option<String> {
+        match self {
+            VersionSource::AgentApi(full) => profile::release_of(full),
+            _ => None,
+        }
+    }
+
+    /// For people and the step's record: `agent API (1.20.2)`, `pinned map names: …`,
+    /// `declared by the step`.
+    pub fn describe(&self) -> String {
+        match self {
+            VersionSource::AgentApi(full) => format!("agent API ({full})"),
+            VersionSource::MapNames(why) => format!("pinned map names: {why}"),
+            VersionSource::Declared => "declared by the step".into(),
+        }
+    }
 }
 
 /// The version that came back: the agent API's release when it was read after the reload,
@@ -46,7 +76,7 @@ pub fn after_version(step: &Step, o: &Observed) -> Option<AfterVersion> {
             if let Some(version) = v {
                 return Some(AfterVersion {
                     version,
-                    from: format!("agent API ({full})"),
+                    from: VersionSource::AgentApi(full.clone()),
                     ambiguous: false,
                 });
             }
@@ -60,7 +90,7 @@ pub fn after_version(step: &Step, o: &Observed) -> Option<AfterVersion> {
         if let Some((version, why)) = profile::infer_version(&names) {
             return Some(AfterVersion {
                 version,
-                from: format!("pinned map names: {why}"),
+                from: VersionSource::MapNames(why),
                 ambiguous: profile::names_ambiguous(&names),
             });
         }
@@ -71,7 +101,7 @@ pub fn after_version(step: &Step, o: &Observed) -> Option<AfterVersion> {
         .and_then(CiliumVersion::parse)
         .map(|version| AfterVersion {
             version,
-            from: "declared by the step".into(),
+            from: VersionSource::Declared,
             ambiguous: true,
         })
 }

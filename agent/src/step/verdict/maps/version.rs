@@ -18,7 +18,7 @@ pub(in crate::step::verdict) fn judge_policy_maps(
     let v = va.version;
     // A version from the names stands for its pair (1.16/1.17 differ in their policy prefix):
     // the pair's kind that is present is the node's.
-    let kinds: Vec<&str> = if va.from.starts_with("agent API") {
+    let kinds: Vec<&str> = if matches!(va.from, VersionSource::AgentApi(_)) {
         vec![profile::policy_kind(v)]
     } else {
         profile::CiliumVersion::ALL
@@ -87,12 +87,10 @@ pub(in crate::step::verdict) fn judge_declared_version(
             Some(Reason::EvidenceIncomplete),
         ));
     };
-    let from_api = va.from.starts_with("agent API");
+    let from_api = matches!(va.from, VersionSource::AgentApi(_));
     let came = if from_api {
         va.from
-            .strip_prefix("agent API (")
-            .and_then(|f| f.strip_suffix(')'))
-            .and_then(profile::release_of)
+            .api_release()
             .unwrap_or_else(|| va.version.as_str().to_string())
     } else {
         profile::pair_label(va.version).to_string()
