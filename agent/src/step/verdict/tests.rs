@@ -819,14 +819,23 @@ fn a_declared_device_set_is_what_the_node_is_held_to() {
     assert_eq!(s.verdict.unwrap().reasons, vec![Reason::DeviceSetChanged]);
 }
 
-/// An upgrade step that declared 1.18: the node coming back with 1.16's maps fails.
+/// An upgrade step that declared 1.18: the node coming back with 1.16's maps fails, at the
+/// timeout (the only deadline: until then the new agent may still be pinning its maps, and
+/// a maps reading may predate its start), and it is never green meanwhile.
 #[test]
 fn a_declared_version_is_what_the_maps_are_held_to() {
     let mut s = step();
     s.params.expect_cilium = Some("1.18".into());
-    for t in [1.0, 2.5] {
+    for t in [1.0, 2.5, 10.0, 30.0] {
         decide(&mut s, &obs(t, progs(Some(20), Some(21))));
+        assert!(s.verdict.is_none(), "decided at {t}s: {:?}", s.verdict);
     }
+    assert!(
+        s.checks["baseline"].reason.contains("cilium_ipcache_v2"),
+        "{:?}",
+        s.checks
+    );
+    decide(&mut s, &obs(61.0, progs(Some(20), Some(21))));
     let v = s.verdict.unwrap();
     assert_eq!(v.reasons, vec![Reason::MapMissing], "{v:?}");
     assert!(v.summary.contains("expected Cilium 1.18"), "{v:?}");

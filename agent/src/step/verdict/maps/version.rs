@@ -161,14 +161,18 @@ pub fn check_baseline(step: &Step, o: &Observed) -> Judged {
                     .as_ref()
                     .map(|a| format!("; it looks like Cilium {}", a.version.as_str()))
                     .unwrap_or_default();
-                return Judged::fatal(
-                    Reason::MapMissing,
-                    format!(
-                        "the step expected Cilium {} after the restart, whose maps {} are missing{looks}",
-                        v.as_str(),
-                        missing.join(", ")
-                    ),
+                let why = format!(
+                    "the step expected Cilium {} after the restart, whose maps {} are missing{looks}",
+                    v.as_str(),
+                    missing.join(", ")
                 );
+                // The timeout is the only deadline: the returning agent pins its maps as it
+                // starts, and a reading may predate that; missing still at the timeout fails.
+                return if past_timeout {
+                    Judged::fatal(Reason::MapMissing, why)
+                } else {
+                    Judged::not_yet(CheckStatus::Unknown, why, Some(Reason::MapMissing))
+                };
             }
         }
         if let Some(j) = judge_declared_version(step, va.as_ref(), past_timeout) {
