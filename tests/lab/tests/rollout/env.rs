@@ -448,15 +448,20 @@ pub(crate) fn deployment_args() -> Vec<String> {
     args
 }
 
-pub(crate) fn deletions(e: &Env) -> Vec<String> {
+/// The lab kubelet's state (its deletions, held pods, hook failures), locked.
+pub(crate) fn kubelet_state(
+    e: &Env,
+) -> std::sync::MutexGuard<'_, stepguard_lab::kubelet::KubeletState> {
     e.kubelet
         .as_ref()
-        .unwrap()
+        .expect("the env's kubelet")
         .state
         .lock()
         .unwrap()
-        .deletions
-        .clone()
+}
+
+pub(crate) fn deletions(e: &Env) -> Vec<String> {
+    kubelet_state(e).deletions.clone()
 }
 
 pub(crate) fn deletions_since(e: &Env, from: usize) -> Vec<String> {
@@ -584,13 +589,7 @@ pub(crate) fn each_node_once_every_verdict_read(
     out: &str,
 ) {
     assert_eq!(
-        e.kubelet
-            .as_ref()
-            .unwrap()
-            .state
-            .lock()
-            .unwrap()
-            .hook_failures,
+        kubelet_state(e).hook_failures,
         0,
         "the lab's restarts and template changes all worked (see the panics above)"
     );

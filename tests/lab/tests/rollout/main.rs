@@ -89,12 +89,7 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
     );
     // node-2's agent gone (its replacement never started), node-1 NotReady, and the
     // DaemonSet's status stale (the controller frozen across a template change).
-    e.kubelet
-        .as_ref()
-        .unwrap()
-        .state
-        .lock()
-        .unwrap()
+    kubelet_state(&e)
         .hold
         .insert(("stepguard".into(), node_name(2)));
     let lp = kube::api::ListParams::default().labels("app.kubernetes.io/name=stepguard");
@@ -153,14 +148,7 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
         true,
     )
     .unwrap();
-    e.kubelet
-        .as_ref()
-        .unwrap()
-        .state
-        .lock()
-        .unwrap()
-        .hold
-        .clear();
+    kubelet_state(&e).hold.clear();
     wait_until(
         "the controller caught up and node-2's agent is back",
         Duration::from_secs(30),
@@ -647,7 +635,7 @@ fn an_api_server_restart_mid_rollout_is_waited_out_or_stops_on_a_lost_lock() {
     let (code, out) = restart_during_a_step(&e, "apiserver-restart", "60s", 2);
     assert_eq!(code, 0, "{out}");
     assert!(
-        e.kubelet.as_ref().unwrap().state.lock().unwrap().errors > 0,
+        kubelet_state(&e).errors > 0,
         "the API server was away for the kubelet too"
     );
     each_node_once_every_verdict_read(&e, 0, &BTreeSet::new(), &target, &out);
@@ -676,7 +664,7 @@ fn a_replacement_that_never_turns_ready_halts_the_rollout_there() {
     // passes its readiness probe); and one node's cilium pod crash-loops.
     let from = deletions(&e).len();
     {
-        let mut st = e.kubelet.as_ref().unwrap().state.lock().unwrap();
+        let mut st = kubelet_state(&e);
         st.never_ready.extend((0..3).map(node_name));
     }
     let (code, out) = rollout(&e, &["--replace-timeout", "5s"]);
@@ -698,14 +686,7 @@ fn a_replacement_that_never_turns_ready_halts_the_rollout_there() {
     // A crash-looping cilium pod: not Ready, its container waiting in CrashLoopBackOff with
     // a climbing restart count, as the kubelet reports one.
     let other = (0..3).map(node_name).find(|n| *n != d[0]).unwrap();
-    e.kubelet
-        .as_ref()
-        .unwrap()
-        .state
-        .lock()
-        .unwrap()
-        .crash_loop
-        .insert(other.clone());
+    kubelet_state(&e).crash_loop.insert(other.clone());
     let crash = || {
         let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
         e.k.block(e.k.ns::<Pod>(KS).list(&lp))
@@ -903,7 +884,7 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
         Duration::from_secs(60),
         || {
             let settled = {
-                let st = e.kubelet.as_ref().unwrap().state.lock().unwrap();
+                let st = kubelet_state(&e);
                 st.deletions.len() >= 2 && st.settled()
             };
             settled
@@ -916,7 +897,7 @@ fn an_unhealthy_cluster_is_refused_with_every_reason_in_the_documented_order() {
         // fresh-clone CI run with every cilium pod Ready).
         || {
             let (deleted, settled) = {
-                let st = e.kubelet.as_ref().unwrap().state.lock().unwrap();
+                let st = kubelet_state(&e);
                 (st.deletions.clone(), st.settled())
             };
             format!(
