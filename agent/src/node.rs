@@ -85,7 +85,7 @@ pub async fn run(
     // What the running cilium-agent loaded (read once per start of it), and with it the
     // effective configuration the checks expect.
     let t = Instant::now();
-    let read_at = crate::probe::unix_now();
+    let read_at = crate::kernel::clock::now();
     let loaded = match &cfg.cilium_api {
         Some(sock) if needs.agent => Some(crate::ciliumapi::loaded_settings_cached(sock).await),
         _ => None,

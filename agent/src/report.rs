@@ -21,7 +21,7 @@ fn overall(results: &[CheckResult]) -> Status {
 pub fn json(results: &[CheckResult]) -> Value {
     json!({
         "node": hostname(),
-        "checked_at": crate::probe::unix_now(),
+        "checked_at": crate::kernel::clock::now(),
         "status": overall(results),
         "exit_code": exit_code(results).code(),
         "checks": results,

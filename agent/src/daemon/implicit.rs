@@ -11,8 +11,8 @@
 //! program ids other than its persisted snapshot's: that step is `evidence_incomplete`.
 use super::loads::ProgramLoads;
 use super::{lock, watch, Daemon};
+use crate::kernel::clock;
 use crate::kernel::links;
-use crate::probe::unix_now;
 pub use crate::step::implicit::Steady;
 use crate::step::implicit::{self as rules, programs_changed};
 use std::sync::Arc;
@@ -84,7 +84,7 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
             return;
         }
     };
-    let id = format!("implicit-{}", super::store::new_id(unix_now()));
+    let id = format!("implicit-{}", super::store::new_id(clock::now()));
     let mut targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     // The evidence before detection: the steady cadence's probes since the snapshot.
     let running = d.recorder.seed(&mut targets, steady.at);
@@ -96,7 +96,7 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
         &running,
         &trigger,
         incomplete,
-        unix_now(),
+        clock::now(),
     );
     // Witnesses burst from here; one that cannot be reached is a hole in the LAN's view.
     for url in &params.witnesses {
@@ -155,7 +155,7 @@ pub async fn run(d: Arc<Daemon>) {
             if !busy(&d) && !d.store.list().iter().any(|s| !s.is_final()) {
                 if let Ok(obs) = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await {
                     let maps = lock(&d.node).maps.clone();
-                    let now = unix_now();
+                    let now = clock::now();
                     if let Ok(baseline) = watch::baseline_from(&d, &obs, maps.as_ref(), now) {
                         let steady = Steady {
                             at: now,
@@ -185,7 +185,7 @@ pub async fn run(d: Arc<Daemon>) {
                     programs_changed(&old.baseline, &watch::current_programs(&obs, &keys));
                 let boot = crate::kernel::clock::boot_id();
                 if let Some((trigger, incomplete)) =
-                    rules::found_at_start(&old, &changed, boot.as_deref(), unix_now())
+                    rules::found_at_start(&old, &changed, boot.as_deref(), clock::now())
                 {
                     begin(&d, &old, trigger, Some(incomplete)).await;
                 }
@@ -224,7 +224,7 @@ pub async fn run(d: Arc<Daemon>) {
         // loaded since the last look, so the dump runs only when one was (or the API socket
         // went down, or there is no snapshot yet); otherwise the snapshot follows the slow
         // loop's observation.
-        let now = unix_now();
+        let now = clock::now();
         let look = api_went_down || last.is_none() || loads.since_last_look(now);
         let obs = if look {
             match links::observe_via(Some(&d.topology), &d.cfg.bpffs).await {

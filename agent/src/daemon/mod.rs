@@ -10,12 +10,13 @@ mod watch;
 
 use crate::checks::{self, vips as vips_check, CheckResult};
 use crate::config::Config;
+use crate::kernel::clock;
 use crate::kernel::drops::KernelDrops;
 use crate::kernel::{bpffs, links};
 use crate::locks::lock;
 use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
 use crate::node::{self, NodeOptions};
-use crate::probe::{dns as dns_probe, unix_now, ProbeOutcome};
+use crate::probe::{dns as dns_probe, ProbeOutcome};
 use crate::step::Step;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
@@ -315,7 +316,7 @@ impl Daemon {
         let probes = lock(&self.probes);
         f(&checks::ProbeWindows {
             cfg: &self.cfg,
-            now: unix_now(),
+            now: clock::now(),
             latest: &latest,
             east_west: &east_west,
             dns: &probes.dns,
@@ -495,7 +496,7 @@ impl Daemon {
         if obs.asks.is_some() {
             view.asks = obs.asks;
         }
-        view.checked_at = unix_now();
+        view.checked_at = clock::now();
     }
 }
 

@@ -7,8 +7,8 @@
 use super::loads::ProgramLoads;
 use super::watch::{self, current_programs, map_counts};
 use super::{lock, Daemon};
+use crate::kernel::clock;
 use crate::kernel::links;
-use crate::probe::unix_now;
 pub use crate::step::lifecycle::Sample;
 use crate::step::lifecycle::{Moment, Next, Readings};
 use crate::step::verdict;
@@ -215,14 +215,14 @@ impl Runner {
             return;
         };
         for mut old in unfinished {
-            old.abandon(&s.id, unix_now());
+            old.abandon(&s.id, clock::now());
             if let Err(e) = watch::persist(&self.d, &mut old) {
                 tracing::error!(step = %old.id, error = %e, "cannot persist a step decided at start");
             }
             tracing::warn!(step = %old.id, "an older unfinished step was decided at start: evidence_incomplete");
         }
         self.resumed_from = Some(s.updated_at);
-        let now = unix_now();
+        let now = clock::now();
         s.resume(now, crate::kernel::clock::boot_id().as_deref());
         tracing::warn!(step = %s.id, away_s = now - s.updated_at, "resuming an unfinished step after an agent restart");
         self.step = Some(s);
@@ -252,7 +252,7 @@ impl Runner {
                         match saved {
                             Err(e) if !keep => Begun::NotSaved(e.to_string()),
                             _ => {
-                                s.installed(unix_now());
+                                s.installed(clock::now());
                                 watch::exported_begin(&self.d, &s);
                                 tracing::info!(step = %s.id, "step begun; probing in burst mode");
                                 self.step = Some(s.clone());
@@ -288,7 +288,7 @@ impl Runner {
     fn witness_poll(&mut self, p: WitnessPoll) {
         self.polling.remove(&p.url);
         if let Some(s) = self.step.as_mut().filter(|s| s.id == p.step) {
-            s.witness_answered(&p.url, p.result, unix_now());
+            s.witness_answered(&p.url, p.result, clock::now());
         }
     }
 
@@ -361,7 +361,7 @@ impl Runner {
         if n.is_multiple_of(10) || self.readings.maps.is_none() {
             self.read_maps().await;
         }
-        let now = unix_now();
+        let now = clock::now();
         let pass_near = self.active().is_some_and(|s| s.pass_near(now, PASS_NEAR_S));
         if n.is_multiple_of(10) || pass_near || self.slow.is_none() {
             self.slow = Some(SlowReadings {
@@ -429,7 +429,7 @@ impl Runner {
     /// of every endpoint, once a second, serves ([`Runner::read_maps`]: a deleted pod). On a
     /// node with 1,000 endpoints these queries were most of a step's own kernel time.
     async fn read_devices(&mut self, tracked: &[String]) {
-        let now = unix_now();
+        let now = clock::now();
         let pending: BTreeSet<String> = self
             .active()
             .map(|s| verdict::pending_endpoints(s).into_iter().cloned().collect())
@@ -460,7 +460,7 @@ impl Runner {
     async fn read_maps(&mut self) {
         let d = self.d.clone();
         let d2 = d.clone();
-        let before = unix_now();
+        let before = clock::now();
         let _ = d.kernel.spawn(async move { d2.refresh_node().await }).await;
         {
             let node = lock(&d.node);
@@ -481,7 +481,7 @@ impl Runner {
             self.readings.map_ids = node.maps.as_ref().map(watch::map_ids);
             self.readings.endpoint_maps = node.maps.as_ref().map(|m| m.endpoint_maps.clone());
         }
-        self.readings.agent_version = d.agent_version().map(|v| (v, unix_now()));
+        self.readings.agent_version = d.agent_version().map(|v| (v, clock::now()));
         self.readings.overlay = d.overlay_intent();
         self.readings.asks = d.asks();
         let shrunk = self

@@ -4,9 +4,9 @@
 //! step.
 use super::{lock, Daemon};
 use crate::cilium::profile;
+use crate::kernel::clock;
 use crate::kernel::links;
 use crate::metrics::ProbeLabels;
-use crate::probe::unix_now;
 pub use crate::step::lifecycle::WitnessPollError;
 pub use crate::step::observe::{
     current_programs, endpoint_readings, map_counts, map_ids, BeginError,
@@ -172,7 +172,7 @@ fn end_on<'a>(d: &Daemon, id: &str, urls: impl IntoIterator<Item = &'a String>) 
 
 /// Takes the baseline and creates the step.
 pub async fn begin(d: &Arc<Daemon>, id: String, params: StepParams) -> Result<Step, BeginError> {
-    let now = unix_now();
+    let now = clock::now();
     let obs = links::observe_via(Some(&d.topology), &d.cfg.bpffs).await?;
     let observed = crate::checks::maps::observe(&d.cfg.bpffs, false).await.ok();
     let baseline = baseline_from(d, &obs, observed.as_ref(), now)?;
@@ -212,7 +212,7 @@ pub fn baseline_from(
 
 /// Saves the step (this run's samples folded into outages).
 pub fn persist(d: &Daemon, s: &mut Step) -> std::io::Result<()> {
-    s.updated_at = unix_now();
+    s.updated_at = clock::now();
     let r = d.store.save(&s.persistable());
     if r.is_err() {
         lock(&d.metrics).state_write_errors.inc();
@@ -283,7 +283,7 @@ pub fn finished(d: &Daemon, s: &Step) {
 
 /// Cancels the step (when it is not decided yet), persists and exports it.
 pub fn cancel(d: &Daemon, s: &mut Step) {
-    if !s.cancel(unix_now()) {
+    if !s.cancel(clock::now()) {
         return;
     }
     if let Err(e) = persist(d, s) {

@@ -57,7 +57,7 @@ impl Answer {
 pub(crate) fn query_id() -> u16 {
     // A random id: a stray or spoofed datagram must not match by guess.
     getrandom::u32().map(|r| r as u16).unwrap_or_else(|_| {
-        (std::process::id() as u16) ^ (super::unix_now().fract() * 65535.0) as u16
+        (std::process::id() as u16) ^ (crate::kernel::clock::now().fract() * 65535.0) as u16
     })
 }
 
@@ -309,7 +309,7 @@ pub async fn query_round(
                     Ok(x) => x,
                     Err(e) => {
                         return RoundAnswer {
-                            at: crate::probe::unix_now(),
+                            at: crate::kernel::clock::now(),
                             latency: Duration::ZERO,
                             result: Err(e),
                         }
@@ -337,7 +337,7 @@ pub async fn query_round(
         Ok(v) => v,
         Err(e) => (0..n)
             .map(|_| RoundAnswer {
-                at: crate::probe::unix_now(),
+                at: crate::kernel::clock::now(),
                 latency: Duration::ZERO,
                 result: Err(ProbeError::unsupported("dns task", e.to_string())),
             })

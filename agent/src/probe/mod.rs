@@ -41,11 +41,6 @@ fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
 }
 
-/// Now on the agent's clock (unix seconds advancing with CLOCK_BOOTTIME; see [`crate::kernel::clock`]).
-pub fn unix_now() -> f64 {
-    crate::kernel::clock::now()
-}
-
 /// Runs one probe against a target (on the blocking pool; the probe itself is the engine's
 /// state machine, see [`crate::probe::engine`], the same one the agent's loops run).
 pub async fn probe(t: &Target) -> ProbeOutcome {
@@ -54,7 +49,7 @@ pub async fn probe(t: &Target) -> ProbeOutcome {
         Ok(o) => o,
         Err(e) => ProbeOutcome {
             ok: false,
-            sent_at: unix_now(),
+            sent_at: crate::kernel::clock::now(),
             latency: Duration::ZERO,
             detail: format!("probe task: {e}"),
             ran: false,

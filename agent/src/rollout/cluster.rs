@@ -44,7 +44,7 @@ pub(super) fn api_code(e: &kube::Error) -> Option<u16> {
 }
 
 pub(super) fn now_s() -> f64 {
-    crate::probe::unix_now()
+    crate::kernel::clock::now()
 }
 
 pub(super) fn micro_now() -> MicroTime {

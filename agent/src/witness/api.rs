@@ -32,7 +32,7 @@ pub(super) async fn moves(State(w): State<Arc<Witness>>) -> Response {
 }
 
 pub(super) async fn status(State(w): State<Arc<Witness>>, headers: HeaderMap) -> Response {
-    let now = unix_now();
+    let now = clock::now();
     let macs: BTreeMap<String, Option<String>> = match &w.neigh {
         Some(n) => w
             .cfg

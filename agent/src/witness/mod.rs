@@ -17,9 +17,10 @@
 mod api;
 mod steps;
 use crate::config::Config;
+use crate::kernel::clock;
 use crate::kernel::neigh::NeighLog;
 use crate::locks::lock;
-use crate::probe::{unix_now, ProbeOutcome};
+use crate::probe::ProbeOutcome;
 use crate::step::verdict::gap_row;
 use crate::step::TargetTimeline;
 pub use crate::wire::{Latency, MacChange, Move, WitnessBegun, WitnessReport, WitnessStepRequest};
@@ -203,7 +204,7 @@ impl Witness {
             cfg,
             opts,
             instance: id.iter().map(|b| format!("{b:02x}")).collect(),
-            started_at: unix_now(),
+            started_at: clock::now(),
             steps: Mutex::new(BTreeMap::new()),
             steady: Mutex::new(BTreeMap::new()),
             neigh,
@@ -229,7 +230,7 @@ impl Witness {
 
     /// The cadence now: the fastest active step's burst, or the steady interval.
     fn interval(&self) -> Duration {
-        let now = unix_now();
+        let now = clock::now();
         lock(&self.steps)
             .values()
             .filter(|s| s.active(now))
@@ -241,7 +242,7 @@ impl Witness {
     fn record(&self, target: &crate::config::Target, o: &ProbeOutcome) {
         let sample = self.recorder.record(target, o, true).sample;
         if !o.ran {
-            let now = unix_now();
+            let now = clock::now();
             for s in lock(&self.steps).values_mut().filter(|s| s.active(now)) {
                 if let Some(t) = s.targets.get_mut(&target.name) {
                     t.not_sent(&o.detail);
@@ -258,7 +259,7 @@ impl Witness {
             }
             push_bounded(q, lat);
         }
-        let now = unix_now();
+        let now = clock::now();
         for s in lock(&self.steps).values_mut() {
             if !s.active(now) || o.sent_at < s.created_at {
                 continue;
@@ -275,7 +276,7 @@ impl Witness {
     /// Every 500 ms: folds old samples (bounded memory in long steps), counts MAC changes,
     /// publishes the active step count.
     fn maintain(&self) {
-        let now = unix_now();
+        let now = clock::now();
         let cutoff = crate::timeline::compaction_cutoff(now, &self.cfg.targets);
         let mut active = 0;
         for s in lock(&self.steps).values_mut() {

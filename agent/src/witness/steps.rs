@@ -11,7 +11,7 @@ impl Witness {
     /// Begins (or finds) the step `id`.
     pub fn begin(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, BeginRefused> {
         self.begin_checked(r).map_err(BeginRefused::Invalid)?;
-        let now = unix_now();
+        let now = clock::now();
         if let Some(s) = lock(&self.steps).get(&r.id) {
             return if s.request == *r {
                 Ok(WitnessBegun {
@@ -57,7 +57,7 @@ impl Witness {
 
     fn begin_new(&self, r: &WitnessStepRequest) -> Result<WitnessBegun, String> {
         let (burst, timeout, max_gap) = self.params(r)?;
-        let now = unix_now();
+        let now = clock::now();
         let mut steps = lock(&self.steps);
         if let Some(s) = steps.get(&r.id) {
             // Begun by a concurrent request meanwhile.
@@ -126,7 +126,7 @@ impl Witness {
     /// The lease moves seen lately, each with the outage around it (continuous probes).
     pub fn moves(&self) -> Vec<Move> {
         let cadence = self.opts.probe_interval.as_secs_f64();
-        let now = unix_now();
+        let now = clock::now();
         lock(&self.moves)
             .iter()
             .map(|m| {
@@ -148,7 +148,7 @@ impl Witness {
 
     /// Ends the step (its evidence stays readable). False when unknown.
     pub fn end(&self, id: &str) -> bool {
-        let now = unix_now();
+        let now = clock::now();
         let found = lock(&self.steps).get_mut(id).map(|s| {
             if s.ended_at.is_none() {
                 s.ended_at = Some(now);
@@ -163,7 +163,7 @@ impl Witness {
     /// then (a step begun earlier under the same id, by anyone, cannot bring in an outage
     /// from before the agent's step).
     pub fn report(&self, id: &str, after: Option<f64>, from: Option<f64>) -> Option<WitnessReport> {
-        let now = unix_now();
+        let now = clock::now();
         let steps = lock(&self.steps);
         let s = steps.get(id)?;
         let end = s.ended_at.unwrap_or(now).min(s.until);

@@ -6,8 +6,8 @@ use super::runner::{Begun, Command};
 use super::{lock, watch, Daemon};
 use crate::checks::{exit_code, CheckResult};
 use crate::duration;
+use crate::kernel::clock;
 use crate::node::{self, NodeOptions};
-use crate::probe::unix_now;
 use crate::report;
 use crate::serving::error as err;
 use crate::step::admission::{self, valid_id, Admission};
@@ -252,7 +252,7 @@ async fn post_step(
         Admission::Begin => {}
         refused => return refusal(refused),
     }
-    let id = id.unwrap_or_else(|| super::store::new_id(unix_now()));
+    let id = id.unwrap_or_else(|| super::store::new_id(clock::now()));
     let s = match watch::begin(&d, id, params.clone()).await {
         Ok(s) => s,
         Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),

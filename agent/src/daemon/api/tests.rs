@@ -75,7 +75,7 @@ async fn send_begin(d: &Arc<Daemon>, id: &str) -> Begun {
         .send(Command::Begin {
             step: Box::new(Step::new(
                 id.into(),
-                unix_now(),
+                clock::now(),
                 params,
                 Default::default(),
                 Default::default(),

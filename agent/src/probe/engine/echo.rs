@@ -62,7 +62,7 @@ pub(super) fn icmp_judge(
                 Some(IpAddr::V4(f)) => f,
                 _ => Ipv4Addr::UNSPECIFIED,
             };
-            icmp::classify(icmp, from, dst, ident, op.id, op.raw)
+            wire::classify(icmp, from, dst, ident, op.id, op.raw)
         }
         // ICMPv6 sockets, raw or not, deliver the message alone.
         (IpAddr::V6(dst), from) => {
@@ -70,17 +70,17 @@ pub(super) fn icmp_judge(
                 Some(IpAddr::V6(f)) => f,
                 _ => std::net::Ipv6Addr::UNSPECIFIED,
             };
-            icmp::classify_v6(datagram, from, dst, ident, op.id, op.raw)
+            wire::classify_v6(datagram, from, dst, ident, op.id, op.raw)
         }
     };
     match reply {
-        icmp::Reply::Echo => Some(Ok(("echo reply".into(), None))),
-        icmp::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
+        wire::Reply::Echo => Some(Ok(("echo reply".into(), None))),
+        wire::Reply::Unreachable(code) => Some(Err(ProbeError::Answer(format!(
             "{dst} unreachable ({} code {code}, from {})",
             if dst.is_ipv4() { "ICMP" } else { "ICMPv6" },
             from.map_or_else(|| "?".to_string(), |f| f.to_string())
         )))),
-        icmp::Reply::NotMine => None,
+        wire::Reply::NotMine => None,
     }
 }
 

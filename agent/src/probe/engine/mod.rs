@@ -13,9 +13,9 @@
 //! probes of `stepguard check` ([`run_once`]), so there is one implementation per probe kind.
 mod echo;
 mod scheduler;
+mod wire;
 use super::contract::{would_block, Finished, Progress};
 use super::contract::{Exchange, Probe, Transport};
-use super::icmp;
 use crate::config::Target;
 use crate::kernel::sock::{
     bind, connect, drain_counter, epoll_create, epoll_ctl, epoll_pwait2, epoll_wait, eventfd,
@@ -223,9 +223,9 @@ fn start_with(
             let seq = ICMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let ident = icmp_ident();
             let pkt = if v4 {
-                icmp::echo_request(ident, seq)
+                wire::echo_request(ident, seq)
             } else {
-                icmp::echo_request_v6(ident, seq)
+                wire::echo_request_v6(ident, seq)
             };
             let mut o = op(own, None, raw, seq);
             stamp(&mut o);

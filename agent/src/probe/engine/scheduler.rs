@@ -355,7 +355,7 @@ impl Loop {
                 datagram
             };
             let Some(&(slot, gen)) =
-                icmp::answered_seq(icmp).and_then(|seq| self.icmp_ops.get(&seq))
+                wire::answered_seq(icmp).and_then(|seq| self.icmp_ops.get(&seq))
             else {
                 continue;
             };
