@@ -15,7 +15,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use stepguard::checks::exit_code;
 use stepguard::config::Config;
@@ -343,19 +342,16 @@ fn agent(args: AgentArgs) -> Result<stepguard::exit::ExitCode> {
     };
     runtime()?.block_on(async move {
         let d = Daemon::new(cfg, opts)?;
-        {
-            let kd = stepguard::locks::lock(&d.kernel_drops);
-            match (kd.attach_point(), kd.unavailable_reason()) {
-                (Some(at), _) => tracing::info!(attach = at, "kernel drop accounting active"),
-                (_, Some(r)) => tracing::warn!(reason = r, "kernel drop accounting unavailable: the drops signal is unknown"),
-                _ => {}
-            }
+        match d.drop_accounting() {
+            Ok(at) => tracing::info!(attach = at, "kernel drop accounting active"),
+            Err(r) => tracing::warn!(reason = r, "kernel drop accounting unavailable: the drops signal is unknown"),
         }
         let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
         spawn_loops(&d);
         stepguard::kernel::release_freed_memory();
-        tracing::info!(listen = %args.listen, state_dir = %args.state_dir.display(), targets = d.cfg.targets.len(), "stepguard agent serving");
-        d.ready.store(true, Ordering::SeqCst);
+        tracing::info!(listen = %args.listen, state_dir = %args.state_dir.display(), targets = d.config().targets.len(), "stepguard agent serving");
+        let readiness = d.readiness();
+        readiness.set(true);
         let d2 = d.clone();
         let limits = stepguard::serving::Limits {
             max_connections: args.max_connections,
@@ -366,10 +362,7 @@ fn agent(args: AgentArgs) -> Result<stepguard::exit::ExitCode> {
         };
         stepguard::serving::serve(listener, router(d), limits, async move {
             shutdown_signal().await;
-            // Readiness goes false first, so nothing new is sent our way before we close;
-            // long-polls answer at once with the step as it is.
-            d2.ready.store(false, Ordering::SeqCst);
-            d2.shutting_down.send_replace(true);
+            d2.shut_down();
             tracing::info!("shutting down");
             tokio::time::sleep(Duration::from_millis(200)).await;
         })

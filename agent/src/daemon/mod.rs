@@ -4,6 +4,7 @@ pub mod api;
 pub mod implicit;
 mod loads;
 mod loops;
+mod post;
 pub mod runner;
 pub mod store;
 mod watch;
@@ -18,6 +19,7 @@ use crate::metrics::{DeviceLabels, KindLabels, MapLabels, Metrics, ProbeLabels};
 use crate::node::{self, NodeOptions};
 use crate::probe::{dns as dns_probe, ProbeOutcome};
 use crate::step::Step;
+pub use post::Posted;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -63,53 +65,54 @@ pub struct NodeView {
 }
 
 pub struct Daemon {
-    pub cfg: Config,
-    pub opts: DaemonOptions,
-    pub ready: AtomicBool,
-    pub metrics: Mutex<Metrics>,
-    pub kernel_drops: Mutex<KernelDrops>,
-    pub node: Mutex<NodeView>,
-    pub probes: Mutex<ProbeView>,
+    cfg: Config,
+    opts: DaemonOptions,
+    /// Ready for traffic: set by the command once serving, cleared first on shutdown.
+    ready: crate::serving::Readiness,
+    metrics: Mutex<Metrics>,
+    kernel_drops: Mutex<KernelDrops>,
+    node: Mutex<NodeView>,
+    probes: Mutex<ProbeView>,
     /// Where the east-west targets' routes end (looked up with the kernel checks).
-    pub east_west: Mutex<vips_check::EastWest>,
-    pub store: StepStore,
+    east_west: Mutex<vips_check::EastWest>,
+    store: StepStore,
     /// The runner's latest snapshot of the current (or last) step; only the runner sends.
-    pub snapshot: tokio::sync::watch::Sender<Option<Arc<Step>>>,
+    snapshot: tokio::sync::watch::Sender<Option<Arc<Step>>>,
     /// The runner's channels (commands from the API, samples from the probes).
-    pub ports: runner::Ports,
+    ports: runner::Ports,
     /// A step is active (probe samples go to the runner).
-    pub step_active: AtomicBool,
+    step_active: AtomicBool,
     /// The active step's burst cadence.
-    pub burst_interval_ns: AtomicU64,
+    burst_interval_ns: AtomicU64,
     /// Bumped whenever a step changes, to wake long-polls and probe loops.
-    pub changed: tokio::sync::watch::Sender<u64>,
-    pub burst: AtomicBool,
-    pub wake_slow: tokio::sync::Notify,
+    changed: tokio::sync::watch::Sender<u64>,
+    burst: AtomicBool,
+    wake_slow: tokio::sync::Notify,
     /// `answers: baseline` references (see [`Daemon::answer_changed`]).
-    pub answer_refs: Mutex<BTreeMap<String, Vec<std::net::IpAddr>>>,
+    answer_refs: Mutex<BTreeMap<String, Vec<std::net::IpAddr>>>,
     /// Long-polls being held.
-    pub long_polls: Arc<tokio::sync::Semaphore>,
+    long_polls: Arc<tokio::sync::Semaphore>,
     /// Set on SIGTERM: long-polls answer at once.
-    pub shutting_down: tokio::sync::watch::Sender<bool>,
+    shutting_down: tokio::sync::watch::Sender<bool>,
     /// Held while a posted step is admitted and begun (one at a time).
-    pub begin_lock: tokio::sync::Mutex<()>,
+    begin_lock: tokio::sync::Mutex<()>,
     /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
-    pub on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
+    on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
     /// The targets' probes as recorded: metrics, latest outcomes, and the steady samples of
     /// the last minute (the evidence an implicit step has from before it was detected).
-    pub recorder: crate::timeline::Recorder,
+    recorder: crate::timeline::Recorder,
     /// `stepguard_probe_send_delay_seconds` (a handle on the registered series: the probe
     /// thread records each send into it without taking the metrics lock).
     send_delay: prometheus_client::metrics::histogram::Histogram,
     /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
     /// map counts), so they never hold up the probes' send times on the main workers.
-    pub kernel: tokio::runtime::Handle,
+    kernel: tokio::runtime::Handle,
     /// Host devices, addresses and routes, dumped again only when rtnetlink reports a change.
-    pub topology: links::SharedTopology,
+    topology: links::SharedTopology,
     /// Targets whose answers must stay what they were when a step began (`answers: baseline`).
-    pub baseline_answers: BTreeSet<String>,
+    baseline_answers: BTreeSet<String>,
     /// The probe engine (its own thread) once the loops are spawned.
-    pub engine: std::sync::OnceLock<crate::probe::engine::Engine>,
+    engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
 
 /// Starts the kernel-observation runtime (a current-thread runtime on its own OS thread).
@@ -187,7 +190,7 @@ impl Daemon {
         let d = Arc::new(Daemon {
             cfg,
             opts,
-            ready: AtomicBool::new(false),
+            ready: crate::serving::Readiness::default(),
             metrics: Mutex::new(metrics),
             kernel_drops: Mutex::new(kernel_drops),
             node: Mutex::new(NodeView::default()),
@@ -220,6 +223,32 @@ impl Daemon {
             topology: Arc::new(tokio::sync::Mutex::new(links::TopologyCache::new())),
         });
         Ok(d)
+    }
+
+    /// The agent's readiness (`/readyz`): the command sets it once serving.
+    pub fn readiness(&self) -> crate::serving::Readiness {
+        self.ready.clone()
+    }
+
+    /// Shutting down: readiness goes false first, so nothing new is sent this way before the
+    /// listener closes; long-polls answer at once with the step as it is.
+    pub fn shut_down(&self) {
+        self.ready.set(false);
+        self.shutting_down.send_replace(true);
+    }
+
+    /// The configuration the agent runs with.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The kernel drop counter's attach point, or why there is none.
+    pub fn drop_accounting(&self) -> Result<String, String> {
+        let kd = lock(&self.kernel_drops);
+        match kd.attach_point() {
+            Some(at) => Ok(at.to_string()),
+            None => Err(kd.unavailable_reason().unwrap_or("unavailable").to_string()),
+        }
     }
 
     /// Wakes long-polls and the probe engine (a cadence may have changed).

@@ -44,6 +44,20 @@ pub trait Admin: Send + Sync + 'static {
     fn ready(&self) -> Result<String, String>;
 }
 
+/// Whether a process is ready for traffic: set once it serves, cleared first when it shuts
+/// down (so nothing new is sent its way before it closes). Clones share one flag.
+#[derive(Clone, Debug, Default)]
+pub struct Readiness(Arc<std::sync::atomic::AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, std::sync::atomic::Ordering::SeqCst);
+    }
+    pub fn is_ready(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// How long an encoded `/metrics` answer is served again: each encoding walks every series,
 /// and hundreds of clients pipelining `/metrics` would otherwise starve the process; a scrape
 /// (every 15 s or so) sees values at most this old.

@@ -2,17 +2,16 @@
 //! `/v1/steps[/{id}]`. Malformed input gets a 4xx with one line; bodies are size-limited;
 //! mutating routes need the bearer token when one is configured.
 
-use super::runner::{Begun, Command};
-use super::{lock, watch, Daemon};
+use super::runner::Command;
+use super::{lock, Daemon, Posted};
 use crate::checks::{exit_code, CheckResult};
 use crate::duration;
-use crate::kernel::clock;
 use crate::node::{self, NodeOptions};
 use crate::report;
 use crate::serving::error as err;
-use crate::step::admission::{self, valid_id, Admission};
+use crate::step::admission::valid_id;
 use crate::step::view::StepView;
-use crate::step::{Step, StepParams, StepRequest};
+use crate::step::{Step, StepRequest};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -20,7 +19,6 @@ use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,7 +82,7 @@ impl crate::serving::Admin for Daemon {
                 "not ready: the state dir cannot be written ({why})\n"
             ));
         }
-        if self.ready.load(Ordering::SeqCst) {
+        if self.ready.is_ready() {
             Ok("ready\n".into())
         } else {
             Err("not ready\n".into())
@@ -228,89 +226,26 @@ async fn post_step(
         Ok(r) => r,
         Err(r) => return r,
     };
-    let budgets: Vec<Duration> = d.cfg.targets.iter().filter_map(|t| t.max_gap).collect();
-    let (id, params) = match StepParams::from_request(&req, d.opts.burst_interval, &budgets) {
-        Ok(v) => v,
-        Err(e) => {
-            return err(
-                StatusCode::BAD_REQUEST,
-                format!("invalid step request: {e}"),
-            )
-        }
-    };
-    let longest_timeout = d.cfg.targets.iter().map(|t| t.timeout).max();
-    if let Some(why) = admission::cadence_refused(&params, longest_timeout) {
-        return err(StatusCode::BAD_REQUEST, why);
-    }
-    // One begin at a time: a POST is admitted (against the step the runner has) only once
-    // the previous begin has been installed or refused, so concurrent POSTs never contact
-    // witnesses for steps that cannot begin.
-    let _one = d.begin_lock.lock().await;
-    let active = d.current_step();
-    let finished = id.as_deref().and_then(|i| d.store.load(i));
-    match admission::admit(id.as_deref(), &params, active.as_deref(), finished.as_ref()) {
-        Admission::Begin => {}
-        refused => return refusal(refused),
-    }
-    let id = id.unwrap_or_else(|| super::store::new_id(clock::now()));
-    let s = match watch::begin(&d, id, params.clone()).await {
-        Ok(s) => s,
-        Err(e) => return err(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-    };
-    // Not installed (another step won, the disk refused it): what its begin started on the
-    // witnesses is ended.
-    let begun_on = s.clone();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let sent = d
-        .ports
-        .commands
-        .send(Command::Begin {
-            step: Box::new(s),
-            reply: tx,
-        })
-        .await;
-    let answer = rx.await;
-    if !matches!(answer, Ok(Begun::Created(_))) {
-        watch::end_witnesses(&d, &begun_on);
-    }
-    match (sent, answer) {
-        (Ok(()), Ok(Begun::Created(s))) => {
-            (StatusCode::CREATED, axum::Json(step_json(&s))).into_response()
-        }
-        (Ok(()), Ok(Begun::Existing(s))) => refusal(admission::admit(
-            Some(&s.id),
-            &params,
-            Some(&s),
-            None,
-        )),
-        (Ok(()), Ok(Begun::Conflict(active))) => conflict(&active),
-        (Ok(()), Ok(Begun::NotSaved(e))) => err(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("cannot save the step in the state directory, so it would not survive an agent restart: {e}"),
-        ),
-        _ => err(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the step runner is not running",
-        ),
-    }
+    posted(d.post_step(req).await)
 }
 
-/// The answer to a step not begun: the active one again when re-POSTed the same way (200,
-/// idempotent), else 409 naming what is in the way.
-fn refusal(a: Admission) -> Response {
-    match a {
-        Admission::Same(active) => (StatusCode::OK, axum::Json(step_json(active))).into_response(),
-        Admission::SameIdOtherParams { active, field } => (
+/// The answer to a posted step: 201 with it begun; the active one again when re-posted the
+/// same way (200, idempotent); 409 naming what is in the way; 400 for a request that is not a
+/// step; 503 when it cannot begin now.
+fn posted(p: Posted) -> Response {
+    match p {
+        Posted::Same(active) => (StatusCode::OK, axum::Json(step_json(&active))).into_response(),
+        Posted::OtherParams { active, field } => (
             StatusCode::CONFLICT,
             axum::Json(json!({
-                "error": format!("step {} is active with another {field}; wait for it, DELETE it, or re-POST the same parameters", active.id),
-                "active_id": active.id,
+                "error": format!("step {active} is active with another {field}; wait for it, DELETE it, or re-POST the same parameters"),
+                "active_id": active,
                 "field": field,
             })),
         )
             .into_response(),
-        Admission::Busy(active) => conflict(&active.id),
-        Admission::Finished(done) => {
+        Posted::Busy(active) => conflict(&active),
+        Posted::Finished(done) => {
             let status = done
                 .verdict
                 .as_ref()
@@ -325,8 +260,10 @@ fn refusal(a: Admission) -> Response {
             )
                 .into_response()
         }
-        // Not a refusal: the caller begins the step.
-        Admission::Begin => err(StatusCode::INTERNAL_SERVER_ERROR, "the step was not begun"),
+        Posted::Created(s) => (StatusCode::CREATED, axum::Json(step_json(&s))).into_response(),
+        Posted::Invalid(why) => err(StatusCode::BAD_REQUEST, why),
+        Posted::Unavailable(why) => err(StatusCode::SERVICE_UNAVAILABLE, why),
+        Posted::NotBegun => err(StatusCode::INTERNAL_SERVER_ERROR, "the step was not begun"),
     }
 }
 

@@ -1,8 +1,12 @@
 use super::*;
 use crate::config::Config;
+use crate::daemon::runner::Begun;
 use crate::daemon::DaemonOptions;
+use crate::kernel::clock;
+use crate::step::StepParams;
 use axum::body::Body;
 use axum::http::Request;
+use std::sync::atomic::Ordering;
 use tower::ServiceExt;
 
 fn daemon(token: Option<&str>) -> Arc<Daemon> {
@@ -100,7 +104,7 @@ async fn every_documented_status_code() {
         call(&d, "GET", "/readyz", "", None).await.0,
         StatusCode::SERVICE_UNAVAILABLE
     );
-    d.ready.store(true, Ordering::SeqCst);
+    d.readiness().set(true);
     assert_eq!(call(&d, "GET", "/readyz", "", None).await.0, StatusCode::OK);
     let (s, v) = call(&d, "GET", "/no/such/route", "", None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
