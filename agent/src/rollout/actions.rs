@@ -323,7 +323,9 @@ impl Actions for Live<'_, '_> {
             Some(&cx.held.lost),
             || async {
                 if !persist(c, cx.shared, cx.held).await {
-                    bail!("the rollout lock was lost before the delete");
+                    return Err(
+                        anyhow::anyhow!("the rollout lock was lost before the delete").into(),
+                    );
                 }
                 c.delete_pod(pod, uid).await
             },

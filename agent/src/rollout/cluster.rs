@@ -89,11 +89,11 @@ impl Cluster {
         Api::namespaced(self.client.clone(), &self.ns)
     }
 
-    pub(super) async fn daemonset(&self) -> Result<DaemonSet> {
+    pub(super) async fn daemonset(&self) -> Result<DaemonSet, RolloutError> {
         Api::<DaemonSet>::namespaced(self.client.clone(), &self.ns)
             .get(&self.ds)
             .await
-            .with_context(|| format!("get DaemonSet {}/{}", self.ns, self.ds))
+            .api_with(|| format!("get DaemonSet {}/{}", self.ns, self.ds))
     }
 
     /// The DaemonSet's whole selector (matchLabels and matchExpressions) as a label selector
@@ -109,13 +109,13 @@ impl Cluster {
     pub(super) async fn owned_revisions(
         &self,
         ds: &DaemonSet,
-    ) -> Result<Vec<(String, ControllerRevision)>> {
+    ) -> Result<Vec<(String, ControllerRevision)>, RolloutError> {
         let sel = Self::selector(ds);
         let uid = ds.metadata.uid.clone().unwrap_or_default();
         let revs = Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
             .list(&ListParams::default().labels(&sel))
             .await
-            .context("list ControllerRevisions")?;
+            .api("list ControllerRevisions")?;
         Ok(revs
             .items
             .into_iter()
@@ -142,7 +142,10 @@ impl Cluster {
     }
 
     /// The DaemonSet's revisions: hash → number.
-    pub(super) async fn revisions(&self, ds: &DaemonSet) -> Result<BTreeMap<String, i64>> {
+    pub(super) async fn revisions(
+        &self,
+        ds: &DaemonSet,
+    ) -> Result<BTreeMap<String, i64>, RolloutError> {
         Ok(self
             .owned_revisions(ds)
             .await?
@@ -152,7 +155,7 @@ impl Cluster {
     }
 
     /// Deletes the pod if it is still the one with `uid`. Ok(false): already gone.
-    pub(super) async fn delete_pod(&self, name: &str, uid: &str) -> Result<bool> {
+    pub(super) async fn delete_pod(&self, name: &str, uid: &str) -> Result<bool, RolloutError> {
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: Some(uid.to_string()),
@@ -163,10 +166,11 @@ impl Cluster {
         match self.pods().delete(name, &dp).await {
             Ok(_) => Ok(true),
             Err(e) if api_code(&e) == Some(404) => Ok(false),
-            Err(e) if api_code(&e) == Some(409) => bail!(
+            Err(e) if api_code(&e) == Some(409) => Err(anyhow::anyhow!(
                 "pod {name} is no longer the one planned (UID {uid} precondition failed): {e}"
-            ),
-            Err(e) => Err(e).with_context(|| format!("delete pod {name}")),
+            )
+            .into()),
+            Err(e) => Err(e).api_with(|| format!("delete pod {name}")),
         }
     }
 
@@ -180,7 +184,7 @@ impl Cluster {
         node: &str,
         old_uid: &str,
         target: (&str, i64),
-    ) -> Result<(Option<String>, Option<Stage>)> {
+    ) -> Result<(Option<String>, Option<Stage>), RolloutError> {
         let pods = self.replacements(ds, sel, node, old_uid).await?;
         let newest = pods
             .iter()
@@ -216,8 +220,12 @@ impl Cluster {
         sel: &str,
         node: &str,
         old_uid: &str,
-    ) -> Result<Vec<Pod>> {
-        let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
+    ) -> Result<Vec<Pod>, RolloutError> {
+        let pods = self
+            .pods()
+            .list(&ListParams::default().labels(sel))
+            .await
+            .api("list the cilium pods")?;
         let uid = ds.metadata.uid.clone().unwrap_or_default();
         Ok(pods
             .items
@@ -237,9 +245,13 @@ impl Cluster {
         &self,
         sel: &str,
         i: &InFlight,
-    ) -> Result<(OldPod, Option<(String, String)>)> {
+    ) -> Result<(OldPod, Option<(String, String)>), RolloutError> {
         if i.pod.is_empty() {
-            let pods = self.pods().list(&ListParams::default().labels(sel)).await?;
+            let pods = self
+                .pods()
+                .list(&ListParams::default().labels(sel))
+                .await
+                .api("list the cilium pods")?;
             let old = pods.items.iter().find(|p| {
                 target_node(p).as_deref() == Some(i.node.as_str())
                     && p.metadata.deletion_timestamp.is_none()
@@ -260,7 +272,7 @@ impl Cluster {
             .pods()
             .get_opt(&i.pod)
             .await
-            .with_context(|| format!("read pod {}", i.pod))?;
+            .api_with(|| format!("read pod {}", i.pod))?;
         Ok(match p {
             Some(p) if p.metadata.uid.as_deref() == Some(i.pod_uid.as_str()) => {
                 if p.metadata.deletion_timestamp.is_some() {
@@ -436,29 +448,19 @@ pub fn target_node(p: &Pod) -> Option<String> {
         .and_then(|f| f.values.as_ref()?.first().cloned())
 }
 
-/// Whether an error reading or writing the cluster is worth retrying: the API server failing
-/// or overloaded (5xx, 429) or not answering at all. A refusal (4xx) or an answer that cannot
-/// be decoded is not.
-pub(super) fn transient(e: &anyhow::Error) -> bool {
-    match e.chain().find_map(|c| c.downcast_ref::<kube::Error>()) {
-        Some(kube::Error::Api(s)) => s.code >= 500 || s.code == 429,
-        Some(kube::Error::SerdeError(_) | kube::Error::BuildRequest(_)) => false,
-        Some(_) => true,
-        None => false,
-    }
-}
-
 /// Retries `f` while its error is transient, backing off from 0.5 s to 15 s, until `give_up`
-/// has passed or the lock is lost; the first failure is logged.
+/// has passed or the lock is lost; the first failure is logged. The last error is returned as
+/// it was (still transient or not, for a caller that retries in turn); one that is not the
+/// API server's is said to be about `what`.
 pub(super) async fn patient<T, F, Fut>(
     what: &str,
     give_up: Duration,
     lost: Option<&AtomicBool>,
     mut f: F,
-) -> Result<T>
+) -> Result<T, RolloutError>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T>>,
+    Fut: std::future::Future<Output = Result<T, RolloutError>>,
 {
     let t0 = Instant::now();
     let mut delay = Duration::from_millis(500);
@@ -467,7 +469,7 @@ where
         match f().await {
             Ok(v) => return Ok(v),
             Err(e)
-                if transient(&e)
+                if e.is_transient()
                     && t0.elapsed() < give_up
                     && !lost.is_some_and(|l| l.load(Ordering::SeqCst)) =>
             {
@@ -478,7 +480,10 @@ where
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(15));
             }
-            Err(e) => return Err(e).with_context(|| what.to_string()),
+            Err(RolloutError::Other(e)) => {
+                return Err(RolloutError::Other(e.context(what.to_string())))
+            }
+            Err(e) => return Err(e),
         }
     }
 }

@@ -103,7 +103,7 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<crate::exit::ExitCode
             );
         } else if !holder.is_empty() {
             // Whether its holder still renews it, observed as client-go does.
-            if let Err(live) = observe(c, lease.clone()).await? {
+            if let Watched::Live(live) = observe(c, lease.clone()).await? {
                 eprintln!(
                     "a rollout is running ({live}): decide when it has ended, or `--abort` it"
                 );

@@ -3,9 +3,9 @@
 //! renew deadline, taken over only after its record stayed the same for a lease duration
 //! observed on the local clock, written with the resourceVersion read, released with no holder.
 //! It carries the rollout's record (`record.rs`).
+use super::error::{ApiContext, RolloutError};
 use super::record::Record;
 use super::{annotations, api_code, micro_now, patient, Cluster};
-use anyhow::{Context, Result};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{DeleteParams, PostParams, Preconditions};
@@ -14,12 +14,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The lock Lease and the record it carries (a record that cannot be read is an error).
-pub(super) async fn read_lock(c: &Cluster) -> Result<(Option<Lease>, Record)> {
+pub(super) async fn read_lock(c: &Cluster) -> Result<(Option<Lease>, Record), RolloutError> {
     let l = c
         .leases()
         .get_opt(&c.lock_name())
         .await
-        .context("read the rollout lock")?;
+        .api("read the rollout lock")?;
     let rec = match &l {
         Some(l) => Record::parse(&annotations(&l.metadata)).map_err(|e| {
             anyhow::anyhow!(
@@ -71,10 +71,18 @@ pub(super) fn holder(l: &Lease) -> String {
         .unwrap_or_default()
 }
 
-/// Watches a lock another stepper holds: `Ok(Ok(lease))` once its record stayed the same for
-/// a full lease duration (its holder is gone; the lease as read, for the takeover), or
-/// `Ok(Err(why))` as soon as it changed (its holder renews it, or let it go).
-pub(super) async fn observe(c: &Cluster, first: Lease) -> Result<Result<Lease, String>> {
+/// What watching a lock another stepper holds showed.
+pub(super) enum Watched {
+    /// Its record stayed the same for a full lease duration: its holder is gone (the lease
+    /// as read, for the takeover).
+    Stale(Box<Lease>),
+    /// It changed: its holder renews it (the holder), or let it go, or it was deleted (why).
+    Live(String),
+}
+
+/// Watches a lock another stepper holds until its record stayed the same for a full lease
+/// duration, or as soon as it changed.
+pub(super) async fn observe(c: &Cluster, first: Lease) -> Result<Watched, RolloutError> {
     let (raw, dur) = lock_record(&first);
     let who = holder(&first);
     eprintln!(
@@ -85,25 +93,30 @@ pub(super) async fn observe(c: &Cluster, first: Lease) -> Result<Result<Lease, S
     let retry = lock_times(c).retry;
     loop {
         if t0.elapsed() >= dur {
-            return Ok(Ok(first));
+            return Ok(Watched::Stale(Box::new(first)));
         }
         tokio::time::sleep(retry.min(dur.saturating_sub(t0.elapsed()))).await;
         let now = patient(
             "read the rollout lock",
             Duration::from_secs(30),
             None,
-            || async { Ok(c.leases().get_opt(&c.lock_name()).await?) },
+            || async {
+                c.leases()
+                    .get_opt(&c.lock_name())
+                    .await
+                    .api("read the rollout lock")
+            },
         )
         .await?;
         match now {
             None => {
-                return Ok(Err(
-                    "the lock was deleted while watching it: run again".into()
+                return Ok(Watched::Live(
+                    "the lock was deleted while watching it: run again".into(),
                 ))
             }
             Some(l) if lock_record(&l).0 != raw => {
                 let h = holder(&l);
-                return Ok(Err(if h.is_empty() {
+                return Ok(Watched::Live(if h.is_empty() {
                     format!("{who} released the lock while watching it: run again")
                 } else {
                     h
@@ -114,13 +127,21 @@ pub(super) async fn observe(c: &Cluster, first: Lease) -> Result<Result<Lease, S
     }
 }
 
+/// What trying to take the lock came to.
+pub(super) enum Taken {
+    /// Taken: the record as written.
+    Held(Box<Record>),
+    /// Not taken (why): another stepper holds it, or the record refuses (a halt).
+    Refused(String),
+}
+
 /// Takes the lock when free, or held by a stepper that stopped renewing it (observed for a
 /// lease duration); a live lock of another stepper refuses. `admit` sees the record under the
 /// lock (it may change it, or refuse: a halt recorded meanwhile).
 pub(super) async fn acquire(
     c: &Cluster,
     admit: impl Fn(&mut Record) -> Result<(), String>,
-) -> Result<Result<Record, String>> {
+) -> Result<Taken, RolloutError> {
     let api = c.leases();
     let name = c.lock_name();
     let dur = lock_times(c).duration.as_secs().max(1) as i32;
@@ -131,15 +152,15 @@ pub(super) async fn acquire(
             lease = Some(l);
         } else {
             match observe(c, l).await? {
-                Ok(stale) => {
+                Watched::Stale(stale) => {
                     tracing::warn!(holder = %h, "the rollout lock was not renewed for a lease duration: taking it over");
                     eprintln!("{h} did not renew the lock for a lease duration: taking it over");
-                    lease = Some(stale);
+                    lease = Some(*stale);
                 }
-                Err(live) => {
+                Watched::Live(live) => {
                     let (_, rec) = read_lock(c).await?;
                     let at = rec.inflight.as_ref();
-                    return Ok(Err(format!(
+                    return Ok(Taken::Refused(format!(
                         "another rollout holds the lock {}/{name}: {live}, at node {} (step {}); wait for it, or `stepguard rollout --abort` if it is gone",
                         c.args.lock_namespace,
                         at.map(|i| i.node.as_str()).unwrap_or("-"),
@@ -159,7 +180,7 @@ pub(super) async fn acquire(
         None => Record::default(),
     };
     if let Err(why) = admit(&mut rec) {
-        return Ok(Err(why));
+        return Ok(Taken::Refused(why));
     }
     let taken_from = lease.as_ref().map(holder).filter(|h| !h.is_empty());
     let mut l = lease.unwrap_or_else(|| Lease {
@@ -189,11 +210,11 @@ pub(super) async fn acquire(
         api.create(&PostParams::default(), &l).await
     };
     match r {
-        Ok(_) => Ok(Ok(rec)),
-        Err(e) if api_code(&e) == Some(409) => {
-            Ok(Err("another stepper took the lock just now".into()))
-        }
-        Err(e) => Err(e).context("take the rollout lock"),
+        Ok(_) => Ok(Taken::Held(Box::new(rec))),
+        Err(e) if api_code(&e) == Some(409) => Ok(Taken::Refused(
+            "another stepper took the lock just now".into(),
+        )),
+        Err(e) => Err(e).api("take the rollout lock"),
     }
 }
 

@@ -15,6 +15,7 @@ mod approval;
 mod args;
 mod cluster;
 mod decide;
+mod error;
 mod lock;
 pub mod machine;
 mod node;
@@ -30,6 +31,8 @@ pub use approval::*;
 pub use args::*;
 use cluster::*;
 use decide::*;
+use error::ApiContext;
+pub use error::RolloutError;
 use k8s_openapi::api::apps::v1::{ControllerRevision, DaemonSet};
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -37,7 +40,9 @@ use k8s_openapi::api::core::v1::{Event as KEvent, Node, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::Client;
-use lock::{acquire, lock_times, observe, persist, read_lock, release, renew_held, Held};
+use lock::{
+    acquire, lock_times, observe, persist, read_lock, release, renew_held, Held, Taken, Watched,
+};
 use machine::{Event, OldPod, Outcome, Phase, Timeouts};
 use node::*;
 use output::*;
@@ -296,8 +301,8 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<crate::exit::ExitCode> {
     })
     .await?;
     let rec = match taken {
-        Ok(r) => r,
-        Err(why) => {
+        Taken::Held(r) => *r,
+        Taken::Refused(why) => {
             say(json_out, format!("refusing to start: {why}"));
             return Ok(crate::exit::ExitCode::NotDecided);
         }
@@ -396,7 +401,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<crate::exit::ExitCode> {
         // renewed meanwhile); only a failed step or a person stops a rollout.
         let (view, ds_now) = match c.view().await {
             Ok(v) => v,
-            Err(e) if transient(&e) => {
+            Err(e) if e.is_transient() => {
                 waiting
                     .wait(
                         json_out,
@@ -406,7 +411,7 @@ async fn rollout(c: &Cluster, watched: bool) -> Result<crate::exit::ExitCode> {
                 continue;
             }
             Err(e) => {
-                code = crate::exit::ExitCode::NotDecided;
+                code = e.exit_code();
                 ending = Some(format!("cannot read the cluster: {e:#}"));
                 break;
             }

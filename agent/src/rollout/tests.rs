@@ -227,19 +227,25 @@ fn a_pending_daemon_pod_belongs_to_the_node_its_affinity_names() {
 
 #[test]
 fn only_failures_of_the_api_server_itself_are_retried() {
-    let api = |code: u16| -> anyhow::Error {
-        anyhow::Error::new(kube::Error::Api(Box::new(kube::core::Status {
-            code,
-            ..Default::default()
-        })))
-        .context("list the cilium pods")
+    let api = |code: u16| -> RolloutError {
+        RolloutError::api(
+            "list the cilium pods",
+            kube::Error::Api(Box::new(kube::core::Status {
+                code,
+                ..Default::default()
+            })),
+        )
     };
-    assert!(transient(&api(500)));
-    assert!(transient(&api(503)));
-    assert!(transient(&api(429)));
-    assert!(!transient(&api(403)));
-    assert!(!transient(&api(404)));
-    assert!(!transient(&anyhow::anyhow!("a plain error")));
+    assert!(api(500).is_transient());
+    assert!(api(503).is_transient());
+    assert!(api(429).is_transient());
+    assert!(!api(403).is_transient());
+    assert!(!api(404).is_transient());
+    assert!(!RolloutError::from(anyhow::anyhow!("a plain error")).is_transient());
+    // Every error that stops a run leaves it undecided, and says what the call was for.
+    assert_eq!(api(503).exit_code(), crate::exit::ExitCode::NotDecided);
+    assert_eq!(api(503).api_code(), Some(503));
+    assert!(api(403).to_string().starts_with("list the cilium pods: "));
 }
 
 /// Two steppers on hosts of the same name with the same PID (PID 1 in two replicas) have

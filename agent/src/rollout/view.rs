@@ -5,7 +5,7 @@ use super::*;
 
 impl Cluster {
     /// Everything the plan needs, read now.
-    pub async fn view(&self) -> Result<(ClusterView, DaemonSet)> {
+    pub async fn view(&self) -> Result<(ClusterView, DaemonSet), RolloutError> {
         let ds = self.daemonset().await?;
         let sel = Self::selector(&ds);
         let numbers = self.revisions(&ds).await?;
@@ -18,7 +18,7 @@ impl Cluster {
         let nodes: Vec<NodeInfo> = Api::<Node>::all(self.client.clone())
             .list(&ListParams::default())
             .await
-            .context("list Nodes")?
+            .api("list Nodes")?
             .items
             .into_iter()
             .map(|n| {
@@ -41,7 +41,7 @@ impl Cluster {
             .pods()
             .list(&ListParams::default().labels(&sel))
             .await
-            .context("list the cilium pods")?
+            .api("list the cilium pods")?
             .items;
         let mut foreign = Vec::new();
         let mut pods: Vec<CiliumPod> = Vec::new();
@@ -80,7 +80,7 @@ impl Cluster {
         let agent_pods = Api::<Pod>::namespaced(self.client.clone(), &self.args.agents_namespace)
             .list(&ListParams::default().labels(&self.args.agents_selector))
             .await
-            .context("list the stepguard agents")?;
+            .api("list the stepguard agents")?;
         let mut agents = BTreeMap::new();
         for p in agent_pods.items {
             let (Some(node), Some(ip)) = (
@@ -112,7 +112,7 @@ impl Cluster {
         let leases = Api::<Lease>::namespaced(self.client.clone(), &self.ns)
             .list(&ListParams::default())
             .await
-            .context("list the L2-announcement Leases")?
+            .api("list the L2-announcement Leases")?
             .items
             .into_iter()
             .filter_map(|l| {
