@@ -49,7 +49,7 @@ pub(super) async fn dns_loop(d: Arc<Daemon>, resolver: std::net::SocketAddr) {
             };
             let latency = a.latency;
             {
-                let m = lock(&d.metrics);
+                let m = &d.metrics;
                 let l = ProbeLabels {
                     kind: "dns_resolver".into(),
                     target: resolver.to_string(),

@@ -69,7 +69,7 @@ pub struct Daemon {
     opts: DaemonOptions,
     /// Ready for traffic: set by the command once serving, cleared first on shutdown.
     ready: crate::serving::Readiness,
-    metrics: Mutex<Metrics>,
+    metrics: Metrics,
     kernel_drops: Mutex<KernelDrops>,
     node: Mutex<NodeView>,
     probes: Mutex<ProbeView>,
@@ -102,7 +102,7 @@ pub struct Daemon {
     /// the last minute (the evidence an implicit step has from before it was detected).
     recorder: crate::timeline::Recorder,
     /// `stepguard_probe_send_delay_seconds` (a handle on the registered series: the probe
-    /// thread records each send into it without taking the metrics lock).
+    /// thread records each send into it).
     send_delay: prometheus_client::metrics::histogram::Histogram,
     /// A runtime on a thread of its own for kernel observations (netlink dumps, bpf(2) calls,
     /// map counts), so they never hold up the probes' send times on the main workers.
@@ -167,6 +167,7 @@ impl Daemon {
         for t in &cfg.targets {
             if let Some(g) = t.max_gap {
                 metrics
+                    .step
                     .gap_budget
                     .get_or_create(&ProbeLabels::of(t))
                     .set(g.as_secs_f64());
@@ -191,7 +192,7 @@ impl Daemon {
             cfg,
             opts,
             ready: crate::serving::Readiness::default(),
-            metrics: Mutex::new(metrics),
+            metrics,
             kernel_drops: Mutex::new(kernel_drops),
             node: Mutex::new(NodeView::default()),
             probes: Mutex::new(ProbeView::default()),
@@ -454,9 +455,9 @@ impl Daemon {
         }
         let from_probes = self.probe_results();
         {
-            let mut m = lock(&self.metrics);
+            let m = &self.metrics;
             for r in results.iter().chain(&from_probes) {
-                m.record_check(r);
+                m.checks.record(r);
             }
             if let Some(l) = &obs.links {
                 let sel = checks::devices::carrying(&l.devices);
@@ -467,7 +468,8 @@ impl Daemon {
                         crate::cilium::devices::SelectionRules::newest(),
                     ) || sel.contains(&d.name)
                 }) {
-                    m.device_selected
+                    m.node
+                        .device_selected
                         .get_or_create(&DeviceLabels {
                             device: d.name.clone(),
                         })
@@ -476,37 +478,44 @@ impl Daemon {
             }
             if let Some(mo) = &obs.maps {
                 for (name, pm) in &mo.globals {
-                    m.map_present
+                    m.node
+                        .map_present
                         .get_or_create(&MapLabels { map: name.clone() })
                         .set(1);
                     if let Some(n) = pm.entries {
-                        m.map_entries
+                        m.node
+                            .map_entries
                             .get_or_create(&MapLabels { map: name.clone() })
                             .set(n as i64);
                     }
                 }
                 for name in mo.unreadable.keys() {
-                    m.map_present
+                    m.node
+                        .map_present
                         .get_or_create(&MapLabels { map: name.clone() })
                         .set(0);
                 }
                 for (kind, n) in &mo.endpoint_maps {
-                    m.endpoint_maps
+                    m.node
+                        .endpoint_maps
                         .get_or_create(&KindLabels { kind: kind.clone() })
                         .set(*n as i64);
                 }
             }
-            let kd = self.kernel_drops_now();
-            m.set_kernel_drops(kd.as_ref());
-            if let Some(cd) = self.cilium_drops_now() {
-                m.set_cilium_drops(&cd);
-            }
         }
+        // The drop counters are read (bpf(2)) with no metrics lock held.
+        self.metrics.set_drops(
+            self.kernel_drops_now().as_ref(),
+            self.cilium_drops_now().as_ref(),
+        );
         // Maps the profile requires but that are gone: present = 0.
         {
-            let m = lock(&self.metrics);
+            let m = &self.metrics;
             for n in checks::maps::missing(&results) {
-                m.map_present.get_or_create(&MapLabels { map: n }).set(0);
+                m.node
+                    .map_present
+                    .get_or_create(&MapLabels { map: n })
+                    .set(0);
             }
         }
         let mut view = lock(&self.node);

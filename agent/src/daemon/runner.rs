@@ -339,9 +339,7 @@ impl Runner {
         if (n.is_multiple_of(10) || self.active().is_none()) && self.d.store.unsaved().is_some() {
             let failed = self.d.store.retry_unsaved();
             if failed > 0 {
-                lock(&self.d.metrics)
-                    .state_write_errors
-                    .inc_by(failed as u64);
+                self.d.metrics.step.state_write_errors.inc_by(failed as u64);
             }
         }
         let Some(tracked) = self.active().map(Step::tracked_keys) else {
@@ -351,7 +349,7 @@ impl Runner {
             return;
         };
         let d = self.d.clone();
-        lock(&d.metrics).step_active.set(1);
+        d.metrics.step.step_active.set(1);
         if n.is_multiple_of(5) {
             self.poll_witnesses();
         }
@@ -524,19 +522,21 @@ fn publish_endpoints(d: &Daemon, s: &Step) {
     let followed = s.baseline.endpoints.len() as i64;
     let regenerated = s.endpoints.regenerated.len() as i64;
     let deleted = s.endpoints.gone.len() as i64;
-    let m = lock(&d.metrics);
+    let m = &d.metrics;
     for (state, n) in [
         ("followed", followed),
         ("regenerated", regenerated),
         ("deleted", deleted),
         ("pending", (followed - regenerated - deleted).max(0)),
     ] {
-        m.step_endpoints
+        m.step
+            .step_endpoints
             .get_or_create(&StateLabels {
                 state: state.into(),
             })
             .set(n);
     }
-    m.step_endpoint_regeneration_slowest
+    m.step
+        .step_endpoint_regeneration_slowest
         .set(verdict::slowest_endpoint(s).map_or(0.0, |(_, t)| t));
 }

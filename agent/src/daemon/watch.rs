@@ -2,7 +2,7 @@
 //! the observations and reads a baseline is taken from, the witnesses asked, the store
 //! written, the outcome exported. The runner (`runner/`) alone owns and advances the active
 //! step.
-use super::{lock, Daemon};
+use super::Daemon;
 use crate::cilium::profile;
 use crate::kernel::clock;
 use crate::kernel::links;
@@ -215,7 +215,7 @@ pub fn persist(d: &Daemon, s: &mut Step) -> std::io::Result<()> {
     s.updated_at = clock::now();
     let r = d.store.save(&s.persistable());
     if r.is_err() {
-        lock(&d.metrics).state_write_errors.inc();
+        d.metrics.step.state_write_errors.inc();
     }
     s.not_persisted = r
         .as_ref()
@@ -226,10 +226,11 @@ pub fn persist(d: &Daemon, s: &mut Step) -> std::io::Result<()> {
 
 /// Exports a step that just began: active, and the gap budget of each target.
 pub fn exported_begin(d: &Daemon, s: &Step) {
-    let m = lock(&d.metrics);
-    m.step_active.set(1);
+    let m = &d.metrics;
+    m.step.step_active.set(1);
     for (name, t) in &s.targets {
-        m.gap_budget
+        m.step
+            .gap_budget
             .get_or_create(&ProbeLabels {
                 kind: t.kind.clone(),
                 target: name.clone(),
@@ -241,28 +242,30 @@ pub fn exported_begin(d: &Daemon, s: &Step) {
 /// Exports a finished step and leaves burst mode.
 pub fn finished(d: &Daemon, s: &Step) {
     let Some(v) = &s.verdict else { return };
-    let m = lock(&d.metrics);
-    m.steps
+    let m = &d.metrics;
+    m.step
+        .steps
         .get_or_create(&crate::metrics::VerdictLabels {
             verdict: v.status.as_str().to_string(),
             origin: s.origin.as_str().to_string(),
         })
         .inc();
-    m.last_step_passed
+    m.step
+        .last_step_passed
         .set((v.status == crate::step::Status::Passed) as i64);
-    m.last_step_started.set(s.created_at);
-    m.last_step_finished.set(v.finished_at);
-    m.step_active.set(0);
+    m.step.last_step_started.set(s.created_at);
+    m.step.last_step_finished.set(v.finished_at);
+    m.step.step_active.set(0);
     // The last step's gaps only: series of earlier steps' witnesses (or targets) go.
-    m.last_step_gap.clear();
+    m.step.last_step_gap.clear();
     for g in &s.gaps {
         let l = crate::metrics::GapLabels {
             kind: g.kind.clone(),
             target: g.target.clone(),
             vantage: "node".into(),
         };
-        m.last_step_gap.get_or_create(&l).set(g.longest_s);
-        m.step_gap.observe(g.longest_s);
+        m.step.last_step_gap.get_or_create(&l).set(g.longest_s);
+        m.step.step_gap.observe(g.longest_s);
     }
     for (url, w) in &s.witnesses {
         for g in w.report.iter().flat_map(|r| &r.gaps) {
@@ -271,10 +274,9 @@ pub fn finished(d: &Daemon, s: &Step) {
                 target: g.target.clone(),
                 vantage: format!("witness:{}", url.trim_start_matches("http://")),
             };
-            m.last_step_gap.get_or_create(&l).set(g.longest_s);
+            m.step.last_step_gap.get_or_create(&l).set(g.longest_s);
         }
     }
-    drop(m);
     end_witnesses(d, s);
     d.store.prune(super::store::KEEP_STEPS);
     let reasons: Vec<&str> = v.reasons.iter().map(|r| r.as_str()).collect();

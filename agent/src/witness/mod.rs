@@ -142,7 +142,7 @@ pub struct Witness {
     /// Metrics, latest outcomes and continuous samples per target (moves, late steps).
     recorder: crate::timeline::Recorder,
     moves: Mutex<VecDeque<Move>>,
-    metrics: Mutex<WitnessMetrics>,
+    metrics: WitnessMetrics,
     changed: tokio::sync::watch::Sender<u64>,
     engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
@@ -217,7 +217,7 @@ impl Witness {
                 },
             ),
             moves: Mutex::new(VecDeque::new()),
-            metrics: Mutex::new(metrics),
+            metrics,
             changed: tokio::sync::watch::Sender::new(0),
             engine: std::sync::OnceLock::new(),
         }))
@@ -287,7 +287,7 @@ impl Witness {
                 t.compact(cutoff);
             }
         }
-        let m = lock(&self.metrics);
+        let m = &self.metrics;
         m.steps_active.set(active);
         if let Some(n) = &self.neigh {
             let mut last = lock(&self.last_mac);
@@ -335,7 +335,7 @@ impl Witness {
 
     fn encode_metrics(&self) -> String {
         let mut out = String::new();
-        let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.metrics).registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.metrics.registry);
         out
     }
 }

@@ -3,7 +3,7 @@
 //! mutating routes need the bearer token when one is configured.
 
 use super::runner::Command;
-use super::{lock, Daemon, Posted};
+use super::{Daemon, Posted};
 use crate::checks::{exit_code, CheckResult};
 use crate::duration;
 use crate::node::{self, NodeOptions};
@@ -62,15 +62,13 @@ fn authorized(d: &Daemon, headers: &HeaderMap) -> Result<(), Box<Response>> {
 /// The agent's `/metrics` and `/readyz`, served by the shared admin routes.
 impl crate::serving::Admin for Daemon {
     fn metrics(&self) -> String {
-        let kd = self.kernel_drops_now();
-        let cd = self.cilium_drops_now();
-        let mut m = lock(&self.metrics);
-        m.set_kernel_drops(kd.as_ref());
-        if let Some(cd) = cd {
-            m.set_cilium_drops(&cd);
-        }
+        let m = &self.metrics;
+        m.set_drops(
+            self.kernel_drops_now().as_ref(),
+            self.cilium_drops_now().as_ref(),
+        );
         for r in self.probe_results() {
-            m.record_check(&r);
+            m.checks.record(&r);
         }
         m.encode()
     }
