@@ -87,7 +87,7 @@ async fn begin(d: &Arc<Daemon>, steady: &Steady, trigger: String, incomplete: Op
     let id = format!("implicit-{}", super::store::new_id(clock::now()));
     let mut targets = crate::step::timelines(&d.cfg.targets, crate::step::Budgets::of(&params));
     // The evidence before detection: the steady cadence's probes since the snapshot.
-    let running = d.recorder.seed(&mut targets, steady.at);
+    let running = d.host.recorder.seed(&mut targets, steady.at);
     let mut s = rules::begin(
         id,
         steady,

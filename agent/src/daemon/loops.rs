@@ -97,7 +97,7 @@ pub(super) async fn slow_loop(d: Arc<Daemon>) {
 
 /// Starts every loop; returns when they are running.
 pub fn spawn_loops(d: &Arc<Daemon>) {
-    crate::timeline::start_probes(&d.engine, d);
+    d.host.start(d);
     for r in d.cfg.dns.resolver_addrs().unwrap_or_default() {
         tokio::spawn(dns_loop(d.clone(), r));
     }

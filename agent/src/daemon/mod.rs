@@ -98,9 +98,10 @@ pub struct Daemon {
     begin_lock: tokio::sync::Mutex<()>,
     /// On-demand `GET /v1/checks`: one run at a time, reused for a moment (coalesced).
     on_demand: tokio::sync::Mutex<Option<(Instant, Vec<CheckResult>)>>,
-    /// The targets' probes as recorded: metrics, latest outcomes, and the steady samples of
-    /// the last minute (the evidence an implicit step has from before it was detected).
-    recorder: crate::timeline::Recorder,
+    /// The targets' probes: the recorder (metrics, latest outcomes, and the steady samples of
+    /// the last minute: the evidence an implicit step has from before it was detected) and
+    /// the probe engine once the loops are spawned.
+    host: crate::timeline::ProbeHost,
     /// `stepguard_probe_send_delay_seconds` (a handle on the registered series: the probe
     /// thread records each send into it).
     send_delay: prometheus_client::metrics::histogram::Histogram,
@@ -111,8 +112,6 @@ pub struct Daemon {
     topology: links::SharedTopology,
     /// Targets whose answers must stay what they were when a step began (`answers: baseline`).
     baseline_answers: BTreeSet<String>,
-    /// The probe engine (its own thread) once the loops are spawned.
-    engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
 
 /// Starts the kernel-observation runtime (a current-thread runtime on its own OS thread).
@@ -163,7 +162,6 @@ impl Daemon {
             .map(|t| t.name.clone())
             .collect();
         let metrics = Metrics::new();
-        metrics.probes.declare(&cfg.targets);
         for t in &cfg.targets {
             if let Some(g) = t.max_gap {
                 metrics
@@ -188,6 +186,14 @@ impl Daemon {
                 reason: "drop accounting is off".into(),
             }
         };
+        let host = crate::timeline::ProbeHost::new(
+            &cfg.targets,
+            metrics_probes,
+            crate::timeline::RingBounds {
+                age_s: RECENT_S,
+                max: RECENT_MAX,
+            },
+        );
         let d = Arc::new(Daemon {
             cfg,
             opts,
@@ -210,17 +216,10 @@ impl Daemon {
             shutting_down: tokio::sync::watch::Sender::new(false),
             on_demand: tokio::sync::Mutex::new(None),
             begin_lock: tokio::sync::Mutex::new(()),
-            recorder: crate::timeline::Recorder::new(
-                metrics_probes,
-                crate::timeline::RingBounds {
-                    age_s: RECENT_S,
-                    max: RECENT_MAX,
-                },
-            ),
+            host,
             send_delay,
             kernel: kernel_runtime()?,
             baseline_answers,
-            engine: std::sync::OnceLock::new(),
             topology: Arc::new(tokio::sync::Mutex::new(links::TopologyCache::new())),
         });
         Ok(d)
@@ -255,9 +254,7 @@ impl Daemon {
     /// Wakes long-polls and the probe engine (a cadence may have changed).
     pub fn bump(&self) {
         self.bump_readers();
-        if let Some(e) = self.engine.get() {
-            e.wake();
-        }
+        self.host.wake();
     }
 
     /// Wakes long-polls only.
@@ -324,7 +321,7 @@ impl Daemon {
         // A probe that could not run is no sample: the gap it leaves is judged as a stall. A
         // full buffer drops samples the same way (never silently into a pass).
         let stepping = self.step_active.load(Ordering::SeqCst);
-        let sample = self.recorder.record(target, o, !stepping).sample;
+        let sample = self.host.recorder.record(target, o, !stepping).sample;
         if stepping {
             let _ = self.ports.samples.try_send(runner::Sample {
                 target: target.name.clone(),
@@ -341,7 +338,7 @@ impl Daemon {
 
     /// What the continuous probes have seen, for the checks decided from them.
     fn probe_windows<R>(&self, f: impl FnOnce(&checks::ProbeWindows) -> R) -> R {
-        let latest = self.recorder.latest();
+        let latest = self.host.recorder.latest();
         let east_west = lock(&self.east_west).clone();
         let probes = lock(&self.probes);
         f(&checks::ProbeWindows {

@@ -46,9 +46,9 @@ fn a_changed_answer_during_a_step_is_a_failed_probe() {
     d.record_probe(&t, &with("198.51.100.11", 2.0)); // outside a step: follows
     d.step_active.store(true, Ordering::SeqCst);
     d.record_probe(&t, &with("198.51.100.11", 3.0));
-    assert!(d.recorder.latest()["dns"].ok);
+    assert!(d.host.recorder.latest()["dns"].ok);
     d.record_probe(&t, &with("1.2.3.4", 4.0));
-    let latest = d.recorder.latest()["dns"].clone();
+    let latest = d.host.recorder.latest()["dns"].clone();
     assert!(!latest.ok, "{latest:?}");
     assert!(
         latest.detail.contains("198.51.100.11 before, 1.2.3.4 now"),

@@ -7,6 +7,9 @@
 //! critical-target cadence rule and the instant before which every probe has answered are
 //! here too, so both vantage points measure a gap with the same arithmetic ([`gaps`]).
 pub mod gaps;
+mod host;
+
+pub use host::ProbeHost;
 
 use crate::config::Target;
 use crate::locks::lock;

@@ -52,7 +52,7 @@ pub(super) async fn status(State(w): State<Arc<Witness>>, headers: HeaderMap) ->
         "instance": w.instance,
         "started_at": w.started_at,
         "targets": w.cfg.targets.iter().map(|t| &t.name).collect::<Vec<_>>(),
-        "latest": w.recorder.latest(),
+        "latest": w.host.recorder.latest(),
         "macs": macs,
         "neighbour_table": if w.neigh.is_some() { "followed" } else { "unavailable: reports carry no MAC addresses" },
         // Step ids only to those who may read steps.

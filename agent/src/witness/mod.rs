@@ -139,12 +139,12 @@ pub struct Witness {
     neigh: Option<Arc<NeighLog>>,
     /// MAC last seen per target address, for the change counter.
     last_mac: Mutex<BTreeMap<String, Option<String>>>,
-    /// Metrics, latest outcomes and continuous samples per target (moves, late steps).
-    recorder: crate::timeline::Recorder,
+    /// The targets' probes: the recorder (metrics, latest outcomes and continuous samples per
+    /// target, for moves and late steps) and the probe engine once started.
+    host: crate::timeline::ProbeHost,
     moves: Mutex<VecDeque<Move>>,
     metrics: WitnessMetrics,
     changed: tokio::sync::watch::Sender<u64>,
-    engine: std::sync::OnceLock<crate::probe::engine::Engine>,
 }
 
 /// A quantile of latencies in ms (see [`crate::stats::quantile`]).
@@ -198,8 +198,15 @@ impl Witness {
         let mut id = [0u8; 6];
         let _ = getrandom::fill(&mut id);
         let probes = crate::timeline::ProbeMetrics::default();
-        probes.declare(&cfg.targets);
         let metrics = WitnessMetrics::new(&probes);
+        let host = crate::timeline::ProbeHost::new(
+            &cfg.targets,
+            probes,
+            crate::timeline::RingBounds {
+                age_s: RING_S,
+                max: RING_MAX,
+            },
+        );
         Ok(Arc::new(Witness {
             cfg,
             opts,
@@ -209,17 +216,10 @@ impl Witness {
             steady: Mutex::new(BTreeMap::new()),
             neigh,
             last_mac: Mutex::new(BTreeMap::new()),
-            recorder: crate::timeline::Recorder::new(
-                probes,
-                crate::timeline::RingBounds {
-                    age_s: RING_S,
-                    max: RING_MAX,
-                },
-            ),
+            host,
             moves: Mutex::new(VecDeque::new()),
             metrics,
             changed: tokio::sync::watch::Sender::new(0),
-            engine: std::sync::OnceLock::new(),
         }))
     }
 
@@ -240,7 +240,7 @@ impl Witness {
     }
 
     fn record(&self, target: &crate::config::Target, o: &ProbeOutcome) {
-        let sample = self.recorder.record(target, o, true).sample;
+        let sample = self.host.recorder.record(target, o, true).sample;
         if !o.ran {
             let now = clock::now();
             for s in lock(&self.steps).values_mut().filter(|s| s.active(now)) {
@@ -356,7 +356,7 @@ impl crate::timeline::Vantage for Witness {
 
 /// Starts the witness's probe loops and maintenance.
 pub fn spawn_loops(w: &Arc<Witness>) {
-    crate::timeline::start_probes(&w.engine, w);
+    w.host.start(w);
     let w2 = w.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(500));

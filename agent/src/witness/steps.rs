@@ -94,7 +94,7 @@ impl Witness {
         );
         let created_at = match r.since {
             Some(t) if t.is_finite() && t < now && t >= now - RING_S => {
-                self.recorder.seed(&mut targets, t);
+                self.host.recorder.seed(&mut targets, t);
                 t
             }
             _ => now,
@@ -113,9 +113,7 @@ impl Witness {
         );
         drop(steps);
         self.changed.send_modify(|v| *v += 1);
-        if let Some(e) = self.engine.get() {
-            e.wake();
-        }
+        self.host.wake();
         Ok(WitnessBegun {
             id: r.id.clone(),
             instance: self.instance.clone(),
@@ -130,7 +128,10 @@ impl Witness {
         lock(&self.moves)
             .iter()
             .map(|m| {
-                let samples = self.recorder.window(&m.target, m.at - 60.0, m.at + 60.0);
+                let samples = self
+                    .host
+                    .recorder
+                    .window(&m.target, m.at - 60.0, m.at + 60.0);
                 let outage = crate::step::gaps::outages(&samples)
                     .into_iter()
                     .filter(|o| o.start <= m.at + 1.0 && o.end.unwrap_or(now) >= m.at - 1.0)
