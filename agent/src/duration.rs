@@ -66,6 +66,15 @@ pub fn within(d: Duration, min: Duration, max: Duration) -> Result<Duration, Str
     Ok(d)
 }
 
+/// Command-line durations, each `(flag, value, (min, max))`: the first out of range, named
+/// ("--probe-interval: 5ms is out of range (10ms to 60m0s)").
+pub fn flags(items: &[(&str, Duration, (Duration, Duration))]) -> Result<(), String> {
+    for (flag, v, (min, max)) in items {
+        within(*v, *min, *max).map_err(|e| format!("{flag}: {e}"))?;
+    }
+    Ok(())
+}
+
 /// A request's optional duration field: `default` when absent, else parsed; either way within
 /// `min..=max`. The error names `field`.
 pub fn field(

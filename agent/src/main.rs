@@ -290,26 +290,24 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 /// The agent's cadences, each within its range (a zero interval would panic a worker or
 /// busy-loop while the agent reports ready).
 fn check_intervals(args: &AgentArgs) -> Result<()> {
+    use stepguard::limits::{BURST_INTERVAL, PROBE_INTERVAL};
     let ms = Duration::from_millis;
-    for (field, v, min, max) in [
-        (
-            "--probe-interval",
-            args.probe_interval,
-            ms(10),
-            ms(3_600_000),
-        ),
+    stepguard::duration::flags(&[
+        ("--probe-interval", args.probe_interval, PROBE_INTERVAL),
         (
             "--slow-interval",
             args.slow_interval,
-            ms(100),
-            ms(3_600_000),
+            (ms(100), ms(3_600_000)),
         ),
-        ("--burst-interval", args.burst_interval, ms(1), ms(10_000)),
-        ("--header-timeout", args.header_timeout, ms(100), ms(60_000)),
-        ("--shutdown-grace", args.shutdown_grace, ms(0), ms(60_000)),
-    ] {
-        stepguard::duration::within(v, min, max).map_err(|e| anyhow::anyhow!("{field}: {e}"))?;
-    }
+        ("--burst-interval", args.burst_interval, BURST_INTERVAL),
+        (
+            "--header-timeout",
+            args.header_timeout,
+            (ms(100), ms(60_000)),
+        ),
+        ("--shutdown-grace", args.shutdown_grace, (ms(0), ms(60_000))),
+    ])
+    .map_err(anyhow::Error::msg)?;
     if args.max_connections == 0 || args.max_connections > 65_536 {
         anyhow::bail!("--max-connections: must be between 1 and 65536");
     }

@@ -162,14 +162,12 @@ fn push_bounded(q: &mut VecDeque<(f64, f32)>, x: (f64, f32)) {
 /// A witness's cadences: steady probes every 10 ms to 1 h, bursts every 1 ms to 10 s (the
 /// errors name `stepguard witness`'s flags).
 pub fn check_intervals(probe: Duration, burst: Duration) -> anyhow::Result<()> {
-    let ms = Duration::from_millis;
-    for (flag, v, min, max) in [
-        ("--probe-interval", probe, ms(10), ms(3_600_000)),
-        ("--burst-interval", burst, ms(1), ms(10_000)),
-    ] {
-        crate::duration::within(v, min, max).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
-    }
-    Ok(())
+    use crate::limits::{BURST_INTERVAL, PROBE_INTERVAL};
+    crate::duration::flags(&[
+        ("--probe-interval", probe, PROBE_INTERVAL),
+        ("--burst-interval", burst, BURST_INTERVAL),
+    ])
+    .map_err(anyhow::Error::msg)
 }
 
 /// A witness's configuration: at least one target, every target's probe kind and options
