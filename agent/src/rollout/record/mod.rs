@@ -96,23 +96,32 @@ pub struct Record {
     pub history: Vec<Told>,
 }
 
+/// A record that cannot be read: the annotation and why (never read as an empty record: a
+/// halt must not vanish because it was mangled).
+#[derive(Debug, thiserror::Error)]
+#[error("annotation {key} of the rollout lock is not valid: {error}")]
+pub struct RecordError {
+    pub key: &'static str,
+    error: serde_json::Error,
+}
+
 fn json<T: for<'de> Deserialize<'de>>(
     ann: &BTreeMap<String, String>,
-    key: &str,
-) -> Result<Option<T>, String> {
+    key: &'static str,
+) -> Result<Option<T>, RecordError> {
     match ann.get(key) {
         None => Ok(None),
         Some(v) if v.is_empty() => Ok(None),
         Some(v) => serde_json::from_str(v)
             .map(Some)
-            .map_err(|e| format!("annotation {key} of the rollout lock is not valid: {e}")),
+            .map_err(|error| RecordError { key, error }),
     }
 }
 
 impl Record {
     /// Reads the record from the lock's annotations. A record that cannot be read is an error,
     /// never an empty record: a halt must not vanish because it was mangled.
-    pub fn parse(ann: &BTreeMap<String, String>) -> Result<Record, String> {
+    pub fn parse(ann: &BTreeMap<String, String>) -> Result<Record, RecordError> {
         let mut inflight: Option<InFlight> = json(ann, ANN_INFLIGHT)?;
         if inflight.is_none() {
             // A lock written by an older stepper: node, step and revision only.

@@ -45,7 +45,8 @@ fn a_record_survives_the_annotations_and_a_mangled_one_is_an_error() {
     let mut bad = BTreeMap::new();
     bad.insert(ANN_HALT.to_string(), "{not json".to_string());
     let e = Record::parse(&bad).unwrap_err();
-    assert!(e.contains(ANN_HALT), "{e}");
+    assert_eq!(e.key, ANN_HALT);
+    assert!(e.to_string().contains(ANN_HALT), "{e}");
 
     // An older stepper's lock: the step in flight from the plain annotations.
     let mut old = BTreeMap::new();
