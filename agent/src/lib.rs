@@ -14,6 +14,7 @@ pub mod daemon;
 pub mod durable;
 pub mod duration;
 pub mod exit;
+pub mod families;
 pub mod hooks;
 pub use stepguard_kernel as kernel;
 pub mod limits;

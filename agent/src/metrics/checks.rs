@@ -1,9 +1,10 @@
 //! The node checks' families: passed, unknown, how long each took.
 use super::{CheckLabels, GaugeF};
 use crate::checks::{CheckResult, Status};
+use crate::families::Registrar;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Unit;
 
 pub struct CheckMetrics {
     pub passed: Family<CheckLabels, Gauge>,
@@ -12,7 +13,7 @@ pub struct CheckMetrics {
 }
 
 impl CheckMetrics {
-    pub fn register(r: &mut Registry) -> CheckMetrics {
+    pub fn register(r: &mut Registrar) -> CheckMetrics {
         let passed = Family::<CheckLabels, Gauge>::default();
         r.register(
             "check_passed",

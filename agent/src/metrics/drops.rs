@@ -4,10 +4,10 @@
 //! counter go down. The readings are taken by the caller (bpf(2), outside any lock here); only
 //! the last totals are kept under this component's own lock.
 use super::ReasonLabels;
+use crate::families::Registrar;
 use crate::locks::lock;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -19,7 +19,7 @@ pub struct DropCounters {
 }
 
 impl DropCounters {
-    pub fn register(r: &mut Registry) -> DropCounters {
+    pub fn register(r: &mut Registrar) -> DropCounters {
         let kernel = Family::<ReasonLabels, Counter>::default();
         r.register(
             "kernel_drops",

@@ -1,6 +1,6 @@
 //! The agent's Prometheus metrics, names and labels as the README lists them (prefix
 //! `stepguard_`, base units, `_total` counters, no unbounded labels), exposed as OpenMetrics.
-//! Each component registers its own families (`register(&mut Registry)`): the node checks
+//! Each component registers its own families (`register(&mut Registrar)`): the node checks
 //! (`checks.rs`), the probes (`timeline::ProbeMetrics`), steps (`step.rs`), the node's devices
 //! and maps (`node.rs`), the drop counters (`drops.rs`). Families are atomics: nothing here is
 //! behind a lock but the drop counters' last readings.
@@ -14,11 +14,12 @@ pub use drops::DropCounters;
 pub use node::NodeMetrics;
 pub use step::StepMetrics;
 
+use crate::families::Registrar;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Unit;
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 
@@ -55,7 +56,7 @@ pub const GAP_BUCKETS: [f64; 12] = [
 
 /// The agent's metrics: its registry and each component's handles on its families.
 pub struct Metrics {
-    registry: Registry,
+    registry: Registrar,
     pub checks: CheckMetrics,
     /// `probe_duration`, `probe_failures`: shared with the probe recorder.
     pub probes: ProbeMetrics,
@@ -74,7 +75,7 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut r = Registry::with_prefix("stepguard");
+        let mut r = Registrar::default();
         let checks = CheckMetrics::register(&mut r);
         let probes = ProbeMetrics::default();
         probes.register(
@@ -118,13 +119,18 @@ impl Metrics {
     /// OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, self.registry.registry());
         out
+    }
+
+    /// Every family's exposed name (`stepguard_…`), series or not.
+    pub fn families(&self) -> &[String] {
+        self.registry.names()
     }
 }
 
 /// `stepguard_build_info{version}`, always 1.
-fn register_build_info(r: &mut Registry) {
+fn register_build_info(r: &mut Registrar) {
     let build_info = Family::<VersionLabels, Gauge>::default();
     r.register(
         "build_info",

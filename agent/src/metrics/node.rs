@@ -1,8 +1,8 @@
 //! The node's devices and pinned maps as the slow loop last saw them.
 use super::{DeviceLabels, KindLabels, MapLabels};
+use crate::families::Registrar;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 pub struct NodeMetrics {
     pub device_selected: Family<DeviceLabels, Gauge>,
@@ -12,7 +12,7 @@ pub struct NodeMetrics {
 }
 
 impl NodeMetrics {
-    pub fn register(r: &mut Registry) -> NodeMetrics {
+    pub fn register(r: &mut Registrar) -> NodeMetrics {
         let device_selected = Family::<DeviceLabels, Gauge>::default();
         r.register(
             "device_selected",

@@ -1,11 +1,12 @@
 //! The steps' families: the active step, its endpoints, each target's gap budget and last
 //! gap by vantage point, the finished steps by verdict, the state dir's failed writes.
 use super::{GapLabels, GaugeF, ProbeLabels, StateLabels, VerdictLabels, GAP_BUCKETS};
+use crate::families::Registrar;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Unit;
 
 pub struct StepMetrics {
     pub gap_budget: Family<ProbeLabels, GaugeF>,
@@ -27,7 +28,7 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    pub fn register(r: &mut Registry) -> StepMetrics {
+    pub fn register(r: &mut Registrar) -> StepMetrics {
         let gap_budget = Family::<ProbeLabels, GaugeF>::default();
         r.register_with_unit(
             "gap_budget",

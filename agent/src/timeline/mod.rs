@@ -12,6 +12,7 @@ mod host;
 pub use host::ProbeHost;
 
 use crate::config::Target;
+use crate::families::Registrar;
 use crate::locks::lock;
 use crate::probe::ProbeOutcome;
 use crate::wire::{ProbeCount, TargetGap};
@@ -20,7 +21,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Unit;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
@@ -279,7 +280,7 @@ impl Default for ProbeMetrics {
 impl ProbeMetrics {
     /// Registers both families (`help` names the vantage point: the registry's readers see
     /// which one they scrape).
-    pub fn register(&self, r: &mut Registry, duration_help: &str, failures_help: &str) {
+    pub fn register(&self, r: &mut Registrar, duration_help: &str, failures_help: &str) {
         r.register_with_unit(
             "probe_duration",
             duration_help,

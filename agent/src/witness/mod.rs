@@ -17,6 +17,7 @@
 mod api;
 mod steps;
 use crate::config::Config;
+use crate::families::Registrar;
 use crate::kernel::clock;
 use crate::kernel::neigh::NeighLog;
 use crate::locks::lock;
@@ -34,7 +35,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -96,14 +96,14 @@ struct TargetLabels {
 }
 
 struct WitnessMetrics {
-    registry: Registry,
+    registry: Registrar,
     mac_changes: Family<TargetLabels, Counter>,
     steps_active: Gauge,
 }
 
 impl WitnessMetrics {
     fn new(probes: &crate::timeline::ProbeMetrics) -> Self {
-        let mut r = Registry::with_prefix("stepguard");
+        let mut r = Registrar::default();
         probes.register(
             &mut r,
             "Probe round-trip time from the witness (a LAN client), successful or not",
@@ -331,9 +331,15 @@ impl Witness {
         }
     }
 
+    /// Every family's exposed name (`stepguard_…`), series or not.
+    pub fn metric_families(&self) -> &[String] {
+        self.metrics.registry.names()
+    }
+
     fn encode_metrics(&self) -> String {
         let mut out = String::new();
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.metrics.registry);
+        let _ =
+            prometheus_client::encoding::text::encode(&mut out, self.metrics.registry.registry());
         out
     }
 }

@@ -5,8 +5,10 @@ use super::{Crate, Layers, Units};
 /// The agent's layers, lowest first (see `docs/architecture.md`).
 pub const AGENT_LAYERS: Layers = &[
     (
-        "base: durations, statistics, limits, locks, durable files, exit codes",
-        &["duration", "stats", "limits", "locks", "durable", "exit"],
+        "base: durations, statistics, limits, locks, durable files, exit codes, metric families",
+        &[
+            "duration", "stats", "limits", "locks", "durable", "exit", "families",
+        ],
     ),
     (
         "cilium: Cilium's own rules per release (maps, drop reasons, device selection and hooks)",
