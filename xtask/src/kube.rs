@@ -54,7 +54,7 @@ pub(crate) fn go() -> Command {
     let mut c = Command::new("nice");
     c.args(["-n", "10", "go"]);
     // The proxy, never a VCS; a module needing a newer Go fails rather than downloading one
-    // unasked (the README says how to allow it).
+    // unasked (TESTING.md, on `GOTOOLCHAIN`).
     c.env("GOFLAGS", "-mod=mod")
         .env("CGO_ENABLED", "0")
         .env("GOTOOLCHAIN", "local");

@@ -41,8 +41,8 @@ enum Cmd {
     /// Every test target of the workspace: unit and unprivileged integration tests, then the
     /// privileged integration tests against the lab (root), their targets in three lanes side
     /// by side and the host-wide-sensitive ones alone (`STEPGUARD_TEST_LANES=1`: one target at
-    /// a time), each test one at a time. Builds go to the machine's build cache (see README,
-    /// "Tests"). Prints seconds per target and stage; fails when a test target did not run.
+    /// a time), each test one at a time. Builds go to the machine's build cache (see
+    /// TESTING.md). Prints seconds per target and stage; fails when a test target did not run.
     Test {
         /// Only the unit tests (no root needed).
         #[arg(long)]

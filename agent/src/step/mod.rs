@@ -267,7 +267,7 @@ impl Status {
     }
 }
 
-/// Why a step did not pass (the README's "The step protocol" lists each with its rule).
+/// Why a step did not pass (docs/reference/checks.md lists each with its rule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
