@@ -1,4 +1,4 @@
-//! Real Kubernetes control-plane binaries for the tests (issue 27): kube-apiserver,
+//! Real Kubernetes control-plane binaries for the tests: kube-apiserver,
 //! kube-controller-manager, kube-scheduler and kubectl from `k8s.io/kubernetes`, and etcd from
 //! `go.etcd.io/etcd/server/v3`, built by the ordinary `go` command from the Go module proxy.
 //! Nothing upstream is committed: a throw-away local module per version is written under the

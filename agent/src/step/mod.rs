@@ -153,7 +153,7 @@ pub struct EndpointPrograms {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "snake_case")]
 pub enum EndpointsFollowed {
-    /// A record from an agent that did not follow endpoints (before issue 25): not judged.
+    /// A record from an agent version that did not follow endpoints: not judged.
     #[default]
     NotFollowed,
     Followed,
