@@ -165,7 +165,7 @@ fn a_closed_stdout_does_not_change_the_exit_code() {
 }
 
 /// A witness without a token refuses to start unless told, by a flag that says so, that it
-/// serves steps to anyone on the LAN (issue 22: a planted step set its budget).
+/// serves steps to anyone on the LAN (anyone could otherwise plant a step with its own budget).
 #[test]
 fn a_witness_without_a_token_does_not_start_unless_told_it_is_unauthenticated() {
     let d = dir();

@@ -1,4 +1,4 @@
-//! The real cilium-agent, cilium-cni and cilium-dbg for the tests (issues 30, 31), built by the ordinary `go`
+//! The real cilium-agent, cilium-cni and cilium-dbg for the tests, built by the ordinary `go`
 //! command from `github.com/cilium/cilium` on the Go module proxy, kept by version under the
 //! cache directory outside the clone (like the control plane, `kube.rs`). Nothing upstream is
 //! committed or copied: the agent's lib dir is the module's own directory in the module cache
@@ -21,9 +21,9 @@ use std::process::Command;
 /// A Cilium release the tests run, and what its build needs beyond its own go.mod.
 pub struct Release {
     pub version: &'static str,
-    /// Whether `cargo xtask test` builds it (its tests run it). 1.19 is for the upgrade tests
-    /// (issue 31), built on demand by `cargo xtask cilium` until they exist: each release
-    /// adds 7-10 minutes to a cold run.
+    /// Whether `cargo xtask test` builds it (its tests run it). 1.19 is for the upgrade tests,
+    /// which run with `--real-extended` (which builds it), else built on demand by `cargo xtask
+    /// cilium`: each release adds 7-10 minutes to a cold run.
     pub tested: bool,
     /// `(module version, replacement)`: dependencies of the release the proxy here refuses,
     /// replaced by a served version (`path version`) or a go.mod-only stub (`./stub/NAME`).

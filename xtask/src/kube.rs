@@ -1,4 +1,4 @@
-//! Real Kubernetes control-plane binaries for the tests (issue 27): kube-apiserver,
+//! Real Kubernetes control-plane binaries for the tests: kube-apiserver,
 //! kube-controller-manager, kube-scheduler and kubectl from `k8s.io/kubernetes`, and etcd from
 //! `go.etcd.io/etcd/server/v3`, built by the ordinary `go` command from the Go module proxy.
 //! Nothing upstream is committed: a throw-away local module per version is written under the
@@ -54,7 +54,7 @@ pub(crate) fn go() -> Command {
     let mut c = Command::new("nice");
     c.args(["-n", "10", "go"]);
     // The proxy, never a VCS; a module needing a newer Go fails rather than downloading one
-    // unasked (the README says how to allow it).
+    // unasked (TESTING.md, on `GOTOOLCHAIN`).
     c.env("GOFLAGS", "-mod=mod")
         .env("CGO_ENABLED", "0")
         .env("GOTOOLCHAIN", "local");

@@ -41,8 +41,8 @@ enum Cmd {
     /// Every test target of the workspace: unit and unprivileged integration tests, then the
     /// privileged integration tests against the lab (root), their targets in three lanes side
     /// by side and the host-wide-sensitive ones alone (`STEPGUARD_TEST_LANES=1`: one target at
-    /// a time), each test one at a time. Builds go to the machine's build cache (see README,
-    /// "Tests"). Prints seconds per target and stage; fails when a test target did not run.
+    /// a time), each test one at a time. Builds go to the machine's build cache (see
+    /// TESTING.md). Prints seconds per target and stage; fails when a test target did not run.
     Test {
         /// Only the unit tests (no root needed).
         #[arg(long)]
@@ -50,7 +50,7 @@ enum Cmd {
         /// Run only integration tests whose name contains this.
         #[arg(long)]
         filter: Option<String>,
-        /// The real-agent cases beyond CI's budget (issues 30, 31): also build every Cilium
+        /// The real-agent cases beyond CI's budget: also build every Cilium
         /// release of `cargo xtask cilium` (1.19: about seven minutes more on a cold machine),
         /// run the `#[ignore]`d real-agent tests (faults, upgrades), and ten real restarts
         /// instead of two (`STEPGUARD_REAL_RESTARTS`, unless set).
@@ -260,7 +260,7 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
     // The real control plane for the rollout tests (Go, from the module proxy; cached by
     // version) builds in the background, at a lower priority, while the workspace builds and
     // the unprivileged tests run: the Rust build leaves cores idle that the Go build fills.
-    // Then the real cilium-agent releases the tests run (issue 30), in the same background
+    // Then the real cilium-agent releases the tests run, in the same background
     // thread: one Go build at a time.
     let kube_build = (!unit_only).then(|| {
         std::thread::spawn(move || -> Result<(PathBuf, Vec<(String, PathBuf)>)> {

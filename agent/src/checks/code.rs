@@ -1,5 +1,6 @@
 //! The node checks' machine codes: one variant each, its name in JSON and its meaning. The
-//! README's "Node check codes" table lists every one (a test holds it to this list).
+//! "Node check codes" table of docs/reference/checks.md lists every one (a test holds it to
+//! this list).
 
 /// Declares [`Code`] with its names and documentation in one place.
 macro_rules! codes {
@@ -11,7 +12,7 @@ macro_rules! codes {
         }
 
         impl Code {
-            /// Every code, in the order of the README's table.
+            /// Every code, in the order of the reference table (docs/reference/checks.md).
             pub const ALL: &[Code] = &[$(Code::$variant),+];
 
             /// The code as JSON and Prometheus labels spell it.
@@ -145,18 +146,18 @@ impl serde::Serialize for Code {
 mod tests {
     use super::Code;
 
-    /// Every code has its own name, and the README's reference table lists each with its
-    /// meaning.
+    /// Every code has its own name, and the reference table (docs/reference/checks.md) lists
+    /// each with its meaning.
     #[test]
     fn every_code_is_in_the_reference_table() {
-        let readme = include_str!("../../../README.md");
+        let readme = include_str!("../../../docs/reference/checks.md");
         let mut seen = std::collections::BTreeSet::new();
         for c in Code::ALL {
             assert!(seen.insert(c.as_str()), "{} twice", c.as_str());
             let row = format!("| `{}` |", c.as_str());
             assert!(
                 readme.lines().any(|l| l.starts_with(&row)),
-                "README.md has no row {row} …: add `{row} {} |`",
+                "docs/reference/checks.md has no row {row} …: add `{row} {} |`",
                 c.meaning()
             );
         }

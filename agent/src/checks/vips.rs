@@ -1,6 +1,7 @@
 //! `vips`: every configured target (`tcp`, `http`, `icmp`, `dns` probe) answers within its
 //! timeout. On kube-proxy-replacement nodes, Cilium's socket-LB may translate a host-namespace
-//! connect to a VIP straight to a backend: see README, "Known limit: socket-LB".
+//! connect to a VIP straight to a backend: see docs/witness.md, and "Known limit: socket-LB"
+//! in deploy/stepguard.example.yaml.
 use super::CheckResult;
 use crate::checks::Code;
 use crate::config::Target;

@@ -117,7 +117,7 @@ mod tests {
         assert_eq!(o.answers, Some(vec!["198.51.100.10".parse().unwrap()]));
     }
 
-    /// ICMPv6 echoes (issue 33): `::1` answers a one-shot echo; an IPv4 source for an IPv6
+    /// ICMPv6 echoes: `::1` answers a one-shot echo; an IPv4 source for an IPv6
     /// target is refused with the config, naming the field.
     #[tokio::test]
     async fn icmpv6_echoes_are_answered_and_a_foreign_source_refused() {

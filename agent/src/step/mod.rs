@@ -153,7 +153,7 @@ pub struct EndpointPrograms {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "snake_case")]
 pub enum EndpointsFollowed {
-    /// A record from an agent that did not follow endpoints (before issue 25): not judged.
+    /// A record from an agent version that did not follow endpoints: not judged.
     #[default]
     NotFollowed,
     Followed,
@@ -267,7 +267,7 @@ impl Status {
     }
 }
 
-/// Why a step did not pass (the README's "The step protocol" lists each with its rule).
+/// Why a step did not pass (docs/reference/checks.md lists each with its rule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {

@@ -409,18 +409,18 @@ fn a_host_device_carrying_cil_from_container_is_an_endpoint() {
     assert_eq!(eps["cali1234"].ifindex, 7);
 }
 
-/// Every reason is named in JSON as `as_str` names it, and the README's step protocol lists
+/// Every reason is named in JSON as `as_str` names it, and docs/reference/checks.md lists
 /// each; a reason missing from `Reason::ALL` makes the count wrong.
 #[test]
 fn every_reason_is_named_alike_and_documented() {
-    let readme = include_str!("../../../README.md");
+    let readme = include_str!("../../../docs/reference/checks.md");
     let mut names = std::collections::BTreeSet::new();
     for r in Reason::ALL {
         assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());
         assert!(names.insert(r.as_str()));
         assert!(
             readme.contains(&format!("`{}`", r.as_str())),
-            "README.md does not name `{}`",
+            "docs/reference/checks.md does not name `{}`",
             r.as_str()
         );
     }

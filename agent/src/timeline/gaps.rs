@@ -8,7 +8,7 @@
 //! time, wider when they were late (a stalled loop, a busy machine, an agent restart in
 //! between) or when the answers that ended it were held back.
 //!
-//! Held answers (issue 26): a probe sent into an outage is not always lost. The client's
+//! Held answers: a probe sent into an outage is not always lost. The client's
 //! kernel queues packets for a neighbour entry that is resolving (INCOMPLETE: up to
 //! `unres_qlen_bytes`, for up to ~3 s of ARP probes) and sends them the moment an answer or a
 //! gratuitous ARP resolves it; a probe sent up to its timeout before the path came back is
@@ -404,7 +404,7 @@ mod tests {
         assert_eq!((g.longest, g.count), (0.0, 0));
     }
 
-    /// Issue 26, item 1: a client's neighbour entry is INCOMPLETE while the path is down
+    /// A client's neighbour entry is INCOMPLETE while the path is down
     /// (probes every 10 ms, timeout 200 ms, usual round trip 1 ms). The packets queue; the
     /// gratuitous ARP at 2.0 releases them, so every probe sent in [1.8, 2.0) is answered in
     /// time — held until 2.0. Counted at their send times the outage would end at 1.8, 200 ms
@@ -438,7 +438,7 @@ mod tests {
             "the bound reaches back to the last failure: {g:?}"
         );
         assert!(o[0].held.is_some_and(|h| (h - 0.19).abs() < 0.011), "{o:?}");
-        // The arithmetic before this issue: the same probes counted at their send times.
+        // Naive arithmetic: the same probes counted at their send times.
         let naive: Vec<(f64, bool)> = samples.iter().map(|s| (s.sent, s.ok)).collect();
         let n = summarize(&outages(&naive), 0.01, 3.0);
         assert!(

@@ -126,7 +126,8 @@ async fn steps_begin_once_report_gaps_and_end() {
     }
     let r = w.report("a", Some(t0), None).unwrap();
     assert_eq!(r.probes["gw"].sent, 4);
-    // The probe series carry the agent's labels (issue 29: no `vantage` on the witness).
+    // The probe series carry the agent's labels (no `vantage` on the witness: the scrape
+    // target says it).
     let text = w.encode_metrics();
     assert!(
         text.contains(r#"stepguard_probe_failures_total{kind="tcp",target="gw"} 2"#),

@@ -51,7 +51,7 @@ pub(super) fn config_read(quick: bool) -> Result<Value> {
                 * 1e3,
         );
         bytes = it.next().and_then(|x| x.parse().ok()).unwrap_or(0);
-        // The devices check observes every endpoint's programs too (issue 25): beside
+        // The devices check observes every endpoint's programs too: beside
         // bpftool's listing of every device's tc/tcx/XDP programs in the same namespace.
         let out = run_ok(
             nsenter(&ns)

@@ -1,4 +1,4 @@
-//! Issue 32's ratios: each cost of the agent (and of the witness) beside a minimal loop making
+//! The ratios: each cost of the agent (and of the witness) beside a minimal loop making
 //! the same syscalls, taken `runs` times in one lab, each pair back to back (the agent, then
 //! its reference), and reported as the median of the runs' ratios (one run's ratio spreads by
 //! about ±0.2×), with every run's figures beside it.

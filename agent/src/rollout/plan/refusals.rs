@@ -1,11 +1,11 @@
 //! Why a rollout must not start: the refusals and the rules that find them, one function
-//! each, run in [`RULES`]' order (the README's, "Stepping a Cilium rollout"). A new refusal is
-//! a variant, its sentence, a rule and its line in `RULES` (and its line in the README).
+//! each, run in [`RULES`]' order (docs/rollout.md's, "Refusals"). A new refusal is a variant,
+//! its sentence, a rule and its line in `RULES` (and its line in docs/rollout.md).
 use super::{adjacent_minors, CiliumPod, ClusterView, Operator, PlanOpts, ProofStatus};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Why a rollout must not start. Listed in this order (README, "Stepping a Cilium rollout").
+/// Why a rollout must not start. Listed in this order (docs/rollout.md, "Refusals").
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "refusal", rename_all = "snake_case")]
 pub enum Refusal {

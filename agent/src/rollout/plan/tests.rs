@@ -114,7 +114,7 @@ fn canary_first_workers_by_zone_then_holders_apart_then_control_plane() {
     assert!(render(&view(), &p).contains("moves L2 VIPs: net-pihole-a"));
 }
 
-/// Issue 33: a lease holder's step says what LAN clients should expect, from the lease
+/// A lease holder's step says what LAN clients should expect, from the lease
 /// timings: retry × 2.2 for a client resolving the VIP meanwhile; a lease duration less a retry
 /// to a lease duration and two jittered retries when the release misses the grace. Workers
 /// expect none.

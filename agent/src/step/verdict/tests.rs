@@ -413,7 +413,7 @@ fn a_lossy_datapath_fails_its_loss_budget() {
     assert!(v.summary.contains("max_loss"), "{}", v.summary);
 }
 
-/// Issue 26: probes held in a neighbour queue until 2.0 end the outage there, and the row
+/// Probes held in a neighbour queue until 2.0 end the outage there, and the row
 /// says how long the answer that ended it was held.
 #[test]
 fn a_gap_row_ends_at_the_release_of_held_answers_and_says_so() {
