@@ -14,6 +14,9 @@ pub enum ExitCode {
 }
 
 impl ExitCode {
+    /// Every outcome, in the order of their numbers.
+    pub const ALL: [ExitCode; 3] = [ExitCode::Ok, ExitCode::Failed, ExitCode::NotDecided];
+
     /// The process exit status.
     pub fn code(self) -> i32 {
         match self {

@@ -30,3 +30,6 @@ pub mod step;
 pub mod timeline;
 pub mod wire;
 pub mod witness;
+
+#[cfg(test)]
+mod reference_docs;

@@ -1,10 +1,9 @@
 //! The agent's Prometheus metrics, names and labels as docs/reference/metrics.md lists them
 //! (prefix `stepguard_`, base units, `_total` counters, no unbounded labels), exposed as
 //! OpenMetrics. Each component registers its own families (`register(&mut Registrar)`): the
-//! node checks
-//! (`checks.rs`), the probes (`timeline::ProbeMetrics`), steps (`step.rs`), the node's devices
-//! and maps (`node.rs`), the drop counters (`drops.rs`). Families are atomics: nothing here is
-//! behind a lock but the drop counters' last readings.
+//! node checks (`checks.rs`), the probes (`timeline::ProbeMetrics`), steps (`step.rs`), the
+//! node's devices and maps (`node.rs`), the drop counters (`drops.rs`). Families are atomics:
+//! nothing here is behind a lock but the drop counters' last readings.
 mod checks;
 mod drops;
 mod node;
