@@ -51,6 +51,30 @@ pub(super) fn micro_now() -> MicroTime {
     MicroTime(k8s_openapi::jiff::Timestamp::now())
 }
 
+/// Why there is no cluster configuration at all, in one line: not in a pod (no
+/// `KUBERNETES_SERVICE_HOST`) and no kubeconfig file where the client looks. `None` when
+/// there may be one (the client then says what is wrong with it).
+fn no_cluster_config() -> Option<String> {
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        return None;
+    }
+    let files: Vec<std::path::PathBuf> = match std::env::var_os("KUBECONFIG") {
+        Some(v) if !v.is_empty() => std::env::split_paths(&v).collect(),
+        _ => std::env::var_os("HOME")
+            .map(|h| std::path::Path::new(&h).join(".kube/config"))
+            .into_iter()
+            .collect(),
+    };
+    if files.iter().any(|f| f.exists()) {
+        return None;
+    }
+    let shown: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+    Some(format!(
+        "not running in a pod (KUBERNETES_SERVICE_HOST is unset) and no kubeconfig at {}; set $KUBECONFIG",
+        if shown.is_empty() { "~/.kube/config".into() } else { shown.join(", ") }
+    ))
+}
+
 /// The Cilium minor version from an image reference (`quay.io/cilium/cilium:v1.18.2@sha...`).
 pub fn image_minor(image: &str) -> Option<String> {
     let tag = image.split('@').next()?.rsplit(':').next()?;
@@ -62,9 +86,15 @@ pub fn image_minor(image: &str) -> Option<String> {
 
 impl Cluster {
     pub async fn connect(args: RolloutArgs) -> Result<Cluster> {
-        let client = Client::try_default().await.context(
-            "connect to the Kubernetes API (in-cluster, or $KUBECONFIG / ~/.kube/config)",
-        )?;
+        if let Some(why) = no_cluster_config() {
+            bail!("no Kubernetes API to connect to: {why}");
+        }
+        // The client's own message already holds its causes: said once, not as a chain.
+        let client = Client::try_default().await.map_err(|e| {
+            anyhow::anyhow!(
+                "connect to the Kubernetes API (in-cluster, or $KUBECONFIG / ~/.kube/config): {e}"
+            )
+        })?;
         let (ns, ds) = args
             .daemonset
             .split_once('/')
