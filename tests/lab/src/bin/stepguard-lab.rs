@@ -2,7 +2,8 @@
 //! simulated Cilium nodes.
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use stepguard_lab::{parse_duration, AttachMode, Lab, LabSpec, Profile, RestartOpts};
+use std::time::Duration;
+use stepguard_lab::{AttachMode, Lab, LabSpec, Profile, RestartOpts};
 
 #[derive(Parser)]
 #[command(
@@ -331,8 +332,8 @@ fn real_node(
     pods: bool,
     restart_while: Option<&std::path::Path>,
 ) -> Result<()> {
-    use stepguard_lab::realnode::{RealNode, RealSpec, Release};
-    stepguard_lab::check_root()?;
+    use stepguard_lab::real::{RealNode, RealSpec, Release};
+    stepguard_lab::sys::check_root()?;
     let kube_bin = std::env::var_os("STEPGUARD_KUBE_BIN")
         .map(std::path::PathBuf::from)
         .context("STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask lab real-node` sets it)")?;
@@ -357,7 +358,7 @@ fn real_node(
     let mut node = RealNode::up(spec)?;
     if pods {
         let made = (|| -> Result<()> {
-            use stepguard_lab::realpods::Workload;
+            use stepguard_lab::real::pods::Workload;
             for (name, w) in [
                 ("web-0", Workload::Web),
                 ("web-1", Workload::Web),
@@ -449,7 +450,7 @@ fn real_main() -> Result<()> {
             restart_while.as_deref(),
         )?,
         Cmd::AgentApi { socket, settings } => {
-            stepguard_lab::services::serve_agent_api(&socket, &settings)?;
+            stepguard_lab::sim::agentapi::serve_agent_api(&socket, &settings)?;
         }
         Cmd::Up {
             prefix,
@@ -470,7 +471,7 @@ fn real_main() -> Result<()> {
             east_west,
             unsolicited_na,
         } => {
-            stepguard_lab::check_root()?;
+            stepguard_lab::sys::check_root()?;
             if east_west && nodes < 2 {
                 bail!("--east-west needs a LAN lab: --nodes 2 to 4");
             }
@@ -649,7 +650,7 @@ fn real_main() -> Result<()> {
                     println!("# per-node overrides (loaded at the agent's next restart):");
                     lab.state.spec.node_overrides.clone()
                 }
-                _ => stepguard_lab::ciliumconfig::read(&lab.state.cilium_config)?,
+                _ => stepguard_lab::sim::ciliumconfig::read(&lab.state.cilium_config)?,
             };
             for (k, v) in values {
                 println!("{k}={v}");
@@ -668,14 +669,14 @@ fn real_main() -> Result<()> {
             );
         }
         Cmd::Down { prefix, all } => {
-            stepguard_lab::check_root()?;
+            stepguard_lab::sys::check_root()?;
             let lans = stepguard_lab::lan::LanLab::list();
             if let Some(p) = prefix.as_deref().filter(|p| lans.iter().any(|l| l == p)) {
                 stepguard_lab::lan::LanLab::open(p)?.down()?;
                 println!("LAN lab {p} removed");
                 return Ok(());
             }
-            use stepguard_lab::realnode::cluster::RealCluster;
+            use stepguard_lab::real::cluster::RealCluster;
             let clusters = RealCluster::list();
             if let Some(p) = prefix
                 .as_deref()
@@ -691,15 +692,15 @@ fn real_main() -> Result<()> {
                     println!("real-agent cluster {p} removed");
                 }
             }
-            let reals = stepguard_lab::realnode::RealNode::list();
+            let reals = stepguard_lab::real::RealNode::list();
             if let Some(p) = prefix.as_deref().filter(|p| reals.iter().any(|l| l == p)) {
-                stepguard_lab::realnode::RealNode::open(p)?.down()?;
+                stepguard_lab::real::RealNode::open(p)?.down()?;
                 println!("real-agent node {p} removed");
                 return Ok(());
             }
             if all {
                 for p in &reals {
-                    stepguard_lab::realnode::RealNode::open(p)?.down()?;
+                    stepguard_lab::real::RealNode::open(p)?.down()?;
                     println!("real-agent node {p} removed");
                 }
                 for p in &lans {
@@ -762,4 +763,28 @@ fn parse_forget_at(s: &str) -> Result<Option<std::time::Duration>> {
     } else {
         parse_duration(s).map(Some)
     }
+}
+
+/// Parses `500ms`, `2s`, `1.5s`, `300us`, `1m`.
+fn parse_duration(s: &str) -> Result<Duration> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("invalid duration {s:?}: expected e.g. 500ms or 2s"))?;
+    let secs = match unit {
+        "ns" => n / 1e9,
+        "us" | "µs" => n / 1e6,
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => bail!("invalid duration {s:?}: unit must be ns, us, ms, s or m"),
+    };
+    if !(0.0..=3600.0).contains(&secs) {
+        bail!("duration {s:?} out of range (0 to 1h)");
+    }
+    Ok(Duration::from_secs_f64(secs))
 }

@@ -21,8 +21,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use stepguard_lab::kube::kubelet::{Kubelet, Moment};
 use stepguard_lab::kube::{ControlPlane, Forward, Kube};
-use stepguard_lab::kubelet::{Kubelet, Moment};
 use stepguard_lab::lan::{LanGuard, LanLab, LanSpec, LeaseTimings};
 use stepguard_lab::RestartOpts;
 
@@ -693,7 +693,9 @@ fn a_replacement_that_never_turns_ready_halts_the_rollout_there() {
             .unwrap()
             .items
             .into_iter()
-            .find(|p| stepguard_lab::kubelet::target_node(p).as_deref() == Some(other.as_str()))
+            .find(|p| {
+                stepguard_lab::kube::kubelet::target_node(p).as_deref() == Some(other.as_str())
+            })
             .and_then(|p| p.status?.container_statuses?.into_iter().next())
     };
     wait_until(

@@ -54,9 +54,10 @@
 //! where client-go waits a jittered retry period); backends in pods (each node serves the VIPs
 //! itself); veths do not filter by MAC, so the lab does not prove anything a switch's MAC
 //! learning would change.
-use crate::services::{self, Proc};
-use crate::{check_root, netns, now_ns, sys, validate_prefix};
-use crate::{Lab, LabSpec, RestartOpts, RestartReport, RUN_ROOT};
+use crate::sim::{servers, Lab, LabSpec, RestartOpts, RestartReport};
+use crate::sys::fixture::{validate_prefix, RUN_ROOT};
+use crate::sys::process::{self, Proc};
+use crate::sys::{self, check_root, netns, now_ns};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -64,20 +65,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The LAN's router address (nothing answers there; the nodes' second default route).
 mod restart;
 
-pub const LAN_ROUTER: &str = "203.0.113.254";
+pub use crate::sim::addr::{node_addr, LAN_ROUTER};
 /// The LAN client, where a witness runs.
 pub const CLIENT_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 100);
 /// The port a witness in the client namespace listens on.
 pub const WITNESS_PORT: u16 = 9310;
 const ZONE: &str = "lab.stepguard.test";
-
-/// Node `i`'s address on the LAN.
-pub fn node_addr(i: u8) -> Ipv4Addr {
-    Ipv4Addr::new(203, 0, 113, 1 + i)
-}
 
 /// The LAN's IPv6 prefix (documentation range, RFC 3849), /64.
 const LAN6: [u16; 4] = [0x2001, 0xdb8, 0x113, 0];
@@ -207,8 +202,8 @@ impl LeaseTimings {
 pub struct LanSpec {
     pub prefix: String,
     pub nodes: u8,
-    pub profile: crate::Profile,
-    pub attach: crate::AttachMode,
+    pub profile: crate::sim::Profile,
+    pub attach: crate::sim::AttachMode,
     pub lease: LeaseTimings,
     /// The nodes reach each other's pods over the overlay (`cilium_vxlan`), each has a
     /// health endpoint, and every node's agent probes the other nodes' health endpoints as
@@ -254,8 +249,8 @@ impl LanSpec {
         Self {
             prefix: prefix.into(),
             nodes: 2,
-            profile: crate::Profile::V1_18,
-            attach: crate::AttachMode::Tcx,
+            profile: crate::sim::Profile::V1_18,
+            attach: crate::sim::AttachMode::Tcx,
             lease: LeaseTimings::default(),
             east_west: false,
             ipv6: false,
@@ -420,7 +415,7 @@ pub struct Forgotten {
     /// Wall clock ns just before and after `ip neigh flush dev DEV`.
     pub at: (u128, u128),
     /// Every change of the namespace's neighbour table while the lab watched (rtnetlink).
-    pub events: Vec<sys::NeighEvent>,
+    pub events: Vec<sys::neigh::NeighEvent>,
 }
 
 impl Forgotten {
@@ -429,7 +424,8 @@ impl Forgotten {
     /// Events are taken in the order the kernel sent them: the first valid one after the
     /// flush's deletion of `addr` (after the flush began, when there was nothing to delete).
     pub fn resolved(&self, addr: IpAddr) -> Option<u128> {
-        let mine: Vec<&sys::NeighEvent> = self.events.iter().filter(|e| e.addr == addr).collect();
+        let mine: Vec<&sys::neigh::NeighEvent> =
+            self.events.iter().filter(|e| e.addr == addr).collect();
         let from = match mine.iter().position(|e| e.deleted && e.at_ns >= self.at.0) {
             Some(d) => d + 1,
             None => mine
@@ -480,7 +476,12 @@ impl LanLab {
         if !(2..=4).contains(&spec.nodes) {
             bail!("--nodes {}: a LAN lab has 2 to 4 nodes", spec.nodes);
         }
-        if spec.ipv6 && !matches!(spec.profile, crate::Profile::V1_19 | crate::Profile::V1_20) {
+        if spec.ipv6
+            && !matches!(
+                spec.profile,
+                crate::sim::Profile::V1_19 | crate::sim::Profile::V1_20
+            )
+        {
             bail!("--ipv6: Cilium answers Neighbor Solicitations for L2-announced VIPs from 1.19 on (cilium_l2_responder_v6): use --cilium 1.19 or 1.20");
         }
         let run_dir = Path::new(RUN_ROOT).join(&spec.prefix);
@@ -522,17 +523,17 @@ impl LanLab {
     pub fn open(prefix: &str) -> Result<LanLab> {
         validate_prefix(prefix)?;
         Ok(LanLab {
-            state: crate::fixture::read("LAN lab", prefix, "lan.json")?,
+            state: crate::sys::fixture::read("LAN lab", prefix, "lan.json")?,
         })
     }
 
     /// Prefixes of every LAN lab on this machine.
     pub fn list() -> Vec<String> {
-        crate::fixture::list("lan.json")
+        crate::sys::fixture::list("lan.json")
     }
 
     fn save(&self) -> Result<()> {
-        crate::fixture::save(&state_file(&self.state.run_dir), &self.state)
+        crate::sys::fixture::save(&state_file(&self.state.run_dir), &self.state)
     }
 
     /// The VIPs of this LAN: the IPv4 ones, and the IPv6 ones when dual-stack.
@@ -598,7 +599,7 @@ impl LanLab {
             spec.attach = s.attach;
             spec.pods = 2;
             spec.features.ipv6 = s.ipv6;
-            spec.lan = Some(crate::LanPort {
+            spec.lan = Some(crate::sim::LanPort {
                 ns: lan.clone(),
                 index: i,
                 peers: if s.east_west {
@@ -638,7 +639,7 @@ impl LanLab {
                 .filter(|v| v.probe == "dns")
                 .map(|v| v.addr.to_string())
                 .collect();
-            let p = services::start_dnsmasq(&ns, &dir, &dns.join(","), &records)?;
+            let p = servers::start_dnsmasq(&ns, &dir, &dns.join(","), &records)?;
             self.state.procs.push(p);
             self.save()?;
             for gw in self.vips().into_iter().filter(|v| v.probe == "http") {
@@ -648,7 +649,7 @@ impl LanLab {
                     IpAddr::V6(a) => (dir.join("v6"), format!("[{a}]")),
                 };
                 std::fs::create_dir_all(&dir)?;
-                let p = services::start_nginx(&ns, &dir, &listen, gw.port, None)?;
+                let p = servers::start_nginx(&ns, &dir, &listen, gw.port, None)?;
                 self.state.procs.push(p);
                 self.save()?;
             }
@@ -670,7 +671,7 @@ impl LanLab {
         let client = self.client_ns();
         for v in self.vips().into_iter().filter(|v| v.probe == "http") {
             let c = client.clone();
-            services::wait_until(
+            process::wait_until(
                 &format!("{} VIP from the LAN client", v.name),
                 Duration::from_secs(10),
                 || {
@@ -698,12 +699,12 @@ impl LanLab {
         // The frame Cilium of this profile sends (docs/cilium-fidelity.md).
         let reply = matches!(
             self.state.spec.profile,
-            crate::Profile::V1_16 | crate::Profile::V1_17 | crate::Profile::V1_18
+            crate::sim::Profile::V1_16 | crate::sim::Profile::V1_17 | crate::sim::Profile::V1_18
         );
         let standard_na = self.state.spec.na == UnsolicitedNa::Standard;
         let src6 = node_addr6(i);
         netns::in_netns(&ns, move || {
-            let sock = sys::GarpSocket::open().context("open a packet socket")?;
+            let sock = sys::packets::GarpSocket::open().context("open a packet socket")?;
             let before = now_ns();
             match ip {
                 IpAddr::V4(ip) => sock
@@ -820,7 +821,7 @@ impl LanLab {
     pub fn down(&mut self) -> Result<()> {
         let mut errors = Vec::new();
         for p in std::mem::take(&mut self.state.procs) {
-            services::stop(&p);
+            process::stop(&p);
         }
         for prefix in self.state.nodes.clone() {
             match Lab::open(&prefix) {
@@ -857,9 +858,9 @@ impl LanLab {
 }
 
 /// Removes the LAN lab when dropped (tests).
-pub type LanGuard = crate::fixture::Guard<LanLab>;
+pub type LanGuard = crate::sys::fixture::Guard<LanLab>;
 
-impl crate::fixture::Fixture for LanLab {
+impl crate::sys::fixture::Fixture for LanLab {
     const KIND: &'static str = "LAN lab";
     fn prefix(&self) -> &str {
         &self.state.spec.prefix
@@ -921,12 +922,12 @@ fn east_west_yaml(i: u8, nodes: u8) -> String {
     for j in (0..nodes).filter(|j| *j != i) {
         out.push_str(&format!(
             "  - name: health-n{j}\n    address: {}\n    port: {}\n    probe: http\n    path: /hello\n    expect: 200\n    timeout: 200ms\n    east_west: true\n",
-            crate::health_ip(j),
-            crate::HEALTH_PORT
+            crate::sim::addr::health_ip(j),
+            crate::sim::addr::HEALTH_PORT
         ));
         out.push_str(&format!(
             "  - name: pod0-n{j}\n    address: {}\n    probe: icmp\n    timeout: 200ms\n    east_west: true\n",
-            crate::pod_addr(j, 0)
+            crate::sim::addr::pod_addr(j, 0)
         ));
     }
     out

@@ -29,8 +29,9 @@ pub mod config;
 pub mod pods;
 
 use crate::kube::{self as lkube, ControlPlane, Forward, Kube};
-use crate::netns;
-use crate::services::{self, Proc};
+use crate::sim::servers;
+use crate::sys::netns;
+use crate::sys::process::{self, Proc};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -151,7 +152,7 @@ pub struct RealState {
     pub procs: Vec<Proc>,
     pub agent: Option<Proc>,
     pub control_plane: Option<ControlPlane>,
-    /// Pods made through CNI ([`crate::realpods`]).
+    /// Pods made through CNI ([`crate::real::pods`]).
     #[serde(default)]
     pub pods: Vec<pods::RealPod>,
     /// The Services over them exist (their VIPs are stepguard targets).
@@ -175,9 +176,9 @@ pub struct RealNode {
 }
 
 /// Takes a real-agent node down when dropped.
-pub type RealGuard = crate::fixture::Guard<RealNode>;
+pub type RealGuard = crate::sys::fixture::Guard<RealNode>;
 
-impl crate::fixture::Fixture for RealNode {
+impl crate::sys::fixture::Fixture for RealNode {
     const KIND: &'static str = "real node";
     fn prefix(&self) -> &str {
         &self.state.spec.prefix
@@ -219,10 +220,10 @@ pub fn cilium_config(tunnel: bool) -> BTreeMap<String, String> {
     m
 }
 
-/// [`services::realtime`], or a warning when the kernel refuses it (RT group scheduling
+/// [`process::realtime`], or a warning when the kernel refuses it (RT group scheduling
 /// without a budget): the lab still works, but gaps under load may then be the lab's servers.
 fn realtime_or_warn(p: &Proc) {
-    if let Err(e) = services::realtime(p) {
+    if let Err(e) = process::realtime(p) {
         eprintln!(
             "real node: {e:#}: the fabric's servers share the CPU with the restarting agent (a gap under load may be theirs)"
         );
@@ -349,14 +350,14 @@ impl RealNode {
 
     /// Real-agent nodes with a state file (`real.json`).
     pub fn list() -> Vec<String> {
-        crate::fixture::list("real.json")
+        crate::sys::fixture::list("real.json")
     }
 
     /// The recorded state of a real-agent node, e.g. to take it down after the process that
     /// made it died (its agent and forward died with it).
     pub fn open(prefix: &str) -> Result<RealNode> {
-        let run_dir = Path::new(crate::RUN_ROOT).join(prefix);
-        let state: RealState = crate::fixture::read("real-agent node", prefix, "real.json")?;
+        let run_dir = Path::new(crate::sys::fixture::RUN_ROOT).join(prefix);
+        let state: RealState = crate::sys::fixture::read("real-agent node", prefix, "real.json")?;
         Ok(RealNode {
             kubeconfig: run_dir.join("cilium-agent.kubeconfig"),
             state,
@@ -377,14 +378,14 @@ impl RealNode {
     }
 
     fn save(&self) -> Result<()> {
-        crate::fixture::save(&self.state.run_dir.join("real.json"), &self.state)
+        crate::sys::fixture::save(&self.state.run_dir.join("real.json"), &self.state)
     }
 
     /// Builds the node and starts the agent; returns once its host datapath is attached and
     /// its API is healthy. On error, what was made is removed again.
     pub fn up(spec: RealSpec) -> Result<RealNode> {
-        crate::check_root()?;
-        let run_dir = Path::new(crate::RUN_ROOT).join(&spec.prefix);
+        crate::sys::check_root()?;
+        let run_dir = Path::new(crate::sys::fixture::RUN_ROOT).join(&spec.prefix);
         if run_dir.exists() || netns::netns_exists(&format!("{}-node", spec.prefix)) {
             bail!("lab prefix {:?} is already in use", spec.prefix);
         }
@@ -459,7 +460,7 @@ impl RealNode {
                 netns::add_addr(&fabric, "fab1", &format!("{FABRIC1}/25"))?;
             }
         }
-        for vip in [crate::GATEWAY_VIP, crate::DNS_VIP] {
+        for vip in [crate::sim::addr::GATEWAY_VIP, crate::sim::addr::DNS_VIP] {
             netns::add_addr(&fabric, "lo", &format!("{vip}/32"))?;
         }
         netns::ip(
@@ -472,23 +473,31 @@ impl RealNode {
 
         // The VIPs' servers, as in the simulated lab: nginx on the gateway, dnsmasq on DNS; they
         // stand for other machines, so a restart's CPU load on this one must not slow them
-        // ([`services::realtime`]).
+        // ([`process::realtime`]).
         let dir = self.state.run_dir.join("servers");
         std::fs::create_dir_all(&dir)?;
-        let z = crate::DNS_ZONE;
+        let z = crate::sim::addr::DNS_ZONE;
         let records = vec![
-            (format!("gateway.{z}"), crate::GATEWAY_VIP.to_string()),
-            (format!("dns.{z}"), crate::DNS_VIP.to_string()),
+            (
+                format!("gateway.{z}"),
+                crate::sim::addr::GATEWAY_VIP.to_string(),
+            ),
+            (format!("dns.{z}"), crate::sim::addr::DNS_VIP.to_string()),
         ];
-        let p = services::start_dnsmasq(&fabric, &dir, &crate::DNS_VIP.to_string(), &records)?;
+        let p = servers::start_dnsmasq(
+            &fabric,
+            &dir,
+            &crate::sim::addr::DNS_VIP.to_string(),
+            &records,
+        )?;
         self.state.procs.push(p.clone());
         self.save()?;
         realtime_or_warn(&p);
-        let p = services::start_nginx(
+        let p = servers::start_nginx(
             &fabric,
             &dir,
-            &crate::GATEWAY_VIP.to_string(),
-            crate::GATEWAY_PORT,
+            &crate::sim::addr::GATEWAY_VIP.to_string(),
+            crate::sim::addr::GATEWAY_PORT,
             None,
         )?;
         self.state.procs.push(p.clone());
@@ -683,7 +692,7 @@ impl RealNode {
         let pid = child.id() as i32;
         self.child = Some(child);
         std::thread::sleep(Duration::from_millis(50));
-        let start_ticks = services::start_ticks(pid).context("the agent exited at once")?;
+        let start_ticks = process::start_ticks(pid).context("the agent exited at once")?;
         self.state.agent = Some(Proc {
             what: "cilium-agent".into(),
             pid,
@@ -804,7 +813,7 @@ impl RealNode {
     /// Sends a signal (SIGSTOP, SIGCONT) to the running agent without waiting.
     pub fn signal_agent(&self, sig: i32) -> Result<()> {
         let p = self.state.agent.as_ref().context("no agent running")?;
-        if services::start_ticks(p.pid) != Some(p.start_ticks) {
+        if process::start_ticks(p.pid) != Some(p.start_ticks) {
             bail!("the agent is gone");
         }
         // SAFETY: kill(2) on a pid verified to be our agent.
@@ -989,7 +998,7 @@ impl RealNode {
     /// VIPs' targets and the DNS check.
     pub fn write_stepguard_config(&self) -> Result<PathBuf> {
         let p = self.state.run_dir.join("stepguard.yaml");
-        let z = crate::DNS_ZONE;
+        let z = crate::sim::addr::DNS_ZONE;
         let yaml = format!(
             "# stepguard config for the real-agent node {prefix} (run it in {node})\n\
              bpffs: {bpffs}\n\
@@ -1012,9 +1021,9 @@ impl RealNode {
             bpffs = self.state.bpffs.display(),
             cfg = self.state.cilium_config.display(),
             api = self.agent_socket().display(),
-            gw = crate::GATEWAY_VIP,
-            gwp = crate::GATEWAY_PORT,
-            dns = crate::DNS_VIP,
+            gw = crate::sim::addr::GATEWAY_VIP,
+            gwp = crate::sim::addr::GATEWAY_PORT,
+            dns = crate::sim::addr::DNS_VIP,
         );
         std::fs::write(&p, yaml).context("write the stepguard config")?;
         Ok(p)
@@ -1037,7 +1046,7 @@ impl RealNode {
                 errors.push(format!("stop the agent: {e:#}"));
             }
         } else if let Some(p) = self.state.agent.take() {
-            services::stop(&p);
+            process::stop(&p);
         }
         self.forward = None;
         self.kube = None;
@@ -1045,7 +1054,7 @@ impl RealNode {
             cp.down();
         }
         for p in self.state.procs.drain(..).rev() {
-            services::stop(&p);
+            process::stop(&p);
         }
         // Unpinning everything releases the agent's links (cgroup, tcx) and maps.
         if self.state.bpffs_mounted {
@@ -1121,12 +1130,12 @@ pub struct Sampler {
 impl Sampler {
     pub fn sample(&self) -> Sample {
         let map_id = |name: &str| {
-            crate::sys::obj_get(&self.bpffs.join("tc/globals").join(name))
-                .and_then(|fd| crate::sys::obj_id(&fd))
+            crate::sys::bpf::obj_get(&self.bpffs.join("tc/globals").join(name))
+                .and_then(|fd| crate::sys::bpf::obj_id(&fd))
                 .ok()
         };
         let link_prog = |dev: &str, prog: &str| {
-            crate::sys::obj_get(
+            crate::sys::bpf::obj_get(
                 &self
                     .bpffs
                     .join("cilium/devices")
@@ -1134,7 +1143,7 @@ impl Sampler {
                     .join("links")
                     .join(prog),
             )
-            .and_then(|fd| crate::sys::link_prog_id(&fd))
+            .and_then(|fd| crate::sys::bpf::link_prog_id(&fd))
             .ok()
         };
         Sample {
@@ -1205,7 +1214,7 @@ fn another_nodes_cgroup(mount: &Path, path: &str) -> bool {
             .and_then(|n| n.to_str())
             .and_then(|n| n.strip_suffix("-node"))
             .is_some_and(|prefix| {
-                Path::new(crate::RUN_ROOT)
+                Path::new(crate::sys::fixture::RUN_ROOT)
                     .join(prefix)
                     .join("real.json")
                     .exists()

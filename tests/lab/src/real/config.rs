@@ -27,7 +27,7 @@ impl RealNode {
     pub(super) fn create_config(&self) -> Result<()> {
         if let Some(m) = &self.state.spec.member {
             // The cluster made the object; this node's kubelet mounts it.
-            return crate::ciliumconfig::write(&self.state.cilium_config, &m.config);
+            return crate::sim::ciliumconfig::write(&self.state.cilium_config, &m.config);
         }
         let values = cilium_config(self.state.spec.tunnel);
         self.kube().create(
@@ -36,7 +36,7 @@ impl RealNode {
                    "metadata": {"name": "cilium-config", "namespace": CILIUM_NAMESPACE},
                    "data": values}),
         )?;
-        crate::ciliumconfig::write(&self.state.cilium_config, &values)
+        crate::sim::ciliumconfig::write(&self.state.cilium_config, &values)
     }
 
     /// The agent pod's init container: `cilium-dbg build-config` of the node's release into a
@@ -94,7 +94,7 @@ impl RealNode {
             json!({ "data": data }),
             false,
         )?;
-        crate::ciliumconfig::set(&self.state.cilium_config, changes)
+        crate::sim::ciliumconfig::set(&self.state.cilium_config, changes)
     }
 
     /// A per-node override: a CiliumNodeConfig `name` (v2) in Cilium's namespace selecting

@@ -20,8 +20,8 @@ use super::pods::{Workload, POD_NAMESPACE};
 use super::{apply_crds, cilium_config, Member, RealNode, RealSpec, Release};
 use crate::kube::{ControlPlane, Kube};
 use crate::lan::LeaseTimings;
-use crate::netns;
-use crate::services;
+use crate::sys::netns;
+use crate::sys::process;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -93,9 +93,9 @@ pub struct RealCluster {
 }
 
 /// Takes the cluster down when dropped.
-pub type ClusterGuard = crate::fixture::Guard<RealCluster>;
+pub type ClusterGuard = crate::sys::fixture::Guard<RealCluster>;
 
-impl crate::fixture::Fixture for RealCluster {
+impl crate::sys::fixture::Fixture for RealCluster {
     const KIND: &'static str = "real cluster";
     fn prefix(&self) -> &str {
         &self.state.spec.prefix
@@ -127,22 +127,22 @@ impl RealCluster {
     }
 
     fn save(&self) -> Result<()> {
-        crate::fixture::save(&self.state.run_dir.join("cluster.json"), &self.state)
+        crate::sys::fixture::save(&self.state.run_dir.join("cluster.json"), &self.state)
     }
 
     /// Real-agent clusters with a state file (`cluster.json`).
     pub fn list() -> Vec<String> {
-        crate::fixture::list("cluster.json")
+        crate::sys::fixture::list("cluster.json")
     }
 
     /// The recorded state, e.g. to take down a cluster whose process died.
     pub fn open(prefix: &str) -> Result<RealCluster> {
         let state: ClusterState =
-            crate::fixture::read("real-agent cluster", prefix, "cluster.json")?;
+            crate::sys::fixture::read("real-agent cluster", prefix, "cluster.json")?;
         let mut nodes = Vec::new();
         for p in &state.nodes {
             // A node whose `up` failed removed itself (no state file): nothing to open.
-            if Path::new(crate::RUN_ROOT)
+            if Path::new(crate::sys::fixture::RUN_ROOT)
                 .join(p)
                 .join("real.json")
                 .exists()
@@ -162,12 +162,12 @@ impl RealCluster {
     /// responder answers for it and the LAN client reaches it. On error, what was made is
     /// removed again.
     pub fn up(spec: ClusterSpec) -> Result<RealCluster> {
-        crate::check_root()?;
+        crate::sys::check_root()?;
         // Each node's pod CIDR is a /26 of 203.0.113.0/24.
         if !(2..=4).contains(&spec.nodes) {
             bail!("a real cluster has 2 to 4 nodes, not {}", spec.nodes);
         }
-        let run_dir = Path::new(crate::RUN_ROOT).join(&spec.prefix);
+        let run_dir = Path::new(crate::sys::fixture::RUN_ROOT).join(&spec.prefix);
         // Everything the cluster and its nodes will name must be free: `down` removes what
         // the state records, and must never remove another lab's.
         let mut taken: Vec<String> = [
@@ -179,7 +179,7 @@ impl RealCluster {
         .collect();
         for i in 0..spec.nodes {
             let p = format!("{}n{i}", spec.prefix);
-            if Path::new(crate::RUN_ROOT).join(&p).exists()
+            if Path::new(crate::sys::fixture::RUN_ROOT).join(&p).exists()
                 || netns::netns_exists(&format!("{p}-node"))
                 || netns::netns_exists(&format!("{p}-fabric"))
             {
@@ -282,7 +282,7 @@ impl RealCluster {
         self.add_service()?;
         self.write_witness_config()?;
         // Ready: a holder whose responder has the VIP, and the VIP answers the LAN client.
-        services::wait_until(
+        process::wait_until(
             "a lease holder answering ARP for the VIP",
             Duration::from_secs(90),
             || match self.holder()? {
@@ -290,7 +290,7 @@ impl RealCluster {
                 h => bail!("holder {h:?}"),
             },
         )?;
-        services::wait_until(
+        process::wait_until(
             "the VIP from the LAN client",
             Duration::from_secs(30),
             || {
@@ -341,7 +341,7 @@ impl RealCluster {
             .kubectl(&["apply", "-f", &file.display().to_string()])
             .context("apply the CiliumL2AnnouncementPolicy")?;
         for n in &self.nodes {
-            services::wait_until(
+            process::wait_until(
                 &format!(
                     "{}: its pod's identity and the VIP with a backend",
                     n.node_name()
@@ -414,9 +414,9 @@ impl RealCluster {
     /// Cuts node `i` off the LAN (its bridge port down: a pulled cable); returns the wall
     /// clock just before and just after.
     pub fn unplug(&self, i: u8) -> Result<(u128, u128)> {
-        let t0 = crate::now_ns();
+        let t0 = crate::sys::now_ns();
         netns::ip(&self.lan_ns(), &["link", "set", &format!("n{i}"), "down"])?;
-        Ok((t0, crate::now_ns()))
+        Ok((t0, crate::sys::now_ns()))
     }
 
     pub fn plug(&self, i: u8) -> Result<()> {
@@ -427,13 +427,13 @@ impl RealCluster {
     /// Deletes the LAN client's neighbour entry for the VIP (its kernel must resolve it again
     /// for the next packet); returns the wall clock just before and just after.
     pub fn forget_client_entry(&self) -> Result<(u128, u128)> {
-        let t0 = crate::now_ns();
+        let t0 = crate::sys::now_ns();
         // `ip neigh del` of an entry that is not there fails: not an error here.
         let _ = netns::ip(
             &self.client_ns(),
             &["neigh", "del", &LAN_VIP.to_string(), "dev", "eth0"],
         );
-        Ok((t0, crate::now_ns()))
+        Ok((t0, crate::sys::now_ns()))
     }
 
     /// Waits (polling every millisecond, up to `limit`) until node `i`'s responder has no
@@ -443,7 +443,7 @@ impl RealCluster {
         let bpffs = self.nodes[usize::from(i)].state.bpffs.clone();
         loop {
             if !responder_has(&bpffs, LAN_VIP).unwrap_or(true) {
-                return Ok(crate::now_ns());
+                return Ok(crate::sys::now_ns());
             }
             if t0.elapsed() > limit {
                 bail!("node {i}'s responder kept the VIP for {limit:?}");
@@ -457,7 +457,7 @@ impl RealCluster {
     /// neighbour table (rtnetlink).
     pub fn watch(&self) -> Result<Watch> {
         let stop = Arc::new(AtomicBool::new(false));
-        let neigh = crate::sys::NeighWatch::start(&netns::netns_path(&self.client_ns()))
+        let neigh = crate::sys::neigh::NeighWatch::start(&netns::netns_path(&self.client_ns()))
             .context("watch the LAN client's neighbour table")?;
         let kubeconfig = self.control_plane().admin_kubeconfig();
         let flag = stop.clone();
@@ -469,7 +469,7 @@ impl RealCluster {
                 match lease_holder(&k) {
                     Ok(h) => {
                         if out.last().map(|l| l.1) != Some(h) {
-                            out.push((crate::now_ns(), h));
+                            out.push((crate::sys::now_ns(), h));
                         }
                     }
                     Err(e) => {
@@ -493,7 +493,7 @@ impl RealCluster {
                     // A map that cannot be read (the agent recreating it) counts as no entry.
                     let has = responder_has(p, LAN_VIP).unwrap_or(false);
                     if last[i] != Some(has) {
-                        out.push((crate::now_ns(), i as u8, has));
+                        out.push((crate::sys::now_ns(), i as u8, has));
                         last[i] = Some(has);
                     }
                 }
@@ -515,7 +515,7 @@ impl RealCluster {
         let mut errors = Vec::new();
         let mut nodes = std::mem::take(&mut self.nodes);
         for p in &self.state.nodes {
-            let recorded = Path::new(crate::RUN_ROOT)
+            let recorded = Path::new(crate::sys::fixture::RUN_ROOT)
                 .join(p)
                 .join("real.json")
                 .exists();
@@ -556,7 +556,7 @@ type HolderChanges = Vec<(u128, Option<u8>)>;
 /// The lab's ground-truth recording; [`Watch::stop`] returns it.
 pub struct Watch {
     stop: Arc<AtomicBool>,
-    neigh: crate::sys::NeighWatch,
+    neigh: crate::sys::neigh::NeighWatch,
     leases: std::thread::JoinHandle<Result<HolderChanges>>,
     responders: std::thread::JoinHandle<Vec<(u128, u8, bool)>>,
 }
@@ -569,7 +569,7 @@ pub struct Timeline {
     /// Node `i`'s responder has the VIP (true) or not.
     pub responder: Vec<(u128, u8, bool)>,
     /// The LAN client's neighbour entries for the VIP.
-    pub neigh: Vec<crate::sys::NeighEvent>,
+    pub neigh: Vec<crate::sys::neigh::NeighEvent>,
 }
 
 impl Watch {
@@ -681,15 +681,15 @@ fn lease_holder(k: &Kube) -> Result<Option<u8>> {
 /// the IPv4 address in network order, then the ifindex; `bpf/lib/l2_responder.h`). Read only.
 pub fn responder_has(bpffs: &Path, vip: Ipv4Addr) -> Result<bool> {
     let pin = bpffs.join("tc/globals/cilium_l2_responder_v4");
-    let fd = crate::sys::obj_get(&pin).with_context(|| format!("open {}", pin.display()))?;
-    let size = crate::sys::map_key_size(&fd)? as usize;
+    let fd = crate::sys::bpf::obj_get(&pin).with_context(|| format!("open {}", pin.display()))?;
+    let size = crate::sys::bpf::map_key_size(&fd)? as usize;
     if size < 4 {
         bail!("{}: a key of {size} bytes", pin.display());
     }
     let mut key: Option<Vec<u8>> = None;
     let mut next = vec![0u8; size];
     for _ in 0..65_536 {
-        if !crate::sys::map_next_key(&fd, key.as_deref(), &mut next)? {
+        if !crate::sys::bpf::map_next_key(&fd, key.as_deref(), &mut next)? {
             return Ok(false);
         }
         if next[..4] == vip.octets() {

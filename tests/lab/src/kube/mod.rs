@@ -5,7 +5,7 @@
 //! builds (Go module proxy, cached by version outside the clone). The lab's nodes become Node
 //! objects; a Cilium DaemonSet with the chart's labels, selector, image and grace period is
 //! created OnDelete, and the real controller makes its ControllerRevisions and pods. Pods
-//! bound to lab nodes are run by the lab kubelet ([`crate::kubelet`]).
+//! bound to lab nodes are run by the lab kubelet ([`crate::kube::kubelet`]).
 //!
 //! Users (a token file, as `--token-auth-file` reads it): `admin` (group `system:masters`),
 //! the controller manager and the scheduler as their bootstrap RBAC users, and the stepper as
@@ -15,7 +15,9 @@
 //! The stepper runs in the LAN client's network namespace (it must reach the agents on the lab
 //! nodes); [`Forward`] carries its connections from a lab address there to the API server on
 //! the host's loopback, byte for byte (TLS end to end).
-use crate::services::{self, Proc};
+pub mod kubelet;
+
+use crate::sys::process::{self, Proc};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -124,7 +126,7 @@ impl ControlPlane {
         let d = self.dir.clone();
         let (client, peer, api) = (free_port()?, free_port()?, free_port()?);
         let etcd_url = format!("http://127.0.0.1:{client}");
-        self.procs.push(services::spawn_logged(
+        self.procs.push(process::spawn_logged(
             "etcd",
             bin.join("etcd").as_os_str(),
             &[
@@ -210,7 +212,7 @@ impl ControlPlane {
             &self.server,
             &self.stepper_token,
         )?;
-        self.procs.push(services::spawn_logged(
+        self.procs.push(process::spawn_logged(
             "kube-controller-manager",
             bin.join("kube-controller-manager").as_os_str(),
             &[
@@ -227,7 +229,7 @@ impl ControlPlane {
             ],
             &d.join("kube-controller-manager.log"),
         )?);
-        self.procs.push(services::spawn_logged(
+        self.procs.push(process::spawn_logged(
             "kube-scheduler",
             bin.join("kube-scheduler").as_os_str(),
             &[
@@ -242,7 +244,7 @@ impl ControlPlane {
     }
 
     fn start_apiserver(&mut self) -> Result<()> {
-        let p = services::spawn_logged(
+        let p = process::spawn_logged(
             "kube-apiserver",
             self.bin.join("kube-apiserver").as_os_str(),
             &self.apiserver_args,
@@ -257,7 +259,7 @@ impl ControlPlane {
     fn wait_ready(&self) -> Result<()> {
         let ready = self.server.clone() + "/readyz";
         let tok = self.admin_token.clone();
-        services::wait_until("kube-apiserver", Duration::from_secs(90), || {
+        process::wait_until("kube-apiserver", Duration::from_secs(90), || {
             let o = std::process::Command::new("curl")
                 .args(["-sk", "-m", "2", "-H"])
                 .arg(format!("Authorization: Bearer {tok}"))
@@ -297,7 +299,7 @@ impl ControlPlane {
 
     fn signal(&self, what: &str, sig: i32) -> Result<()> {
         let p = self.proc(what)?;
-        if services::start_ticks(p.pid) != Some(p.start_ticks) {
+        if process::start_ticks(p.pid) != Some(p.start_ticks) {
             bail!("{what} (pid {}) is not running", p.pid);
         }
         // SAFETY: kill(2) on a pid verified to be the process we started.
@@ -322,7 +324,7 @@ impl ControlPlane {
     pub fn restart_apiserver(&mut self, down_for: Duration) -> Result<()> {
         let p = self.proc("kube-apiserver")?.clone();
         let from = unix_now();
-        services::stop(&p);
+        process::stop(&p);
         self.procs.retain(|q| q.pid != p.pid);
         std::thread::sleep(down_for);
         let r = self.start_apiserver();
@@ -408,12 +410,12 @@ impl ControlPlane {
     pub fn down(&mut self) {
         for p in &self.procs {
             // A paused component cannot take its SIGTERM.
-            if services::start_ticks(p.pid) == Some(p.start_ticks) {
+            if process::start_ticks(p.pid) == Some(p.start_ticks) {
                 unsafe { libc::kill(p.pid, libc::SIGCONT) };
             }
         }
         for p in self.procs.drain(..).rev() {
-            services::stop(&p);
+            process::stop(&p);
         }
     }
 }
@@ -432,7 +434,7 @@ impl Forward {
     pub fn start(netns: &str, ip: &str, target: SocketAddr) -> Result<Forward> {
         let ip = ip.to_string();
         let listener =
-            crate::netns::in_netns(netns, move || Ok(TcpListener::bind((ip.as_str(), 0))?))
+            crate::sys::netns::in_netns(netns, move || Ok(TcpListener::bind((ip.as_str(), 0))?))
                 .with_context(|| format!("listen in {netns}"))?;
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
