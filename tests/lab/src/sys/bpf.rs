@@ -1,6 +1,15 @@
 //! The few bpf(2) commands the lab needs that aya does not expose: creating maps with Cilium's
 //! names and shapes, writing their entries, pinning, and swapping a link's program.
 //! Raw syscalls on purpose: the lab plays cilium-agent, which writes; the agent never does.
+//!
+//! Not shared with the kernel crate's `bpf` (`kernel/src/bpf/`): that one is read-only by
+//! contract (BPF_F_RDONLY opens, info and counting; the agent never writes), and these are the
+//! writing commands it must not offer. aya does not cover them either: it creates a map only
+//! from an `aya_obj::Map` (a crate the lab does not depend on), writes only typed, fixed-size
+//! entries (Cilium's shapes differ by release), and swaps a pinned link's program only by
+//! taking the link over into that program's own links (`attach_to_link`), where the lab swaps
+//! by fd and leaves the pin as Cilium does. The few reads kept here (`obj_id`, `link_prog_id`,
+//! `map_key_size`) serve the same fds.
 use super::fd_result;
 use std::ffi::CString;
 use std::io;
