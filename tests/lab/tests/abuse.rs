@@ -10,7 +10,7 @@ use stepguard_lab::RestartOpts;
 
 /// Opens `n` connections to `addr` from inside `ns` that never send a byte.
 fn idle_connections(ns: &str, addr: std::net::SocketAddr, n: usize) -> Vec<TcpStream> {
-    stepguard_lab::netns::in_netns(ns, move || {
+    stepguard_lab::sys::netns::in_netns(ns, move || {
         Ok((0..n)
             .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok())
             .collect())
@@ -189,7 +189,7 @@ fn a_connection_flood_and_long_polls_at_the_limits_leave_the_agent_measuring() {
 
 /// A socket with a tiny receive buffer (set before connecting), from inside `ns`.
 fn slow_reader(ns: &str, addr: std::net::SocketAddr, n: usize, requests: usize) -> Vec<TcpStream> {
-    stepguard_lab::netns::in_netns(ns, move || {
+    stepguard_lab::sys::netns::in_netns(ns, move || {
         use std::io::Write;
         use std::os::fd::FromRawFd;
         let mut out = Vec::new();
@@ -312,7 +312,7 @@ fn waiters_back_off_when_every_long_poll_slot_is_held() {
     let connects = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let listener = {
         let ns = agent.ns.clone();
-        stepguard_lab::netns::in_netns(&ns, move || Ok(std::net::TcpListener::bind(proxy)?))
+        stepguard_lab::sys::netns::in_netns(&ns, move || Ok(std::net::TcpListener::bind(proxy)?))
             .unwrap()
     };
     listener.set_nonblocking(true).unwrap();
@@ -324,7 +324,7 @@ fn waiters_back_off_when_every_long_poll_slot_is_held() {
             match listener.accept() {
                 Ok((mut client, _)) => {
                     c2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let upstream = stepguard_lab::netns::in_netns(&ns, move || {
+                    let upstream = stepguard_lab::sys::netns::in_netns(&ns, move || {
                         Ok(TcpStream::connect_timeout(&target, Duration::from_secs(1))?)
                     });
                     if let Ok(mut up) = upstream {
@@ -463,7 +463,7 @@ fn hostile_witness(ns: &str, endless: bool, for_s: u64) -> HostileWitness {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     use std::sync::Arc;
     let listener =
-        stepguard_lab::netns::in_netns(ns, || Ok(std::net::TcpListener::bind("127.0.0.1:0")?))
+        stepguard_lab::sys::netns::in_netns(ns, || Ok(std::net::TcpListener::bind("127.0.0.1:0")?))
             .unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (polls, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -641,7 +641,7 @@ fn prompt_client(
     use std::io::{Read, Write};
     let ns = ns.to_string();
     std::thread::spawn(move || {
-        stepguard_lab::netns::in_netns(&ns, move || {
+        stepguard_lab::sys::netns::in_netns(&ns, move || {
             let until = Instant::now() + Duration::from_secs(for_s);
             let (mut ok, mut asked, mut slowest) = (0, 0, Duration::ZERO);
             while Instant::now() < until {

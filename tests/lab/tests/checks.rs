@@ -471,7 +471,7 @@ fn a_stopped_dns_server_is_never_a_pass() {
         .iter()
         .find(|p| p.what == "dnsmasq")
         .unwrap();
-    stepguard_lab::services::stop(dnsmasq);
+    stepguard_lab::sys::process::stop(dnsmasq);
     let (code, v, _) = check(&lab, &["--only", "dns,vips"]);
     assert_eq!(code, 1, "{v:#}");
     assert_eq!(result(&v, "dns")["status"], "fail");

@@ -13,7 +13,7 @@ fn lan(nodes: u8) -> LanGuard {
     let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
     spec.nodes = nodes;
     spec.east_west = true;
-    stepguard_lab::fixture::Guard(LanLab::up(spec).expect("LAN lab up"))
+    stepguard_lab::sys::fixture::Guard(LanLab::up(spec).expect("LAN lab up"))
 }
 
 fn gap<'a>(v: &'a Value, target: &str) -> &'a Value {

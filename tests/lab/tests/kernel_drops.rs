@@ -78,7 +78,7 @@ fn blackholed_packets_are_counted(attach: stepguard_lab::AttachMode) {
     // (Had the blackhole not dropped them, they would show up as NO_SOCKET instead.)
     let sender = std::thread::spawn(move || {
         wait_for_blackhole(&bpffs);
-        stepguard_lab::netns::in_netns(&fabric, move || {
+        stepguard_lab::sys::netns::in_netns(&fabric, move || {
             let s = UdpSocket::bind("192.0.2.254:0")?;
             for _ in 0..n {
                 s.send_to(b"into the blackhole", "192.0.2.1:5353")?;

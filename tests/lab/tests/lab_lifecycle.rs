@@ -81,7 +81,7 @@ fn a_test_that_panics_leaves_nothing_behind() {
     let pids = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let pids2 = pids.clone();
     let r = std::thread::spawn(move || {
-        let lab = stepguard_lab::fixture::Guard(Lab::up(LabSpec::new(p2)).unwrap());
+        let lab = stepguard_lab::sys::fixture::Guard(Lab::up(LabSpec::new(p2)).unwrap());
         pids2
             .lock()
             .unwrap()

@@ -33,7 +33,7 @@ fn restart_while_probing(lab: &mut Lab, opts: RestartOpts) -> (RestartReport, Ve
     let stop2 = stop.clone();
     // The prober starts counting from here (tests run one at a time).
     let prober = std::thread::spawn(move || {
-        stepguard_lab::netns::in_netns(&ns, move || {
+        stepguard_lab::sys::netns::in_netns(&ns, move || {
             let vip: SocketAddr = "198.51.100.10:80".parse().unwrap();
             let mut probes = Vec::new();
             let deadline = Instant::now() + Duration::from_secs(30);
@@ -394,8 +394,8 @@ fn the_restart_recreates_ipcache_before_the_api_serves_then_the_host_then_the_en
     let mut lab = lab(|s| s.pods = 60);
     let ipcache = lab.state.bpffs.join("tc/globals/cilium_ipcache_v2");
     let map_id = |p: &std::path::Path| {
-        stepguard_lab::sys::obj_get(p)
-            .and_then(|fd| stepguard_lab::sys::obj_id(&fd))
+        stepguard_lab::sys::bpf::obj_get(p)
+            .and_then(|fd| stepguard_lab::sys::bpf::obj_id(&fd))
             .ok()
     };
     let before = map_id(&ipcache).expect("ipcache pinned");

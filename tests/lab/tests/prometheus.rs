@@ -79,7 +79,7 @@ impl Prometheus {
         loop {
             let up = {
                 let (ns, port) = (self.ns.clone(), self.port);
-                stepguard_lab::netns::in_netns(&ns, move || {
+                stepguard_lab::sys::netns::in_netns(&ns, move || {
                     Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
                 })
                 .unwrap_or(false)

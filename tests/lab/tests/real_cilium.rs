@@ -1,6 +1,6 @@
 //! stepguard against the **real cilium-agent** (issue 30): a lab node runs cilium-agent 1.20
 //! built from its Go module (`cargo xtask cilium`), against the lab's real control plane, in
-//! its own network, mount and cgroup namespaces (`stepguard_lab::realnode`). The checks must
+//! its own network, mount and cgroup namespaces (`stepguard_lab::real`). The checks must
 //! pass on the healthy node with the agent's own devices, programs, maps and config keys as
 //! evidence, and its restarts — SIGTERM as the kubelet sends it, and SIGKILL — must be seen
 //! and verified as implicit steps with no false alarm.
@@ -60,8 +60,7 @@ fn healthy(tunnel: bool) {
             "dig from the node: {}",
             String::from_utf8_lossy(&dig.stdout)
         );
-        let (_, svc) =
-            stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/service").unwrap();
+        let (_, svc) = stepguard_lab::real::api_get(&node.agent_socket(), "/v1/service").unwrap();
         eprintln!("the agent's services: {svc}");
         for args in [
             &["route", "show", "table", "all"][..],
@@ -141,7 +140,7 @@ fn healthy(tunnel: bool) {
         assert!(vips.contains(&format!("\"{t}\"")), "{t} probed: {vips}");
     }
     // Endpoints: the pods the agent made through CNI, ready, with their programs.
-    let (_, eps) = stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/endpoint").unwrap();
+    let (_, eps) = stepguard_lab::real::api_get(&node.agent_socket(), "/v1/endpoint").unwrap();
     let eps: Value = serde_json::from_str(&eps).unwrap();
     for p in node.pods() {
         assert!(

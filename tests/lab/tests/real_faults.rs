@@ -1,5 +1,5 @@
 //! Faults on the **real cilium-agent** (issue 31, part 1): each is made on a lab node running
-//! cilium-agent 1.20 (`stepguard_lab::realnode`), and the verdict asserted is the one the
+//! cilium-agent 1.20 (`stepguard_lab::real`), and the verdict asserted is the one the
 //! agent's measured behaviour implies (recorded in `docs/cilium-fidelity.md`, "Faults on the
 //! real agent"). The agent's log of each case is kept in `target/real-cilium/`.
 //!
@@ -10,7 +10,7 @@ use common::real::*;
 use common::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
-use stepguard_lab::realnode::RealNode;
+use stepguard_lab::real::RealNode;
 
 /// The reasons of a decided step.
 fn step_reasons(v: &Value) -> Vec<String> {
@@ -111,7 +111,7 @@ fn an_agent_stopped_after_its_api_serves_fails_datapath_not_reloaded() {
     node.start_agent().unwrap();
     let t0 = Instant::now();
     let api = loop {
-        if stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/healthz")
+        if stepguard_lab::real::api_get(&node.agent_socket(), "/v1/healthz")
             .is_ok_and(|(c, _)| c == 200)
         {
             break t0.elapsed();
@@ -342,12 +342,12 @@ fn names(v: &[&str]) -> Vec<String> {
 fn node_with_eth2(test: &'static str, value: &str, address: Option<&str>) -> Kept {
     let mut node = Kept(real_node_routed(true), test);
     let (ns, fabric) = (node.node_ns(), node.fabric_ns());
-    stepguard_lab::netns::add_veth(&ns, "eth2", &fabric, "fab2").unwrap();
-    stepguard_lab::netns::sysctl(&ns, &["net.ipv6.conf.eth2.disable_ipv6=1"]).unwrap();
+    stepguard_lab::sys::netns::add_veth(&ns, "eth2", &fabric, "fab2").unwrap();
+    stepguard_lab::sys::netns::sysctl(&ns, &["net.ipv6.conf.eth2.disable_ipv6=1"]).unwrap();
     if let Some(a) = address {
-        stepguard_lab::netns::add_addr(&ns, "eth2", a).unwrap();
+        stepguard_lab::sys::netns::add_addr(&ns, "eth2", a).unwrap();
     }
-    let addrs = stepguard_lab::netns::ip(&ns, &["-o", "addr", "show", "dev", "eth2"]).unwrap();
+    let addrs = stepguard_lab::sys::netns::ip(&ns, &["-o", "addr", "show", "dev", "eth2"]).unwrap();
     assert_eq!(
         addrs.trim().is_empty(),
         address.is_none(),
@@ -514,12 +514,12 @@ fn an_endpoint_renamed_while_the_agent_is_down_fails_naming_it() {
     let mut node = Kept(real_node_routed(true), "fault-endpoint-renamed");
     // Pods without Services: no probe goes to them, only the endpoints' programs say.
     for name in ["web-0", "web-1"] {
-        node.add_pod(name, stepguard_lab::realpods::Workload::Web)
+        node.add_pod(name, stepguard_lab::real::pods::Workload::Web)
             .expect("a pod through CNI ADD");
     }
     let agent = real_agent_on(&node);
     let ns = node.node_ns();
-    let links = stepguard_lab::netns::ip(&ns, &["-o", "link", "show"]).unwrap();
+    let links = stepguard_lab::sys::netns::ip(&ns, &["-o", "link", "show"]).unwrap();
     let lxc = links
         .lines()
         .filter_map(|l| l.split(": ").nth(1))
@@ -534,7 +534,7 @@ fn an_endpoint_renamed_while_the_agent_is_down_fails_naming_it() {
         vec!["link", "set", lxc.as_str(), "name", "moved0"],
         vec!["link", "set", "moved0", "up"],
     ] {
-        stepguard_lab::netns::ip(&ns, &args).unwrap();
+        stepguard_lab::sys::netns::ip(&ns, &args).unwrap();
     }
     node.start_agent().unwrap();
     node.wait_ready(Duration::from_secs(180)).unwrap();
@@ -659,11 +659,11 @@ fn chained_endpoints_are_followed_and_a_stall_among_them_fails() {
     node.chain_cni(&plugins).unwrap();
     restart(&mut node);
     for name in ["web-0", "web-1"] {
-        node.add_pod(name, stepguard_lab::realpods::Workload::Web)
+        node.add_pod(name, stepguard_lab::real::pods::Workload::Web)
             .expect("a pod through ptp and cilium-cni");
     }
     let ns = node.node_ns();
-    let links = stepguard_lab::netns::ip(&ns, &["-o", "link", "show"]).unwrap();
+    let links = stepguard_lab::sys::netns::ip(&ns, &["-o", "link", "show"]).unwrap();
     let veths: Vec<String> = links
         .lines()
         .filter_map(|l| l.split(": ").nth(1))
@@ -689,8 +689,7 @@ fn chained_endpoints_are_followed_and_a_stall_among_them_fails() {
     );
 
     // The endpoint behind the first veth loses its state while the agent is down.
-    let (code, body) =
-        stepguard_lab::realnode::api_get(&node.agent_socket(), "/v1/endpoint").unwrap();
+    let (code, body) = stepguard_lab::real::api_get(&node.agent_socket(), "/v1/endpoint").unwrap();
     assert_eq!(code, 200);
     let eps: Value = serde_json::from_str(&body).unwrap();
     let ep_id = eps

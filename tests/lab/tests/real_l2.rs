@@ -1,6 +1,6 @@
 //! L2 announcements by the **real cilium-agents** of two nodes (issue 31, part 3): a
 //! `CiliumL2AnnouncementPolicy`, the agents' leases in the real API server, a LoadBalancer
-//! VIP answered by the holder's BPF ARP responder (`stepguard_lab::realnode::cluster`). A
+//! VIP answered by the holder's BPF ARP responder (`stepguard_lab::real::cluster`). A
 //! witness in the LAN client namespace measures the VIP as a LAN client sees it; the lab's
 //! ground truth is what it observes, never decides: the lease's holder, each node's pinned
 //! responder entry, and the client's neighbour table (rtnetlink), each change time-stamped.
@@ -32,7 +32,7 @@ use common::*;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use stepguard_lab::realnode::cluster::{
+use stepguard_lab::real::cluster::{
     fmt_mac, RealCluster, Timeline, LAN_CLIENT, LAN_SERVICE, WITNESS_PORT,
 };
 

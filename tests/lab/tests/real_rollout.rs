@@ -1,5 +1,5 @@
 //! `stepguard rollout` over **real cilium-agents** (issue 31, part 4): a cluster of three lab
-//! nodes each running the real cilium-agent 1.20 (`stepguard_lab::realnode::cluster`), the real
+//! nodes each running the real cilium-agent 1.20 (`stepguard_lab::real::cluster`), the real
 //! API server, DaemonSet and Deployment controllers and scheduler, the shipped manifests
 //! (`deploy/base`, `deploy/rollout`), Cilium's DaemonSet as the chart renders it with
 //! `updateStrategy: OnDelete`, and the lab kubelet: when the stepper deletes a node's cilium
@@ -24,9 +24,9 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use stepguard_lab::kube::kubelet::Kubelet;
 use stepguard_lab::kube::{Forward, Kube};
-use stepguard_lab::kubelet::Kubelet;
-use stepguard_lab::realnode::cluster::{node_lan_addr, LAN_CLIENT};
+use stepguard_lab::real::cluster::{node_lan_addr, LAN_CLIENT};
 
 const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.20.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 const OPERATOR_IMAGE: &str = "quay.io/cilium/operator-generic:v1.20.2@sha256:fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
@@ -196,7 +196,7 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
             &g.witness_config(),
             &format!(
                 "{LAN_CLIENT}:{}",
-                stepguard_lab::realnode::cluster::WITNESS_PORT
+                stepguard_lab::real::cluster::WITNESS_PORT
             ),
             1,
             &["--probe-interval", "100ms"],

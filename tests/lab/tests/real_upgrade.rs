@@ -13,7 +13,7 @@ use common::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use stepguard_lab::realnode::{RealNode, Release};
+use stepguard_lab::real::{RealNode, Release};
 
 /// The global maps pinned under `tc/globals`, with their ids.
 fn pinned_maps(node: &RealNode) -> BTreeMap<String, u64> {

@@ -649,7 +649,7 @@ fn sigterm_turns_readiness_false_before_the_agent_closes() {
     for _ in 0..100 {
         let (ns, addr) = (agent.ns.clone(), agent.addr);
         // The listener may close at any moment: a refused or cut connection ends the loop.
-        let status = stepguard_lab::netns::in_netns(&ns, move || {
+        let status = stepguard_lab::sys::netns::in_netns(&ns, move || {
             use std::io::{Read, Write};
             let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100))?;
             s.set_read_timeout(Some(Duration::from_secs(2)))?;

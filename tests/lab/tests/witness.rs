@@ -15,7 +15,7 @@ fn lan(lease: LeaseTimings) -> LanGuard {
     require_root();
     let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
     spec.lease = lease;
-    stepguard_lab::fixture::Guard(LanLab::up(spec).expect("LAN lab up"))
+    stepguard_lab::sys::fixture::Guard(LanLab::up(spec).expect("LAN lab up"))
 }
 
 fn short_lease(duration_ms: u64) -> LeaseTimings {
@@ -212,7 +212,7 @@ fn ipv6_vips_lease_moves_are_measured_by_the_witness() {
         spec.profile = profile;
         spec.na = na;
         let mut lab =
-            stepguard_lab::fixture::Guard(LanLab::up(spec).expect("dual-stack LAN lab up"));
+            stepguard_lab::sys::fixture::Guard(LanLab::up(spec).expect("dual-stack LAN lab up"));
         let w = start_witness6(&lab);
         let cadence = 0.010;
         let a0 = agent_on(&lab, 0);
@@ -414,7 +414,7 @@ fn an_always_on_witness_measures_an_unstepped_lease_move() {
     let moves: Value = serde_json::from_str(&{
         let ns = lab.client_ns();
         let url = format!("{}/v1/moves", w.url);
-        stepguard_lab::netns::in_netns(&ns, move || {
+        stepguard_lab::sys::netns::in_netns(&ns, move || {
             let out = std::process::Command::new("curl")
                 .args(["-s", "-m", "2", &url])
                 .output()?;
@@ -488,7 +488,7 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
     let trickle = {
         let (ns, stop) = (lab.client_ns(), stop.clone());
         std::thread::spawn(move || {
-            stepguard_lab::netns::in_netns(&ns, move || {
+            stepguard_lab::sys::netns::in_netns(&ns, move || {
                 use std::io::Write;
                 let mut socks: Vec<std::net::TcpStream> = (0..260)
                     .filter_map(|_| {

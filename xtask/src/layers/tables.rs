@@ -1,6 +1,6 @@
 //! The tables the check holds the sources to: each crate's modules by layer (lowest first),
 //! the pure modules, the workspace's crates in order.
-use super::{Crate, Layers, Units};
+use super::{Crate, Layers};
 
 /// The agent's layers, lowest first (see `docs/architecture.md`).
 pub const AGENT_LAYERS: Layers = &[
@@ -68,43 +68,35 @@ pub const KERNEL_LAYERS: Layers = &[
     ),
 ];
 
-/// The lab's layers, lowest first (see `docs/architecture.md`). `lab` is the unit
-/// [`LAB_UNITS`] names; `bin` is the lab's command line (`src/bin/`), which reaches the
-/// library as `stepguard_lab::`.
+/// The lab's layers, lowest first (see `docs/architecture.md`): its rooms, each a directory.
+/// `bin` is the lab's command line (`src/bin/`), which reaches the library as `stepguard_lab::`.
+/// The crate root only declares the rooms and re-exports the simulated node's face; nothing in
+/// a room reaches the root's own items.
 pub const LAB_LAYERS: Layers = &[
     (
-        "netns: namespaces, veths, addresses; fixture: a lab's state file and guard",
-        &["netns", "fixture"],
+        "sys: syscalls by subject (bpf, tc filters, packets, the neighbour watch), namespaces, \
+         processes, a lab's state file and guard",
+        &["sys"],
     ),
     (
-        "the fabric's servers and the cilium-config directory",
-        &["services", "ciliumconfig"],
+        "kube: the control plane (the API server and its clients) and the lab kubelet",
+        &["kube"],
     ),
     (
-        "the control plane: the API server and the lab kubelet",
-        &["kube", "kubelet"],
+        "sim: the simulated node (Lab, LabSpec, addresses, maps, datapath, the fabric's servers, \
+         the agent's config and API, restarts, node maps, the overlay)",
+        &["sim"],
     ),
     (
-        "the lab's syscalls (packets, netlink, bpf), its pinned maps and datapath programs",
-        &["sys", "maps", "datapath"],
+        "lan: a LAN of simulated nodes with L2 announcements",
+        &["lan"],
     ),
     (
-        "the lab: the root's items (Lab, LabSpec, addresses), restarts, the LAN and the \
-         real-agent node",
-        &["lab"],
-    ),
-    (
-        "what the root's children add to Lab: the agent's config, node maps, the overlay",
-        &["agentcfg", "nodemaps", "overlay"],
+        "real: a node (and a cluster) running the real cilium-agent",
+        &["real"],
     ),
     ("the command line", &["bin"]),
 ];
-
-/// Modules of the lab judged as one unit: today they form one import circle, so no order of
-/// them passes. The root's own items (`lib`) use `lan`, `restart` (`pub use restart::*`) and
-/// `realnode` (`pub use realnode::pods as realpods`); `restart` comes back through `use
-/// super::*`, `lan` and `realnode` through `crate::Lab`, `crate::RUN_ROOT` and the like.
-pub const LAB_UNITS: Units = &[("lab", &["lib", "lan", "realnode", "restart"])];
 
 /// Modules that must stay pure: no clock, file, socket, process, randomness or runtime, so
 /// their rules are tested without a daemon (the caller passes the time and the readings in).
@@ -167,6 +159,6 @@ pub const LAB: Crate = Crate {
     dir: "tests/lab/src",
     ident: "stepguard_lab",
     layers: LAB_LAYERS,
-    units: LAB_UNITS,
+    units: &[],
     externs: &[],
 };

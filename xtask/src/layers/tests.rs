@@ -392,56 +392,63 @@ fn a_kernel_module_reaching_up_fails() {
     assert!(p[1].starts_with("import circle over bpf, links"), "{p:?}");
 }
 
-const LAB_LIB: &str =
-    "mod agentcfg;\npub mod ciliumconfig;\npub mod datapath;\npub mod fixture;\npub mod kube;\n\
-    pub mod kubelet;\npub mod lan;\npub mod maps;\npub mod netns;\nmod nodemaps;\nmod overlay;\n\
-    pub mod realnode;\nmod restart;\npub use restart::*;\npub mod services;\npub mod sys;\n\
-    pub use maps::Profile;\npub use sys::now_ns;\n";
+const LAB_LIB: &str = "pub mod kube;\npub mod lan;\npub mod real;\npub mod sim;\npub mod sys;\n\
+    pub use sim::{Lab, RestartOpts};\npub use sys::now_ns;\n";
 
-/// The lab: the root's own items are `lib`; its children's `use super::*` imports it; its
-/// re-exports stand for their modules; its programs reach it as `stepguard_lab::`. The
-/// circle inside the `lab` unit passes; a module below the unit naming it fails.
+/// A lab of rooms: a file is judged as its room (`sim/restart.rs` is `sim`); the root's
+/// re-exports stand for their room; its programs reach it as `stepguard_lab::`.
+fn lab_rooms() -> [(&'static str, &'static str); 7] {
+    [
+        ("lib.rs", LAB_LIB),
+        ("sys/mod.rs", "pub mod netns;\npub fn now_ns() -> u128 { 0 }\n"),
+        ("sys/netns.rs", "pub fn enter() {}\n"),
+        (
+            "sim/mod.rs",
+            "mod restart;\npub use restart::*;\nuse crate::sys::netns;\npub struct Lab;\n",
+        ),
+        (
+            "sim/restart.rs",
+            "use super::*;\npub struct RestartOpts;\nfn f() { netns::enter(); super::super::sys::now_ns(); }\n",
+        ),
+        (
+            "lan/mod.rs",
+            "use crate::sim::{Lab, RestartOpts};\nfn t() -> u128 { crate::now_ns() }\n",
+        ),
+        (
+            "bin/stepguard-lab/main.rs",
+            "mod cli;\nuse stepguard_lab::{lan, RestartOpts};\nfn main() { stepguard_lab::sys::netns::enter(); cli::run(); }\n",
+        ),
+    ]
+}
+
+/// The lab's rooms pass as they point down; a planted import from a lower room to a higher
+/// one fails.
 #[test]
 fn a_lab_module_reaching_up_fails() {
-    let files = [
-        ("lib.rs", LAB_LIB),
-        ("restart.rs", "use super::*;\npub struct RestartOpts;\n"),
-        ("sys.rs", "pub fn now_ns() -> u128 { 0 }\n"),
-        ("nodemaps.rs", "use super::*;\nfn f(p: Profile) { sys::now_ns(); }\n"),
-        ("netns.rs", "pub fn enter() {}\n"),
-        ("lan.rs", "use crate::{now_ns, RestartOpts};\n"),
-        (
-            "bin/stepguard-lab.rs",
-            "use stepguard_lab::{lan, RestartOpts};\nfn main() { stepguard_lab::netns::enter(); }\n",
-        ),
-    ];
+    let files = lab_rooms();
     let p = planted_in(&LAB, &files);
     assert!(p.is_empty(), "{p:?}");
     let mut up = files;
-    up[4].1 = "pub fn enter() {}\nfn t() -> u128 { crate::now_ns() }\n";
+    up[2].1 = "pub fn enter() {}\nfn t() -> crate::Lab { crate::sim::Lab }\n";
     let p = planted_in(&LAB, &up);
-    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p.len(), 3, "{p:?}");
     assert!(
-        p[0].contains("upward import: netns.rs:2 `crate::now_ns` — netns (layer 1"),
+        p[0].contains("upward import: sys/netns.rs:2 `crate::Lab` — sys (layer 1"),
         "{p:?}"
     );
+    assert!(
+        p[1].contains("upward import: sys/netns.rs:2 `crate::sim` — sys (layer 1"),
+        "{p:?}"
+    );
+    // sim uses sys: the planted import closes a circle too.
+    assert!(p[2].starts_with("import circle over sim, sys"), "{p:?}");
 }
 
-/// The lab's imports as the check reads them: through the root's glob, its re-exports and
-/// the program's `stepguard_lab::`.
+/// The lab's imports as the check reads them: through a room's own paths, the root's
+/// re-exports and the program's `stepguard_lab::`; within a room nothing is an import.
 #[test]
 fn the_lab_root_s_names_resolve() {
-    let files = [
-        ("lib.rs", LAB_LIB),
-        ("restart.rs", "use super::*;\npub struct RestartOpts;\n"),
-        ("nodemaps.rs", "use super::*;\nfn f(p: Profile) { sys::clock(); }\n"),
-        ("lan.rs", "use crate::{now_ns, RestartOpts};\n"),
-        (
-            "bin/stepguard-lab.rs",
-            "use stepguard_lab::{lan, RestartOpts};\nfn main() { stepguard_lab::netns::enter(); }\n",
-        ),
-    ];
-    let dir = plant(&files);
+    let dir = plant(&lab_rooms());
     let tree = Tree::read(&dir, LAB.externs).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
     let got: Vec<String> = imports(&LAB, &tree)
@@ -451,39 +458,35 @@ fn the_lab_root_s_names_resolve() {
     assert_eq!(
         got,
         [
-            "bin/stepguard-lab.rs:1 bin -> lan `stepguard_lab::lan`",
-            "bin/stepguard-lab.rs:1 bin -> restart `stepguard_lab::RestartOpts`",
-            "bin/stepguard-lab.rs:2 bin -> netns `stepguard_lab::netns`",
-            "lan.rs:1 lan -> sys `crate::now_ns`",
-            "lan.rs:1 lan -> restart `crate::RestartOpts`",
-            "lib.rs:14 lib -> restart `restart`",
-            "lib.rs:17 lib -> maps `maps`",
-            "lib.rs:18 lib -> sys `sys`",
-            "nodemaps.rs:1 nodemaps -> lib `super::*`",
-            "nodemaps.rs:2 nodemaps -> maps `Profile`",
-            "nodemaps.rs:2 nodemaps -> sys `sys`",
-            "restart.rs:1 restart -> lib `super::*`",
+            "bin/stepguard-lab/main.rs:2 bin -> lan `stepguard_lab::lan`",
+            "bin/stepguard-lab/main.rs:2 bin -> sim `stepguard_lab::RestartOpts`",
+            "bin/stepguard-lab/main.rs:3 bin -> sys `stepguard_lab::sys`",
+            "lan/mod.rs:1 lan -> sim `crate::sim`",
+            "lan/mod.rs:2 lan -> sys `crate::now_ns`",
+            "sim/mod.rs:3 sim -> sys `crate::sys`",
+            "sim/restart.rs:3 sim -> sys `super::super::sys`",
         ],
     );
 }
 
-/// Grouping the lab's circle leaves the circle rule whole elsewhere.
+/// Two rooms naming each other form a circle, whatever their layers.
 #[test]
-fn a_lab_circle_outside_the_unit_fails() {
+fn a_circle_between_lab_rooms_fails() {
     let p = planted_in(
         &LAB,
         &[
             ("lib.rs", LAB_LIB),
-            ("kube.rs", "use crate::kubelet::Pod;\n"),
-            ("kubelet.rs", "use crate::kube::Kube;\n"),
-            ("bin/stepguard-lab.rs", "fn main() {}\n"),
+            ("kube/mod.rs", "use crate::real::Pod;\n"),
+            ("real/mod.rs", "use crate::kube::Kube;\n"),
+            ("bin/stepguard-lab/main.rs", "fn main() {}\n"),
         ],
     );
-    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p.len(), 2, "{p:?}");
     assert!(
-        p[0].starts_with("import circle over kube, kubelet"),
+        p[0].contains("upward import: kube/mod.rs:1 `crate::real` — kube (layer 2"),
         "{p:?}"
     );
+    assert!(p[1].starts_with("import circle over kube, real"), "{p:?}");
 }
 
 #[test]

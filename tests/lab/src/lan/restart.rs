@@ -62,14 +62,14 @@ impl LanLab {
                     Some(j) => self.node(j)?.node_ns(),
                 };
                 Some(
-                    sys::NeighWatch::start(&netns::netns_path(&ns))
+                    sys::neigh::NeighWatch::start(&netns::netns_path(&ns))
                         .with_context(|| format!("watch the neighbour table of {ns}"))?,
                 )
             }
             None => None,
         };
         let mut node = self.node(i)?;
-        let (tx, rx) = std::sync::mpsc::channel::<(crate::AgentEvent, Instant)>();
+        let (tx, rx) = std::sync::mpsc::channel::<(crate::sim::AgentEvent, Instant)>();
         let lease_thread = {
             let me = LanLab {
                 state: self.state.clone(),
@@ -238,7 +238,7 @@ impl LanLab {
         &self,
         i: u8,
         lo: &LanRestartOpts,
-        rx: std::sync::mpsc::Receiver<(crate::AgentEvent, Instant)>,
+        rx: std::sync::mpsc::Receiver<(crate::sim::AgentEvent, Instant)>,
     ) -> (LeaseClock, Result<()>) {
         let mut c = LeaseClock {
             holders: self.state.holders.clone(),
@@ -253,7 +253,7 @@ impl LanLab {
         &self,
         i: u8,
         lo: &LanRestartOpts,
-        rx: std::sync::mpsc::Receiver<(crate::AgentEvent, Instant)>,
+        rx: std::sync::mpsc::Receiver<(crate::sim::AgentEvent, Instant)>,
         c: &mut LeaseClock,
     ) -> Result<()> {
         let lease = self.state.spec.lease;
@@ -261,7 +261,7 @@ impl LanLab {
         let to = (i + 1) % n;
         let down = loop {
             match rx.recv() {
-                Ok((crate::AgentEvent::Down(_), at)) => break at,
+                Ok((crate::sim::AgentEvent::Down(_), at)) => break at,
                 Ok(_) => continue,
                 Err(_) => return Ok(()),
             }
@@ -325,7 +325,7 @@ impl LanLab {
                     None => rx.recv().map_err(|_| true),
                 };
                 match got {
-                    Ok((crate::AgentEvent::Started(ns), at)) => {
+                    Ok((crate::sim::AgentEvent::Started(ns), at)) => {
                         started = true;
                         c.started = Some(ns);
                         // Its liveness stamp is fresh again: the entries that survive the

@@ -153,7 +153,7 @@ pub fn cilium_pods_in(k: &Kube) -> BTreeMap<String, (String, String, bool, bool)
             (
                 p.metadata.name.clone().unwrap(),
                 (
-                    stepguard_lab::kubelet::target_node(&p).unwrap_or_default(),
+                    stepguard_lab::kube::kubelet::target_node(&p).unwrap_or_default(),
                     p.metadata
                         .labels
                         .as_ref()

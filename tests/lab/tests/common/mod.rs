@@ -26,7 +26,7 @@ pub fn lab(f: impl FnOnce(&mut LabSpec)) -> LabGuard {
     require_root();
     let mut spec = LabSpec::new(stepguard_lab::unique_prefix());
     f(&mut spec);
-    stepguard_lab::fixture::Guard(Lab::up(spec).expect("lab up"))
+    stepguard_lab::sys::fixture::Guard(Lab::up(spec).expect("lab up"))
 }
 
 /// Runs a command, asserting success, returning stdout.
@@ -200,7 +200,7 @@ pub fn http(
     let (method, path) = (method.to_string(), path.to_string());
     let body = body.map(str::to_string);
     let token = token.map(str::to_string);
-    stepguard_lab::netns::in_netns(netns, move || {
+    stepguard_lab::sys::netns::in_netns(netns, move || {
         use std::io::{Read, Write};
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
         s.set_read_timeout(Some(Duration::from_secs(120)))?;
@@ -356,7 +356,7 @@ impl AgentProc {
         while Instant::now() < deadline {
             let ns = self.ns.clone();
             let addr = self.addr;
-            let ok = stepguard_lab::netns::in_netns(&ns, move || {
+            let ok = stepguard_lab::sys::netns::in_netns(&ns, move || {
                 Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
             })
             .unwrap_or(false);
@@ -512,7 +512,7 @@ impl AgentProc {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             let (ns, addr) = (self.ns.clone(), self.addr);
-            let up = stepguard_lab::netns::in_netns(&ns, move || {
+            let up = stepguard_lab::sys::netns::in_netns(&ns, move || {
                 Ok(TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
             })
             .unwrap_or(false);
@@ -680,7 +680,7 @@ pub fn flood(
     use std::io::{Read, Write};
     let ns = ns.to_string();
     std::thread::spawn(move || {
-        stepguard_lab::netns::in_netns(&ns, move || {
+        stepguard_lab::sys::netns::in_netns(&ns, move || {
             let until = Instant::now() + Duration::from_secs(for_s);
             let mut conns: Vec<std::net::TcpStream> = Vec::new();
             let (mut made, mut dribbled) = (0, Instant::now());

@@ -4,8 +4,8 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use stepguard_lab::realnode::{RealGuard, RealNode, RealSpec, Release};
-use stepguard_lab::realpods::Workload;
+use stepguard_lab::real::pods::Workload;
+use stepguard_lab::real::{RealGuard, RealNode, RealSpec, Release};
 
 pub fn real_node_on(minor: &str, tunnel: bool) -> RealGuard {
     require_root();
@@ -28,7 +28,7 @@ pub fn real_node_on(minor: &str, tunnel: bool) -> RealGuard {
         t0.elapsed().as_secs_f64(),
         node.state.spec.release.version
     );
-    stepguard_lab::fixture::Guard(node)
+    stepguard_lab::sys::fixture::Guard(node)
 }
 
 pub fn real_node_routed(tunnel: bool) -> RealGuard {
@@ -182,7 +182,7 @@ pub fn pinned_link_program(node: &RealNode, dev: &str, program: &str) -> u64 {
 /// A real-agent cluster, taken down at the end of a test (also when it panics) after its
 /// agents' logs are kept (`target/real-cilium/<test>-node<i>.log`).
 pub struct KeptCluster(
-    pub stepguard_lab::realnode::cluster::ClusterGuard,
+    pub stepguard_lab::real::cluster::ClusterGuard,
     pub &'static str,
 );
 impl Drop for KeptCluster {
@@ -193,7 +193,7 @@ impl Drop for KeptCluster {
     }
 }
 impl std::ops::Deref for KeptCluster {
-    type Target = stepguard_lab::realnode::cluster::RealCluster;
+    type Target = stepguard_lab::real::cluster::RealCluster;
     fn deref(&self) -> &Self::Target {
         &self.0
     }
@@ -216,7 +216,7 @@ pub fn real_cluster_with(
     test: &'static str,
     lease: stepguard_lab::lan::LeaseTimings,
 ) -> KeptCluster {
-    use stepguard_lab::realnode::cluster::{ClusterSpec, RealCluster};
+    use stepguard_lab::real::cluster::{ClusterSpec, RealCluster};
     require_root();
     let release = Release::from_env("1.20").expect("the real cilium-agent");
     let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
@@ -237,5 +237,5 @@ pub fn real_cluster_with(
         t0.elapsed().as_secs_f64(),
         c.holder().unwrap()
     );
-    KeptCluster(stepguard_lab::fixture::Guard(c), test)
+    KeptCluster(stepguard_lab::sys::fixture::Guard(c), test)
 }

@@ -61,7 +61,7 @@ impl Witness {
     /// A GET from its namespace, as JSON (Null when it does not answer).
     pub fn get(&self, path: &str) -> Value {
         let url = format!("{}{path}", self.url);
-        stepguard_lab::netns::in_netns(&self.ns, move || {
+        stepguard_lab::sys::netns::in_netns(&self.ns, move || {
             let out = std::process::Command::new("curl")
                 .args(["-s", "-m", "2", &url])
                 .output()?;

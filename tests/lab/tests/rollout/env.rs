@@ -90,7 +90,7 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
         renew: Duration::from_secs(1),
         retry: Duration::from_millis(500),
     };
-    let lan = stepguard_lab::fixture::Guard(LanLab::up(spec).expect("LAN lab up"));
+    let lan = stepguard_lab::sys::fixture::Guard(LanLab::up(spec).expect("LAN lab up"));
     let run_dir = lan.state.run_dir.clone();
     let client_ns = lan.client_ns();
     let cp = ControlPlane::up(&run_dir.join("kube"), &kube_bin).expect("control plane up");
@@ -451,7 +451,7 @@ pub(crate) fn deployment_args() -> Vec<String> {
 /// The lab kubelet's state (its deletions, held pods, hook failures), locked.
 pub(crate) fn kubelet_state(
     e: &Env,
-) -> std::sync::MutexGuard<'_, stepguard_lab::kubelet::KubeletState> {
+) -> std::sync::MutexGuard<'_, stepguard_lab::kube::kubelet::KubeletState> {
     e.kubelet
         .as_ref()
         .expect("the env's kubelet")

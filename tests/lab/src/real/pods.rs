@@ -10,8 +10,9 @@
 //! the nginx pods; `dns` ([`DNS_CLUSTER_IP`], UDP and TCP 53) the dnsmasq pod. A probe from
 //! the node to these addresses goes through Cilium's real service maps and socket-LB.
 use super::RealNode;
-use crate::netns;
-use crate::services::{self, Proc};
+use crate::sim::servers;
+use crate::sys::netns;
+use crate::sys::process::{self, Proc};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -238,7 +239,7 @@ impl RealNode {
                 &api,
                 json!({"apiVersion": "v1", "kind": "Pod",
                        "metadata": {"name": name, "namespace": POD_NAMESPACE,
-                                    "labels": {"app": app, crate::kubelet::CNI_POD_LABEL: "cni"}},
+                                    "labels": {"app": app, crate::kube::kubelet::CNI_POD_LABEL: "cni"}},
                        "spec": {"nodeName": self.node_name(),
                                 "containers": [{"name": app, "image": format!("stepguard.invalid/lab-{app}:1")}],
                                 "terminationGracePeriodSeconds": 1}}),
@@ -272,15 +273,18 @@ impl RealNode {
         let dir = self.state.run_dir.join("pods").join(name);
         std::fs::create_dir_all(&dir)?;
         let server = match workload {
-            Workload::Web => services::start_nginx(&pod.netns, &dir, &ip.to_string(), 80, None)?,
+            Workload::Web => servers::start_nginx(&pod.netns, &dir, &ip.to_string(), 80, None)?,
             Workload::Dns => {
-                let z = crate::DNS_ZONE;
+                let z = crate::sim::addr::DNS_ZONE;
                 let records = vec![
-                    (format!("gateway.{z}"), crate::GATEWAY_VIP.to_string()),
-                    (format!("dns.{z}"), crate::DNS_VIP.to_string()),
+                    (
+                        format!("gateway.{z}"),
+                        crate::sim::addr::GATEWAY_VIP.to_string(),
+                    ),
+                    (format!("dns.{z}"), crate::sim::addr::DNS_VIP.to_string()),
                     (format!("web.{z}"), WEB_CLUSTER_IP.to_string()),
                 ];
-                services::start_dnsmasq(&pod.netns, &dir, &ip.to_string(), &records)?
+                servers::start_dnsmasq(&pod.netns, &dir, &ip.to_string(), &records)?
             }
         };
         pod.server = Some(server);
@@ -323,7 +327,7 @@ impl RealNode {
         };
         let mut errors = Vec::new();
         if let Some(s) = &pod.server {
-            services::stop(s);
+            process::stop(s);
         }
         // CNI DEL needs the agent (without it cilium-cni queues the deletion and waits):
         // a node whose agent is gone just loses the namespace.
@@ -410,7 +414,7 @@ impl RealNode {
         // informer has not seen the pod yet ("Unable to fetch kubernetes labels ... not
         // found", measured); its labels are resolved about a second later. Until then a DNS
         // query through the ClusterIP was measured to time out: the lab waits for it.
-        services::wait_until(
+        process::wait_until(
             "every pod's endpoint ready with its labels' identity",
             Duration::from_secs(60),
             || {
@@ -485,7 +489,7 @@ impl RealNode {
 
     /// Waits (up to a minute) until the agent serves the service at `addr` with a backend.
     fn wait_served(&self, addr: Ipv4Addr) -> Result<()> {
-        services::wait_until(
+        process::wait_until(
             &format!("the agent's service {addr} with a backend"),
             Duration::from_secs(60),
             || {
@@ -519,7 +523,7 @@ impl RealNode {
 
     /// The stepguard targets of the Services (their VIPs through Cilium's service maps).
     pub fn service_targets_yaml() -> String {
-        let z = crate::DNS_ZONE;
+        let z = crate::sim::addr::DNS_ZONE;
         format!(
             "\x20 - name: web-clusterip\n    address: {WEB_CLUSTER_IP}\n    port: 80\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\
              \x20 - name: web-lb\n    address: {WEB_LB_IP}\n    port: 80\n    probe: http\n    path: /healthz\n    expect: 200\n    timeout: 500ms\n\

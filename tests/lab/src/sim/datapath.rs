@@ -1,8 +1,8 @@
 //! The fake Cilium datapath: loads the lab's eBPF object once per device (so every device has
 //! its own program IDs, as Cilium's per-device compiled objects do), attaches the programs where
 //! Cilium attaches them, and replaces them atomically on a simulated restart.
-use crate::netns::in_netns;
 use crate::sys;
+use crate::sys::netns::in_netns;
 use anyhow::{bail, Context, Result};
 use aya::programs::links::{FdLink, LinkOrder};
 use aya::programs::tc::{self, TcAttachOptions};
@@ -297,7 +297,7 @@ fn tc_set(dev: &str, hook: Hook, prog: Option<(&dyn std::os::fd::AsRawFd, &str)>
         bail!("no device {dev}");
     }
     let what = if prog.is_some() { "replace" } else { "delete" };
-    sys::tc_filter(idx, hook == Hook::Egress, prog)
+    sys::tc::tc_filter(idx, hook == Hook::Egress, prog)
         .with_context(|| format!("{what} tc filter on {dev} {hook:?}"))
 }
 
@@ -371,12 +371,12 @@ pub fn replace(
                 .find(|a| &a.device == dev && a.program == *name && a.hook == *hook)
                 .context("prepared program has no attachment")?;
             let prog_fd = l.prog_fd()?;
-            let new_id = sys::obj_id(&prog_fd)?;
+            let new_id = sys::bpf::obj_id(&prog_fd)?;
             match &old.link_pin {
                 Some(pin) => {
-                    let link = sys::obj_get(pin)
+                    let link = sys::bpf::obj_get(pin)
                         .with_context(|| format!("open pinned link {}", pin.display()))?;
-                    sys::link_update(&link, &prog_fd)
+                    sys::bpf::link_update(&link, &prog_fd)
                         .with_context(|| format!("update link {}", pin.display()))?;
                 }
                 None => tc_set(dev, *hook, Some((&prog_fd, &old.tc_filter_name())))?,
@@ -437,15 +437,15 @@ pub fn replace_shared(
     let atts = atts.to_vec();
     in_netns(ns, move || {
         let prog_fd = loaded.prog_fd()?;
-        let new_id = sys::obj_id(&prog_fd)?;
+        let new_id = sys::bpf::obj_id(&prog_fd)?;
         let mut out = atts.clone();
         for i in &chosen {
             let old = &atts[*i];
             match &old.link_pin {
                 Some(pin) => {
-                    let link = sys::obj_get(pin)
+                    let link = sys::bpf::obj_get(pin)
                         .with_context(|| format!("open pinned link {}", pin.display()))?;
-                    sys::link_update(&link, &prog_fd)
+                    sys::bpf::link_update(&link, &prog_fd)
                         .with_context(|| format!("update link {}", pin.display()))?;
                 }
                 None => tc_set(
@@ -487,7 +487,8 @@ pub fn detach(ns: &str, atts: &[Attachment]) -> Result<()> {
 /// Sets or clears the lab's blackhole flag.
 pub fn set_blackhole(bpffs: &Path, on: bool) -> Result<()> {
     let pin = blackhole_pin(bpffs);
-    let fd = sys::obj_get(&pin).with_context(|| format!("open blackhole map {}", pin.display()))?;
-    sys::map_update(&fd, &0u32.to_ne_bytes(), &(on as u32).to_ne_bytes())
+    let fd =
+        sys::bpf::obj_get(&pin).with_context(|| format!("open blackhole map {}", pin.display()))?;
+    sys::bpf::map_update(&fd, &0u32.to_ne_bytes(), &(on as u32).to_ne_bytes())
         .context("write blackhole flag")
 }

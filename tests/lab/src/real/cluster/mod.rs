@@ -16,20 +16,22 @@
 //! Nothing here decides a lease move: the agents do. The lab only observes, as ground truth:
 //! the lease's holder in the API server, each node's pinned `cilium_l2_responder_v4` (read,
 //! never written), and the LAN client's neighbour table (rtnetlink) — [`RealCluster::watch`].
+mod watch;
+
+pub use watch::{Timeline, Watch};
+
 use super::pods::{Workload, POD_NAMESPACE};
 use super::{apply_crds, cilium_config, Member, RealNode, RealSpec, Release};
 use crate::kube::{ControlPlane, Kube};
 use crate::lan::LeaseTimings;
-use crate::netns;
-use crate::services;
+use crate::sys::netns;
+use crate::sys::process;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The LAN client, where a witness runs.
@@ -93,9 +95,9 @@ pub struct RealCluster {
 }
 
 /// Takes the cluster down when dropped.
-pub type ClusterGuard = crate::fixture::Guard<RealCluster>;
+pub type ClusterGuard = crate::sys::fixture::Guard<RealCluster>;
 
-impl crate::fixture::Fixture for RealCluster {
+impl crate::sys::fixture::Fixture for RealCluster {
     const KIND: &'static str = "real cluster";
     fn prefix(&self) -> &str {
         &self.state.spec.prefix
@@ -127,22 +129,22 @@ impl RealCluster {
     }
 
     fn save(&self) -> Result<()> {
-        crate::fixture::save(&self.state.run_dir.join("cluster.json"), &self.state)
+        crate::sys::fixture::save(&self.state.run_dir.join("cluster.json"), &self.state)
     }
 
     /// Real-agent clusters with a state file (`cluster.json`).
     pub fn list() -> Vec<String> {
-        crate::fixture::list("cluster.json")
+        crate::sys::fixture::list("cluster.json")
     }
 
     /// The recorded state, e.g. to take down a cluster whose process died.
     pub fn open(prefix: &str) -> Result<RealCluster> {
         let state: ClusterState =
-            crate::fixture::read("real-agent cluster", prefix, "cluster.json")?;
+            crate::sys::fixture::read("real-agent cluster", prefix, "cluster.json")?;
         let mut nodes = Vec::new();
         for p in &state.nodes {
             // A node whose `up` failed removed itself (no state file): nothing to open.
-            if Path::new(crate::RUN_ROOT)
+            if Path::new(crate::sys::fixture::RUN_ROOT)
                 .join(p)
                 .join("real.json")
                 .exists()
@@ -162,12 +164,12 @@ impl RealCluster {
     /// responder answers for it and the LAN client reaches it. On error, what was made is
     /// removed again.
     pub fn up(spec: ClusterSpec) -> Result<RealCluster> {
-        crate::check_root()?;
+        crate::sys::check_root()?;
         // Each node's pod CIDR is a /26 of 203.0.113.0/24.
         if !(2..=4).contains(&spec.nodes) {
             bail!("a real cluster has 2 to 4 nodes, not {}", spec.nodes);
         }
-        let run_dir = Path::new(crate::RUN_ROOT).join(&spec.prefix);
+        let run_dir = Path::new(crate::sys::fixture::RUN_ROOT).join(&spec.prefix);
         // Everything the cluster and its nodes will name must be free: `down` removes what
         // the state records, and must never remove another lab's.
         let mut taken: Vec<String> = [
@@ -179,7 +181,7 @@ impl RealCluster {
         .collect();
         for i in 0..spec.nodes {
             let p = format!("{}n{i}", spec.prefix);
-            if Path::new(crate::RUN_ROOT).join(&p).exists()
+            if Path::new(crate::sys::fixture::RUN_ROOT).join(&p).exists()
                 || netns::netns_exists(&format!("{p}-node"))
                 || netns::netns_exists(&format!("{p}-fabric"))
             {
@@ -282,7 +284,7 @@ impl RealCluster {
         self.add_service()?;
         self.write_witness_config()?;
         // Ready: a holder whose responder has the VIP, and the VIP answers the LAN client.
-        services::wait_until(
+        process::wait_until(
             "a lease holder answering ARP for the VIP",
             Duration::from_secs(90),
             || match self.holder()? {
@@ -290,7 +292,7 @@ impl RealCluster {
                 h => bail!("holder {h:?}"),
             },
         )?;
-        services::wait_until(
+        process::wait_until(
             "the VIP from the LAN client",
             Duration::from_secs(30),
             || {
@@ -341,7 +343,7 @@ impl RealCluster {
             .kubectl(&["apply", "-f", &file.display().to_string()])
             .context("apply the CiliumL2AnnouncementPolicy")?;
         for n in &self.nodes {
-            services::wait_until(
+            process::wait_until(
                 &format!(
                     "{}: its pod's identity and the VIP with a backend",
                     n.node_name()
@@ -414,9 +416,9 @@ impl RealCluster {
     /// Cuts node `i` off the LAN (its bridge port down: a pulled cable); returns the wall
     /// clock just before and just after.
     pub fn unplug(&self, i: u8) -> Result<(u128, u128)> {
-        let t0 = crate::now_ns();
+        let t0 = crate::sys::now_ns();
         netns::ip(&self.lan_ns(), &["link", "set", &format!("n{i}"), "down"])?;
-        Ok((t0, crate::now_ns()))
+        Ok((t0, crate::sys::now_ns()))
     }
 
     pub fn plug(&self, i: u8) -> Result<()> {
@@ -427,13 +429,13 @@ impl RealCluster {
     /// Deletes the LAN client's neighbour entry for the VIP (its kernel must resolve it again
     /// for the next packet); returns the wall clock just before and just after.
     pub fn forget_client_entry(&self) -> Result<(u128, u128)> {
-        let t0 = crate::now_ns();
+        let t0 = crate::sys::now_ns();
         // `ip neigh del` of an entry that is not there fails: not an error here.
         let _ = netns::ip(
             &self.client_ns(),
             &["neigh", "del", &LAN_VIP.to_string(), "dev", "eth0"],
         );
-        Ok((t0, crate::now_ns()))
+        Ok((t0, crate::sys::now_ns()))
     }
 
     /// Waits (polling every millisecond, up to `limit`) until node `i`'s responder has no
@@ -443,7 +445,7 @@ impl RealCluster {
         let bpffs = self.nodes[usize::from(i)].state.bpffs.clone();
         loop {
             if !responder_has(&bpffs, LAN_VIP).unwrap_or(true) {
-                return Ok(crate::now_ns());
+                return Ok(crate::sys::now_ns());
             }
             if t0.elapsed() > limit {
                 bail!("node {i}'s responder kept the VIP for {limit:?}");
@@ -452,70 +454,13 @@ impl RealCluster {
         }
     }
 
-    /// Starts the lab's ground-truth recording: the lease holder (API server, every 20 ms),
-    /// each node's responder entry for the VIP (pinned map, every 2 ms), the LAN client's
-    /// neighbour table (rtnetlink).
-    pub fn watch(&self) -> Result<Watch> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let neigh = crate::sys::NeighWatch::start(&netns::netns_path(&self.client_ns()))
-            .context("watch the LAN client's neighbour table")?;
-        let kubeconfig = self.control_plane().admin_kubeconfig();
-        let flag = stop.clone();
-        let leases = std::thread::spawn(move || -> Result<HolderChanges> {
-            let k = Kube::connect(&kubeconfig)?;
-            let mut out: HolderChanges = Vec::new();
-            let mut errors = 0;
-            while !flag.load(Ordering::SeqCst) {
-                match lease_holder(&k) {
-                    Ok(h) => {
-                        if out.last().map(|l| l.1) != Some(h) {
-                            out.push((crate::now_ns(), h));
-                        }
-                    }
-                    Err(e) => {
-                        errors += 1;
-                        if errors > 50 {
-                            return Err(e.context("read the lease 50 times"));
-                        }
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Ok(out)
-        });
-        let pins: Vec<PathBuf> = self.nodes.iter().map(|n| n.state.bpffs.clone()).collect();
-        let flag = stop.clone();
-        let responders = std::thread::spawn(move || {
-            let mut out: Vec<(u128, u8, bool)> = Vec::new();
-            let mut last: Vec<Option<bool>> = vec![None; pins.len()];
-            while !flag.load(Ordering::SeqCst) {
-                for (i, p) in pins.iter().enumerate() {
-                    // A map that cannot be read (the agent recreating it) counts as no entry.
-                    let has = responder_has(p, LAN_VIP).unwrap_or(false);
-                    if last[i] != Some(has) {
-                        out.push((crate::now_ns(), i as u8, has));
-                        last[i] = Some(has);
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            out
-        });
-        Ok(Watch {
-            stop,
-            neigh,
-            leases,
-            responders,
-        })
-    }
-
     /// Removes the nodes (each removes exactly what it made), the control plane, the LAN and
     /// the client, the run dir.
     pub fn down(&mut self) -> Result<()> {
         let mut errors = Vec::new();
         let mut nodes = std::mem::take(&mut self.nodes);
         for p in &self.state.nodes {
-            let recorded = Path::new(crate::RUN_ROOT)
+            let recorded = Path::new(crate::sys::fixture::RUN_ROOT)
                 .join(p)
                 .join("real.json")
                 .exists();
@@ -550,111 +495,6 @@ impl RealCluster {
     }
 }
 
-/// The lease holder's changes: (wall clock ns, node index; None: released or none).
-type HolderChanges = Vec<(u128, Option<u8>)>;
-
-/// The lab's ground-truth recording; [`Watch::stop`] returns it.
-pub struct Watch {
-    stop: Arc<AtomicBool>,
-    neigh: crate::sys::NeighWatch,
-    leases: std::thread::JoinHandle<Result<HolderChanges>>,
-    responders: std::thread::JoinHandle<Vec<(u128, u8, bool)>>,
-}
-
-/// What the lab saw, each change with its wall clock (ns since the epoch).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Timeline {
-    /// The lease holder (node index; None: released or none).
-    pub holder: Vec<(u128, Option<u8>)>,
-    /// Node `i`'s responder has the VIP (true) or not.
-    pub responder: Vec<(u128, u8, bool)>,
-    /// The LAN client's neighbour entries for the VIP.
-    pub neigh: Vec<crate::sys::NeighEvent>,
-}
-
-impl Watch {
-    pub fn stop(self) -> Result<Timeline> {
-        self.stop.store(true, Ordering::SeqCst);
-        let neigh = self
-            .neigh
-            .stop()
-            .context("the LAN client's neighbour watch")?
-            .into_iter()
-            .filter(|e| e.addr == LAN_VIP)
-            .collect();
-        let holder = self
-            .leases
-            .join()
-            .map_err(|_| anyhow::anyhow!("the lease watcher panicked"))??;
-        let responder = self
-            .responders
-            .join()
-            .map_err(|_| anyhow::anyhow!("the responder watcher panicked"))?;
-        Ok(Timeline {
-            holder,
-            responder,
-            neigh,
-        })
-    }
-}
-
-impl Timeline {
-    /// The first time after `after` the client's entry for the VIP became valid with `mac`.
-    pub fn client_on(&self, mac: [u8; 6], after: u128) -> Option<u128> {
-        self.neigh
-            .iter()
-            .find(|e| e.at_ns > after && e.valid() && e.lladdr == Some(mac))
-            .map(|e| e.at_ns)
-    }
-    /// The first time after `after` the holder became `who`.
-    pub fn holder_became(&self, who: Option<u8>, after: u128) -> Option<u128> {
-        self.holder
-            .iter()
-            .find(|(t, h)| *t > after && *h == who)
-            .map(|(t, _)| *t)
-    }
-    /// The first time after `after` node `i`'s responder entry appeared (`has`) or vanished.
-    pub fn responder_changed(&self, i: u8, has: bool, after: u128) -> Option<u128> {
-        self.responder
-            .iter()
-            .find(|(t, n, h)| *t > after && *n == i && *h == has)
-            .map(|(t, _, _)| *t)
-    }
-    /// Readable, relative to `t0` (for the test's output and the note).
-    pub fn render(&self, t0: u128) -> String {
-        let s = |t: u128| (t as f64 - t0 as f64) / 1e9;
-        let mut rows: Vec<(f64, String)> = Vec::new();
-        for (t, h) in &self.holder {
-            rows.push((s(*t), format!("lease holder: {h:?}")));
-        }
-        for (t, n, h) in &self.responder {
-            rows.push((
-                s(*t),
-                format!(
-                    "node {n} responder: {}",
-                    if *h { "has the VIP" } else { "no entry" }
-                ),
-            ));
-        }
-        for e in &self.neigh {
-            rows.push((
-                s(e.at_ns),
-                format!(
-                    "client neighbour: state {:#x}{} {}",
-                    e.state,
-                    if e.deleted { " deleted" } else { "" },
-                    e.lladdr.map(fmt_mac).unwrap_or_default()
-                ),
-            ));
-        }
-        rows.sort_by(|a, b| a.0.total_cmp(&b.0));
-        rows.iter()
-            .map(|(t, r)| format!("{t:+9.3}s {r}"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-}
-
 /// The holder of the VIP's lease, from its `holderIdentity` `lab-node-<i>`.
 fn lease_holder(k: &Kube) -> Result<Option<u8>> {
     let api = k.ns::<k8s_openapi::api::coordination::v1::Lease>(super::config::CILIUM_NAMESPACE);
@@ -681,15 +521,15 @@ fn lease_holder(k: &Kube) -> Result<Option<u8>> {
 /// the IPv4 address in network order, then the ifindex; `bpf/lib/l2_responder.h`). Read only.
 pub fn responder_has(bpffs: &Path, vip: Ipv4Addr) -> Result<bool> {
     let pin = bpffs.join("tc/globals/cilium_l2_responder_v4");
-    let fd = crate::sys::obj_get(&pin).with_context(|| format!("open {}", pin.display()))?;
-    let size = crate::sys::map_key_size(&fd)? as usize;
+    let fd = crate::sys::bpf::obj_get(&pin).with_context(|| format!("open {}", pin.display()))?;
+    let size = crate::sys::bpf::map_key_size(&fd)? as usize;
     if size < 4 {
         bail!("{}: a key of {size} bytes", pin.display());
     }
     let mut key: Option<Vec<u8>> = None;
     let mut next = vec![0u8; size];
     for _ in 0..65_536 {
-        if !crate::sys::map_next_key(&fd, key.as_deref(), &mut next)? {
+        if !crate::sys::bpf::map_next_key(&fd, key.as_deref(), &mut next)? {
             return Ok(false);
         }
         if next[..4] == vip.octets() {

@@ -125,7 +125,7 @@ pub struct MapSpec {
 
 fn spec(name: &str, map_type: u32, key_size: u32, value_size: u32, max_entries: u32) -> MapSpec {
     let flags = if map_type == LPM_TRIE {
-        sys::BPF_F_NO_PREALLOC
+        sys::bpf::BPF_F_NO_PREALLOC
     } else {
         0
     };
@@ -181,7 +181,7 @@ pub fn global_maps(profile: Profile, f: Features, cap: Capacity) -> Vec<MapSpec>
         spec("cilium_node_map_v2", HASH, 20, 4, 16384),
     ];
     for m in v.iter_mut().filter(|m| m.name == "cilium_auth_map") {
-        m.flags = sys::BPF_F_NO_PREALLOC;
+        m.flags = sys::bpf::BPF_F_NO_PREALLOC;
     }
     if !profile.before_1_18() {
         // Per-CPU policy stats from 1.18 (pkg/maps/policymap/statsmap.go).
@@ -248,7 +248,7 @@ pub fn globals_dir(bpffs: &Path) -> PathBuf {
 
 /// Creates the map and pins it at `<bpffs>/tc/globals/<name>`, replacing an older pin.
 pub fn create_pinned(bpffs: &Path, m: &MapSpec) -> Result<OwnedFd> {
-    let fd = sys::map_create(
+    let fd = sys::bpf::map_create(
         m.map_type,
         m.key_size,
         m.value_size,
@@ -264,7 +264,7 @@ pub fn create_pinned(bpffs: &Path, m: &MapSpec) -> Result<OwnedFd> {
     })?;
     let path = globals_dir(bpffs).join(&m.name);
     let _ = std::fs::remove_file(&path);
-    sys::obj_pin(&fd, &path).with_context(|| format!("pin map {}", path.display()))?;
+    sys::bpf::obj_pin(&fd, &path).with_context(|| format!("pin map {}", path.display()))?;
     Ok(fd)
 }
 
@@ -291,7 +291,8 @@ pub struct NodeFacts<'a> {
 pub fn populate(fd: &OwnedFd, m: &MapSpec, facts: &NodeFacts, ct_fill: u32) -> Result<u32> {
     let mut n = 0u32;
     let mut put = |k: &[u8], v: &[u8]| -> Result<()> {
-        sys::map_update(fd, k, v).with_context(|| format!("write an entry into {}", m.name))?;
+        sys::bpf::map_update(fd, k, v)
+            .with_context(|| format!("write an entry into {}", m.name))?;
         n += 1;
         Ok(())
     };
@@ -392,8 +393,8 @@ pub fn populate(fd: &OwnedFd, m: &MapSpec, facts: &NodeFacts, ct_fill: u32) -> R
 pub fn delete_some(fd: &OwnedFd, key_size: u32, n: u32) -> Result<u32> {
     let mut key = vec![0u8; key_size as usize];
     let mut deleted = 0;
-    while deleted < n && sys::map_next_key(fd, None, &mut key)? {
-        sys::map_delete(fd, &key)?;
+    while deleted < n && sys::bpf::map_next_key(fd, None, &mut key)? {
+        sys::bpf::map_delete(fd, &key)?;
         deleted += 1;
     }
     Ok(deleted)
@@ -405,8 +406,8 @@ pub fn flush(fd: &OwnedFd, key_size: u32) -> Result<u32> {
     let mut deleted = 0;
     // Deleting while walking restarts from the first key each time: maps are small in the lab
     // and bounded by their max_entries.
-    while sys::map_next_key(fd, None, &mut key)? {
-        sys::map_delete(fd, &key)?;
+    while sys::bpf::map_next_key(fd, None, &mut key)? {
+        sys::bpf::map_delete(fd, &key)?;
         deleted += 1;
     }
     Ok(deleted)

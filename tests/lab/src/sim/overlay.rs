@@ -69,7 +69,7 @@ neigh add {CILIUM_HOST_IP} lladdr {mac} dev eth0 nud permanent
 
     /// Adds (`append`) or deletes (`del`) the overlay's flood entry towards node `peer`.
     pub(crate) fn tunnel_entry(&self, op: &str, peer: u8) -> Result<()> {
-        let dst = lan::node_addr(peer).to_string();
+        let dst = node_addr(peer).to_string();
         netns::run(
             "bridge",
             &[

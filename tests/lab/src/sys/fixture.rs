@@ -2,7 +2,7 @@
 //! cluster): a state file in its run directory (`/run/stepguard-lab/<prefix>/`), written
 //! whole or not at all, read back by prefix and listed; and a guard that takes the lab down
 //! when dropped, also while a test panics.
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
 /// Where every lab keeps its run directory, `<RUN_ROOT>/<prefix>/`.
@@ -75,4 +75,18 @@ pub fn list(file: &str) -> Vec<String> {
         .unwrap_or_default();
     v.sort();
     v
+}
+
+/// A lab prefix: 1-16 lowercase letters or digits (every kind of lab names its namespaces
+/// and run directory after it).
+pub fn validate_prefix(p: &str) -> Result<()> {
+    if p.is_empty()
+        || p.len() > 16
+        || !p
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    {
+        bail!("invalid lab prefix {p:?}: use 1-16 lowercase letters or digits");
+    }
+    Ok(())
 }

@@ -13,6 +13,38 @@
 use super::*;
 use k8s_openapi::api::core::v1::ConfigMap;
 
+/// The ConfigMap the node's agent runs with (the chart's keys for this lab): kube-proxy
+/// replacement, IPAM `kubernetes` (no operator), CRD identities, no Envoy, no Hubble, no
+/// health checking, IPv4 only.
+pub fn cilium_config(tunnel: bool) -> BTreeMap<String, String> {
+    let mut m: BTreeMap<String, String> = [
+        ("cluster-name", "stepguard-lab"),
+        ("ipam", "kubernetes"),
+        ("enable-ipv4", "true"),
+        ("enable-ipv6", "false"),
+        ("identity-allocation-mode", "crd"),
+        ("enable-l7-proxy", "false"),
+        ("enable-hubble", "false"),
+        ("enable-health-checking", "false"),
+        ("enable-endpoint-health-checking", "false"),
+        ("kube-proxy-replacement", "true"),
+        ("devices", "eth0 eth1"),
+        ("enable-l2-announcements", "false"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    if tunnel {
+        m.insert("routing-mode".into(), "tunnel".into());
+        m.insert("tunnel-protocol".into(), "vxlan".into());
+    } else {
+        m.insert("routing-mode".into(), "native".into());
+        m.insert("ipv4-native-routing-cidr".into(), POD_CIDR.into());
+        m.insert("auto-direct-node-routes".into(), "false".into());
+    }
+    m
+}
+
 /// Cilium's namespace in the lab (the chart's default).
 pub const CILIUM_NAMESPACE: &str = "kube-system";
 
@@ -27,7 +59,7 @@ impl RealNode {
     pub(super) fn create_config(&self) -> Result<()> {
         if let Some(m) = &self.state.spec.member {
             // The cluster made the object; this node's kubelet mounts it.
-            return crate::ciliumconfig::write(&self.state.cilium_config, &m.config);
+            return crate::sim::ciliumconfig::write(&self.state.cilium_config, &m.config);
         }
         let values = cilium_config(self.state.spec.tunnel);
         self.kube().create(
@@ -36,7 +68,7 @@ impl RealNode {
                    "metadata": {"name": "cilium-config", "namespace": CILIUM_NAMESPACE},
                    "data": values}),
         )?;
-        crate::ciliumconfig::write(&self.state.cilium_config, &values)
+        crate::sim::ciliumconfig::write(&self.state.cilium_config, &values)
     }
 
     /// The agent pod's init container: `cilium-dbg build-config` of the node's release into a
@@ -94,7 +126,7 @@ impl RealNode {
             json!({ "data": data }),
             false,
         )?;
-        crate::ciliumconfig::set(&self.state.cilium_config, changes)
+        crate::sim::ciliumconfig::set(&self.state.cilium_config, changes)
     }
 
     /// A per-node override: a CiliumNodeConfig `name` (v2) in Cilium's namespace selecting

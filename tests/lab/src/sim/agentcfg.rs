@@ -36,7 +36,7 @@ impl Lab {
         );
         std::fs::create_dir_all(self.agent_run_dir())?;
         std::fs::write(
-            services::agent_endpoints_file(&self.agent_settings()),
+            agentapi::agent_endpoints_file(&self.agent_settings()),
             self.state.lxc.len().to_string(),
         )?;
         std::fs::write(self.agent_settings(), serde_json::to_vec(&values)?)

@@ -171,12 +171,12 @@ impl Lab {
                 .with_context(|| format!("remove pinned map {m}"))?;
         }
         if let Some(m) = &o.flush_map {
-            let fd = sys::obj_get(&globals.join(m))?;
-            maps::flush(&fd, sys::map_key_size(&fd)?)?;
+            let fd = sys::bpf::obj_get(&globals.join(m))?;
+            maps::flush(&fd, sys::bpf::map_key_size(&fd)?)?;
         }
         if let Some((m, n)) = &o.lose_entries {
-            let fd = sys::obj_get(&globals.join(m))?;
-            let deleted = maps::delete_some(&fd, sys::map_key_size(&fd)?, *n)?;
+            let fd = sys::bpf::obj_get(&globals.join(m))?;
+            let deleted = maps::delete_some(&fd, sys::bpf::map_key_size(&fd)?, *n)?;
             if deleted < *n {
                 bail!("--lose-entries {m}:{n}: the map had only {deleted} entries");
             }
@@ -312,7 +312,7 @@ impl Lab {
             .partition(|p| p.what == "agent-api");
         self.state.procs = rest;
         for p in api {
-            services::stop(&p);
+            process::stop(&p);
         }
         // A graceful stop closes the listener, which removes the socket file (Go's net
         // package); the restarted agent binds it anew.
@@ -328,14 +328,14 @@ impl Lab {
         // <date> go version <go> <os>/<arch>`): the lab agent's release.
         std::fs::create_dir_all(self.agent_run_dir())?;
         std::fs::write(
-            services::agent_version_file(&self.agent_settings()),
+            agentapi::agent_version_file(&self.agent_settings()),
             format!(
                 "{}.0 0000000 2026-01-01T00:00:00+00:00 go version go1.24.0 linux/amd64",
                 self.state.spec.profile
             ),
         )
         .context("write the lab agent's version")?;
-        let p = services::start_agent_api(
+        let p = agentapi::start_agent_api(
             &lab_binary()?,
             &self.agent_socket(),
             &self.agent_settings(),

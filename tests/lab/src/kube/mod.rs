@@ -5,7 +5,7 @@
 //! builds (Go module proxy, cached by version outside the clone). The lab's nodes become Node
 //! objects; a Cilium DaemonSet with the chart's labels, selector, image and grace period is
 //! created OnDelete, and the real controller makes its ControllerRevisions and pods. Pods
-//! bound to lab nodes are run by the lab kubelet ([`crate::kubelet`]).
+//! bound to lab nodes are run by the lab kubelet ([`crate::kube::kubelet`]).
 //!
 //! Users (a token file, as `--token-auth-file` reads it): `admin` (group `system:masters`),
 //! the controller manager and the scheduler as their bootstrap RBAC users, and the stepper as
@@ -15,14 +15,18 @@
 //! The stepper runs in the LAN client's network namespace (it must reach the agents on the lab
 //! nodes); [`Forward`] carries its connections from a lab address there to the API server on
 //! the host's loopback, byte for byte (TLS end to end).
-use crate::services::{self, Proc};
+mod client;
+mod forward;
+pub mod kubelet;
+
+pub use client::*;
+pub use forward::Forward;
+
+use crate::sys::process::{self, Proc};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The stepper's ServiceAccount (namespace, name), as `deploy/rollout/rbac.yaml` names it.
@@ -124,7 +128,7 @@ impl ControlPlane {
         let d = self.dir.clone();
         let (client, peer, api) = (free_port()?, free_port()?, free_port()?);
         let etcd_url = format!("http://127.0.0.1:{client}");
-        self.procs.push(services::spawn_logged(
+        self.procs.push(process::spawn_logged(
             "etcd",
             bin.join("etcd").as_os_str(),
             &[
@@ -210,7 +214,7 @@ impl ControlPlane {
             &self.server,
             &self.stepper_token,
         )?;
-        self.procs.push(services::spawn_logged(
+        self.procs.push(process::spawn_logged(
             "kube-controller-manager",
             bin.join("kube-controller-manager").as_os_str(),
             &[
@@ -227,7 +231,7 @@ impl ControlPlane {
             ],
             &d.join("kube-controller-manager.log"),
         )?);
-        self.procs.push(services::spawn_logged(
+        self.procs.push(process::spawn_logged(
             "kube-scheduler",
             bin.join("kube-scheduler").as_os_str(),
             &[
@@ -242,7 +246,7 @@ impl ControlPlane {
     }
 
     fn start_apiserver(&mut self) -> Result<()> {
-        let p = services::spawn_logged(
+        let p = process::spawn_logged(
             "kube-apiserver",
             self.bin.join("kube-apiserver").as_os_str(),
             &self.apiserver_args,
@@ -257,7 +261,7 @@ impl ControlPlane {
     fn wait_ready(&self) -> Result<()> {
         let ready = self.server.clone() + "/readyz";
         let tok = self.admin_token.clone();
-        services::wait_until("kube-apiserver", Duration::from_secs(90), || {
+        process::wait_until("kube-apiserver", Duration::from_secs(90), || {
             let o = std::process::Command::new("curl")
                 .args(["-sk", "-m", "2", "-H"])
                 .arg(format!("Authorization: Bearer {tok}"))
@@ -297,7 +301,7 @@ impl ControlPlane {
 
     fn signal(&self, what: &str, sig: i32) -> Result<()> {
         let p = self.proc(what)?;
-        if services::start_ticks(p.pid) != Some(p.start_ticks) {
+        if process::start_ticks(p.pid) != Some(p.start_ticks) {
             bail!("{what} (pid {}) is not running", p.pid);
         }
         // SAFETY: kill(2) on a pid verified to be the process we started.
@@ -322,7 +326,7 @@ impl ControlPlane {
     pub fn restart_apiserver(&mut self, down_for: Duration) -> Result<()> {
         let p = self.proc("kube-apiserver")?.clone();
         let from = unix_now();
-        services::stop(&p);
+        process::stop(&p);
         self.procs.retain(|q| q.pid != p.pid);
         std::thread::sleep(down_for);
         let r = self.start_apiserver();
@@ -408,279 +412,12 @@ impl ControlPlane {
     pub fn down(&mut self) {
         for p in &self.procs {
             // A paused component cannot take its SIGTERM.
-            if services::start_ticks(p.pid) == Some(p.start_ticks) {
+            if process::start_ticks(p.pid) == Some(p.start_ticks) {
                 unsafe { libc::kill(p.pid, libc::SIGCONT) };
             }
         }
         for p in self.procs.drain(..).rev() {
-            services::stop(&p);
+            process::stop(&p);
         }
     }
-}
-
-/// A TCP forwarder: listens on `ip` inside network namespace `netns` and carries each
-/// connection, byte for byte, to `target` in the host's namespace. Stops (and cuts its
-/// connections) when dropped.
-pub struct Forward {
-    pub addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    conns: Arc<std::sync::Mutex<Vec<TcpStream>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Forward {
-    pub fn start(netns: &str, ip: &str, target: SocketAddr) -> Result<Forward> {
-        let ip = ip.to_string();
-        let listener =
-            crate::netns::in_netns(netns, move || Ok(TcpListener::bind((ip.as_str(), 0))?))
-                .with_context(|| format!("listen in {netns}"))?;
-        let addr = listener.local_addr()?;
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<std::sync::Mutex<Vec<TcpStream>>> = Arc::default();
-        let (st, cs) = (stop.clone(), conns.clone());
-        let thread = std::thread::spawn(move || {
-            while !st.load(Ordering::Relaxed) {
-                let (client, _) = match listener.accept() {
-                    Ok(c) => c,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5));
-                        continue;
-                    }
-                    Err(_) => continue,
-                };
-                let _ = client.set_nonblocking(false);
-                let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
-                    continue; // the client sees its connection closed, as with no server
-                };
-                let _ = client.set_nodelay(true);
-                let _ = server.set_nodelay(true);
-                {
-                    let mut cs = cs.lock().unwrap_or_else(|e| e.into_inner());
-                    cs.retain(|c| c.peer_addr().is_ok());
-                    cs.extend(client.try_clone().ok());
-                    cs.extend(server.try_clone().ok());
-                }
-                for (mut from, mut to) in [
-                    (client.try_clone(), server.try_clone()),
-                    (server.try_clone(), client.try_clone()),
-                ]
-                .into_iter()
-                .filter_map(|(a, b)| Some((a.ok()?, b.ok()?)))
-                {
-                    std::thread::spawn(move || {
-                        let _ = std::io::copy(&mut from, &mut to);
-                        let _ = to.shutdown(std::net::Shutdown::Write);
-                    });
-                }
-            }
-        });
-        Ok(Forward {
-            addr,
-            stop,
-            conns,
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for Forward {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// A blocking handle on the API server for the lab and the tests (the kube crate on a
-/// runtime of its own).
-pub struct Kube {
-    rt: tokio::runtime::Runtime,
-    pub client: ::kube::Client,
-}
-
-impl Kube {
-    pub fn connect(kubeconfig: &Path) -> Result<Kube> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()?;
-        let kc = ::kube::config::Kubeconfig::read_from(kubeconfig)
-            .with_context(|| format!("read {}", kubeconfig.display()))?;
-        let client = rt.block_on(async {
-            let cfg = ::kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-            anyhow::Ok(::kube::Client::try_from(cfg)?)
-        })?;
-        Ok(Kube { rt, client })
-    }
-
-    pub fn block<F: std::future::Future>(&self, f: F) -> F::Output {
-        self.rt.block_on(f)
-    }
-
-    pub fn all<K>(&self) -> ::kube::Api<K>
-    where
-        K: ::kube::Resource<Scope = k8s_openapi::ClusterResourceScope>,
-        <K as ::kube::Resource>::DynamicType: Default,
-    {
-        ::kube::Api::all(self.client.clone())
-    }
-
-    pub fn ns<K>(&self, ns: &str) -> ::kube::Api<K>
-    where
-        K: ::kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
-        <K as ::kube::Resource>::DynamicType: Default,
-    {
-        ::kube::Api::namespaced(self.client.clone(), ns)
-    }
-
-    /// Creates the object given as JSON.
-    pub fn create<K>(&self, api: &::kube::Api<K>, obj: Value) -> Result<K>
-    where
-        K: ::kube::Resource + Clone + serde::de::DeserializeOwned + Serialize + std::fmt::Debug,
-    {
-        let o: K = serde_json::from_value(obj).context("object JSON")?;
-        self.block(api.create(&Default::default(), &o))
-            .context("create")
-    }
-
-    /// A JSON merge patch (`status`: on the status subresource).
-    pub fn merge<K>(
-        &self,
-        api: &::kube::Api<K>,
-        name: &str,
-        patch: Value,
-        status: bool,
-    ) -> Result<K>
-    where
-        K: ::kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-    {
-        let pp = ::kube::api::PatchParams::default();
-        let p = ::kube::api::Patch::Merge(&patch);
-        if status {
-            self.block(api.patch_status(name, &pp, &p))
-        } else {
-            self.block(api.patch(name, &pp, &p))
-        }
-        .with_context(|| format!("patch {name}"))
-    }
-}
-
-/// The Cilium chart's labels on the agent's DaemonSet and pods (`k8s-app: cilium` is the
-/// selector), per the rendered chart (`templates/cilium-agent/daemonset.yaml`).
-pub fn cilium_labels() -> Value {
-    json!({"k8s-app": "cilium", "app.kubernetes.io/name": "cilium-agent",
-           "app.kubernetes.io/part-of": "cilium"})
-}
-
-/// The Cilium agent DaemonSet as the chart renders it in what the stepper and the controller
-/// read (labels, selector, image, grace period 1 s, host network, node-critical priority,
-/// tolerate everything, one per node by anti-affinity), with `updateStrategy: OnDelete`.
-pub fn cilium_daemonset(image: &str, revision_history_limit: Option<i32>) -> Value {
-    let mut ds = json!({
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
-        "metadata": {"name": "cilium", "namespace": "kube-system", "labels": cilium_labels()},
-        "spec": {
-            "selector": {"matchLabels": {"k8s-app": "cilium"}},
-            "updateStrategy": {"type": "OnDelete"},
-            "template": {
-                "metadata": {"labels": cilium_labels(),
-                             "annotations": {"cilium.io/cilium-configmap-checksum": "0"}},
-                "spec": {
-                    "containers": [{"name": "cilium-agent", "image": image,
-                                    "imagePullPolicy": "IfNotPresent",
-                                    "command": ["cilium-agent"],
-                                    "args": ["--config-dir=/tmp/cilium/config-map"]}],
-                    "restartPolicy": "Always",
-                    "priorityClassName": "system-node-critical",
-                    "serviceAccountName": "cilium",
-                    "automountServiceAccountToken": true,
-                    "terminationGracePeriodSeconds": 1,
-                    "hostNetwork": true,
-                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                        {"labelSelector": {"matchLabels": {"k8s-app": "cilium"}},
-                         "topologyKey": "kubernetes.io/hostname"}]}},
-                    "nodeSelector": {"kubernetes.io/os": "linux"},
-                    "tolerations": [{"operator": "Exists"}]
-                }
-            }
-        }
-    });
-    if let Some(n) = revision_history_limit {
-        ds["spec"]["revisionHistoryLimit"] = json!(n);
-    }
-    ds
-}
-
-/// The cilium-operator Deployment as the chart renders it in outline (its labels and
-/// selector, two replicas on different nodes, host network, the operator image of the same
-/// release); the lab kubelet runs its pods.
-pub fn cilium_operator(image: &str) -> Value {
-    let labels = json!({"io.cilium/app": "operator", "name": "cilium-operator",
-                        "app.kubernetes.io/part-of": "cilium", "app.kubernetes.io/name": "cilium-operator"});
-    json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "cilium-operator", "namespace": "kube-system", "labels": labels},
-        "spec": {
-            "replicas": 2,
-            "selector": {"matchLabels": {"io.cilium/app": "operator", "name": "cilium-operator"}},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [{"name": "cilium-operator", "image": image,
-                                    "command": ["cilium-operator-generic"],
-                                    "args": ["--config-dir=/tmp/cilium/config-map"]}],
-                    "hostNetwork": true,
-                    "priorityClassName": "system-cluster-critical",
-                    "serviceAccountName": "cilium",
-                    "terminationGracePeriodSeconds": 1,
-                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                        {"labelSelector": {"matchLabels": {"io.cilium/app": "operator"}},
-                         "topologyKey": "kubernetes.io/hostname"}]}},
-                    "nodeSelector": {"kubernetes.io/os": "linux"},
-                    "tolerations": [{"operator": "Exists"}]
-                }
-            }
-        }
-    })
-}
-
-/// The lab's nodes as Node objects (name → InternalIP), Ready, with room for pods.
-pub fn create_nodes(k: &Kube, nodes: &[(String, String)]) -> Result<()> {
-    let api = k.all::<k8s_openapi::api::core::v1::Node>();
-    for (name, ip) in nodes {
-        k.create(
-            &api,
-            json!({"apiVersion": "v1", "kind": "Node",
-                   "metadata": {"name": name, "labels": {
-                       "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                       "kubernetes.io/arch": "amd64"}}}),
-        )
-        .with_context(|| format!("create Node {name}"))?;
-        set_node_ready(k, name, ip, true)?;
-    }
-    Ok(())
-}
-
-/// Sets a Node's status: Ready (or not), its address and capacity.
-pub fn set_node_ready(k: &Kube, name: &str, ip: &str, ready: bool) -> Result<()> {
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let cap = json!({"cpu": "4", "memory": "8Gi", "pods": "110"});
-    k.merge(
-        &k.all::<k8s_openapi::api::core::v1::Node>(),
-        name,
-        json!({"status": {
-            "capacity": cap, "allocatable": cap,
-            "addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name}],
-            "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" },
-                            "reason": if ready { "KubeletReady" } else { "KubeletNotReady" },
-                            "lastHeartbeatTime": now, "lastTransitionTime": now}]}}),
-        true,
-    )
-    .with_context(|| format!("set Node {name} status"))?;
-    Ok(())
 }

@@ -91,7 +91,7 @@ impl Lab {
         let Some(spec) = self.global_map_like(prefix) else {
             return Ok(());
         };
-        let fd = sys::obj_get(&maps::globals_dir(&self.state.bpffs).join(&spec.name))?;
+        let fd = sys::bpf::obj_get(&maps::globals_dir(&self.state.bpffs).join(&spec.name))?;
         let (pod_ips, node_ips, vips) = self.fact_data();
         let facts = maps::NodeFacts {
             pod_ips: &pod_ips,
@@ -115,7 +115,7 @@ impl Lab {
             value_size: 8,
             max_entries: 16384,
             flags: if s.profile == Profile::V1_20 {
-                sys::BPF_F_NO_PREALLOC
+                sys::bpf::BPF_F_NO_PREALLOC
             } else {
                 0
             },
@@ -125,7 +125,7 @@ impl Lab {
         if s.profile == Profile::V1_20 {
             k[..4].copy_from_slice(&64u32.to_ne_bytes());
         }
-        sys::map_update(&fd, &k, &[0u8; 8]).with_context(|| format!("write {}", policy.name))
+        sys::bpf::map_update(&fd, &k, &[0u8; 8]).with_context(|| format!("write {}", policy.name))
     }
 
     pub(crate) fn create_maps(&self) -> Result<()> {
