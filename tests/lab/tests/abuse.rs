@@ -241,7 +241,7 @@ fn slow_reader(ns: &str, addr: std::net::SocketAddr, n: usize, requests: usize) 
     .unwrap()
 }
 
-/// Issue 22, item 3: 270 slow readers (2 KiB receive buffers, 400 pipelined GETs each, never
+/// 270 slow readers (2 KiB receive buffers, 400 pipelined GETs each, never
 /// reading) hold no slot for long: /readyz and /metrics keep answering, and a step with an
 /// outage is begun and measured meanwhile.
 #[test]
@@ -298,7 +298,7 @@ fn long_polls(
         .collect()
 }
 
-/// Issue 22, item 5: with every long-poll slot held, `stepguard wait` connects at most twice
+/// With every long-poll slot held, `stepguard wait` connects at most twice
 /// a second (it used to spin: 2,136 connects in 5 s), honouring the agent's Retry-After.
 #[test]
 fn waiters_back_off_when_every_long_poll_slot_is_held() {
@@ -373,7 +373,7 @@ fn waiters_back_off_when_every_long_poll_slot_is_held() {
     }
 }
 
-/// Issue 22, item 6: the state dir fills after the first save. The verdict is served and says
+/// The state dir fills after the first save. The verdict is served and says
 /// it is not persisted, readiness says why, a metric counts the failed writes, no temporary
 /// file is left, and once there is room again the record is written and survives a restart.
 #[test]

@@ -1,4 +1,4 @@
-//! Issue 22, item 1: a lossy datapath (failures that are timeouts, not refusals) fails on its
+//! A lossy datapath (failures that are timeouts, not refusals) fails on its
 //! loss budget, on tcp, http and dns targets alike, and the verdict says which budget.
 mod common;
 use common::*;

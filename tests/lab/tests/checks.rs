@@ -190,7 +190,7 @@ fn a_blackholed_datapath_fails_vips_and_dns() {
     assert_eq!(code, 0, "both recover once the blackhole is lifted");
 }
 
-/// Issue 29's new probe kind on the lab's Gateway VIP: nginx serves TLS on 443 with a
+/// The `https` probe kind on the lab's Gateway VIP: nginx serves TLS on 443 with a
 /// certificate of the lab's CA; the probe goes through the node's (fake) datapath like any.
 #[test]
 fn an_https_gateway_vip_is_verified_through_the_datapath() {

@@ -1,4 +1,4 @@
-//! East-west targets against a multi-node lab (issue 25): the LAN lab's nodes reach each
+//! East-west targets against a multi-node lab: the LAN lab's nodes reach each
 //! other's pods over the overlay (`cilium_vxlan`), each has a health endpoint (HTTP on 4240,
 //! as cilium-health answers), and every node's agent probes the other nodes' health
 //! endpoints as east-west targets beside its VIPs, which local backends answer.
@@ -159,7 +159,7 @@ fn an_east_west_target_on_this_node_fails_the_vips_check() {
     );
 }
 
-/// Issue 26, item 1, in the node agent: node 1's datapath drops everything for 1.5 s
+/// In the node agent: node 1's datapath drops everything for 1.5 s
 /// (blackhole, during its agent's restart) and node 0 forgets its neighbour entry for node
 /// 1's LAN address meanwhile, so node 0's kernel queues the tunnelled probes of node 0's agent
 /// on an INCOMPLETE entry: its ARP requests go unanswered. Node 1's datapath comes back; the

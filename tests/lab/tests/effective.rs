@@ -1,4 +1,4 @@
-//! The effective configuration (issue 24): what the node runs with is the ConfigMap plus the
+//! The effective configuration: what the node runs with is the ConfigMap plus the
 //! per-node overrides (a CiliumNodeConfig) the agent loaded, and every check reading a config
 //! key expects that. The lab's restart builds its datapath from the same effective
 //! configuration once an override was given (its fault: a datapath that ignores the

@@ -71,7 +71,7 @@ fn a_stalled_regeneration_of_some_endpoints_fails_naming_only_them() {
 
 /// A healthy restart of a node with 1,000 endpoints, regenerated in batches of 50 after the
 /// host programs, 200 ms a batch (as Cilium's regeneration takes seconds: ~4 s here): passes
-/// within the settle the README documents for such a node (10 s), with progress and the
+/// within the default settle (10 s, docs/reference/api.md), with progress and the
 /// slowest endpoint in the view and the metrics.
 #[test]
 fn a_healthy_regeneration_of_1000_endpoints_passes() {

@@ -53,7 +53,7 @@ fn platform_manifests(dir: &Path) -> Vec<(String, Value)> {
         .collect()
 }
 
-/// One index, two platforms (issue 33): linux/amd64 and linux/arm64, each an image of its
+/// One index, two platforms: linux/amd64 and linux/arm64, each an image of its
 /// own static binary for that CPU (`file` says which), nothing else in it. The amd64 binary
 /// runs inside its image's root (chroot); the arm64 one under qemu-user.
 #[test]

@@ -1,4 +1,4 @@
-//! Every restart is verified, stepped or not (issue 14): with no POSTed step, the agent sees
+//! Every restart is verified, stepped or not: with no POSTed step, the agent sees
 //! the cilium-agent go down (its API socket stops answering) or its programs replaced, and
 //! verifies the restart as an implicit step; a faulty unstepped restart fails it; an agent
 //! that was itself down during the restart reports `evidence_incomplete`; an always-on

@@ -1,4 +1,4 @@
-//! The shipped manifests meet a real API server (issue 27): `deploy/base` with
+//! The shipped manifests meet a real API server: `deploy/base` with
 //! `deploy/rollout`, and every overlay in `deploy/examples`, each on a cluster of its own,
 //! applied server-side (the CRDs from `third_party/` first) to kube-apiserver with RBAC and Pod Security admission on; the namespace keeps the
 //! labels it ships with, and the pods the real controllers make from the workloads are

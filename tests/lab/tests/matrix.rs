@@ -1,4 +1,4 @@
-//! The matrix (issue 11): Cilium 1.16 … 1.20 × tunnel / native routing × kube-proxy
+//! The matrix: Cilium 1.16 … 1.20 × tunnel / native routing × kube-proxy
 //! replacement on / off (L2 announcements only with KPR, as Cilium requires) × tcx / tc.
 //! In every cell a healthy restart passes with no outage (the lab's restart is Cilium's: the
 //! old programs keep forwarding while the agent is down, ipcache is recreated and refilled);

@@ -1,4 +1,4 @@
-//! stepguard against the **real cilium-agent** (issue 30): a lab node runs cilium-agent 1.20
+//! stepguard against the **real cilium-agent**: a lab node runs cilium-agent 1.20
 //! built from its Go module (`cargo xtask cilium`), against the lab's real control plane, in
 //! its own network, mount and cgroup namespaces (`stepguard_lab::real`). The checks must
 //! pass on the healthy node with the agent's own devices, programs, maps and config keys as
@@ -7,7 +7,7 @@
 //!
 //! `STEPGUARD_REAL_RESTARTS` (alternating SIGTERM and SIGKILL; 10 when unset) sets how many
 //! restarts the restart test makes: `cargo xtask test` runs two (CI's budget), `cargo xtask
-//! test --real-extended` the ten issue 30 asks for (README, "Tests").
+//! test --real-extended` ten (TESTING.md).
 mod common;
 use common::real::*;
 use common::*;

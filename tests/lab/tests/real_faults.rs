@@ -1,10 +1,10 @@
-//! Faults on the **real cilium-agent** (issue 31, part 1): each is made on a lab node running
+//! Faults on the **real cilium-agent**: each is made on a lab node running
 //! cilium-agent 1.20 (`stepguard_lab::real`), and the verdict asserted is the one the
 //! agent's measured behaviour implies (recorded in `docs/cilium-fidelity.md`, "Faults on the
 //! real agent"). The agent's log of each case is kept in `target/real-cilium/`.
 //!
 //! They run with `cargo xtask test --real-extended` (about six minutes; beyond CI's budget,
-//! README "Tests"); a plain `cargo xtask test` lists them as ignored.
+//! TESTING.md); a plain `cargo xtask test` lists them as ignored.
 mod common;
 use common::real::*;
 use common::*;

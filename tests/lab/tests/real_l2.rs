@@ -1,4 +1,4 @@
-//! L2 announcements by the **real cilium-agents** of two nodes (issue 31, part 3): a
+//! L2 announcements by the **real cilium-agents** of two nodes: a
 //! `CiliumL2AnnouncementPolicy`, the agents' leases in the real API server, a LoadBalancer
 //! VIP answered by the holder's BPF ARP responder (`stepguard_lab::real::cluster`). A
 //! witness in the LAN client namespace measures the VIP as a LAN client sees it; the lab's
@@ -24,7 +24,7 @@
 //!    new holder's MAC) within its cadence.
 //!
 //! It runs with `cargo xtask test --real-extended` (two real agents; beyond CI's budget,
-//! README "Tests"); a plain `cargo xtask test` lists it as ignored.
+//! TESTING.md); a plain `cargo xtask test` lists it as ignored.
 mod common;
 use common::real::*;
 use common::witness::*;

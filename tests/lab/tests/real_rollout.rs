@@ -1,4 +1,4 @@
-//! `stepguard rollout` over **real cilium-agents** (issue 31, part 4): a cluster of three lab
+//! `stepguard rollout` over **real cilium-agents**: a cluster of three lab
 //! nodes each running the real cilium-agent 1.20 (`stepguard_lab::real::cluster`), the real
 //! API server, DaemonSet and Deployment controllers and scheduler, the shipped manifests
 //! (`deploy/base`, `deploy/rollout`), Cilium's DaemonSet as the chart renders it with
@@ -7,12 +7,12 @@
 //! node's real agent** (SIGTERM, the chart's 1 s grace, then a new agent), and reports the
 //! replacement Ready once the agent is ready again. stepguard's agent on each node verifies
 //! its node's step against the real restart; the stepper, a LAN client, reads each verdict.
-//! The plan (issue 33) names what will blip from the lease timings the agents run with (not
+//! The plan names what will blip from the lease timings the agents run with (not
 //! Cilium's defaults, so the numbers show they were read), and the summary puts it beside what
 //! a witness on the LAN measured in the holder's step.
 //!
 //! It runs with `cargo xtask test --real-extended` (three real agents; beyond CI's budget,
-//! README "Tests"); a plain `cargo xtask test` lists it as ignored.
+//! TESTING.md); a plain `cargo xtask test` lists it as ignored.
 mod common;
 use common::cluster::*;
 use common::real::*;

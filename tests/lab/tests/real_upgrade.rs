@@ -1,4 +1,4 @@
-//! Upgrades and downgrades on the **real cilium-agent** (issue 31, part 2): a lab node runs
+//! Upgrades and downgrades on the **real cilium-agent**: a lab node runs
 //! cilium-agent 1.19, then 1.20 (and back), both built from their Go modules by `cargo xtask
 //! cilium`. The maps each release removed, recreated and renamed are read from the node's
 //! bpffs, and the step's verdict is asserted as the measured behaviour implies (the fidelity
@@ -6,7 +6,7 @@
 //!
 //! These tests need cilium-agent 1.19 besides 1.20: `cargo xtask test --real-extended` builds it
 //! (about seven minutes more on a cold machine, beyond CI's budget) and runs them; a plain
-//! `cargo xtask test` lists them as ignored (README, "Tests").
+//! `cargo xtask test` lists them as ignored (TESTING.md).
 mod common;
 use common::real::*;
 use common::*;

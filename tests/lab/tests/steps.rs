@@ -678,7 +678,7 @@ fn sigterm_turns_readiness_false_before_the_agent_closes() {
     assert!(status.success(), "clean exit after SIGTERM: {status}");
 }
 
-/// Issue 22, item 7: two unfinished step files at start: the newest is resumed, the older one
+/// Two unfinished step files at start: the newest is resumed, the older one
 /// is decided at once (evidence_incomplete), not left watching forever.
 #[test]
 fn every_unfinished_step_is_decided_at_start() {

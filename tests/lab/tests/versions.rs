@@ -1,4 +1,4 @@
-//! Issue 21: every map judged under its own version's name across upgrades and downgrades,
+//! Every map judged under its own version's name across upgrades and downgrades,
 //! declared versions enforced (from the agent's API, or from the pinned names where they can
 //! tell), one version inference for checks and steps, small kept-state losses seen and named,
 //! and no tunnel map required where the routing mode is unknown.

@@ -1,4 +1,4 @@
-//! The VIP gap as LAN clients see it (issue 12): a LAN lab of two nodes with L2-announced
+//! The VIP gap as LAN clients see it: a LAN lab of two nodes with L2-announced
 //! VIPs, a witness in the LAN client namespace, the agent on the node being stepped.
 //! The lab records when each VIP stopped and resumed answering for the LAN client; the
 //! witness's gaps must match within ± (cadence + 10 ms) (plus the lab's own recording
@@ -189,7 +189,7 @@ fn the_witness_measures_lease_moves_the_node_cannot_see() {
     }
 }
 
-/// IPv6 VIPs (issue 33) on a dual-stack LAN: the holder answers NDP and a graceful restart
+/// IPv6 VIPs on a dual-stack LAN: the holder answers NDP and a graceful restart
 /// moves its leases. The taker's unsolicited neighbour advertisement of v1.20.2 (and
 /// v1.19.7: Override, Target link-layer address) moves the LAN client as a gratuitous ARP
 /// does; v1.19.0–v1.19.4's does not, and the IPv6 gateway stays down for the client until the old
@@ -435,7 +435,7 @@ fn an_always_on_witness_measures_an_unstepped_lease_move() {
     }
 }
 
-/// Issue 22, item 2: a step planted on a witness by someone else on the LAN (same id, a 1 h
+/// A step planted on a witness by someone else on the LAN (same id, a 1 h
 /// budget) is refused, not adopted: the witness answers 409 and the agent does not begin.
 #[test]
 fn a_witness_step_planted_with_other_budgets_is_refused() {
@@ -465,7 +465,7 @@ fn a_witness_step_planted_with_other_budgets_is_refused() {
     assert!(e.contains(&w.url) && e.contains("409"), "{b}");
 }
 
-/// Issue 22, item 4: bodies trickled at 1 byte/s by clients without the token hold no slot of
+/// Bodies trickled at 1 byte/s by clients without the token hold no slot of
 /// a witness (authentication comes from the headers, before the body; bodies have a
 /// deadline): a step naming that witness, with the agent and witness sharing a token, passes.
 #[test]
@@ -539,7 +539,7 @@ fn trickled_bodies_do_not_lock_a_witness_out() {
     assert!(v["witnesses"][&w.url]["report"].is_object(), "{v:#}");
 }
 
-/// Issue 26: the measured gap lies within its *reported* bound of the lab's truth (the lab's
+/// The measured gap lies within its *reported* bound of the lab's truth (the lab's
 /// recording windows and 5 ms of clock reads aside).
 fn restart_lan(
     lan: &mut LanLab,
@@ -648,7 +648,7 @@ fn a_flooded_witness_still_serves_the_stepped_agent() {
     }
 }
 
-/// Issue 26, item 1, in the witness: the LAN client's neighbour entries are forgotten
+/// In the witness: the LAN client's neighbour entries are forgotten
 /// mid-outage (`ip neigh flush`), so its kernel queues the witness's probes on an INCOMPLETE
 /// entry until the taker's gratuitous ARP resolves it, and sends them then: probes sent up to
 /// a timeout before the VIP came back are answered in time. Over two lease durations, a
@@ -773,7 +773,7 @@ fn on_timeline(r: &LanRestartReport, late: &mut Vec<f64>, what: &str) -> bool {
     false
 }
 
-/// Issue 26, item 2: the lease holder's own restart (a crash shorter than its lease, so it
+/// The lease holder's own restart (a crash shorter than its lease, so it
 /// keeps the leases; no datapath fault) is ARP-silent for the VIPs its responder's
 /// reconciliation deletes at the agent's start, until the agent has its leases again and
 /// re-adds them with a gratuitous ARP. A LAN client that re-resolves meanwhile (here: its

@@ -1,4 +1,4 @@
-//! The lab kubelet (issue 27): the part of a kubelet the rollout needs, for pods bound to the
+//! The lab kubelet: the part of a kubelet the rollout needs, for pods bound to the
 //! lab's nodes, against the real API server.
 //!
 //! - A pod bound to a lab node (by the real scheduler) is reported Running, with the node's

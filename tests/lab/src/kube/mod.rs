@@ -1,4 +1,4 @@
-//! A real Kubernetes control plane for the lab (issue 27): etcd, kube-apiserver (token
+//! A real Kubernetes control plane for the lab: etcd, kube-apiserver (token
 //! authentication, RBAC, Pod Security admission, an audit log of the stepper's requests),
 //! kube-controller-manager (the DaemonSet, garbage-collector, namespace and service-account
 //! controllers) and kube-scheduler, all on 127.0.0.1, from the binaries `cargo xtask kube`

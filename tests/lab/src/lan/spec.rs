@@ -132,8 +132,8 @@ pub struct LanState {
     /// VIP name → index of the node holding its lease.
     pub holders: BTreeMap<String, u8>,
     /// Node index → the VIPs in its L2 responder map (`cilium_l2_responder_v4`): held ones,
-    /// and stale ones its reconciliation has not deleted. Empty in state files from before
-    /// issue 26: the holders' VIPs.
+    /// and stale ones its reconciliation has not deleted. Empty in state files written before the
+    /// lab kept them: then the holders' VIPs.
     #[serde(default)]
     pub entries: BTreeMap<u8, std::collections::BTreeSet<String>>,
     pub procs: Vec<Proc>,
@@ -194,7 +194,7 @@ pub enum ResponderFlush {
     /// every entry is deleted.
     #[default]
     All,
-    /// Nothing is deleted (the lab before issue 26).
+    /// Nothing is deleted (as the lab did before it deleted stale entries).
     None,
 }
 

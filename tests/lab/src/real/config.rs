@@ -1,4 +1,4 @@
-//! The real node's Cilium configuration, the way a Cilium pod gets it (issue 31):
+//! The real node's Cilium configuration, the way a Cilium pod gets it:
 //! - the ConfigMap `kube-system/cilium-config` is an object in the lab's API server, and its
 //!   kubelet-style mount (`RealState::cilium_config`) is what stepguard's `cilium_config` reads,
 //!   as the DaemonSet in `deploy/` mounts it;

@@ -1,4 +1,4 @@
-//! A lab node that runs the **real cilium-agent** (issue 30), built by `cargo xtask cilium`
+//! A lab node that runs the **real cilium-agent**, built by `cargo xtask cilium`
 //! from `github.com/cilium/cilium` on the Go module proxy, against the lab's real control
 //! plane ([`crate::kube::ControlPlane`]). Nothing of Cilium is imitated here: the node's
 //! programs, maps, links and API are the agent's own.
@@ -126,7 +126,7 @@ pub struct RealSpec {
     pub member: Option<Member>,
 }
 
-/// A node's place in a cluster of real-agent nodes (issue 31 part 3).
+/// A node's place in a cluster of real-agent nodes.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Member {
     pub index: u8,

@@ -1,4 +1,4 @@
-//! Pods on a real-agent node, made the way a kubelet's runtime makes them (issue 30): a Pod
+//! Pods on a real-agent node, made the way a kubelet's runtime makes them: a Pod
 //! object bound to the node, a network namespace, then **CNI ADD** by the real `cilium-cni`
 //! (the agent allocates the address, creates the `lxc` veth and the endpoint, and regenerates
 //! it); the lab's servers run inside, and the lab's kubelet part reports the pod Running and

@@ -59,7 +59,7 @@ impl GarpSocket {
     /// when its L2 responder adds an IPv6 VIP's entry (`gneighOnNewEntry`): `standard`
     /// (v1.20.2 `ndSender.Send`, cilium/cilium#46079): the Override flag and a *Target*
     /// link-layer address option, which moves a client's existing entry; otherwise (1.19 as
-    /// first released, docs/research/issue-26-l2-responder.md): no Override flag and a
+    /// first released, docs/research/l2-responder-restart.md): no Override flag and a
     /// *Source* link-layer address option, which a Linux client reads as no address at all
     /// (`ndisc_recv_na` takes only the target option): its entry keeps the old address.
     pub fn send_na(

@@ -222,7 +222,7 @@ fn a_halted_node_is_rolled_back_by_the_runbook() {
         "{st}"
     );
 
-    // The runbook (README, "After a halt"): roll the template back, lift the halt by
+    // The runbook (docs/rollout.md, "The runbook: after a halt"): roll the template back, lift the halt by
     // retrying the failed node, run the rollout.
     e.cp.lock()
         .unwrap()

@@ -1,4 +1,4 @@
-//! A cluster of real-agent nodes on one LAN (issue 31 part 3): one control plane, N
+//! A cluster of real-agent nodes on one LAN: one control plane, N
 //! [`RealNode`]s whose `eth1` share a bridge with a LAN client, and a LoadBalancer VIP the
 //! nodes' **real** cilium-agents announce with L2 announcements (a
 //! `CiliumL2AnnouncementPolicy`, leases in the real API server, the holder's BPF ARP responder).
