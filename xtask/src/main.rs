@@ -5,6 +5,7 @@ mod buildcache;
 mod cilium;
 mod cross;
 mod demo;
+mod helm;
 mod image;
 mod kube;
 mod lanes;
@@ -275,6 +276,12 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
             }
             if real_extended {
                 agents.push((cilium::CNI_PLUGINS_ENV.into(), cilium::cni_plugins()?));
+            }
+            // Helm and Cilium's own chart (of the newest tested release), for the tests that
+            // render it.
+            agents.push((helm::HELM_ENV.into(), helm::ensure()?));
+            if let Some(r) = cilium::RELEASES.iter().find(|r| r.tested) {
+                agents.push((helm::CHART_ENV.into(), helm::cilium_chart(r)?));
             }
             Ok((kube, agents))
         })
