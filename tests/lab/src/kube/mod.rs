@@ -196,6 +196,9 @@ impl ControlPlane {
             "--authorization-mode=RBAC".into(),
             "--anonymous-auth=false".into(),
             "--enable-admission-plugins=PodSecurity".into(),
+            // As every cluster a CNI runs on (kubeadm, k3s): the cilium-agent's pod, as Cilium's
+            // chart renders it, has privileged init containers.
+            "--allow-privileged=true".into(),
             format!("--service-account-key-file={}", s(&sa_key)),
             format!("--service-account-signing-key-file={}", s(&sa_key)),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
