@@ -45,7 +45,9 @@ pub fn ensure() -> Result<PathBuf> {
         .expect("bin has a grandparent")
         .to_path_buf();
     let work = top.join("module");
-    std::fs::create_dir_all(&work).with_context(|| format!("create {}", work.display()))?;
+    for d in [&work, &top.join("bin")] {
+        std::fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
+    }
     std::fs::write(
         work.join("go.mod"),
         format!(

@@ -69,6 +69,9 @@ enum Cmd {
     /// a cache by version outside the clone (`$STEPGUARD_CACHE`, default /var/cache/stepguard);
     /// only what is missing. Prints the binaries' directory.
     Kube,
+    /// Build Helm (`helm.sh/helm/v4`, pinned) from the Go module proxy into the same cache, for
+    /// the tests that render Cilium's own chart; only when missing. Prints the binary's path.
+    Helm,
     /// Build the real cilium-agent and cilium-cni (the pinned 1.20 and 1.19 releases, or the
     /// one named) from `github.com/cilium/cilium` on the Go module proxy into the same cache;
     /// only what is missing. Prints each release's binaries' directory and the agent's lib
@@ -475,6 +478,7 @@ fn main() {
         Cmd::Demo => demo(),
         Cmd::Layers => layers::check(&root()),
         Cmd::Kube => kube::ensure().map(|d| println!("{}", d.display())),
+        Cmd::Helm => helm::ensure().map(|b| println!("{}", b.display())),
         Cmd::Cilium { release } => (|| {
             let releases: Vec<&cilium::Release> = match &release {
                 Some(v) => vec![cilium::release(v)?],
