@@ -20,14 +20,6 @@ use stepguard_lab::kube::{ControlPlane, Kube};
 /// The annotation Cilium's chart puts on the agent's pod template with `rollOutCiliumPods`.
 const CHECKSUM: &str = "cilium.io/cilium-configmap-checksum";
 
-struct Guard(ControlPlane, PathBuf);
-impl Drop for Guard {
-    fn drop(&mut self) {
-        self.0.down();
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
-
 fn env_path(var: &str, what: &str) -> PathBuf {
     PathBuf::from(std::env::var(var).unwrap_or_else(|_| {
         panic!("{var} is unset: {what} (`cargo xtask test` builds and sets it)")
@@ -94,14 +86,7 @@ fn rendered_metadata(file: &Path, kind: &str, name: &str) -> String {
 }
 
 fn apply(cp: &ControlPlane, file: &Path) {
-    cp.kubectl(&[
-        "apply",
-        "--server-side",
-        "--field-manager=helm",
-        "-f",
-        file.to_str().unwrap(),
-    ])
-    .unwrap_or_else(|e| panic!("server-side apply of the chart: {e:#}"));
+    apply_server_side(cp, "helm", &["-f", file.to_str().unwrap()]);
 }
 
 fn daemonset(k: &Kube) -> DaemonSet {
@@ -184,7 +169,7 @@ fn a_cilium_config_value_changed_in_the_real_chart_is_a_new_revision_the_stepper
     let kube_bin = env_path("STEPGUARD_KUBE_BIN", "the control plane");
     let dir = std::env::temp_dir().join(format!("sg-chart-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let g = Guard(
+    let g = PlaneGuard(
         ControlPlane::up(&dir.join("cp"), &kube_bin).expect("control plane up"),
         dir.clone(),
     );

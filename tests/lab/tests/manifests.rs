@@ -15,14 +15,6 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-struct Guard(ControlPlane, PathBuf);
-impl Drop for Guard {
-    fn drop(&mut self) {
-        self.0.down();
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
-
 fn pods(k: &Kube, ns: &str, selector: &str) -> Vec<Pod> {
     let lp = kube::api::ListParams::default().labels(selector);
     k.block(k.ns::<Pod>(ns).list(&lp)).unwrap().items
@@ -42,9 +34,9 @@ fn wait_for(what: &str, ok: impl Fn() -> bool, context: impl Fn() -> String) {
 
 /// A fresh control plane with the CRDs from `third_party/` and one node for the controllers to
 /// place pods on (nobody runs them: admission is the point).
-fn cluster(bin: &Path, name: &str) -> (Guard, Kube) {
+fn cluster(bin: &Path, name: &str) -> (PlaneGuard, Kube) {
     let dir = std::env::temp_dir().join(format!("sg-manifests-{}-{name}", std::process::id()));
-    let g = Guard(ControlPlane::up(&dir, bin).expect("control plane up"), dir);
+    let g = PlaneGuard(ControlPlane::up(&dir, bin).expect("control plane up"), dir);
     let k = Kube::connect(&g.0.admin_kubeconfig()).unwrap();
     let crds = repo_root().join("third_party/prometheus-operator-v0.93.0");
     for f in std::fs::read_dir(&crds).unwrap() {
@@ -60,10 +52,7 @@ fn cluster(bin: &Path, name: &str) -> (Guard, Kube) {
 }
 
 fn apply(cp: &ControlPlane, args: &[&str]) -> String {
-    let mut a = vec!["apply", "--server-side", "--field-manager=stepguard-test"];
-    a.extend_from_slice(args);
-    cp.kubectl(&a)
-        .unwrap_or_else(|e| panic!("server-side apply {args:?}: {e:#}"))
+    apply_server_side(cp, "stepguard-test", args)
 }
 
 /// Pods with this selector in any namespace.

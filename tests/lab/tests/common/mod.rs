@@ -721,3 +721,26 @@ pub fn flood(
         .unwrap()
     })
 }
+
+/// A control plane of a test's own and its directory, taken down and removed when dropped.
+pub struct PlaneGuard(pub stepguard_lab::kube::ControlPlane, pub PathBuf);
+
+impl Drop for PlaneGuard {
+    fn drop(&mut self) {
+        self.0.down();
+        let _ = std::fs::remove_dir_all(&self.1);
+    }
+}
+
+/// `kubectl apply --server-side` as `manager`, panicking with kubectl's answer on failure.
+pub fn apply_server_side(
+    cp: &stepguard_lab::kube::ControlPlane,
+    manager: &str,
+    args: &[&str],
+) -> String {
+    let manager = format!("--field-manager={manager}");
+    let mut a = vec!["apply", "--server-side", manager.as_str()];
+    a.extend_from_slice(args);
+    cp.kubectl(&a)
+        .unwrap_or_else(|e| panic!("server-side apply {args:?}: {e:#}"))
+}
