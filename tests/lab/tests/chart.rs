@@ -15,51 +15,21 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
+use stepguard_lab::kube::chart::CiliumChart;
 use stepguard_lab::kube::{ControlPlane, Kube};
 
 /// The annotation Cilium's chart puts on the agent's pod template with `rollOutCiliumPods`.
 const CHECKSUM: &str = "cilium.io/cilium-configmap-checksum";
 
-fn env_path(var: &str, what: &str) -> PathBuf {
-    PathBuf::from(std::env::var(var).unwrap_or_else(|_| {
-        panic!("{var} is unset: {what} (`cargo xtask test` builds and sets it)")
-    }))
-}
-
-/// `helm template` of Cilium's chart into `out`, with the values a user of OnDelete sets and
-/// `extra` ones.
-fn render(helm: &Path, chart: &Path, out: &Path, extra: &[&str]) {
-    render_with(helm, chart, out, extra, &[]);
-}
-
-/// As [`render`], with `strings` given as `--set-string`.
-fn render_with(helm: &Path, chart: &Path, out: &Path, extra: &[&str], strings: &[&str]) {
-    let mut args = vec![
-        "template",
-        "cilium",
-        chart.to_str().unwrap(),
-        "--namespace",
-        "kube-system",
-        "--set",
-        "updateStrategy.type=OnDelete",
-        "--set",
-        "rollOutCiliumPods=true",
-        "--set",
-        "operator.replicas=1",
-    ];
-    for e in extra {
-        args.extend(["--set", e]);
-    }
-    for e in strings {
-        args.extend(["--set-string", e]);
-    }
-    let o = Command::new(helm).args(&args).output().expect("run helm");
-    assert!(
-        o.status.success(),
-        "helm template {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    std::fs::write(out, &o.stdout).unwrap();
+/// `helm template` of Cilium's chart into `out`, with the values a user of OnDelete sets, one
+/// operator replica, `extra` values and `strings` (`--set-string`).
+fn render(chart: &CiliumChart, out: &Path, extra: &[&str], strings: &[&str]) {
+    let mut values = vec!["operator.replicas=1"];
+    values.extend(extra);
+    let yaml = chart
+        .render(&values, strings)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    std::fs::write(out, yaml).unwrap();
 }
 
 /// The `metadata:` block of the rendered object of `kind` named `name` (what a post-renderer
@@ -164,9 +134,11 @@ fn stepper_view(cp: &ControlPlane) -> serde_json::Value {
 #[test]
 fn a_cilium_config_value_changed_in_the_real_chart_is_a_new_revision_the_stepper_sees() {
     require_root();
-    let helm = env_path("STEPGUARD_HELM", "Helm, built from helm.sh/helm/v4");
-    let chart = env_path("STEPGUARD_CILIUM_CHART", "Cilium's chart, from its module");
-    let kube_bin = env_path("STEPGUARD_KUBE_BIN", "the control plane");
+    let chart = CiliumChart::from_env().unwrap_or_else(|e| panic!("{e:#}"));
+    let kube_bin = PathBuf::from(
+        std::env::var("STEPGUARD_KUBE_BIN")
+            .expect("STEPGUARD_KUBE_BIN: the control plane (`cargo xtask test` sets it)"),
+    );
     let dir = std::env::temp_dir().join(format!("sg-chart-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let g = PlaneGuard(
@@ -178,7 +150,7 @@ fn a_cilium_config_value_changed_in_the_real_chart_is_a_new_revision_the_stepper
 
     // As installed.
     let first = dir.join("cilium-1.yaml");
-    render(&helm, &chart, &first, &[]);
+    render(&chart, &first, &[], &[]);
     apply(&g.0, &first);
     let ds = daemonset(&k);
     let strategy = ds.spec.as_ref().and_then(|s| s.update_strategy.clone());
@@ -198,7 +170,7 @@ fn a_cilium_config_value_changed_in_the_real_chart_is_a_new_revision_the_stepper
     // One value that lands in cilium-config: the ConfigMap changes, and with it the checksum
     // on the pod template, so the controller makes a new revision.
     let second = dir.join("cilium-2.yaml");
-    render(&helm, &chart, &second, &["debug.enabled=true"]);
+    render(&chart, &second, &["debug.enabled=true"], &[]);
     apply(&g.0, &second);
     let cm = k
         .block(k.ns::<ConfigMap>("kube-system").get("cilium-config"))
@@ -252,8 +224,7 @@ fn a_cilium_config_value_changed_in_the_real_chart_is_a_new_revision_the_stepper
     let approve_image = format!("annotations.stepguard\\.io/approve-image={image}");
     let approve_sum = format!("annotations.stepguard\\.io/approve-config-checksum={sum2}");
     let third = dir.join("cilium-3.yaml");
-    render_with(
-        &helm,
+    render(
         &chart,
         &third,
         &["debug.enabled=true"],

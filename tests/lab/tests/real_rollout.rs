@@ -17,9 +17,9 @@ mod common;
 use common::cluster::*;
 use common::real::*;
 use common::*;
-use k8s_openapi::api::apps::v1::DaemonSet;
+
 use k8s_openapi::api::core::v1::Pod;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -142,21 +142,16 @@ fn the_stepper_walks_a_real_agent_cluster_one_verified_node_at_a_time() {
     let admin = cp.admin_kubeconfig();
     apply_shipped_manifests(&cp);
     let k = Kube::connect(&admin).expect("admin client");
-    k.create(
-        &k.ns::<k8s_openapi::api::core::v1::ServiceAccount>(KS),
-        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "cilium", "namespace": KS}}),
-    )
-    .expect("cilium ServiceAccount");
-    k.create(
-        &k.ns::<DaemonSet>(KS),
-        stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, None),
-    )
-    .expect("the Cilium DaemonSet");
-    k.create(
-        &k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS),
-        stepguard_lab::kube::cilium_operator(OPERATOR_IMAGE),
-    )
-    .expect("the cilium-operator Deployment");
+    // Cilium as its chart renders it, with the lease timings above in cilium-config.
+    let dir = std::env::temp_dir().join(format!("sg-real-rollout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    install_cilium(
+        &cp,
+        &dir,
+        &cilium_values(CILIUM_IMAGE, OPERATOR_IMAGE, &lease, &[]),
+        &[],
+        true,
+    );
 
     // A deleted cilium pod restarts that node's real agent: SIGTERM with the chart's 1 s
     // grace, then a new agent, ready (API healthy, datapath attached, endpoints regenerated).

@@ -1,5 +1,4 @@
-//! A blocking client of the API server, and the Cilium objects and Nodes the lab creates
-//! through it.
+//! A blocking client of the API server, and the Nodes the lab creates through it.
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -77,85 +76,6 @@ impl Kube {
         }
         .with_context(|| format!("patch {name}"))
     }
-}
-
-/// The Cilium chart's labels on the agent's DaemonSet and pods (`k8s-app: cilium` is the
-/// selector), per the rendered chart (`templates/cilium-agent/daemonset.yaml`).
-pub fn cilium_labels() -> Value {
-    json!({"k8s-app": "cilium", "app.kubernetes.io/name": "cilium-agent",
-           "app.kubernetes.io/part-of": "cilium"})
-}
-
-/// The Cilium agent DaemonSet as the chart renders it in what the stepper and the controller
-/// read (labels, selector, image, grace period 1 s, host network, node-critical priority,
-/// tolerate everything, one per node by anti-affinity), with `updateStrategy: OnDelete`.
-pub fn cilium_daemonset(image: &str, revision_history_limit: Option<i32>) -> Value {
-    let mut ds = json!({
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
-        "metadata": {"name": "cilium", "namespace": "kube-system", "labels": cilium_labels()},
-        "spec": {
-            "selector": {"matchLabels": {"k8s-app": "cilium"}},
-            "updateStrategy": {"type": "OnDelete"},
-            "template": {
-                "metadata": {"labels": cilium_labels(),
-                             "annotations": {"cilium.io/cilium-configmap-checksum": "0"}},
-                "spec": {
-                    "containers": [{"name": "cilium-agent", "image": image,
-                                    "imagePullPolicy": "IfNotPresent",
-                                    "command": ["cilium-agent"],
-                                    "args": ["--config-dir=/tmp/cilium/config-map"]}],
-                    "restartPolicy": "Always",
-                    "priorityClassName": "system-node-critical",
-                    "serviceAccountName": "cilium",
-                    "automountServiceAccountToken": true,
-                    "terminationGracePeriodSeconds": 1,
-                    "hostNetwork": true,
-                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                        {"labelSelector": {"matchLabels": {"k8s-app": "cilium"}},
-                         "topologyKey": "kubernetes.io/hostname"}]}},
-                    "nodeSelector": {"kubernetes.io/os": "linux"},
-                    "tolerations": [{"operator": "Exists"}]
-                }
-            }
-        }
-    });
-    if let Some(n) = revision_history_limit {
-        ds["spec"]["revisionHistoryLimit"] = json!(n);
-    }
-    ds
-}
-
-/// The cilium-operator Deployment as the chart renders it in outline (its labels and
-/// selector, two replicas on different nodes, host network, the operator image of the same
-/// release); the lab kubelet runs its pods.
-pub fn cilium_operator(image: &str) -> Value {
-    let labels = json!({"io.cilium/app": "operator", "name": "cilium-operator",
-                        "app.kubernetes.io/part-of": "cilium", "app.kubernetes.io/name": "cilium-operator"});
-    json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "cilium-operator", "namespace": "kube-system", "labels": labels},
-        "spec": {
-            "replicas": 2,
-            "selector": {"matchLabels": {"io.cilium/app": "operator", "name": "cilium-operator"}},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [{"name": "cilium-operator", "image": image,
-                                    "command": ["cilium-operator-generic"],
-                                    "args": ["--config-dir=/tmp/cilium/config-map"]}],
-                    "hostNetwork": true,
-                    "priorityClassName": "system-cluster-critical",
-                    "serviceAccountName": "cilium",
-                    "terminationGracePeriodSeconds": 1,
-                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                        {"labelSelector": {"matchLabels": {"io.cilium/app": "operator"}},
-                         "topologyKey": "kubernetes.io/hostname"}]}},
-                    "nodeSelector": {"kubernetes.io/os": "linux"},
-                    "tolerations": [{"operator": "Exists"}]
-                }
-            }
-        }
-    })
 }
 
 /// The lab's nodes as Node objects (name → InternalIP), Ready, with room for pods.

@@ -3,8 +3,8 @@
 //! kube-controller-manager (the DaemonSet, garbage-collector, namespace and service-account
 //! controllers) and kube-scheduler, all on 127.0.0.1, from the binaries `cargo xtask kube`
 //! builds (Go module proxy, cached by version outside the clone). The lab's nodes become Node
-//! objects; a Cilium DaemonSet with the chart's labels, selector, image and grace period is
-//! created OnDelete, and the real controller makes its ControllerRevisions and pods. Pods
+//! objects; Cilium's objects are its own chart's, rendered by real Helm ([`chart`]) with an
+//! OnDelete DaemonSet, and the real controller makes its ControllerRevisions and pods. Pods
 //! bound to lab nodes are run by the lab kubelet ([`crate::kube::kubelet`]).
 //!
 //! Users (a token file, as `--token-auth-file` reads it): `admin` (group `system:masters`),
@@ -15,6 +15,7 @@
 //! The stepper runs in the LAN client's network namespace (it must reach the agents on the lab
 //! nodes); [`Forward`] carries its connections from a lab address there to the API server on
 //! the host's loopback, byte for byte (TLS end to end).
+pub mod chart;
 mod client;
 mod forward;
 pub mod kubelet;

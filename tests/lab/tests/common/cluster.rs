@@ -6,8 +6,11 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use stepguard_lab::kube::chart::CiliumChart;
 use stepguard_lab::kube::{ControlPlane, Kube};
+use stepguard_lab::lan::LeaseTimings;
 
 pub const KS: &str = "kube-system";
 
@@ -47,6 +50,80 @@ pub fn apply_shipped_manifests(c: &ControlPlane) {
         ])
         .unwrap_or_else(|e| panic!("apply {d}: {e:#}"));
     }
+}
+
+/// The Cilium chart values a rollout lab installs with: the tests' agent and operator images
+/// (whose approval the stepper judges), L2 announcements with the lab's lease timings (in
+/// `cilium-config`, where the stepper reads them), and `extra`.
+pub fn cilium_values(
+    image: &str,
+    operator: &str,
+    lease: &LeaseTimings,
+    extra: &[&str],
+) -> Vec<String> {
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    let mut v = vec![
+        format!("image.override={image}"),
+        format!("operator.image.override={operator}"),
+        "l2announcements.enabled=true".to_string(),
+        format!("l2announcements.leaseDuration={}", ms(lease.duration)),
+        format!("l2announcements.leaseRenewDeadline={}", ms(lease.renew)),
+        format!("l2announcements.leaseRetryPeriod={}", ms(lease.retry)),
+    ];
+    v.extend(extra.iter().map(|e| e.to_string()));
+    v
+}
+
+/// Cilium as its own chart renders it (real Helm; [`CiliumChart`]) with `values` and `strings`
+/// (`--set-string`), applied server-side into `dir/cilium-N.yaml`: the DaemonSet the stepper
+/// steps, `cilium-config`, the operator, their ServiceAccounts and RBAC. A render is made once
+/// per test process for the same values (Helm takes a second; the labs install the same
+/// Cilium many times). `keep_config`: the cluster's own `cilium-config` stays (real agents run
+/// with it; the chart's would configure them for a cluster the lab is not), the rendered one
+/// is left out.
+pub fn install_cilium(
+    cp: &ControlPlane,
+    dir: &std::path::Path,
+    values: &[String],
+    strings: &[String],
+    keep_config: bool,
+) {
+    static RENDERS: Mutex<Vec<(Vec<String>, String)>> = Mutex::new(Vec::new());
+    let key: Vec<String> = values
+        .iter()
+        .chain(strings)
+        .cloned()
+        .chain([strings.len().to_string()])
+        .collect();
+    let cached = RENDERS
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, y)| y.clone());
+    let yaml = cached.unwrap_or_else(|| {
+        let chart = CiliumChart::from_env().unwrap_or_else(|e| panic!("{e:#}"));
+        let v: Vec<&str> = values.iter().map(String::as_str).collect();
+        let s: Vec<&str> = strings.iter().map(String::as_str).collect();
+        let yaml = chart.render(&v, &s).unwrap_or_else(|e| panic!("{e:#}"));
+        RENDERS.lock().unwrap().push((key, yaml.clone()));
+        yaml
+    });
+    let yaml = if keep_config {
+        yaml.split("\n---\n")
+            .filter(|d| {
+                !(d.contains("\nkind: ConfigMap\n") && d.contains("\n  name: cilium-config\n"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    } else {
+        yaml
+    };
+    static APPLIED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = APPLIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let file = dir.join(format!("cilium-{n}.yaml"));
+    stepguard_lab::kube::chart::apply_rendered(cp, &file, &yaml)
+        .unwrap_or_else(|e| panic!("install Cilium's chart: {e:#}"));
 }
 
 pub fn current_revision(k: &Kube) -> (String, i64) {

@@ -72,8 +72,15 @@ pub(crate) fn sync_leases(k: &Kube, lan: &LanLab) {
     }
 }
 
-/// The DaemonSet's newest revision (hash, number), once the controller has observed the
-/// template.
+/// The lab's L2-announcement lease timings (short, so a lease moves within a test).
+pub(crate) fn spec_lease() -> LeaseTimings {
+    LeaseTimings {
+        duration: Duration::from_secs(2),
+        renew: Duration::from_secs(1),
+        retry: Duration::from_millis(500),
+    }
+}
+
 pub(crate) fn env() -> Env {
     env_with(None)
 }
@@ -85,11 +92,7 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
     ));
     let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
     spec.nodes = 3;
-    spec.lease = LeaseTimings {
-        duration: Duration::from_secs(2),
-        renew: Duration::from_secs(1),
-        retry: Duration::from_millis(500),
-    };
+    spec.lease = spec_lease();
     let lan = stepguard_lab::sys::fixture::Guard(LanLab::up(spec).expect("LAN lab up"));
     let run_dir = lan.state.run_dir.clone();
     let client_ns = lan.client_ns();
@@ -117,29 +120,25 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
         .map(|i| (node_name(i), stepguard_lab::lan::node_addr(i).to_string()))
         .collect();
     stepguard_lab::kube::create_nodes(&k, &nodes).expect("Nodes");
-    k.create(
-        &k.ns::<k8s_openapi::api::core::v1::ServiceAccount>(KS),
-        json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "cilium", "namespace": KS}}),
-    )
-    .expect("cilium ServiceAccount");
-    // Cilium's ConfigMap with the lab's lease timings (the plan's expected blips read them).
-    k.create(
-        &k.ns::<k8s_openapi::api::core::v1::ConfigMap>(KS),
-        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cilium-config", "namespace": KS},
-               "data": {"enable-l2-announcements": "true", "l2-announcements-lease-duration": "2s",
-                        "l2-announcements-renew-deadline": "1s", "l2-announcements-retry-period": "500ms"}}),
-    )
-    .expect("cilium-config");
-    k.create(
-        &k.ns::<DaemonSet>(KS),
-        stepguard_lab::kube::cilium_daemonset(CILIUM_IMAGE, revision_history_limit),
-    )
-    .expect("the Cilium DaemonSet");
-    k.create(
-        &k.ns::<k8s_openapi::api::apps::v1::Deployment>(KS),
-        stepguard_lab::kube::cilium_operator(OPERATOR_IMAGE),
-    )
-    .expect("the cilium-operator Deployment");
+    // Cilium as its chart renders it, with the lab's lease timings in cilium-config (the
+    // plan's expected blips read them). The chart has no value for the DaemonSet's
+    // revisionHistoryLimit: a test that needs one sets it as a user's post-renderer would.
+    install_cilium(
+        &cp.lock().unwrap(),
+        &run_dir,
+        &cilium_values(CILIUM_IMAGE, OPERATOR_IMAGE, &spec_lease(), &[]),
+        &[],
+        false,
+    );
+    if let Some(n) = revision_history_limit {
+        k.merge(
+            &k.ns::<DaemonSet>(KS),
+            "cilium",
+            json!({"spec": {"revisionHistoryLimit": n}}),
+            false,
+        )
+        .expect("the DaemonSet's revisionHistoryLimit");
+    }
 
     let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
     let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
@@ -261,6 +260,44 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
     );
     bump(&e, false);
     e
+}
+
+/// The checksum of `cilium-config` that Cilium's chart puts on the pod template for the lab's
+/// values with `image` and `extra` (as a user reads it from `helm template` to approve it).
+pub(crate) fn chart_checksum(image: &str, extra: &[&str]) -> String {
+    let values = cilium_values(image, OPERATOR_IMAGE, &spec_lease(), extra);
+    let v: Vec<&str> = values.iter().map(String::as_str).collect();
+    let chart = CiliumChart::from_env().unwrap_or_else(|e| panic!("{e:#}"));
+    let yaml = chart.render(&v, &[]).unwrap_or_else(|e| panic!("{e:#}"));
+    stepguard_lab::kube::chart::checksum(&yaml).expect("the chart's checksum annotation")
+}
+
+/// A commit of Cilium's values, applied as a GitOps controller applies it: the chart rendered
+/// with the lab's values, `image` and `extra`, and with `approval` (image, config checksum) as
+/// the chart's `annotations:` value, applied server-side. The revision, once observed.
+pub(crate) fn chart_commit(
+    e: &Env,
+    image: &str,
+    extra: &[&str],
+    approval: Option<(&str, &str)>,
+) -> String {
+    let values = cilium_values(image, OPERATOR_IMAGE, &spec_lease(), extra);
+    let strings: Vec<String> = approval
+        .map(|(image, sum)| {
+            vec![
+                format!("annotations.stepguard\\.io/approve-image={image}"),
+                format!("annotations.stepguard\\.io/approve-config-checksum={sum}"),
+            ]
+        })
+        .unwrap_or_default();
+    install_cilium(&e.cp.lock().unwrap(), &e.run_dir, &values, &strings, false);
+    wait_until(
+        "the controller observes the template",
+        Duration::from_secs(20),
+        || observed(&e.k),
+        String::new,
+    );
+    current_revision(&e.k).0
 }
 
 /// Changes the template now; returns the new revision's hash.

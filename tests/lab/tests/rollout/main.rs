@@ -27,6 +27,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use stepguard_lab::kube::chart::CiliumChart;
 use stepguard_lab::kube::kubelet::{Kubelet, Moment};
 use stepguard_lab::kube::{ControlPlane, Forward, Kube};
 use stepguard_lab::lan::{LanGuard, LanLab, LanSpec, LeaseTimings};

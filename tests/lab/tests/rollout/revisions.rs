@@ -138,23 +138,19 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
         watch.output()
     );
 
-    // One commit: the new image, the chart's config checksum on the template, and the
-    // approval naming both (before the revision exists). It also drops the environment's
-    // unapproved change (its bump annotation): a Git approval covers the image and the
-    // config alone, judged from the revision the nodes run.
+    // One commit: Cilium's chart with a new image and a value that lands in cilium-config
+    // (so a new checksum on the template), and the approval naming both through the chart's
+    // `annotations:` value (the checksum read from `helm template` before the commit). The
+    // environment's unapproved change (its bump annotation) is dropped first: a Git approval
+    // covers the image and the config alone, judged from the revision the nodes run.
     let image = CILIUM_IMAGE.replace("v1.18.2", "v1.18.3");
     let (from, ev) = (deletions(&e).len(), events(&e));
-    let approved = patch_daemonset(
+    patch_daemonset(
         &e.k,
-        json!({"metadata": {"annotations": {
-                   "stepguard.io/approve-image": image, "stepguard.io/approve-config-checksum": "c2"}},
-               "spec": {"template": {
-                   "metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c2",
-                       "stepguard.test/bump": null}},
-                   "spec": {"containers": [{"name": "cilium-agent", "image": image,
-                       "imagePullPolicy": "IfNotPresent", "command": ["cilium-agent"],
-                       "args": ["--config-dir=/tmp/cilium/config-map"]}]}}}}),
+        json!({"spec": {"template": {"metadata": {"annotations": {"stepguard.test/bump": null}}}}}),
     );
+    let sum = chart_checksum(&image, &["debug.enabled=true"]);
+    let approved = chart_commit(&e, &image, &["debug.enabled=true"], Some((&image, &sum)));
     wait_until(
         "the watch steps every node onto the approved revision",
         Duration::from_secs(120),
@@ -167,12 +163,16 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
     );
     each_node_once_every_verdict_read(&e, from, &ev, &approved, &watch.output());
 
-    // A config-only change (a new checksum, the same image) does not ride that approval.
+    // A config-only commit (a new checksum, the same image, the approval unchanged) does not
+    // ride that approval.
     let from = deletions(&e).len();
-    let config_only = patch_daemonset(
-        &e.k,
-        json!({"spec": {"template": {"metadata": {"annotations": {"cilium.io/cilium-configmap-checksum": "c3"}}}}}),
+    let extra = ["debug.enabled=true", "debug.verbose=flow"];
+    let sum3 = chart_checksum(&image, &extra);
+    assert_ne!(
+        sum3, sum,
+        "a value that lands in cilium-config changes the checksum"
     );
+    let config_only = chart_commit(&e, &image, &extra, Some((&image, &sum)));
     assert_ne!(config_only, approved);
     wait_until(
         "the watch waits for the config-only revision's approval",
@@ -181,7 +181,7 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
             all_events(&e).iter().any(|(_, r, m)| {
                 r == "StepguardApprovalAwaited"
                     && m.contains(&format!("revision {config_only}"))
-                    && m.contains("config checksum is c3")
+                    && m.contains(&format!("config checksum is {sum3}"))
             })
         },
         || watch.output(),
