@@ -5,6 +5,7 @@ mod buildcache;
 mod cilium;
 mod cross;
 mod demo;
+mod flux;
 mod helm;
 mod image;
 mod kube;
@@ -72,6 +73,10 @@ enum Cmd {
     /// Build Helm (`helm.sh/helm/v4`, pinned) from the Go module proxy into the same cache, for
     /// the tests that render Cilium's own chart; only when missing. Prints the binary's path.
     Helm,
+    /// Build Flux's kustomize-controller (pinned) from the Go module proxy into the same cache,
+    /// with the CRDs of its module and source-controller's, for the Flux test; only when
+    /// missing. Prints the Flux directory.
+    Flux,
     /// Build the real cilium-agent and cilium-cni (the pinned 1.20 and 1.19 releases, or the
     /// one named) from `github.com/cilium/cilium` on the Go module proxy into the same cache;
     /// only what is missing. Prints each release's binaries' directory and the agent's lib
@@ -286,6 +291,10 @@ fn test(unit_only: bool, filter: Option<String>, real_extended: bool) -> Result<
             if let Some(r) = cilium::RELEASES.iter().find(|r| r.tested) {
                 agents.push((helm::CHART_ENV.into(), helm::cilium_chart(r)?));
             }
+            // Flux's kustomize-controller, for the extended Flux test.
+            if real_extended {
+                agents.push((flux::FLUX_ENV.into(), flux::ensure()?));
+            }
             Ok((kube, agents))
         })
     });
@@ -479,6 +488,7 @@ fn main() {
         Cmd::Layers => layers::check(&root()),
         Cmd::Kube => kube::ensure().map(|d| println!("{}", d.display())),
         Cmd::Helm => helm::ensure().map(|b| println!("{}", b.display())),
+        Cmd::Flux => flux::ensure().map(|d| println!("{}", d.display())),
         Cmd::Cilium { release } => (|| {
             let releases: Vec<&cilium::Release> = match &release {
                 Some(v) => vec![cilium::release(v)?],
