@@ -79,7 +79,8 @@ pub const LAB_LAYERS: Layers = &[
         &["sys"],
     ),
     (
-        "kube: the control plane (the API server and its clients) and the lab kubelet",
+        "kube: the control plane (the API server and its clients), the lab kubelet, Cilium's chart, \
+         a Git server and Flux's kustomize-controller with the lab's Git source",
         &["kube"],
     ),
     (

@@ -17,7 +17,9 @@
 //! the host's loopback, byte for byte (TLS end to end).
 pub mod chart;
 mod client;
+pub mod flux;
 mod forward;
+pub mod git;
 pub mod kubelet;
 
 pub use client::*;
