@@ -5,70 +5,25 @@
 //! admitted (Pod Security enforces on pods, not on their templates). A namespace enforcing
 //! `restricted` proves admission really runs here: the same agent pod is refused there.
 mod common;
+use common::cluster::repo_root;
+use common::plane::{kube_bin, plane_for_manifests, pods_anywhere, wait_for};
 use common::*;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 use stepguard_lab::kube::{ControlPlane, Kube};
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn pods(k: &Kube, ns: &str, selector: &str) -> Vec<Pod> {
     let lp = kube::api::ListParams::default().labels(selector);
     k.block(k.ns::<Pod>(ns).list(&lp)).unwrap().items
 }
 
-fn wait_for(what: &str, ok: impl Fn() -> bool, context: impl Fn() -> String) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !ok() {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within 60 s\n{}",
-            context()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// A fresh control plane with the CRDs from `third_party/` and one node for the controllers to
-/// place pods on (nobody runs them: admission is the point).
-fn cluster(bin: &Path, name: &str) -> (PlaneGuard, Kube) {
-    let dir = std::env::temp_dir().join(format!("sg-manifests-{}-{name}", std::process::id()));
-    let g = PlaneGuard(ControlPlane::up(&dir, bin).expect("control plane up"), dir);
-    let k = Kube::connect(&g.0.admin_kubeconfig()).unwrap();
-    let crds = repo_root().join("third_party/prometheus-operator-v0.93.0");
-    for f in std::fs::read_dir(&crds).unwrap() {
-        let f = f.unwrap().path();
-        if f.extension().is_some_and(|e| e == "yaml") {
-            apply(&g.0, &["-f", f.to_str().unwrap()]);
-        }
-    }
-    g.0.wait_crds_established(&["crd", "--all"], std::time::Duration::from_secs(30))
-        .expect("CRDs established");
-    stepguard_lab::kube::create_nodes(&k, &[("node-a".into(), "192.0.2.10".into())]).unwrap();
-    (g, k)
-}
-
 fn apply(cp: &ControlPlane, args: &[&str]) -> String {
     apply_server_side(cp, "stepguard-test", args)
-}
-
-/// Pods with this selector in any namespace.
-fn pods_anywhere(k: &Kube, selector: &str) -> Vec<Pod> {
-    let lp = kube::api::ListParams::default().labels(selector);
-    k.block(kube::Api::<Pod>::all(k.client.clone()).list(&lp))
-        .unwrap()
-        .items
 }
 
 #[test]
 fn every_manifest_applies_server_side_and_admission_admits_its_pods() {
     require_root();
-    let bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
-        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
-    ));
+    let bin = kube_bin();
     let root = repo_root();
     // Each as a user would install it, on a cluster of its own: the base with the stepper, and
     // every example overlay (they replace the base's config, which would roll the base's pods).
@@ -86,7 +41,7 @@ fn every_manifest_applies_server_side_and_admission_admits_its_pods() {
     assert!(!examples.is_empty());
     installs.extend(examples.into_iter().map(|e| vec![e]));
     for (n, install) in installs.iter().enumerate() {
-        let (g, k) = cluster(&bin, &n.to_string());
+        let (g, k) = plane_for_manifests(&bin, &format!("manifests-{n}"));
         let cp = &g.0;
         for o in install {
             let out = apply(cp, &["-k", root.join(o).to_str().unwrap()]);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stepguard_lab::{Lab, LabGuard, LabSpec};
 
 pub mod cluster;
+pub mod plane;
 pub mod real;
 pub mod webhook;
 pub mod witness;
