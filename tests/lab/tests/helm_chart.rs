@@ -1,16 +1,18 @@
 //! The Helm chart `deploy/helm/stepguard` is the kustomize base by another route: real Helm
 //! (v4.3.2) lints it strictly and its schema refuses a mistyped key or a value of the wrong
-//! type; it renders the objects `kubectl kustomize deploy/base` and `deploy/rollout` render; and
-//! on a real control plane with Pod Security admission on, `helm template` applied server-side
-//! and a real `helm install` both get their pods admitted, a namespace enforcing `restricted`
-//! refuses them, and the stepper's requests pass the chart's RBAC (the API server's audit log:
-//! its plan and status, every read; the lock's writes are the base's rules, which the
-//! comparison holds equal and the rollout tests exercise).
+//! type; it renders what `kubectl kustomize` renders of `deploy/base` (its defaults), of
+//! `deploy/base` with `deploy/rollout` (`rollout.enabled`) and of `deploy/examples/cilium-config`
+//! (`ciliumConfig.mount` in kube-system); and on a real control plane with Pod Security
+//! admission on, `helm template` applied server-side and a real `helm install` both get their
+//! pods admitted, a namespace enforcing `restricted` refuses them, and the stepper's requests
+//! pass the chart's RBAC (the API server's audit log: its plan and status, every read; the
+//! lock's writes are the base's rules, which the comparison holds equal and the rollout tests
+//! exercise).
 //!
 //! How the renders are compared: both are read as JSON (kubectl, offline) and keyed by kind,
-//! namespace and name; with `rollout.enabled` the chart's keys are exactly kustomize's. Each
-//! object must then be equal whole once what each tool adds by design is taken out: Helm's
-//! labels (`app.kubernetes.io/instance`, `version`, `managed-by`, `helm.sh/chart`), the agents'
+//! namespace and name; the chart's keys must be exactly kustomize's. Each object must then be
+//! equal whole once what each tool adds by design is taken out: Helm's labels
+//! (`app.kubernetes.io/instance`, `version`, `managed-by`, `helm.sh/chart`), the agents'
 //! pod-template annotation `checksum/config` (how the chart rolls the agents on a config change,
 //! as kustomize's content hash in the ConfigMap's name does; checked on its own) and that hash
 //! wherever the name appears. One difference is kept and asserted instead: the stepper runs the
@@ -212,6 +214,60 @@ fn args(c: &Value) -> Vec<String> {
         .collect()
 }
 
+/// `kubectl kustomize` of `dirs`, normalised, with kustomize's hashed ConfigMap name renamed to
+/// the plain one (the chart's) wherever it appears.
+fn kustomized(dirs: &[&str], scratch: &Path) -> BTreeMap<Key, Value> {
+    let mut all = BTreeMap::new();
+    for d in dirs {
+        all.extend(kustomize(
+            d,
+            &scratch.join(format!("{}.yaml", d.replace('/', "-"))),
+        ));
+    }
+    let hashed = |k: &Key| k.0 == "ConfigMap" && k.2.starts_with("stepguard-config-");
+    let renames: Vec<(String, String)> = all
+        .keys()
+        .filter(|k| hashed(k))
+        .map(|k| (k.2.clone(), "stepguard-config".to_string()))
+        .collect();
+    assert_eq!(
+        renames.len(),
+        1,
+        "{dirs:?} generate one agent config: {renames:?}"
+    );
+    all.into_iter()
+        .map(|(k, v)| {
+            let name = if hashed(&k) {
+                "stepguard-config".into()
+            } else {
+                k.2
+            };
+            ((k.0, k.1, name), normalise(&v, &renames))
+        })
+        .collect()
+}
+
+/// The chart's objects are kustomize's (kind, namespace, name), each equal whole once
+/// normalised; every difference is listed by its JSON path.
+fn same_objects(chart: &BTreeMap<Key, Value>, kustomized: &BTreeMap<Key, Value>, what: &str) {
+    let keys = |m: &BTreeMap<Key, Value>| m.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(
+        keys(chart),
+        keys(kustomized),
+        "{what} renders kustomize's objects (kind, namespace, name)"
+    );
+    let mut unequal = Vec::new();
+    for (k, want) in kustomized {
+        let got = normalise(&chart[k], &[]);
+        let mut d = Vec::new();
+        differences(&got, want, "", &mut d);
+        if !d.is_empty() {
+            unequal.push(format!("{k:?} (chart ≠ kustomize):\n  {}", d.join("\n  ")));
+        }
+    }
+    assert!(unequal.is_empty(), "{what}:\n{}", unequal.join("\n"));
+}
+
 /// A directory of the test's own, removed when dropped.
 struct Scratch(PathBuf);
 
@@ -240,6 +296,7 @@ fn helm_lints_the_chart_strictly_and_its_schema_refuses_a_wrong_type_or_an_unkno
             "--set",
             "namespace.create=false,serviceMonitor.enabled=false,prometheusRule.enabled=false",
         ],
+        vec!["--set", "namespace.create=false,ciliumConfig.mount=true"],
     ] {
         let mut a = vec!["lint", "--strict", c];
         a.extend_from_slice(&values);
@@ -301,44 +358,16 @@ fn helm_lints_the_chart_strictly_and_its_schema_refuses_a_wrong_type_or_an_unkno
 fn the_chart_renders_the_kustomize_bases_objects() {
     let scratch = Scratch::new("helm-render");
     let dir = &scratch.0;
-    let base = kustomize("deploy/base", &dir.join("base.yaml"));
-    let rollout = kustomize("deploy/rollout", &dir.join("rollout.yaml"));
     let chart = objects(
         &template("stepguard", &["--set", "rollout.enabled=true"]),
         &dir.join("chart.yaml"),
     );
-
-    // The same objects.
-    let cm = |k: &Key| k.0 == "ConfigMap" && k.2.starts_with("stepguard-config-");
-    let hashed: Vec<String> = base.keys().filter(|k| cm(k)).map(|k| k.2.clone()).collect();
-    assert_eq!(
-        hashed.len(),
-        1,
-        "the base generates one ConfigMap: {hashed:?}"
-    );
-    let renames: Vec<(String, String)> = vec![(hashed[0].clone(), "stepguard-config".into())];
-    let mut kustomized: BTreeMap<Key, Value> = BTreeMap::new();
-    for (k, v) in base.iter().chain(&rollout) {
-        let k = if cm(k) {
-            (k.0.clone(), k.1.clone(), "stepguard-config".into())
-        } else {
-            k.clone()
-        };
-        kustomized.insert(k, normalise(v, &renames));
-    }
+    let mut kust = kustomized(&["deploy/base", "deploy/rollout"], dir);
     let kinds = |m: &BTreeMap<Key, Value>| m.keys().cloned().collect::<Vec<_>>();
-    assert_eq!(
-        kinds(&chart),
-        kinds(&kustomized),
-        "the chart with rollout.enabled renders kustomize's objects (kind, namespace, name)"
-    );
 
     // The stepper's image is the agent's: the chart's default is the base's image and tag.
     let agent = container(&chart, "DaemonSet", "stepguard")["image"].clone();
-    assert_eq!(
-        agent,
-        container(&kustomized, "DaemonSet", "stepguard")["image"]
-    );
+    assert_eq!(agent, container(&kust, "DaemonSet", "stepguard")["image"]);
     assert_eq!(
         agent,
         format!("stepguard:{}", env!("CARGO_PKG_VERSION")).as_str()
@@ -347,24 +376,14 @@ fn the_chart_renders_the_kustomize_bases_objects() {
         container(&chart, "Deployment", "stepguard-rollout")["image"],
         agent
     );
-    kustomized
-        .get_mut(&key("Deployment", "stepguard", "stepguard-rollout"))
+    kust.get_mut(&key("Deployment", "stepguard", "stepguard-rollout"))
         .unwrap()
         .pointer_mut("/spec/template/spec/containers/0/image")
         .map(|i| *i = agent.clone())
         .unwrap();
 
-    // Each object equal whole, once normalised.
-    let mut unequal = Vec::new();
-    for (k, want) in &kustomized {
-        let got = normalise(&chart[k], &[]);
-        let mut d = Vec::new();
-        differences(&got, want, "", &mut d);
-        if !d.is_empty() {
-            unequal.push(format!("{k:?} (chart ≠ kustomize):\n  {}", d.join("\n  ")));
-        }
-    }
-    assert!(unequal.is_empty(), "{}", unequal.join("\n"));
+    same_objects(&chart, &kust, "the chart with rollout.enabled");
+
     // What that covered, spelled out: the config's text is the base's file, byte for byte.
     let config =
         std::fs::read_to_string(common::cluster::repo_root().join("deploy/base/config.yaml"))
@@ -374,14 +393,14 @@ fn the_chart_renders_the_kustomize_bases_objects() {
         config.as_str()
     );
 
-    // By default the stepper is off; the switches take out what they name.
+    // By default the chart is the base alone, the stepper off; the switches take out what
+    // they name.
     let defaults = objects(&template("stepguard", &[]), &dir.join("defaults.yaml"));
-    let base_keys: Vec<Key> = kustomized
-        .keys()
-        .filter(|k| !k.2.starts_with("stepguard-rollout"))
-        .cloned()
-        .collect();
-    assert_eq!(kinds(&defaults), base_keys, "the defaults render the base");
+    same_objects(
+        &defaults,
+        &kustomized(&["deploy/base"], dir),
+        "the chart's defaults",
+    );
     let off = objects(
         &template(
             "stepguard",
@@ -394,7 +413,7 @@ fn the_chart_renders_the_kustomize_bases_objects() {
         ),
         &dir.join("off.yaml"),
     );
-    let want: Vec<Key> = kustomized
+    let want: Vec<Key> = kust
         .keys()
         .filter(|k| {
             let off = ["Namespace", "ServiceMonitor", "PrometheusRule"].contains(&k.0.as_str())
@@ -458,6 +477,29 @@ fn the_chart_renders_the_kustomize_bases_objects() {
             .iter()
             .any(|x| x.starts_with("--agents-namespace")),
         "in stepguard the stepper's defaults hold: {defaults_args:?}"
+    );
+
+    // deploy/examples/cilium-config by values: in kube-system, no Namespace of its own, Cilium's
+    // ConfigMap and runtime directory mounted, the example's config.
+    let root = common::cluster::repo_root();
+    let example_config = root.join("deploy/examples/cilium-config/config.yaml");
+    let file = format!("config={}", example_config.display());
+    let chart = objects(
+        &template(
+            "kube-system",
+            &[
+                "--set",
+                "namespace.create=false,ciliumConfig.mount=true",
+                "--set-file",
+                &file,
+            ],
+        ),
+        &dir.join("cilium-config.yaml"),
+    );
+    same_objects(
+        &chart,
+        &kustomized(&["deploy/examples/cilium-config"], dir),
+        "the chart with ciliumConfig.mount in kube-system",
     );
 }
 
