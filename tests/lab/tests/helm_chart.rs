@@ -15,9 +15,8 @@
 //! (`app.kubernetes.io/instance`, `version`, `managed-by`, `helm.sh/chart`), the agents'
 //! pod-template annotation `checksum/config` (how the chart rolls the agents on a config change,
 //! as kustomize's content hash in the ConfigMap's name does; checked on its own) and that hash
-//! wherever the name appears. One difference is kept and asserted instead: the stepper runs the
-//! chart's image, the agent's (one binary, one version), where `deploy/rollout` names its own.
-//! Everything else — images, args, securityContexts, volumes, RBAC rules, Service ports, the
+//! wherever the name appears. The stepper runs the agents' image (one binary, one version) in
+//! both. Everything else — images, args, securityContexts, volumes, RBAC rules, Service ports, the
 //! PrometheusRule's groups, the config's text — must be equal as it is.
 mod common;
 use common::plane::{kube_bin, plane_for_manifests, pods_anywhere, wait_for};
@@ -362,7 +361,7 @@ fn the_chart_renders_the_kustomize_bases_objects() {
         &template("stepguard", &["--set", "rollout.enabled=true"]),
         &dir.join("chart.yaml"),
     );
-    let mut kust = kustomized(&["deploy/base", "deploy/rollout"], dir);
+    let kust = kustomized(&["deploy/base", "deploy/rollout"], dir);
     let kinds = |m: &BTreeMap<Key, Value>| m.keys().cloned().collect::<Vec<_>>();
 
     // The stepper's image is the agent's: the chart's default is the base's image and tag.
@@ -372,15 +371,13 @@ fn the_chart_renders_the_kustomize_bases_objects() {
         agent,
         format!("stepguard:{}", env!("CARGO_PKG_VERSION")).as_str()
     );
-    assert_eq!(
-        container(&chart, "Deployment", "stepguard-rollout")["image"],
-        agent
-    );
-    kust.get_mut(&key("Deployment", "stepguard", "stepguard-rollout"))
-        .unwrap()
-        .pointer_mut("/spec/template/spec/containers/0/image")
-        .map(|i| *i = agent.clone())
-        .unwrap();
+    for (name, objects) in [("the chart", &chart), ("deploy/rollout", &kust)] {
+        assert_eq!(
+            container(objects, "Deployment", "stepguard-rollout")["image"],
+            agent,
+            "{name}: the stepper runs the agents' image"
+        );
+    }
 
     same_objects(&chart, &kust, "the chart with rollout.enabled");
 
