@@ -5,8 +5,9 @@
 //! cache). Nothing upstream is committed.
 //!
 //! source-controller is not built: v1.9.6 requires `github.com/fluxcd/pkg/artifact` v0.18.3,
-//! which the module proxy here refuses (403, "This module version is not available"), and
-//! v1.10.x requires Go 1.27. The tests play source-controller's part for a Git repository
+//! which the module proxy here refuses (403, "This module version is not available"); v1.10.1
+//! requires Go 1.27, and with the Go 1.27.3 toolchain the proxy serves, its dependency
+//! `github.com/fluxcd/pkg/http/transport` v0.9.0 is refused the same way. The tests play source-controller's part for a Git repository
 //! through the `ExternalArtifact` source kustomize-controller takes (feature gate
 //! `ExternalArtifact`), made from the repository the lab serves over Git's smart HTTP.
 use crate::kube::{cache_root, go, run};
@@ -53,16 +54,21 @@ pub fn built() -> bool {
             .is_file()
 }
 
-/// The replace lines of `module`'s go.mod at [`FLUX`] that name another module (its
-/// `./api` replace is its own nested module, which the proxy serves as a module of its own).
-fn replaces(work: &Path, module: &str) -> Result<Vec<String>> {
+/// `go mod download -json` of `module` at [`FLUX`] (downloaded when missing).
+fn download(work: &Path, module: &str) -> Result<serde_json::Value> {
     let info = run(
         go().current_dir(work)
             .args(["mod", "download", "-json"])
             .arg(format!("{module}@{FLUX}")),
         &format!("download {module}"),
     )?;
-    let v: serde_json::Value = serde_json::from_str(&info).context("go mod download -json")?;
+    serde_json::from_str(&info).context("go mod download -json")
+}
+
+/// The replace lines of `module`'s go.mod at [`FLUX`] that name another module (its
+/// `./api` replace is its own nested module, which the proxy serves as a module of its own).
+fn replaces(work: &Path, module: &str) -> Result<Vec<String>> {
+    let v = download(work, module)?;
     let gomod = v["GoMod"].as_str().context("no GoMod in go mod download")?;
     let edit = run(
         go().current_dir(work).args(["mod", "edit", "-json", gomod]),
@@ -84,13 +90,7 @@ fn replaces(work: &Path, module: &str) -> Result<Vec<String>> {
 
 /// The module's directory in the module cache (downloaded when missing).
 fn module_dir(work: &Path, module: &str) -> Result<PathBuf> {
-    let info = run(
-        go().current_dir(work)
-            .args(["mod", "download", "-json"])
-            .arg(format!("{module}@{FLUX}")),
-        &format!("download {module}"),
-    )?;
-    let v: serde_json::Value = serde_json::from_str(&info).context("go mod download -json")?;
+    let v = download(work, module)?;
     Ok(PathBuf::from(
         v["Dir"].as_str().context("no Dir in go mod download")?,
     ))
