@@ -40,12 +40,8 @@ fn render(chart: &CiliumChart, extra: &[&str], strings: &[&str]) -> (String, Str
     let yaml = chart
         .render(&v, strings)
         .unwrap_or_else(|e| panic!("{e:#}"));
-    let sum = yaml
-        .lines()
-        .find_map(|l| l.trim().strip_prefix(&format!("{CHECKSUM}: ")))
-        .expect("the rendered DaemonSet's template carries the config checksum")
-        .trim_matches('"')
-        .to_string();
+    let sum = stepguard_lab::kube::chart::checksum(&yaml)
+        .expect("the rendered DaemonSet's template carries the config checksum");
     (yaml, sum)
 }
 

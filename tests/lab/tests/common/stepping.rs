@@ -9,11 +9,11 @@ use crate::common::{bin, require_root, AgentProc};
 use k8s_openapi::api::coordination::v1::Lease;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use stepguard_lab::kube::kubelet::Kubelet;
+use stepguard_lab::kube::kubelet::{Kubelet, MomentHook};
 use stepguard_lab::kube::{ControlPlane, Forward, Kube};
 use stepguard_lab::lan::{LanGuard, LanLab, LanSpec, LeaseTimings};
 use stepguard_lab::RestartOpts;
@@ -79,9 +79,27 @@ pub fn sync_leases(k: &Kube, lan: &LanLab) {
     }
 }
 
+/// Makes the kubelet's moment hook, given the admin kubeconfig.
+pub type MakeMoment = Box<dyn FnOnce(&Path) -> MomentHook>;
+
+/// What a test does to the world at the kubelet's moments.
+#[derive(Default)]
+pub struct Hooks {
+    /// When set, the restart for this many-th cilium pod deletion (1-based, over the kubelet's
+    /// life) empties the node's endpoint map.
+    pub fault_at: Arc<Mutex<Option<usize>>>,
+    /// Makes the kubelet's moment hook, given the admin kubeconfig.
+    pub moment: Option<MakeMoment>,
+}
+
 impl Stepped {
     /// The world with `nodes` nodes; no Cilium object exists yet.
     pub fn up(nodes: u8) -> Stepped {
+        Stepped::up_with(nodes, Hooks::default())
+    }
+
+    /// As [`Stepped::up`], with the test's `hooks`.
+    pub fn up_with(nodes: u8, hooks: Hooks) -> Stepped {
         require_root();
         let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
             "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
@@ -118,20 +136,35 @@ impl Stepped {
             .collect();
         stepguard_lab::kube::create_nodes(&k, &node_addrs).expect("Nodes");
         let restart = {
-            let (lan, k) = (lan.clone(), Kube::connect(&admin).unwrap());
+            let (lan, k, fault_at) = (
+                lan.clone(),
+                Kube::connect(&admin).unwrap(),
+                hooks.fault_at.clone(),
+            );
             Arc::new(move |node: &str, nth: usize| {
                 let i: u8 = node.trim_start_matches("node-").parse().unwrap();
-                let opts = RestartOpts {
+                let mut opts = RestartOpts {
                     down: Duration::from_millis(300),
                     ..Default::default()
                 };
-                eprintln!("the lab restarts {node} for deletion {nth}");
+                if *fault_at.lock().unwrap() == Some(nth) {
+                    opts.flush_map = Some("cilium_lxc".into());
+                }
+                eprintln!(
+                    "the lab restarts {node} for deletion {nth}{}",
+                    if opts.flush_map.is_some() {
+                        ", emptying cilium_lxc"
+                    } else {
+                        ""
+                    }
+                );
                 let mut l = lan.lock().unwrap();
                 l.restart(i, &opts, false).expect("lab restart");
                 sync_leases(&k, &l);
             })
         };
-        let kubelet = Kubelet::start(&admin, node_addrs.into_iter().collect(), restart, None)
+        let moment = hooks.moment.map(|make| make(&admin));
+        let kubelet = Kubelet::start(&admin, node_addrs.into_iter().collect(), restart, moment)
             .expect("lab kubelet");
         let mut agents = Vec::new();
         {
@@ -204,22 +237,7 @@ impl Stepped {
     /// `stepguard rollout --watch` with the arguments `deploy/rollout/deployment.yaml` gives
     /// it (its token file one of the test's) and `pace`, in the background.
     pub fn watch(&self, name: &str, pace: &[&str]) -> Stepper {
-        let args = deployment_args();
-        assert_eq!(
-            args.first().map(String::as_str),
-            Some("rollout"),
-            "{args:?}"
-        );
-        assert!(args.iter().any(|a| a == "--watch"), "{args:?}");
-        let token = self.run_dir.join("agents-token");
-        std::fs::write(&token, "lab-agents-token\n").unwrap();
-        let mut extra: Vec<String> = args[1..]
-            .iter()
-            .map(|a| match a.strip_prefix("--token-file=") {
-                Some(_) => format!("--token-file={}", token.display()),
-                None => a.clone(),
-            })
-            .collect();
+        let mut extra = watch_args(&self.run_dir);
         extra.extend(pace.iter().map(|s| s.to_string()));
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let log = self.run_dir.join(format!("{name}.log"));
@@ -290,6 +308,27 @@ impl Drop for Stepper {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The arguments `deploy/rollout/deployment.yaml` gives `stepguard rollout --watch`, after
+/// `rollout`, its token file one written into `run_dir`.
+pub fn watch_args(run_dir: &Path) -> Vec<String> {
+    let args = deployment_args();
+    assert_eq!(
+        args.first().map(String::as_str),
+        Some("rollout"),
+        "{args:?}"
+    );
+    assert!(args.iter().any(|a| a == "--watch"), "{args:?}");
+    let token = run_dir.join("agents-token");
+    std::fs::write(&token, "lab-agents-token\n").unwrap();
+    args[1..]
+        .iter()
+        .map(|a| match a.strip_prefix("--token-file=") {
+            Some(_) => format!("--token-file={}", token.display()),
+            None => a.clone(),
+        })
+        .collect()
 }
 
 /// The container arguments of the stepper's Deployment as shipped.

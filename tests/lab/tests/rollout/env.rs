@@ -4,10 +4,6 @@
 //! the tests make of it (pods, Events, the lock, deletions).
 use super::*;
 
-pub(crate) fn node_name(i: u8) -> String {
-    format!("node-{i}")
-}
-
 pub(crate) const CILIUM_IMAGE: &str = "quay.io/cilium/cilium:v1.18.2@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 pub(crate) const OPERATOR_IMAGE: &str = "quay.io/cilium/operator-generic:v1.18.2@sha256:fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
 
@@ -20,16 +16,10 @@ pub(crate) struct Bump {
     pub(crate) approve: bool,
 }
 
+/// The stepping world ([`Stepped`]: the control plane, the LAN lab, the kubelet, the agents)
+/// with Cilium installed from its chart and the test's hooks.
 pub(crate) struct Env {
-    pub(crate) _agents: Vec<AgentProc>,
-    pub(crate) kubelet: Option<Kubelet>,
-    pub(crate) _forward: Forward,
-    pub(crate) k: Arc<Kube>,
-    pub(crate) cp: Arc<Mutex<ControlPlane>>,
-    pub(crate) kubeconfig: PathBuf,
-    pub(crate) client_ns: String,
-    pub(crate) run_dir: PathBuf,
-    pub(crate) lan: Arc<Mutex<LanGuard>>,
+    pub(crate) w: Stepped,
     /// When set, the restart for this many-th deletion (1-based, over the kubelet's life)
     /// empties the node's endpoint map.
     pub(crate) fault_at: Arc<Mutex<Option<usize>>>,
@@ -38,46 +28,10 @@ pub(crate) struct Env {
     pub(crate) bumped: Arc<Mutex<u32>>,
 }
 
-/// Cilium's L2-announcement Leases in kube-system, as the lab's holders are now (the lab plays
-/// the cilium-agent's part in them; like the agent, it retries while the API server is away).
-pub(crate) fn sync_leases(k: &Kube, lan: &LanLab) {
-    let api = k.ns::<Lease>(KS);
-    for (vip, holder) in &lan.state.holders {
-        let name = format!("cilium-l2announce-default-{vip}");
-        let spec = json!({"holderIdentity": node_name(*holder), "leaseDurationSeconds": 2});
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let r = match k.block(api.get_opt(&name)) {
-                Ok(Some(_)) => k
-                    .merge(&api, &name, json!({"spec": spec}), false)
-                    .map(|_| ()),
-                Ok(None) => k
-                    .create(
-                        &api,
-                        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                               "metadata": {"name": name, "namespace": KS}, "spec": spec}),
-                    )
-                    .map(|_| ()),
-                Err(e) => Err(e.into()),
-            };
-            match r {
-                Ok(()) => break,
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("write the L2 Lease {name}: {e:#} (retrying)");
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                Err(e) => panic!("write the L2 Lease {name}: {e:#}"),
-            }
-        }
-    }
-}
-
-/// The lab's L2-announcement lease timings (short, so a lease moves within a test).
-pub(crate) fn spec_lease() -> LeaseTimings {
-    LeaseTimings {
-        duration: Duration::from_secs(2),
-        renew: Duration::from_secs(1),
-        retry: Duration::from_millis(500),
+impl std::ops::Deref for Env {
+    type Target = Stepped;
+    fn deref(&self) -> &Stepped {
+        &self.w
     }
 }
 
@@ -86,159 +40,61 @@ pub(crate) fn env() -> Env {
 }
 
 pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
-    require_root();
-    let kube_bin = PathBuf::from(std::env::var("STEPGUARD_KUBE_BIN").expect(
-        "STEPGUARD_KUBE_BIN: the control plane's binaries (`cargo xtask kube`; `cargo xtask test` sets it)",
-    ));
-    let mut spec = LanSpec::new(stepguard_lab::unique_prefix());
-    spec.nodes = 3;
-    spec.lease = spec_lease();
-    let lan = stepguard_lab::sys::fixture::Guard(LanLab::up(spec).expect("LAN lab up"));
-    let run_dir = lan.state.run_dir.clone();
-    let client_ns = lan.client_ns();
-    let cp = ControlPlane::up(&run_dir.join("kube"), &kube_bin).expect("control plane up");
-    let cp = Arc::new(Mutex::new(cp));
-    let lan = Arc::new(Mutex::new(lan));
-    // From here on a failure still takes the control plane and the lab down.
-    struct Partial(Arc<Mutex<ControlPlane>>, Arc<Mutex<LanGuard>>);
-    impl Drop for Partial {
-        fn drop(&mut self) {
-            self.0.lock().unwrap_or_else(|e| e.into_inner()).down();
-            let _ = self.1.lock().unwrap_or_else(|e| e.into_inner()).0.down();
+    let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
+    let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
+    let bumped: Arc<Mutex<u32>> = Arc::new(Mutex::new(0));
+    let moment = {
+        let (bumps, bumped) = (bumps.clone(), bumped.clone());
+        move |admin: &std::path::Path| -> stepguard_lab::kube::kubelet::MomentHook {
+            let k = Kube::connect(admin).unwrap();
+            Arc::new(move |m: Moment, node: &str, nth: usize| {
+                let due: Vec<Bump> = bumps
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|b| b.deletion == nth && b.at == m)
+                    .copied()
+                    .collect();
+                for b in due {
+                    let n = {
+                        let mut c = bumped.lock().unwrap();
+                        *c += 1;
+                        *c
+                    };
+                    let h = set_template(&k, n, b.approve);
+                    eprintln!("the test changes the template at {m:?} of deletion {nth} ({node}): revision {h}{}", if b.approve { ", approved" } else { "" });
+                }
+            })
         }
-    }
-    let partial = Partial(cp.clone(), lan.clone());
-    let (admin, server) = {
-        let c = cp.lock().unwrap();
-        (c.admin_kubeconfig(), c.server.clone())
     };
-    let k = Arc::new(Kube::connect(&admin).expect("admin client"));
-
-    // The manifests as shipped: the namespace, the agents' DaemonSet, the stepper's RBAC.
-    apply_shipped_manifests(&cp.lock().unwrap());
-    let nodes: Vec<(String, String)> = (0..3u8)
-        .map(|i| (node_name(i), stepguard_lab::lan::node_addr(i).to_string()))
-        .collect();
-    stepguard_lab::kube::create_nodes(&k, &nodes).expect("Nodes");
+    let w = Stepped::up_with(
+        3,
+        Hooks {
+            fault_at: fault_at.clone(),
+            moment: Some(Box::new(moment)),
+        },
+    );
     // Cilium as its chart renders it, with the lab's lease timings in cilium-config (the
     // plan's expected blips read them). The chart has no value for the DaemonSet's
     // revisionHistoryLimit: a test that needs one sets it as a user's post-renderer would.
     install_cilium(
-        &cp.lock().unwrap(),
-        &run_dir,
-        &cilium_values(CILIUM_IMAGE, OPERATOR_IMAGE, &spec_lease(), &[]),
+        &w.cp.lock().unwrap(),
+        &w.run_dir,
+        &cilium_values(CILIUM_IMAGE, OPERATOR_IMAGE, &short_leases(), &[]),
         &[],
         false,
     );
     if let Some(n) = revision_history_limit {
-        k.merge(
-            &k.ns::<DaemonSet>(KS),
+        w.k.merge(
+            &w.k.ns::<DaemonSet>(KS),
             "cilium",
             json!({"spec": {"revisionHistoryLimit": n}}),
             false,
         )
         .expect("the DaemonSet's revisionHistoryLimit");
     }
-
-    let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
-    let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
-    let bumped: Arc<Mutex<u32>> = Arc::new(Mutex::new(0));
-    let restart = {
-        let (lan, fault_at, k) = (
-            lan.clone(),
-            fault_at.clone(),
-            Kube::connect(&admin).unwrap(),
-        );
-        Arc::new(move |node: &str, nth: usize| {
-            let i: u8 = node.trim_start_matches("node-").parse().unwrap();
-            let mut opts = RestartOpts {
-                down: Duration::from_millis(300),
-                ..Default::default()
-            };
-            if *fault_at.lock().unwrap() == Some(nth) {
-                opts.flush_map = Some("cilium_lxc".into());
-            }
-            eprintln!(
-                "the lab restarts {node} for deletion {nth}{}",
-                if opts.flush_map.is_some() {
-                    ", emptying cilium_lxc"
-                } else {
-                    ""
-                }
-            );
-            let mut l = lan.lock().unwrap();
-            l.restart(i, &opts, false).expect("lab restart");
-            sync_leases(&k, &l);
-        })
-    };
-    let moment = {
-        let (bumps, bumped, k) = (
-            bumps.clone(),
-            bumped.clone(),
-            Kube::connect(&admin).unwrap(),
-        );
-        Arc::new(move |m: Moment, node: &str, nth: usize| {
-            let due: Vec<Bump> = bumps
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|b| b.deletion == nth && b.at == m)
-                .copied()
-                .collect();
-            for b in due {
-                let n = {
-                    let mut c = bumped.lock().unwrap();
-                    *c += 1;
-                    *c
-                };
-                let h = set_template(&k, n, b.approve);
-                eprintln!("the test changes the template at {m:?} of deletion {nth} ({node}): revision {h}{}", if b.approve { ", approved" } else { "" });
-            }
-        })
-    };
-    let kubelet = Kubelet::start(&admin, nodes.into_iter().collect(), restart, Some(moment))
-        .expect("lab kubelet");
-
-    let mut agents = Vec::new();
-    {
-        let l = lan.lock().unwrap();
-        for i in 0..3u8 {
-            let node = l.node(i).unwrap();
-            let addr = std::net::SocketAddr::new(stepguard_lab::lan::node_addr(i).into(), 9969);
-            agents.push(AgentProc::start_at(
-                node.node_ns(),
-                l.node_config(i),
-                l.state.run_dir.join(format!("agent-state-n{i}")),
-                addr,
-                &[],
-                &[],
-            ));
-        }
-        sync_leases(&k, &l);
-    }
-    let target: std::net::SocketAddr = server.trim_start_matches("https://").parse().unwrap();
-    let forward = Forward::start(
-        &client_ns,
-        &stepguard_lab::lan::CLIENT_ADDR.to_string(),
-        target,
-    )
-    .expect("forward the API server into the LAN");
-    let kubeconfig = cp
-        .lock()
-        .unwrap()
-        .stepper_kubeconfig(&format!("https://{}", forward.addr))
-        .unwrap();
-    std::mem::forget(partial);
     let e = Env {
-        _agents: agents,
-        kubelet: Some(kubelet),
-        _forward: forward,
-        k,
-        cp,
-        kubeconfig,
-        client_ns,
-        run_dir,
-        lan,
+        w,
         fault_at,
         bumps,
         bumped,
@@ -265,7 +121,7 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
 /// The checksum of `cilium-config` that Cilium's chart puts on the pod template for the lab's
 /// values with `image` and `extra` (as a user reads it from `helm template` to approve it).
 pub(crate) fn chart_checksum(image: &str, extra: &[&str]) -> String {
-    let values = cilium_values(image, OPERATOR_IMAGE, &spec_lease(), extra);
+    let values = cilium_values(image, OPERATOR_IMAGE, &short_leases(), extra);
     let v: Vec<&str> = values.iter().map(String::as_str).collect();
     let chart = CiliumChart::from_env().unwrap_or_else(|e| panic!("{e:#}"));
     let yaml = chart.render(&v, &[]).unwrap_or_else(|e| panic!("{e:#}"));
@@ -281,7 +137,7 @@ pub(crate) fn chart_commit(
     extra: &[&str],
     approval: Option<(&str, &str)>,
 ) -> String {
-    let values = cilium_values(image, OPERATOR_IMAGE, &spec_lease(), extra);
+    let values = cilium_values(image, OPERATOR_IMAGE, &short_leases(), extra);
     let strings: Vec<String> = approval
         .map(|(image, sum)| {
             vec![
@@ -308,22 +164,6 @@ pub(crate) fn bump(e: &Env, approve: bool) -> String {
         *c
     };
     set_template(&e.k, n, approve)
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        // A restart in flight holds the lab and writes Leases: let it finish first.
-        if let Some(k) = self.kubelet.take() {
-            if !k.wait_idle(Duration::from_secs(40)) {
-                eprintln!("a lab restart still runs at teardown");
-            }
-        }
-        self.cp.lock().unwrap_or_else(|e| e.into_inner()).down();
-        let mut lan = self.lan.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = lan.0.down() {
-            eprintln!("LAN lab down: {e:#}");
-        }
-    }
 }
 
 /// The cilium pods: name → (node it is for, revision hash, Ready, Terminating).
@@ -416,22 +256,7 @@ impl Stepper {
     /// `stepguard rollout --watch` with the arguments `deploy/rollout/deployment.yaml` gives
     /// it (its token file one of the test's), at the test's pace.
     pub(crate) fn watch(e: &Env, name: &str) -> Stepper {
-        let args = deployment_args();
-        assert_eq!(
-            args.first().map(String::as_str),
-            Some("rollout"),
-            "{args:?}"
-        );
-        assert!(args.iter().any(|a| a == "--watch"), "{args:?}");
-        let token = e.run_dir.join("agents-token");
-        std::fs::write(&token, "lab-agents-token\n").unwrap();
-        let mut extra: Vec<String> = args[1..]
-            .iter()
-            .map(|a| match a.strip_prefix("--token-file=") {
-                Some(_) => format!("--token-file={}", token.display()),
-                None => a.clone(),
-            })
-            .collect();
+        let mut extra = watch_args(&e.run_dir);
         extra.extend(["--watch-interval".into(), "1s".into()]);
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         Stepper::spawn(e, name, &extra)
@@ -469,20 +294,6 @@ pub(crate) fn control_plane_logs(e: &Env) -> String {
         );
     }
     out
-}
-
-/// The container arguments of the stepper's Deployment as shipped.
-pub(crate) fn deployment_args() -> Vec<String> {
-    let text = std::fs::read_to_string(repo_root().join("deploy/rollout/deployment.yaml")).unwrap();
-    let mut lines = text.lines().skip_while(|l| l.trim() != "args:").skip(1);
-    let mut args = vec![];
-    for l in lines.by_ref() {
-        match l.trim().strip_prefix("- ") {
-            Some(a) => args.push(a.trim_matches('"').to_string()),
-            None => break,
-        }
-    }
-    args
 }
 
 /// The lab kubelet's state (its deletions, held pods, hook failures), locked.

@@ -14,6 +14,8 @@ mod lock;
 mod plan;
 mod proof;
 mod revisions;
+#[path = "../common/stepping.rs"]
+mod stepping;
 use common::cluster::*;
 use common::webhook;
 use common::*;
@@ -28,10 +30,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stepguard_lab::kube::chart::CiliumChart;
-use stepguard_lab::kube::kubelet::{Kubelet, Moment};
-use stepguard_lab::kube::{ControlPlane, Forward, Kube};
-use stepguard_lab::lan::{LanGuard, LanLab, LanSpec, LeaseTimings};
-use stepguard_lab::RestartOpts;
+use stepguard_lab::kube::kubelet::Moment;
+use stepguard_lab::kube::Kube;
+use stepping::{node_name, short_leases, watch_args, Hooks, Stepped};
 
 /// Once the interrupted run's lock expired (3 s), the next run finishes the interrupted node
 /// first, then the others: every node stepped once since `from_del`, every verdict read.

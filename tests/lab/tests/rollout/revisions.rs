@@ -52,9 +52,11 @@ fn a_template_change_before_the_replacement_is_judged_by_the_revision_it_carries
     let d = deletions_since(&e, from);
     assert_eq!(d.len(), 1, "{d:?}\n{out}");
     assert_eq!(event_nodes(&e, &ev, "StepguardStepPassed"), d, "{out}");
-    // The history the controller kept: the revisions pods run, and the newest.
+    // The history the controller kept: the revisions pods run, and the newest (the cilium
+    // DaemonSet's: the chart's cilium-envoy DaemonSet keeps its own beside them).
+    let lp = kube::api::ListParams::default().labels("k8s-app=cilium");
     let kept =
-        e.k.block(e.k.ns::<ControllerRevision>(KS).list(&Default::default()))
+        e.k.block(e.k.ns::<ControllerRevision>(KS).list(&lp))
             .unwrap()
             .items
             .len();
