@@ -122,8 +122,14 @@ pub fn install_cilium(
     static APPLIED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = APPLIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let file = dir.join(format!("cilium-{n}.yaml"));
+    let t = Instant::now();
     stepguard_lab::kube::chart::apply_rendered(cp, &file, &yaml)
         .unwrap_or_else(|e| panic!("install Cilium's chart: {e:#}"));
+    eprintln!(
+        "Cilium's chart applied ({}) in {:.1}s",
+        file.display(),
+        t.elapsed().as_secs_f64()
+    );
 }
 
 pub fn current_revision(k: &Kube) -> (String, i64) {
