@@ -28,6 +28,76 @@ pub const SOLO: [&str; 3] = ["steps", "kernel_drops", "budgets"];
 /// tests (a thousand pods' interfaces made and removed) hold for seconds at a time.
 const ONE_LANE: [&[&str]; 1] = [&["witness", "endpoints"]];
 
+/// Targets run in two parts, each a unit of its own in the lanes: the tests whose names contain
+/// one of the prefixes, then every other one (`--skip` each prefix), so each test runs exactly
+/// once; with each part's running time on the reference machine. The rollout tests are the
+/// longest target, and alone they were the whole run's floor. Not when the run has a filter of
+/// its own (libtest runs a test matching any filter).
+pub const SHARDS: [(&str, &[&str], f64, f64); 1] = [(
+    "rollout",
+    &["halts::", "interrupted::", "lock::"],
+    410.0,
+    360.0,
+)];
+
+/// What a lane runs: a target, or one part of it (its test filter arguments).
+#[derive(Clone, Debug)]
+pub struct Unit<'a> {
+    pub target: &'a Target,
+    /// Arguments after the stage's: the part's filters.
+    pub args: Vec<String>,
+    /// (this part, of how many), for a target run in parts.
+    pub part: Option<(usize, usize)>,
+    secs: f64,
+}
+
+impl<'a> Unit<'a> {
+    fn whole(target: &'a Target) -> Unit<'a> {
+        Unit {
+            target,
+            args: vec![],
+            part: None,
+            secs: expected(&target.name),
+        }
+    }
+
+    /// The target whole, or its parts when it is one of [`SHARDS`] and `shard`.
+    fn of(target: &'a Target, shard: bool) -> Vec<Unit<'a>> {
+        match SHARDS.iter().find(|s| s.0 == target.name).filter(|_| shard) {
+            Some((_, prefixes, first, rest)) => vec![
+                Unit {
+                    target,
+                    args: prefixes.iter().map(|p| p.to_string()).collect(),
+                    part: Some((1, 2)),
+                    secs: *first,
+                },
+                Unit {
+                    target,
+                    args: prefixes
+                        .iter()
+                        .flat_map(|p| ["--skip".to_string(), p.to_string()])
+                        .collect(),
+                    part: Some((2, 2)),
+                    secs: *rest,
+                },
+            ],
+            None => vec![Unit::whole(target)],
+        }
+    }
+
+    /// The target's source, and the part.
+    pub fn label(&self) -> String {
+        match self.part {
+            Some((i, n)) => format!(
+                "{} (part {i} of {n}: {})",
+                self.target.src,
+                self.args.join(" ")
+            ),
+            None => self.target.src.clone(),
+        }
+    }
+}
+
 /// Each target's running time on the reference machine (2 cores), seconds: how the lanes are
 /// balanced (longest first, to the least loaded lane). A target not listed counts 30 s.
 const EXPECTED_SECS: [(&str, f64); 17] = [
@@ -67,15 +137,20 @@ fn expected(name: &str) -> f64 {
         .unwrap_or(30.0)
 }
 
-/// Splits targets into `n` lanes (longest first to the least loaded lane) and the solo ones.
-pub fn plan<'a>(targets: &[&'a Target], n: usize) -> (Vec<Vec<&'a Target>>, Vec<&'a Target>) {
+/// Splits targets into `n` lanes (longest first to the least loaded lane) and the solo ones;
+/// with `shard`, the targets of [`SHARDS`] in parts.
+pub fn plan<'a>(
+    targets: &[&'a Target],
+    n: usize,
+    shard: bool,
+) -> (Vec<Vec<Unit<'a>>>, Vec<Unit<'a>>) {
     let (solo, mut rest): (Vec<&Target>, Vec<&Target>) = targets
         .iter()
         .partition(|t| n > 1 && SOLO.contains(&t.name.as_str()));
     // The real cilium-agent's targets share one lane: one real agent at a time; so do the
     // targets of each of `ONE_LANE`'s groups.
-    let mut shared: BTreeMap<&str, Vec<&Target>> = BTreeMap::new();
-    let mut groups: Vec<(f64, Vec<&Target>)> = Vec::new();
+    let mut shared: BTreeMap<&str, Vec<Unit>> = BTreeMap::new();
+    let mut groups: Vec<(f64, Vec<Unit>)> = Vec::new();
     for t in rest.drain(..) {
         let name = t.name.as_str();
         let group = if name.starts_with("real_") {
@@ -84,15 +159,19 @@ pub fn plan<'a>(targets: &[&'a Target], n: usize) -> (Vec<Vec<&'a Target>>, Vec<
             ONE_LANE.iter().find(|g| g.contains(&name)).map(|g| g[0])
         };
         match group {
-            Some(g) => shared.entry(g).or_default().push(t),
-            None => groups.push((expected(name), vec![t])),
+            Some(g) => shared.entry(g).or_default().push(Unit::whole(t)),
+            None => groups.extend(
+                Unit::of(t, shard && n > 1)
+                    .into_iter()
+                    .map(|u| (u.secs, vec![u])),
+            ),
         }
     }
     for (_, g) in shared {
-        groups.push((g.iter().map(|t| expected(&t.name)).sum(), g));
+        groups.push((g.iter().map(|u| u.secs).sum(), g));
     }
     groups.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let mut lanes: Vec<(f64, Vec<&Target>)> = vec![(0.0, vec![]); n.max(1)];
+    let mut lanes: Vec<(f64, Vec<Unit>)> = vec![(0.0, vec![]); n.max(1)];
     for (secs, g) in groups {
         let lane = lanes
             .iter_mut()
@@ -107,7 +186,7 @@ pub fn plan<'a>(targets: &[&'a Target], n: usize) -> (Vec<Vec<&'a Target>>, Vec<
             .map(|(_, l)| l)
             .filter(|l| !l.is_empty())
             .collect(),
-        solo,
+        solo.into_iter().map(Unit::whole).collect(),
     )
 }
 
@@ -152,11 +231,12 @@ fn build(root: &Path, pkg: &Package, targets: &[&Target]) -> Result<BTreeMap<Str
 /// Runs one test executable the way cargo does (from the package's directory, with the
 /// stage's environment); returns its output as cargo would print it (a `Running` line first)
 /// and whether it succeeded.
-fn run_one(pkg: &Package, t: &Target, exe: &Path, stage: &Stage) -> (bool, Vec<String>) {
-    let mut lines = vec![format!("     Running {} ({})", t.src, exe.display())];
+fn run_one(pkg: &Package, u: &Unit, exe: &Path, stage: &Stage) -> (bool, Vec<String>) {
+    let mut lines = vec![format!("     Running {} ({})", u.target.src, exe.display())];
     let mut cmd = Command::new(exe);
     cmd.current_dir(&pkg.dir)
         .args(&stage.test_args)
+        .args(&u.args)
         .env("CARGO_MANIFEST_DIR", &pkg.dir)
         .env("CARGO_PKG_NAME", &pkg.name);
     for (k, v) in &stage.envs {
@@ -196,52 +276,50 @@ pub fn run(
         format!("{}: the build of {}", stage.title, pkg.name),
         started,
     );
-    let (lanes, solo) = plan(targets, lanes_wanted());
+    // A filter of the run's own: every target whole (libtest ORs filters).
+    let filtered = stage.test_args.iter().any(|a| !a.starts_with("--"));
+    let (lanes, solo) = plan(targets, lanes_wanted(), !filtered);
+    let names = |l: &[Unit]| {
+        l.iter()
+            .map(|u| match u.part {
+                Some((i, n)) => format!("{} ({i}/{n})", u.target.name),
+                None => u.target.name.clone(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     for (i, l) in lanes.iter().enumerate() {
-        println!(
-            "== lane {}: {}",
-            i + 1,
-            l.iter()
-                .map(|t| t.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        println!("== lane {}: {}", i + 1, names(l));
     }
     if !solo.is_empty() {
-        println!(
-            "== then alone: {}",
-            solo.iter()
-                .map(|t| t.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        println!("== then alone: {}", names(&solo));
     }
     let printed = Mutex::new(());
     let results: Mutex<Vec<(bool, Vec<String>)>> = Mutex::new(Vec::new());
     let lane_secs: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
-    let run_lane = |label: &str, lane: &[&Target]| {
+    let run_lane = |label: &str, lane: &[Unit]| {
         let t0 = Instant::now();
-        for t in lane {
-            let Some(exe) = exes.get(&t.name) else {
+        for u in lane {
+            let Some(exe) = exes.get(&u.target.name) else {
                 results.lock().unwrap().push((
                     false,
-                    vec![format!("no executable was built for {}", t.src)],
+                    vec![format!("no executable was built for {}", u.target.src)],
                 ));
                 continue;
             };
             let t1 = Instant::now();
-            let (ok, lines) = run_one(pkg, t, exe, stage);
+            let (ok, lines) = run_one(pkg, u, exe, stage);
             {
                 let _g = printed.lock().unwrap_or_else(|e| e.into_inner());
                 let mut o = std::io::stdout().lock();
-                let _ = writeln!(o, "== {label}: {} (its output follows)", t.src);
+                let _ = writeln!(o, "== {label}: {} (its output follows)", u.label());
                 for l in &lines {
                     let _ = writeln!(o, "{l}");
                 }
                 let _ = writeln!(
                     o,
                     "== {label}: {} {} in {:.0}s",
-                    t.src,
+                    u.label(),
                     if ok { "passed" } else { "FAILED" },
                     t1.elapsed().as_secs_f64()
                 );
@@ -267,8 +345,8 @@ pub fn run(
     }
     ledger.stage(format!("{}: the lanes side by side", stage.title), t_lanes);
     let t_solo = Instant::now();
-    for t in &solo {
-        run_lane("alone", std::slice::from_ref(t));
+    for u in &solo {
+        run_lane("alone", std::slice::from_ref(u));
     }
     if !solo.is_empty() {
         ledger.stage(format!("{}: the solo targets", stage.title), t_solo);
@@ -317,33 +395,85 @@ mod tests {
         .map(t)
         .collect();
         let refs: Vec<&Target> = all.iter().collect();
-        let (lanes, solo) = plan(&refs, 3);
+        let (lanes, solo) = plan(&refs, 3, false);
         let mut seen: Vec<&str> = lanes
             .iter()
             .flatten()
             .chain(solo.iter())
-            .map(|t| t.name.as_str())
+            .map(|u| u.target.name.as_str())
             .collect();
         seen.sort();
         let mut want: Vec<&str> = all.iter().map(|t| t.name.as_str()).collect();
         want.sort();
         assert_eq!(seen, want);
         assert_eq!(
-            solo.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+            solo.iter()
+                .map(|u| u.target.name.as_str())
+                .collect::<Vec<_>>(),
             ["steps", "budgets"]
         );
         assert_eq!(lanes.len(), 3);
-        assert_eq!(lanes[0][0].name, "rollout");
+        assert_eq!(lanes[0][0].target.name, "rollout");
         assert!(
             lanes[0].len() == 1,
             "rollout alone fills its lane: {lanes:?}"
         );
-        let lane_of = |name: &str| lanes.iter().position(|l| l.iter().any(|t| t.name == name));
+        let lane_of = |name: &str| {
+            lanes
+                .iter()
+                .position(|l| l.iter().any(|u| u.target.name == name))
+        };
         assert_eq!(lane_of("real_cilium"), lane_of("real_faults"), "{lanes:?}");
         assert_eq!(lane_of("witness"), lane_of("endpoints"), "{lanes:?}");
-        let (one, solo) = plan(&refs, 1);
+        let (one, solo) = plan(&refs, 1, true);
         assert!(solo.is_empty());
         assert_eq!(one.len(), 1);
-        assert_eq!(one[0].len(), all.len());
+        assert_eq!(one[0].len(), all.len(), "one lane: every target whole");
+    }
+
+    /// A sharded target runs in two parts in different lanes, whose filters select every test
+    /// exactly once: the prefixes, then `--skip` of each.
+    #[test]
+    fn a_sharded_target_runs_in_two_parts_that_cover_it_once() {
+        let all: Vec<Target> = ["rollout", "matrix", "versions", "x"]
+            .into_iter()
+            .map(t)
+            .collect();
+        let refs: Vec<&Target> = all.iter().collect();
+        let (lanes, _) = plan(&refs, 3, true);
+        let parts: Vec<(usize, &Unit)> = lanes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| l.iter().map(move |u| (i, u)))
+            .filter(|(_, u)| u.target.name == "rollout")
+            .collect();
+        assert_eq!(parts.len(), 2, "{lanes:?}");
+        assert_ne!(
+            parts[0].0, parts[1].0,
+            "the parts run side by side: {lanes:?}"
+        );
+        let (prefixes, skips): (Vec<&Unit>, Vec<&Unit>) = parts
+            .iter()
+            .map(|(_, u)| *u)
+            .partition(|u| u.part == Some((1, 2)));
+        let (p, k) = (&prefixes[0].args, &skips[0].args);
+        assert!(
+            !p.is_empty() && p.iter().all(|a| a.ends_with("::")),
+            "{p:?}"
+        );
+        let skipped: Vec<&String> = k.iter().skip(1).step_by(2).collect();
+        assert!(k.iter().step_by(2).all(|a| a == "--skip"), "{k:?}");
+        assert_eq!(skipped, p.iter().collect::<Vec<_>>());
+        assert!(prefixes[0].label().contains("part 1 of 2"));
+        // With a filter of the run's own, or one lane, the target stays whole.
+        let (lanes, _) = plan(&refs, 3, false);
+        assert_eq!(
+            lanes
+                .iter()
+                .flatten()
+                .filter(|u| u.target.name == "rollout")
+                .count(),
+            1
+        );
     }
 }

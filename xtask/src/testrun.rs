@@ -377,7 +377,18 @@ impl Ledger {
                     }
             });
             if let Some((_, slot)) = found {
-                *slot = Some(outcome.clone());
+                // A target run in parts (`lanes::SHARDS`) reports once per part: the sum.
+                *slot = Some(match slot.take() {
+                    Some(before) => Outcome {
+                        passed: before.passed + outcome.passed,
+                        failed: before.failed + outcome.failed,
+                        ignored: before.ignored + outcome.ignored,
+                        ignored_for_flag: before.ignored_for_flag + outcome.ignored_for_flag,
+                        ok: before.ok && outcome.ok,
+                        secs: before.secs + outcome.secs,
+                    },
+                    None => outcome.clone(),
+                });
             }
         }
     }

@@ -190,3 +190,30 @@ fn discovery_finds_every_test_file_and_refuses_one_it_would_not_run() {
     assert!(e.contains("outside the workspace"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A target run in parts reports once per part: the ledger keeps the sum, and a failure in
+/// either part fails the target.
+#[test]
+fn the_parts_of_a_target_add_up() {
+    let mut l = Ledger::new([target("a", Kind::Integration, "tests/rollout/main.rs")]);
+    let part = |passed, failed| {
+        vec![(
+            "tests/rollout/main.rs".to_string(),
+            Outcome {
+                passed,
+                failed,
+                ok: failed == 0,
+                secs: 10.0,
+                ..Default::default()
+            },
+        )]
+    };
+    l.record("a", &part(9, 0));
+    l.record("a", &part(13, 0));
+    assert!(l.problems().is_empty(), "{:?}", l.problems());
+    assert!(l.table().contains("22 passed"), "{}", l.table());
+    l.record("a", &part(0, 1));
+    let p = l.problems();
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert!(p[0].contains("1 failed"), "{p:?}");
+}
