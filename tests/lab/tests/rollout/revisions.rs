@@ -176,14 +176,18 @@ fn git_approves_in_one_commit_and_the_history_outlives_the_events() {
     );
     let config_only = chart_commit(&e, &image, &extra, Some((&image, &sum)));
     assert_ne!(config_only, approved);
+    // The Event is told once per revision, and may be told before the controller observed
+    // the template (then it says so, without the checksum); the watch's line names the
+    // checksum once it is observed.
     wait_until(
         "the watch waits for the config-only revision's approval",
         Duration::from_secs(20),
         || {
             all_events(&e).iter().any(|(_, r, m)| {
-                r == "StepguardApprovalAwaited"
-                    && m.contains(&format!("revision {config_only}"))
-                    && m.contains(&format!("config checksum is {sum3}"))
+                r == "StepguardApprovalAwaited" && m.contains(&format!("revision {config_only}"))
+            }) && watch.output().lines().any(|l| {
+                l.contains(&format!("revision {config_only} is not approved"))
+                    && l.contains(&format!("config checksum is {sum3}"))
             })
         },
         || watch.output(),
