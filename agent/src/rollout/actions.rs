@@ -13,9 +13,9 @@ pub(super) trait Actions {
     /// The phase about to be acted on (to tell people).
     fn show(&mut self, phase: &Phase);
     async fn begin_step(&mut self) -> Event;
-    /// Whether the pod may be deleted now (the DaemonSet read again right before); the
-    /// reason to stop before the delete otherwise.
-    async fn may_delete(&mut self) -> Result<(), String>;
+    /// Whether the pod may be deleted now (the DaemonSet read again right before, the
+    /// batch's other steps not failed); the step's outcome, nothing deleted, otherwise.
+    async fn may_delete(&mut self) -> Result<(), Outcome>;
     async fn delete_pod(&mut self) -> Event;
     async fn find_replacement(&mut self) -> Event;
     async fn wait_verdict(&mut self, step: &str) -> Event;
@@ -36,7 +36,7 @@ pub(super) async fn drive<A: Actions>(a: &mut A, mut phase: Phase, t: Timeouts) 
                 machine::Action::BeginStep => a.begin_step().await,
                 machine::Action::DeletePod => match a.may_delete().await {
                     Ok(()) => a.delete_pod().await,
-                    Err(why) => return Outcome::Stopped { why },
+                    Err(o) => return o,
                 },
                 machine::Action::FindReplacement => a.find_replacement().await,
                 machine::Action::WaitVerdict { step } => a.wait_verdict(&step).await,
@@ -236,7 +236,7 @@ impl Actions for Live<'_, '_> {
         });
         if let Event::Begun(Ok(id)) = &ev {
             // Recorded before the pod is deleted: a resumed run finishes this step.
-            crate::locks::lock(cx.shared).inflight = Some(InFlight {
+            crate::locks::lock(cx.shared).begin(InFlight {
                 node: st.node.clone(),
                 step: id.clone(),
                 pod: st.pod.clone(),
@@ -261,55 +261,34 @@ impl Actions for Live<'_, '_> {
         ev
     }
 
-    async fn may_delete(&mut self) -> Result<(), String> {
-        // The revision the delete would start is read now, not taken from the plan's view:
-        // the template may have changed since.
-        let c = self.cx.c;
-        // A template edited but not yet observed by the controller has no revision yet: the
-        // delete waits for it (bounded), or the highest revision would not be the one the
-        // replacement is made from.
-        let t0 = Instant::now();
-        let (ds, numbers) = loop {
-            let fresh = patient(
-                "read the DaemonSet before the delete",
-                Duration::from_secs(60),
-                Some(&self.cx.held.lost),
-                || async {
-                    let ds = c.daemonset().await?;
-                    let numbers = c.revisions(&ds).await?;
-                    Ok((ds, numbers))
-                },
-            )
-            .await;
-            let (ds, numbers) = match fresh {
-                Ok(f) => f,
-                Err(e) => {
-                    return Err(format!(
-                        "cannot read the DaemonSet right before the delete: {e:#}"
-                    ))
-                }
+    async fn may_delete(&mut self) -> Result<(), Outcome> {
+        let halted = crate::locks::lock(self.cx.halting).clone();
+        if let Some(why) = halted {
+            // Another node of the batch failed: no further delete. The step begun on this
+            // node's agent is ended (DELETE) so it leaves no verdict behind; the node is
+            // planned again once a person decided.
+            let step = self.step_id.clone();
+            let ended = self
+                .agent
+                .call(
+                    "DELETE",
+                    &format!("/v1/steps/{step}"),
+                    None,
+                    Duration::from_secs(10),
+                )
+                .await;
+            let ended = match ended {
+                Ok((200 | 204 | 404, _)) => String::new(),
+                Ok((s, v)) => format!(" (ending step {step} on its agent: {s} {v})"),
+                Err(e) => format!(" (ending step {step} on its agent: {e:#})"),
             };
-            let observed =
-                ds.status.as_ref().and_then(|s| s.observed_generation) >= ds.metadata.generation;
-            if observed {
-                break (ds, numbers);
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                return Err(format!(
-                    "the DaemonSet's template changed and its controller has not observed it for {:.0}s: pod {} not deleted",
-                    t0.elapsed().as_secs_f64(),
-                    self.st.pod
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
-        let current = numbers
-            .iter()
-            .max_by_key(|(_, n)| **n)
-            .map(|(h, _)| h.clone())
-            .unwrap_or_default();
-        let (approved, _) = c.approval_now(&ds, &current, self.view).await;
-        may_delete_on(&self.target.0, &current, approved.as_deref(), &self.st.pod)
+            return Err(Outcome::Deferred {
+                why: format!("{why}; pod {} kept{ended}", self.st.pod),
+            });
+        }
+        self.may_delete_now()
+            .await
+            .map_err(|why| Outcome::Stopped { why })
     }
 
     async fn delete_pod(&mut self) -> Event {
@@ -428,6 +407,58 @@ impl Actions for Live<'_, '_> {
     }
 }
 
+impl Live<'_, '_> {
+    /// Whether the delete may go on: the revision it would start, read right before.
+    async fn may_delete_now(&mut self) -> Result<(), String> {
+        let c = self.cx.c;
+        // A template edited but not yet observed by the controller has no revision yet: the
+        // delete waits for it (bounded), or the highest revision would not be the one the
+        // replacement is made from.
+        let t0 = Instant::now();
+        let (ds, numbers) = loop {
+            let fresh = patient(
+                "read the DaemonSet before the delete",
+                Duration::from_secs(60),
+                Some(&self.cx.held.lost),
+                || async {
+                    let ds = c.daemonset().await?;
+                    let numbers = c.revisions(&ds).await?;
+                    Ok((ds, numbers))
+                },
+            )
+            .await;
+            let (ds, numbers) = match fresh {
+                Ok(f) => f,
+                Err(e) => {
+                    return Err(format!(
+                        "cannot read the DaemonSet right before the delete: {e:#}"
+                    ))
+                }
+            };
+            let observed =
+                ds.status.as_ref().and_then(|s| s.observed_generation) >= ds.metadata.generation;
+            if observed {
+                break (ds, numbers);
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                return Err(format!(
+                    "the DaemonSet's template changed and its controller has not observed it for {:.0}s: pod {} not deleted",
+                    t0.elapsed().as_secs_f64(),
+                    self.st.pod
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let current = numbers
+            .iter()
+            .max_by_key(|(_, n)| **n)
+            .map(|(h, _)| h.clone())
+            .unwrap_or_default();
+        let (approved, _) = c.approval_now(&ds, &current, self.view).await;
+        may_delete_on(&self.target.0, &current, approved.as_deref(), &self.st.pod)
+    }
+}
+
 /// Whether a step targeting revision `target` may delete `pod` while the DaemonSet's
 /// current revision is `current` (read right before), approved as `approved`.
 pub(super) fn may_delete_on(
@@ -505,8 +536,10 @@ mod tests {
         async fn begin_step(&mut self) -> Event {
             self.next("begin")
         }
-        async fn may_delete(&mut self) -> Result<(), String> {
-            self.refuse_delete.clone().map_or(Ok(()), Err)
+        async fn may_delete(&mut self) -> Result<(), Outcome> {
+            self.refuse_delete
+                .clone()
+                .map_or(Ok(()), |why| Err(Outcome::Stopped { why }))
         }
         async fn delete_pod(&mut self) -> Event {
             self.next("delete")

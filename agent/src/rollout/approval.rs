@@ -211,35 +211,34 @@ pub(super) fn unapproved_why(ds: &DaemonSet, prev: Option<&[Value]>) -> String {
     }
 }
 
-/// `--watch`: whether to start now: the current revision is approved and a node (not left
-/// as it is by a person: `skipped`) is not on it, or is on it without a passed proof.
-pub fn approved(
-    view: &ClusterView,
-    approved: Option<&str>,
-    skipped: &std::collections::BTreeSet<String>,
-) -> bool {
+/// `--watch`: whether to start now: the current revision is approved and a node in scope
+/// (not left as it is by a person: `o.skip`) is not on it, or is on it without a passed proof.
+pub fn approved(view: &ClusterView, approved: Option<&str>, o: &PlanOpts) -> bool {
     let Some((rev, _)) = &view.revision else {
         return false;
     };
-    approved == Some(rev.as_str()) && owed(view, skipped)
+    approved == Some(rev.as_str()) && owed(view, o)
 }
 
-/// Whether some node's cilium pod is not done: not on the current revision, or on it without
-/// a passed proof from its agent. `skipped`: nodes a person left as they are.
-pub fn owed(view: &ClusterView, skipped: &std::collections::BTreeSet<String>) -> bool {
+/// Whether some node's cilium pod in scope is not done: on another revision beyond the
+/// partition, or on the current one without a passed proof from its agent. `o.skip`: nodes
+/// a person left as they are.
+pub fn owed(view: &ClusterView, o: &PlanOpts) -> bool {
     let Some((rev, _)) = &view.revision else {
         return false;
     };
+    let movable = plan::scope::movable(view, o, rev) > 0;
     view.pods
         .iter()
-        .filter(|p| !skipped.contains(&p.node))
+        .filter(|p| !o.skip.contains(&p.node) && plan::scope::in_scope(view, o, &p.node))
         // A proof that could not be read is waited on, not owed: a run would only refuse.
         .any(|p| {
-            &p.revision != rev
-                || matches!(
-                    view.proofs.get(&p.node),
-                    Some(Ok(pr)) if pr.status != plan::ProofStatus::Passed
-                )
+            (&p.revision != rev && movable)
+                || (&p.revision == rev
+                    && matches!(
+                        view.proofs.get(&p.node),
+                        Some(Ok(pr)) if pr.status != plan::ProofStatus::Passed
+                    ))
         })
 }
 

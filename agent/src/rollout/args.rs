@@ -38,6 +38,32 @@ pub struct RolloutArgs {
     /// Step at most this many nodes in this run.
     #[arg(long)]
     pub max_nodes: Option<usize>,
+    /// Step up to N nodes (or P% of the nodes in scope, rounded up) at once, as the DaemonSet
+    /// controller's `maxUnavailable`. The canary (or the first node) goes alone, then batches
+    /// grow 1, 2, 4, … up to this while every verdict passes. A failed verdict halts the
+    /// rollout once the batch's other verdicts are in: no further pod is deleted, and the
+    /// halt names every node of the batch. Lease holders whose VIPs may move to a node of the
+    /// batch, two holders of one VIP group, and two control-plane nodes never share a batch.
+    #[arg(long, default_value = "1", value_name = "N|P%", value_parser = plan::Budget::parse)]
+    pub max_unavailable: plan::Budget,
+    /// At most N nodes (or P% of a failure domain's nodes, rounded down, at least 1) of one
+    /// failure domain in a batch; unset, a batch is limited by --max-unavailable alone (its
+    /// nodes are still taken from every domain in turn).
+    #[arg(long, value_name = "N|P%", value_parser = plan::Budget::parse)]
+    pub max_unavailable_per_domain: Option<plan::Budget>,
+    /// The node label naming a node's failure domain (nodes without it share one domain;
+    /// control-plane nodes are a domain of their own, one per batch).
+    #[arg(long, default_value = plan::ZONE_LABEL, value_name = "KEY")]
+    pub domain_label: String,
+    /// Leave N of the nodes in scope on their older revision (as OpenKruise's Advanced
+    /// DaemonSet `partition`): the rollout is done when only N are left; lower it (or run
+    /// without it) to go on. Nodes left by `--skip` count among the N.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub partition: usize,
+    /// Only nodes whose labels match are stepped (KEY=VALUE, KEY!=VALUE, KEY, !KEY,
+    /// comma-separated); the others' cilium pods are left as they are.
+    #[arg(long, value_name = "SELECTOR", value_parser = plan::scope::Selector::parse)]
+    pub node_selector: Option<plan::scope::Selector>,
     /// The step each node's agent verifies: how long everything must stay green, once
     /// nothing is pending, before it passes (a window, not a deadline).
     #[arg(long, default_value = "30s", value_parser = crate::duration::parse)]

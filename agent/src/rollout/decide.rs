@@ -32,6 +32,7 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<crate::exit::ExitCode
                     revision: current.clone(),
                     reason: pr.why.clone(),
                     at: stamp(),
+                    batch: vec![],
                 }),
                 _ => None,
             }),
@@ -85,17 +86,10 @@ pub(super) async fn decide(c: &Cluster, l: Lift) -> Result<crate::exit::ExitCode
         };
         if l == Lift::Abort {
             println!(
-                "releasing the lock held by {} (renewed {}), at node {}, step {}{}",
+                "releasing the lock held by {} (renewed {}), in flight: {}{}",
                 if holder.is_empty() { "nobody" } else { &holder },
                 spec.renew_time.map(|t| t.0.to_string()).unwrap_or_default(),
-                rec.inflight
-                    .as_ref()
-                    .map(|i| i.node.as_str())
-                    .unwrap_or("-"),
-                rec.inflight
-                    .as_ref()
-                    .map(|i| i.step.as_str())
-                    .unwrap_or("-"),
+                rec.inflight_nodes(),
                 rec.halt
                     .as_ref()
                     .map(|h| format!("; lifting the halt at node {}", h.node))

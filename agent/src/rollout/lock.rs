@@ -159,12 +159,10 @@ pub(super) async fn acquire(
                 }
                 Watched::Live(live) => {
                     let (_, rec) = read_lock(c).await?;
-                    let at = rec.inflight.as_ref();
                     return Ok(Taken::Refused(format!(
-                        "another rollout holds the lock {}/{name}: {live}, at node {} (step {}); wait for it, or `stepguard rollout --abort` if it is gone",
+                        "another rollout holds the lock {}/{name}: {live}, in flight: {}; wait for it, or `stepguard rollout --abort` if it is gone",
                         c.args.lock_namespace,
-                        at.map(|i| i.node.as_str()).unwrap_or("-"),
-                        at.map(|i| i.step.as_str()).unwrap_or("-"),
+                        rec.inflight_nodes(),
                     )));
                 }
             }

@@ -155,6 +155,15 @@ fn plan_opts(c: &Cluster) -> PlanOpts {
             .collect(),
         pause_between: c.args.pause_between,
         allow_minor_skip: c.args.allow_minor_skip,
+        node_selector: c
+            .args
+            .node_selector
+            .clone()
+            .map(|s| s.0)
+            .unwrap_or_default(),
+        partition: c.args.partition,
+        domain_label: c.args.domain_label.clone(),
+        per_domain: c.args.max_unavailable_per_domain,
         ..Default::default()
     }
 }

@@ -12,6 +12,9 @@ pub(super) struct StepCx<'a> {
     pub(super) run_id: &'a str,
     pub(super) n: usize,
     pub(super) json_out: bool,
+    /// Set by the first step of the batch that fails (its node and why): the batch's nodes
+    /// not yet deleted are then not deleted.
+    pub(super) halting: &'a Mutex<Option<String>>,
 }
 
 pub(super) async fn step_node(
@@ -122,6 +125,12 @@ pub(super) async fn step_node(
         }
         o => o,
     };
+    if let Outcome::Failed { why, .. } = &outcome {
+        let mut h = crate::locks::lock(cx.halting);
+        if h.is_none() {
+            *h = Some(format!("node {} of the batch failed: {why}", live.st.node));
+        }
+    }
     let (st, stages) = (live.st, live.stages);
     let (warn, reason, msg) = match &outcome {
         Outcome::Passed { step, summary } => (

@@ -120,7 +120,7 @@ pub(super) async fn status(c: &Cluster) -> Result<crate::exit::ExitCode> {
             )
         }
     );
-    if let Some(i) = &rec.inflight {
+    for i in &rec.inflight {
         println!(
             "step in flight: node {}, step {}, revision {} ({})",
             i.node, i.step, i.revision, i.why
@@ -271,16 +271,29 @@ pub(super) fn print_dry_run(
     rec: &Record,
     first: &Result<Vec<PlannedStep>, Vec<plan::Refusal>>,
     current: &str,
+    batching: Option<(&PlanOpts, plan::Budget, usize)>,
 ) -> Result<()> {
+    // The batches the plan would make were every verdict to pass (the live run re-plans
+    // before each batch).
+    let batches: Option<Vec<Vec<String>>> = match (batching, first) {
+        (Some((o, _, max)), Ok(steps)) if max > 1 => Some(
+            plan::batch::simulate(view, o, steps, max)
+                .into_iter()
+                .map(|b| b.into_iter().map(|s| s.node).collect())
+                .collect(),
+        ),
+        _ => None,
+    };
     if json_out {
         println!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "interrupted": rec.inflight, "retry": rec.retry, "skipped": rec.skipped,
-                "plan": first.as_ref().ok(), "refused": first.as_ref().err(), "view": view}))?
+                "plan": first.as_ref().ok(), "batches": batches,
+                "refused": first.as_ref().err(), "view": view}))?
         );
     } else {
-        if let Some(i) = &rec.inflight {
+        for i in &rec.inflight {
             println!(
                 "first, the interrupted step on node {} (step {}, revision {}) is finished: its replacement awaited and its verdict read",
                 i.node, i.step, i.revision
@@ -295,6 +308,17 @@ pub(super) fn print_dry_run(
         match &first {
             Ok(p) => print!("{}", plan::render(view, p)),
             Err(r) => println!("after it, the plan refuses to go on:\n{}", refusals_text(r)),
+        }
+        if let (Some(b), Some((o, budget, max))) = (&batches, batching) {
+            println!(
+                "in batches of up to {max} nodes (--max-unavailable {budget}{}), growing from 1 while every verdict passes; were every verdict to pass:",
+                o.per_domain
+                    .map(|d| format!(", at most {d} of one {} per batch", o.domain_label))
+                    .unwrap_or_default()
+            );
+            for (i, nodes) in b.iter().enumerate() {
+                println!("  batch {:>2}: {}", i + 1, nodes.join(", "));
+            }
         }
     }
     Ok(())

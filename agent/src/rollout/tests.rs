@@ -183,7 +183,7 @@ fn watch_starts_only_an_approved_revision_not_yet_everywhere() {
         crash_looping: None,
         started_at: None,
     });
-    let none = std::collections::BTreeSet::new();
+    let none = PlanOpts::default();
     assert!(!approved(&v, None, &none));
     assert!(!approved(&v, Some("r1"), &none), "an older approval");
     assert!(approved(&v, Some("r2"), &none));
@@ -205,10 +205,36 @@ fn watch_starts_only_an_approved_revision_not_yet_everywhere() {
         "already everywhere, proven"
     );
     v.pods[0].revision = "r1".into();
+    let skipped = PlanOpts {
+        skip: ["n".to_string()].into(),
+        ..Default::default()
+    };
+    assert!(!approved(&v, Some("r2"), &skipped), "skipped");
+    let kept = PlanOpts {
+        partition: 1,
+        ..Default::default()
+    };
     assert!(
-        !approved(&v, Some("r2"), &["n".to_string()].into()),
-        "skipped"
+        !approved(&v, Some("r2"), &kept),
+        "the partition keeps the one node on its revision"
     );
+    v.nodes.push(NodeInfo {
+        name: "n".into(),
+        ready: true,
+        zone: None,
+        control_plane: false,
+        labels: [("pool".to_string(), "media".to_string())].into(),
+    });
+    let elsewhere = PlanOpts {
+        node_selector: plan::scope::parse_selector("pool=web").unwrap(),
+        ..Default::default()
+    };
+    assert!(!approved(&v, Some("r2"), &elsewhere), "out of scope");
+    let here = PlanOpts {
+        node_selector: plan::scope::parse_selector("pool=media").unwrap(),
+        ..Default::default()
+    };
+    assert!(approved(&v, Some("r2"), &here), "in scope");
 }
 
 #[test]

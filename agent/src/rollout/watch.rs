@@ -40,12 +40,14 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
         .retry
         .as_ref()
         .is_some_and(|n| v.pods.iter().any(|p| &p.node == n));
-    let owed = rec.inflight.is_some() || retry_owed;
+    let owed = !rec.inflight.is_empty() || retry_owed;
     if let Gate::Halted(m) = record::gate(&rec, &cur, approve.as_deref(), &stamp()) {
         return Ok(m);
     }
-    let skipped: std::collections::BTreeSet<String> = rec.skipped_on(&cur).into_iter().collect();
-    if !owed && !plan_owed(&v, &skipped) {
+    let mut opts = plan_opts(c);
+    opts.skip = rec.skipped_on(&cur).into_iter().collect();
+    opts.again = rec.retry.clone();
+    if !owed && !plan_owed(&v, &opts) {
         return Ok(String::new());
     }
     if !owed && rec.aborted.as_deref() == Some(cur.as_str()) {
@@ -56,7 +58,10 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
     // An interrupted step is always finished (its delete waits for an approval itself); a
     // retry alone waits for the revision to be approved, instead of a run per tick that
     // pauses at once.
-    if let (None, Some(n)) = (&rec.inflight, rec.retry.as_ref().filter(|_| retry_owed)) {
+    if let (true, Some(n)) = (
+        rec.inflight.is_empty(),
+        rec.retry.as_ref().filter(|_| retry_owed),
+    ) {
         if approve.as_deref() != Some(cur.as_str()) {
             return Ok(format!(
                 "node {n} is to be stepped again but the DaemonSet's revision {cur} is not approved ({}): waiting",
@@ -64,12 +69,9 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
             ));
         }
     }
-    if rec.inflight.is_none() && approve.as_deref() == Some(cur.as_str()) {
+    if rec.inflight.is_empty() && approve.as_deref() == Some(cur.as_str()) {
         // A node whose current pod failed its verification halts the watch until a person
         // decides; told once in an Event, not by a rollout run per tick.
-        let mut opts = plan_opts(c);
-        opts.skip = skipped.clone();
-        opts.again = rec.retry.clone();
         if let Err(refusals) = plan::plan(&v, &opts) {
             let halts: Vec<String> = refusals
                 .iter()
@@ -89,7 +91,7 @@ pub(super) async fn watch_tick(c: &Cluster, announced: &mut String) -> Result<St
             }
         }
     }
-    if owed || approved(&v, approve.as_deref(), &skipped) {
+    if owed || approved(&v, approve.as_deref(), &opts) {
         let code = rollout(c, true).await?;
         return Ok(format!("rollout ended with exit code {}", code.code()));
     }

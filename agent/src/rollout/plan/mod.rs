@@ -3,10 +3,14 @@
 //! each step, and why the rollout must not start at all.
 
 pub use crate::step::proof::{Proof, ProofStatus};
+pub mod batch;
 mod order;
 pub mod refusals;
+pub mod scope;
 
+pub use batch::Budget;
 pub use refusals::Refusal;
+pub use scope::LabelTerm;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -213,7 +217,7 @@ impl ExpectedBlip {
     }
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PlanOpts {
     pub canary: Option<String>,
     pub canary_label: Option<(String, String)>,
@@ -228,6 +232,36 @@ pub struct PlanOpts {
     pub again: Option<String>,
     /// A person allows a revision more than one Cilium minor version away (`--allow-minor-skip`).
     pub allow_minor_skip: bool,
+    /// The nodes in scope (`--node-selector`): pods on other nodes are not stepped.
+    pub node_selector: Vec<LabelTerm>,
+    /// Leave this many nodes in scope on an older revision (`--partition`).
+    pub partition: usize,
+    /// The node label naming a node's failure domain (`--domain-label`).
+    pub domain_label: String,
+    /// At most this many nodes of one failure domain in a batch (`--max-unavailable-per-domain`).
+    pub per_domain: Option<Budget>,
+}
+
+/// The zone: the failure domain unless `--domain-label` names another label.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+impl Default for PlanOpts {
+    fn default() -> Self {
+        PlanOpts {
+            canary: None,
+            canary_label: None,
+            max_nodes: None,
+            vip_groups: BTreeMap::new(),
+            pause_between: Duration::ZERO,
+            skip: BTreeSet::new(),
+            again: None,
+            allow_minor_skip: false,
+            node_selector: vec![],
+            partition: 0,
+            domain_label: ZONE_LABEL.into(),
+            per_domain: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]

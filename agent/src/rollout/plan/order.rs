@@ -35,6 +35,7 @@ pub fn order(i: &Inputs) -> Vec<PlannedStep> {
         .filter(|p| {
             (p.revision != rev || unproven.contains_key(p.node.as_str()))
                 && !o.skip.contains(&p.node)
+                && super::scope::in_scope(v, o, &p.node)
         })
         .filter(|p| again.is_none_or(|a| a.node != p.node))
         .collect();
@@ -170,6 +171,18 @@ pub fn order(i: &Inputs) -> Vec<PlannedStep> {
             blip,
         });
     }
+    // The partition: only so many nodes leave their older revision; the last in the order
+    // stay (a node on the revision that its agent cannot yet vouch for is still proven).
+    let mut movable = super::scope::movable(v, o, rev);
+    out.retain(|s| {
+        let old = v.pods.iter().any(|p| p.node == s.node && p.revision != rev);
+        if !old || s.why == "retry" {
+            return true;
+        }
+        let keep = movable > 0;
+        movable = movable.saturating_sub(1);
+        keep
+    });
     if let Some(m) = o.max_nodes {
         out.truncate(m);
     }

@@ -418,3 +418,244 @@ fn a_canary_that_names_no_node_is_refused() {
         .insert("stepguard.io/canary".into(), "true".into());
     assert_eq!(plan(&v, &o).unwrap()[0].node, "b1");
 }
+
+/// A fleet of `per_zone` workers in each of `zones` zones (`z0-w0`, …), none holding a lease.
+fn fleet(zones: usize, per_zone: usize) -> ClusterView {
+    let mut v = view();
+    v.leases.clear();
+    v.nodes.clear();
+    v.pods.clear();
+    for z in 0..zones {
+        for w in 0..per_zone {
+            let name = format!("z{z}-w{w}");
+            v.nodes.push(n(&name, &format!("zone-{z}"), false));
+            v.pods.push(pod(&name, "old"));
+            v.agents.insert(name.clone(), format!("http://{name}:9969"));
+            v.devices.insert(name.clone(), Ok(vec!["eth0".into()]));
+            v.proofs
+                .insert(name.clone(), Ok(proof(ProofStatus::Passed)));
+        }
+    }
+    v
+}
+
+fn names(b: &[PlannedStep]) -> Vec<&str> {
+    b.iter().map(|s| s.node.as_str()).collect()
+}
+
+#[test]
+fn a_budget_is_a_count_or_a_percentage_rounded_as_the_controller_rounds() {
+    assert_eq!(Budget::parse("3"), Ok(Budget::Count(3)));
+    assert_eq!(Budget::parse("10%"), Ok(Budget::Percent(10)));
+    for bad in ["0", "0%", "101%", "-1", "x", "1.5%", ""] {
+        let e = Budget::parse(bad).unwrap_err();
+        assert!(
+            e.contains("percentage") || e.contains("number"),
+            "{bad}: {e}"
+        );
+    }
+    assert_eq!(Budget::Percent(10).of(1000), 100);
+    assert_eq!(Budget::Percent(10).of(95), 10, "rounded up");
+    assert_eq!(Budget::Percent(10).of(3), 1, "at least one");
+    assert_eq!(
+        Budget::Percent(10).of_down(95),
+        9,
+        "a domain's share rounded down"
+    );
+    assert_eq!(Budget::Percent(10).of_down(5), 1);
+    assert_eq!(
+        (1..=6)
+            .fold((vec![], None), |(mut v, last), _| {
+                let n = batch::next_size(last, 10);
+                v.push(n);
+                (v, Some(n))
+            })
+            .0,
+        [1, 2, 4, 8, 10, 10],
+        "the canary alone, then doubling up to the maximum"
+    );
+}
+
+/// Batches take nodes from every zone in turn and never more of one zone than its limit.
+#[test]
+fn a_batch_holds_no_more_of_a_zone_than_its_limit() {
+    let v = fleet(3, 4);
+    let mut o = PlanOpts::default();
+    let steps = plan(&v, &o).unwrap();
+    let b = batch::batch(&v, &o, &steps, 6);
+    assert_eq!(
+        names(&b),
+        ["z0-w0", "z1-w0", "z2-w0", "z0-w1", "z1-w1", "z2-w1"]
+    );
+    o.per_domain = Some(Budget::Count(1));
+    let b = batch::batch(&v, &o, &steps, 6);
+    assert_eq!(names(&b), ["z0-w0", "z1-w0", "z2-w0"], "one per zone");
+    o.per_domain = Some(Budget::Percent(50));
+    let b = batch::batch(&v, &o, &steps, 12);
+    assert_eq!(b.len(), 6, "half of each 4-node zone: {:?}", names(&b));
+    // A label of the user's naming: the rack.
+    let mut v = fleet(1, 4);
+    for (i, node) in v.nodes.iter_mut().enumerate() {
+        node.labels.insert("rack".into(), format!("r{}", i % 2));
+    }
+    let o = PlanOpts {
+        domain_label: "rack".into(),
+        per_domain: Some(Budget::Count(1)),
+        ..Default::default()
+    };
+    let steps = plan(&v, &o).unwrap();
+    let b = batch::batch(&v, &o, &steps, 4);
+    assert_eq!(names(&b), ["z0-w0", "z0-w1"], "one per rack");
+}
+
+/// Lease holders: never two of one VIP group in a batch, never with a node their VIPs may
+/// move to; with no local backends named, every node may take the VIP: the holder goes alone.
+#[test]
+fn a_batch_never_holds_a_holder_with_its_takers_or_its_group() {
+    let v = view();
+    let o = PlanOpts::default();
+    let steps = plan(&v, &o).unwrap();
+    let holder_at = steps.iter().position(|s| s.node == "a1").unwrap();
+    let b = batch::batch(&v, &o, &steps[holder_at..], 5);
+    assert_eq!(names(&b), ["a1"], "any node may take a1's VIP: alone");
+    let workers = batch::batch(&v, &o, &steps, 5);
+    assert!(
+        workers.iter().all(|s| s.moves.is_empty()),
+        "workers first, a holder never joins them: {:?}",
+        names(&workers)
+    );
+    // With externalTrafficPolicy Local the takers are known: a1's VIP may go to a2 only,
+    // b1's to b2 only.
+    let mut v = view();
+    v.leases[0].local_backends = Some(vec!["a1".into(), "a2".into()]);
+    v.leases[1].local_backends = Some(vec!["b1".into(), "b2".into()]);
+    let steps: Vec<PlannedStep> = plan(&v, &o)
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.node != "cp")
+        .collect();
+    let order: Vec<&str> = names(&steps);
+    let b = batch::batch(&v, &o, &steps, 5);
+    let got = names(&b);
+    assert!(
+        !(got.contains(&"a1") && got.contains(&"a2")),
+        "a1 with its taker: {got:?} from {order:?}"
+    );
+    assert!(!(got.contains(&"b1") && got.contains(&"b2")), "{got:?}");
+    let holders: Vec<PlannedStep> = steps
+        .iter()
+        .filter(|s| !s.moves.is_empty())
+        .cloned()
+        .collect();
+    let b = batch::batch(&v, &o, &holders, 5);
+    assert_eq!(names(&b), ["a1", "b1"], "two groups' holders together");
+    let grouped = PlanOpts {
+        vip_groups: [(
+            "dns".to_string(),
+            vec!["net-pihole-a".to_string(), "net-pihole-b".to_string()],
+        )]
+        .into(),
+        ..Default::default()
+    };
+    let b = batch::batch(&v, &grouped, &holders, 5);
+    assert_eq!(names(&b), ["a1"], "one VIP group's holders never together");
+}
+
+/// Control-plane nodes go one per batch; a retry goes alone.
+#[test]
+fn control_planes_one_per_batch_and_a_retry_alone() {
+    let mut v = fleet(1, 3);
+    for i in 0..3 {
+        let name = format!("cp{i}");
+        v.nodes.push(n(&name, "zone-0", true));
+        v.pods.push(pod(&name, "old"));
+        v.agents.insert(name.clone(), format!("http://{name}:9969"));
+        v.devices.insert(name.clone(), Ok(vec!["eth0".into()]));
+    }
+    let o = PlanOpts::default();
+    let steps = plan(&v, &o).unwrap();
+    let all = batch::simulate(&v, &o, &steps, 10);
+    let sizes: Vec<usize> = all.iter().map(|b| b.len()).collect();
+    assert_eq!(sizes, [1, 2, 1, 1, 1], "{all:?}");
+    assert!(all[2..].iter().all(|b| b[0].node.starts_with("cp")));
+    let again = PlanOpts {
+        again: Some("z0-w2".into()),
+        ..Default::default()
+    };
+    let steps = plan(&v, &again).unwrap();
+    assert_eq!(names(&batch::batch(&v, &again, &steps, 10)), ["z0-w2"]);
+}
+
+/// The partition leaves the last nodes of the order on their revision; the node selector
+/// leaves out-of-scope nodes alone.
+#[test]
+fn a_partition_and_a_node_selector_bound_the_rollout() {
+    let mut v = fleet(2, 3);
+    let o = PlanOpts {
+        partition: 2,
+        ..Default::default()
+    };
+    let steps = plan(&v, &o).unwrap();
+    assert_eq!(steps.len(), 4, "{:?}", names(&steps));
+    for p in v
+        .pods
+        .iter_mut()
+        .filter(|p| steps.iter().any(|s| s.node == p.node))
+    {
+        p.revision = "new".into();
+    }
+    assert!(
+        plan(&v, &o).unwrap().is_empty(),
+        "two left, as the partition asks"
+    );
+    let o = PlanOpts {
+        partition: 1,
+        ..Default::default()
+    };
+    assert_eq!(plan(&v, &o).unwrap().len(), 1, "a lower partition goes on");
+
+    let mut v = fleet(2, 2);
+    v.nodes[1].labels.insert("pool".into(), "media".into());
+    v.nodes[3].labels.insert("pool".into(), "media".into());
+    let o = PlanOpts {
+        node_selector: scope::parse_selector("pool=media").unwrap(),
+        ..Default::default()
+    };
+    assert_eq!(names(&plan(&v, &o).unwrap()), ["z0-w1", "z1-w1"]);
+    let o = PlanOpts {
+        node_selector: scope::parse_selector("!pool").unwrap(),
+        ..Default::default()
+    };
+    assert_eq!(names(&plan(&v, &o).unwrap()), ["z0-w0", "z1-w0"]);
+    for bad in ["pool in (a,b)", "=x", "a b"] {
+        assert!(scope::parse_selector(bad).is_err(), "{bad}");
+    }
+    assert_eq!(
+        scope::parse_selector("a=b, c!=d,e,!f").unwrap(),
+        [
+            LabelTerm::Is("a".into(), "b".into()),
+            LabelTerm::IsNot("c".into(), "d".into()),
+            LabelTerm::Has("e".into()),
+            LabelTerm::HasNot("f".into()),
+        ]
+    );
+}
+
+/// A rollout of a big fleet: batches grow to the maximum and cover every node once.
+#[test]
+fn a_simulated_rollout_covers_every_node_once_in_growing_batches() {
+    let v = fleet(3, 40);
+    let o = PlanOpts {
+        per_domain: Some(Budget::Percent(25)),
+        ..Default::default()
+    };
+    let steps = plan(&v, &o).unwrap();
+    let all = batch::simulate(&v, &o, &steps, Budget::Percent(10).of(120));
+    let sizes: Vec<usize> = all.iter().map(|b| b.len()).collect();
+    assert_eq!(&sizes[..5], [1, 2, 4, 8, 12], "{sizes:?}");
+    let mut seen: Vec<&str> = all.iter().flat_map(|b| names(b)).collect();
+    assert_eq!(seen.len(), 120);
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 120, "each node once");
+}

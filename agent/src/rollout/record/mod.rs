@@ -1,16 +1,18 @@
-//! What a rollout leaves for every later run, on its lock Lease (pure): the step in flight, a
-//! halt after a failed step, and the decisions people took. A run never walks past a node whose
+//! What a rollout leaves for every later run, on its lock Lease (pure): the steps in flight
+//! (one per node of the batch in flight), a halt after a failed step, and the decisions people took. A run never walks past a node whose
 //! verdict it did not read as passed: the interrupted step is finished first, and a halt stands
 //! until a person lifts it (`--retry NODE`, `--skip NODE`, `--abort`) or approves a new
 //! revision.
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Plain annotations of the step in flight, for `kubectl get lease -o yaml` readers.
+/// Plain annotations of the steps in flight, for `kubectl get lease -o yaml` readers (nodes
+/// and steps comma-separated when a batch is in flight).
 pub const ANN_NODE: &str = "stepguard.io/node";
 pub const ANN_STEP: &str = "stepguard.io/step";
 pub const ANN_REVISION: &str = "stepguard.io/revision";
-/// The whole record of the step in flight (JSON).
+/// The whole record of the steps in flight (JSON: one object for a single step, as older
+/// steppers wrote and read it; a list for a batch).
 pub const ANN_INFLIGHT: &str = "stepguard.io/inflight";
 pub const ANN_HALT: &str = "stepguard.io/halt";
 pub const ANN_RETRY: &str = "stepguard.io/retry";
@@ -51,6 +53,10 @@ pub struct Halt {
     pub revision: String,
     pub reason: String,
     pub at: String,
+    /// Every node of the batch the failed step was in, with its outcome (`node-a: passed`,
+    /// `node-b: failed: …`, `node-c: not deleted: …`); empty for a step alone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batch: Vec<String>,
 }
 
 /// A node left as it is for a revision (`--skip`).
@@ -85,7 +91,9 @@ pub struct Told {
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Record {
-    pub inflight: Option<InFlight>,
+    /// The steps in flight: one per node of the batch (begun, and their pods possibly
+    /// deleted), finished first by the next run.
+    pub inflight: Vec<InFlight>,
     pub halt: Option<Halt>,
     /// Step this node again first (`--retry`).
     pub retry: Option<String>,
@@ -122,11 +130,21 @@ impl Record {
     /// Reads the record from the lock's annotations. A record that cannot be read is an error,
     /// never an empty record: a halt must not vanish because it was mangled.
     pub fn parse(ann: &BTreeMap<String, String>) -> Result<Record, RecordError> {
-        let mut inflight: Option<InFlight> = json(ann, ANN_INFLIGHT)?;
-        if inflight.is_none() {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(Box<InFlight>),
+            Many(Vec<InFlight>),
+        }
+        let mut inflight: Vec<InFlight> = match json(ann, ANN_INFLIGHT)? {
+            None => vec![],
+            Some(OneOrMany::One(i)) => vec![*i],
+            Some(OneOrMany::Many(v)) => v,
+        };
+        if inflight.is_empty() {
             // A lock written by an older stepper: node, step and revision only.
             if let (Some(node), Some(step)) = (ann.get(ANN_NODE), ann.get(ANN_STEP)) {
-                inflight = Some(InFlight {
+                inflight.push(InFlight {
                     node: node.clone(),
                     step: step.clone(),
                     revision: ann.get(ANN_REVISION).cloned().unwrap_or_default(),
@@ -155,13 +173,26 @@ impl Record {
                 ann.remove(k);
             }
         };
-        set(ANN_NODE, self.inflight.as_ref().map(|i| i.node.clone()));
-        set(ANN_STEP, self.inflight.as_ref().map(|i| i.step.clone()));
+        let joined = |f: fn(&InFlight) -> &str| -> Option<String> {
+            let mut seen: Vec<&str> = Vec::new();
+            for i in &self.inflight {
+                if !seen.contains(&f(i)) {
+                    seen.push(f(i));
+                }
+            }
+            (!seen.is_empty()).then(|| seen.join(","))
+        };
+        set(ANN_NODE, joined(|i| &i.node));
+        set(ANN_STEP, joined(|i| &i.step));
+        set(ANN_REVISION, joined(|i| &i.revision));
         set(
-            ANN_REVISION,
-            self.inflight.as_ref().map(|i| i.revision.clone()),
+            ANN_INFLIGHT,
+            match self.inflight.as_slice() {
+                [] => None,
+                [one] => Some(to(one)),
+                many => Some(to(&many)),
+            },
         );
-        set(ANN_INFLIGHT, self.inflight.as_ref().map(to));
         set(ANN_HALT, self.halt.as_ref().map(to));
         set(ANN_RETRY, self.retry.clone());
         set(
@@ -181,7 +212,7 @@ impl Record {
 
     /// Nothing for a later run to know: the lock can be deleted on release.
     pub fn is_empty(&self) -> bool {
-        self.inflight.is_none()
+        self.inflight.is_empty()
             && self.halt.is_none()
             && self.retry.is_none()
             && self.skipped.is_empty()
@@ -218,6 +249,29 @@ impl Record {
             .collect()
     }
 
+    /// Records `i` as in flight (replacing an earlier step of its node).
+    pub fn begin(&mut self, i: InFlight) {
+        self.inflight.retain(|x| x.node != i.node);
+        self.inflight.push(i);
+    }
+
+    /// The node's step is no longer in flight (its verdict is in, or nothing was deleted).
+    pub fn end(&mut self, node: &str) {
+        self.inflight.retain(|x| x.node != node);
+    }
+
+    /// The nodes in flight, for people (`-` when none).
+    pub fn inflight_nodes(&self) -> String {
+        if self.inflight.is_empty() {
+            return "-".into();
+        }
+        self.inflight
+            .iter()
+            .map(|i| format!("{} (step {})", i.node, i.step))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     pub fn decide(&mut self, d: Decision) {
         self.decisions.push(d);
         let n = self.decisions.len();
@@ -239,13 +293,21 @@ fn to<T: Serialize>(v: &T) -> String {
     serde_json::to_string(v).unwrap_or_default()
 }
 
-/// How a halt reads for people, with the ways to lift it.
+/// How a halt reads for people, with the ways to lift it (and every node of its batch).
 pub fn halt_text(h: &Halt) -> String {
+    let batch = if h.batch.is_empty() {
+        String::new()
+    } else {
+        format!(
+            ". The failed step's batch, each node's verdict read before the halt: {}",
+            h.batch.join("; ")
+        )
+    };
     format!(
         "the rollout is halted: the step on node {} ({}) failed at {} on revision {}: {}. \
          A person lifts the halt: `stepguard rollout --retry {} --reason WHY` steps the node again, \
          `--skip {} --reason WHY` leaves it as it is and goes on, `--abort` ends this rollout, \
-         or approve a new revision (stepguard.io/approve-revision)",
+         or approve a new revision (stepguard.io/approve-revision){batch}",
         h.node,
         h.step.as_deref().unwrap_or("not begun"),
         h.at,
@@ -331,13 +393,14 @@ pub fn lift(
         match &r.halt {
             None => Err(format!(
                 "no halt stands{}: there is nothing to lift",
-                r.inflight
-                    .as_ref()
-                    .map(|i| format!(
-                        " (a step on node {} is in flight: the next run finishes it, or `--abort`)",
-                        i.node
-                    ))
-                    .unwrap_or_default()
+                if r.inflight.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (steps in flight on {}: the next run finishes them, or `--abort`)",
+                        r.inflight_nodes()
+                    )
+                }
             )),
             Some(h) if h.node != node => Err(format!(
                 "the halt is at node {}, not {node}: decide on the node whose step failed",
@@ -383,9 +446,9 @@ pub fn lift(
                 .halt
                 .as_ref()
                 .map(|h| h.node.clone())
-                .or(r.inflight.as_ref().map(|i| i.node.clone()));
+                .or(r.inflight.first().map(|i| i.node.clone()));
             r.halt = None;
-            r.inflight = None;
+            r.inflight.clear();
             r.retry = None;
             r.aborted = Some(current.to_string());
             r.decide(decision("abort", node.as_deref(), current));

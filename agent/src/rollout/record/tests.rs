@@ -8,6 +8,7 @@ fn halted() -> Record {
             revision: "r2".into(),
             reason: "step failed: map_emptied".into(),
             at: "t".into(),
+            ..Default::default()
         }),
         ..Default::default()
     }
@@ -16,7 +17,7 @@ fn halted() -> Record {
 #[test]
 fn a_record_survives_the_annotations_and_a_mangled_one_is_an_error() {
     let mut r = halted();
-    r.inflight = Some(InFlight {
+    r.begin(InFlight {
         node: "n1".into(),
         step: "s1".into(),
         pod: "cilium-x".into(),
@@ -53,8 +54,66 @@ fn a_record_survives_the_annotations_and_a_mangled_one_is_an_error() {
     old.insert(ANN_NODE.to_string(), "n1".to_string());
     old.insert(ANN_STEP.to_string(), "s1".to_string());
     old.insert(ANN_REVISION.to_string(), "r2".to_string());
-    let i = Record::parse(&old).unwrap().inflight.unwrap();
-    assert_eq!((i.node.as_str(), i.pod_uid.as_str()), ("n1", ""));
+    let i = Record::parse(&old).unwrap().inflight;
+    assert_eq!(i.len(), 1);
+    assert_eq!((i[0].node.as_str(), i[0].pod_uid.as_str()), ("n1", ""));
+}
+
+/// A batch in flight is a list on the lock, every node of it kept (a resumed run finishes
+/// each); one step alone stays the single object older steppers read.
+#[test]
+fn a_batch_in_flight_survives_the_annotations_one_step_stays_an_object() {
+    let step = |n: &str| InFlight {
+        node: n.into(),
+        step: format!("s-{n}"),
+        pod: format!("cilium-{n}"),
+        pod_uid: format!("u-{n}"),
+        revision: "r2".into(),
+        revision_number: 2,
+        why: "worker".into(),
+    };
+    let mut r = Record::default();
+    r.begin(step("n1"));
+    let mut ann = BTreeMap::new();
+    r.write(&mut ann);
+    assert!(ann[ANN_INFLIGHT].starts_with('{'), "{}", ann[ANN_INFLIGHT]);
+    r.begin(step("n2"));
+    r.begin(step("n3"));
+    r.begin(step("n2"));
+    assert_eq!(r.inflight.len(), 3, "a node is in flight once");
+    r.write(&mut ann);
+    assert!(ann[ANN_INFLIGHT].starts_with('['), "{}", ann[ANN_INFLIGHT]);
+    assert_eq!(ann[ANN_NODE], "n1,n3,n2");
+    assert_eq!(Record::parse(&ann).unwrap(), r);
+    r.end("n3");
+    assert_eq!(
+        r.inflight
+            .iter()
+            .map(|i| i.node.as_str())
+            .collect::<Vec<_>>(),
+        ["n1", "n2"]
+    );
+    assert!(r.inflight_nodes().contains("n2 (step s-n2)"));
+}
+
+/// A halt in a batch names every node of the batch with its outcome.
+#[test]
+fn a_batch_halt_names_every_node_of_its_batch() {
+    let mut r = halted();
+    if let Some(h) = r.halt.as_mut() {
+        h.batch = vec![
+            "n1: passed".into(),
+            "n2: failed: map_emptied".into(),
+            "n3: not deleted: another node of the batch failed".into(),
+        ];
+    }
+    let t = halt_text(r.halt.as_ref().unwrap());
+    for n in ["n1: passed", "n2: failed", "n3: not deleted"] {
+        assert!(t.contains(n), "{t}");
+    }
+    let mut ann = BTreeMap::new();
+    r.write(&mut ann);
+    assert_eq!(Record::parse(&ann).unwrap(), r);
 }
 
 #[test]
@@ -145,6 +204,7 @@ fn a_failed_node_without_a_halt_on_the_record_can_be_decided_on() {
         revision: "r2".into(),
         reason: "map_emptied".into(),
         at: "t".into(),
+        ..Default::default()
     };
     let mut r = Record::default();
     let e = lift(&mut r, &Lift::Skip("n3".into()), "me", "x", "r2", "t", None).unwrap_err();

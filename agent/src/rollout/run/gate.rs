@@ -58,7 +58,7 @@ pub(super) async fn gate(c: &Cluster) -> Result<Gated> {
         Err(r) => r.iter().filter(|r| r.halts()).collect(),
         Ok(_) => vec![],
     };
-    if rec.inflight.is_none() && !failed.is_empty() {
+    if rec.inflight.is_empty() && !failed.is_empty() {
         // A node's current pod holds a failed verdict: nothing is stepped past it, whatever
         // the record says (an abort, a deleted lock, an approved newer revision).
         let text = failed
@@ -73,7 +73,7 @@ pub(super) async fn gate(c: &Cluster) -> Result<Gated> {
             );
         } else {
             if c.args.dry_run {
-                print_dry_run(false, &view, &rec, &first, &current.0)?;
+                print_dry_run(false, &view, &rec, &first, &current.0, None)?;
             }
             println!(
                 "stepguard rollout of {} halted: a node's current cilium pod failed its verification:\n{text}",
@@ -102,7 +102,7 @@ pub(super) async fn gate(c: &Cluster) -> Result<Gated> {
         .as_ref()
         .err()
         .is_some_and(|r| r.iter().all(|r| r.waits()));
-    if let (None, Err(refusals), false) = (&rec.inflight, &first, only_waits) {
+    if let (true, Err(refusals), false) = (rec.inflight.is_empty(), &first, only_waits) {
         if json_out {
             println!(
                 "{}",
@@ -118,7 +118,15 @@ pub(super) async fn gate(c: &Cluster) -> Result<Gated> {
         return Ok(Gated::Stop(ExitCode::NotDecided));
     }
     if c.args.dry_run {
-        print_dry_run(json_out, &view, &rec, &first, &current.0)?;
+        let max = c.args.max_unavailable.of(plan::scope::size(&view, &opts));
+        print_dry_run(
+            json_out,
+            &view,
+            &rec,
+            &first,
+            &current.0,
+            Some((&opts, c.args.max_unavailable, max)),
+        )?;
         return Ok(Gated::Stop(ExitCode::Ok));
     }
     Ok(Gated::Go(Box::new(Start {

@@ -1,7 +1,8 @@
 //! One rollout run: `gate` (the record's halt, a failed node, the plan's refusals, a dry
-//! run), `take_lock` (the lock, its renewer, the start told), then `next` and `step` node by
-//! node until the plan is done or something stops it, and `finish` (the summary, the Events,
-//! the lock given up). What each node's step does is `node.rs`; what the plan allows,
+//! run), `take_lock` (the lock, its renewer, the start told), then `next` and `step` batch by
+//! batch (one node at a time unless `--max-unavailable` allows more; the batch's nodes stepped
+//! side by side, each to its own verdict) until the plan is done or something stops it, and
+//! `finish` (the summary, the Events, the lock given up). What each node's step does is `node.rs`; what the plan allows,
 //! `plan/`; what the record holds, `record/`.
 use super::*;
 use crate::exit::ExitCode;
@@ -21,8 +22,8 @@ pub(super) async fn rollout(c: &Cluster, watched: bool) -> Result<ExitCode> {
     };
     let (code, ending) = loop {
         match run.next().await {
-            Next::Step(n) => {
-                if let Some(end) = run.step(*n).await {
+            Next::Batch(b) => {
+                if let Some(end) = run.step(*b).await {
                     break end;
                 }
             }
@@ -44,8 +45,8 @@ struct Run<'a> {
     /// The record, shared with the renewer (which writes it to the lock).
     shared: Arc<Mutex<Record>>,
     renewer: tokio::task::JoinHandle<()>,
-    /// The interrupted step to finish first.
-    pending: Option<InFlight>,
+    /// The interrupted steps to finish first.
+    pending: Vec<InFlight>,
     /// The revision this run goes on to: under `--watch` only an approved one.
     run_rev: String,
     run_id: String,
@@ -56,19 +57,31 @@ struct Run<'a> {
     /// Begins deferred in a row.
     deferred: usize,
     waiting: Waiting,
+    /// The size of the last batch whose verdicts all passed (batches grow from it).
+    grown: Option<usize>,
+    /// The last batch moved L2-announced VIPs.
+    after_holders: bool,
+    batches: usize,
 }
 
-/// A node to step: the cluster as read, the step, its revision (hash, number), and the
-/// interrupted step it finishes.
+/// A node to step: the step, its revision (hash, number), and the interrupted step it
+/// finishes.
 struct NextStep {
-    view: ClusterView,
     st: PlannedStep,
     target: (String, i64),
     resumed: Option<InFlight>,
 }
 
+/// The nodes to step side by side, and the cluster as read for them.
+struct NextBatch {
+    view: ClusterView,
+    steps: Vec<NextStep>,
+    /// The batch size allowed now (for people).
+    size: usize,
+}
+
 enum Next {
-    Step(Box<NextStep>),
+    Batch(Box<NextBatch>),
     /// Waited (a transient failure, a plan that refuses for now): ask again.
     Again,
     /// The run ends: its status and why (none: the plan is done).
@@ -172,7 +185,7 @@ impl<'a> Run<'a> {
                 .await;
             }
         }
-        if let Some(i) = &rec.inflight {
+        for i in &rec.inflight {
             say(
                 json_out,
                 format!(
@@ -188,7 +201,7 @@ impl<'a> Run<'a> {
             &format!(
                 "stepguard rollout of revision {} started: {} nodes to step",
                 current.0,
-                first.as_ref().map(|p| p.len()).unwrap_or(0) + usize::from(rec.inflight.is_some())
+                first.as_ref().map(|p| p.len()).unwrap_or(0) + rec.inflight.len()
             ),
         )
         .await;
@@ -214,6 +227,9 @@ impl<'a> Run<'a> {
             stepped: BTreeSet::new(),
             deferred: 0,
             waiting: Waiting::default(),
+            grown: None,
+            after_holders: false,
+            batches: 0,
         }))
     }
 
@@ -257,15 +273,18 @@ impl<'a> Run<'a> {
             }
         };
         self.ds = ds_now;
-        if let Some(i) = self.pending.take() {
-            let st = resumed_step(&i);
-            let target = (i.revision.clone(), i.revision_number);
-            return Next::Step(Box::new(NextStep {
-                view,
-                st,
-                target,
-                resumed: Some(i),
-            }));
+        if !self.pending.is_empty() {
+            // The interrupted batch is finished first, all of it.
+            let steps: Vec<NextStep> = std::mem::take(&mut self.pending)
+                .into_iter()
+                .map(|i| NextStep {
+                    st: resumed_step(&i),
+                    target: (i.revision.clone(), i.revision_number),
+                    resumed: Some(i),
+                })
+                .collect();
+            let size = steps.len();
+            return Next::Batch(Box::new(NextBatch { view, steps, size }));
         }
         let Some(cur) = view.revision.clone() else {
             return Next::End(
@@ -305,15 +324,25 @@ impl<'a> Run<'a> {
         }
         self.opts.max_nodes = None;
         match plan::plan(&view, &self.opts) {
-            Ok(steps) => match steps.into_iter().next() {
-                Some(s)
-                    if self.stepped.contains(&s.node)
+            Ok(steps) if steps.is_empty() => Next::End(ExitCode::Ok, None),
+            Ok(steps) => {
+                let max = c
+                    .args
+                    .max_unavailable
+                    .of(plan::scope::size(&view, &self.opts));
+                let mut size = plan::batch::next_size(self.grown, max);
+                if let Some(m) = c.args.max_nodes {
+                    size = size.min(m.saturating_sub(self.results.len()).max(1));
+                }
+                let batch = plan::batch::batch(&view, &self.opts, &steps, size);
+                if let Some(s) = batch.iter().find(|s| {
+                    self.stepped.contains(&s.node)
                         && self.opts.again.as_deref() != Some(s.node.as_str())
                         && view
                             .pods
                             .iter()
-                            .any(|p| p.node == s.node && p.revision == cur.0) =>
-                {
+                            .any(|p| p.node == s.node && p.revision == cur.0)
+                }) {
                     // Stepped and passed in this run, yet its agent does not vouch for the
                     // pod's start: never stepped round and round.
                     let why = format!(
@@ -322,16 +351,18 @@ impl<'a> Run<'a> {
                     );
                     c.event(&self.ds, true, "StepguardRolloutStopped", &why)
                         .await;
-                    Next::End(ExitCode::NotDecided, Some(why))
+                    return Next::End(ExitCode::NotDecided, Some(why));
                 }
-                Some(st) => Next::Step(Box::new(NextStep {
-                    view,
-                    st,
-                    target: cur,
-                    resumed: None,
-                })),
-                None => Next::End(ExitCode::Ok, None),
-            },
+                let steps = batch
+                    .into_iter()
+                    .map(|st| NextStep {
+                        st,
+                        target: cur.clone(),
+                        resumed: None,
+                    })
+                    .collect();
+                Next::Batch(Box::new(NextBatch { view, steps, size }))
+            }
             Err(refusals) if refusals.iter().any(|r| r.halts()) => {
                 let text = refusals
                     .iter()
@@ -354,88 +385,146 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Steps one node and records its outcome (a failure halts the rollout on the lock
-    /// before anything else happens); the run's end when it stops here.
-    async fn step(&mut self, n: NextStep) -> Option<End> {
-        let NextStep {
-            view,
-            st,
-            target,
-            resumed,
-        } = n;
+    /// Steps a batch, its nodes side by side, and records each outcome once every verdict of
+    /// the batch is in (a failure halts the rollout on the lock before anything else
+    /// happens, naming every node of the batch; a node not yet deleted when another failed
+    /// is not deleted); the run's end when it stops here.
+    async fn step(&mut self, b: NextBatch) -> Option<End> {
+        let NextBatch { view, steps, size } = b;
         let (c, json_out) = (self.c, self.json_out);
         self.waiting = Waiting::default();
-        if !self.results.is_empty() && !st.pause_before.is_zero() {
+        let plain: Vec<PlannedStep> = steps.iter().map(|n| n.st.clone()).collect();
+        let pause = plan::batch::pause(
+            &view,
+            &self.opts,
+            self.results.is_empty(),
+            self.after_holders,
+            &plain,
+        );
+        if !pause.is_zero() {
+            let holders = plain.iter().any(|s| !s.moves.is_empty()) && self.after_holders;
             say(
                 json_out,
                 format!(
-                    "pausing {}s before {} ({})",
-                    st.pause_before.as_secs(),
-                    st.node,
-                    st.why
+                    "pausing {}s before {}{}",
+                    pause.as_secs(),
+                    plain
+                        .iter()
+                        .map(|s| format!("{} ({})", s.node, s.why))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    if holders {
+                        ": lease holders after lease holders wait at least the longest lease"
+                    } else {
+                        ""
+                    }
                 ),
             );
-            tokio::time::sleep(st.pause_before).await;
+            tokio::time::sleep(pause).await;
         }
-        let cx = StepCx {
-            c,
-            ds: &self.ds,
-            held: &self.held,
-            shared: &self.shared,
-            run_id: &self.run_id,
-            n: self.results.len() + 1,
-            json_out,
-        };
-        let r = step_node(&cx, &view, &st, target.clone(), resumed).await;
-        if let Outcome::Deferred { why } = &r.outcome {
-            // Nothing was deleted: the node is planned again from what its agent says.
-            say(json_out, format!("{}: {why}; re-planning", st.node));
-            crate::locks::lock(&self.shared).inflight = None;
-            persist(c, &self.shared, &self.held).await;
-            self.deferred += 1;
-            if self.deferred > 20 {
-                return Some((
-                    ExitCode::NotDecided,
-                    Some(format!("node {} could not be begun: {why}", st.node)),
-                ));
-            }
-            return None;
+        self.batches += 1;
+        let batched = steps.len() > 1 || c.args.max_unavailable != plan::Budget::Count(1);
+        if batched {
+            say(
+                json_out,
+                format!(
+                    "batch {}: {} (up to {size} now, --max-unavailable {})",
+                    self.batches,
+                    plain
+                        .iter()
+                        .map(|s| s.node.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    c.args.max_unavailable
+                ),
+            );
         }
-        self.deferred = 0;
-        let stop = !matches!(r.outcome, Outcome::Passed { .. });
-        if !stop {
-            self.stepped.insert(st.node.clone());
-        }
+        let targets: BTreeMap<String, String> = steps
+            .iter()
+            .map(|n| (n.st.node.clone(), n.target.0.clone()))
+            .collect();
+        let halting: Mutex<Option<String>> = Mutex::new(None);
+        let base = self.results.len();
+        let cxs: Vec<StepCx> = (0..steps.len())
+            .map(|i| StepCx {
+                c,
+                ds: &self.ds,
+                held: &self.held,
+                shared: &self.shared,
+                run_id: &self.run_id,
+                n: base + i + 1,
+                json_out,
+                halting: &halting,
+            })
+            .collect();
+        let results: Vec<NodeResult> =
+            futures_util::future::join_all(cxs.iter().zip(steps).map(|(cx, n)| {
+                let view = &view;
+                async move { step_node(cx, view, &n.st, n.target, n.resumed).await }
+            }))
+            .await;
+        drop(cxs);
+        let target = self.run_rev.clone();
         let mut code = ExitCode::Ok;
+        let mut failed: Option<(String, Option<String>, String)> = None;
+        let mut any_deferred = None;
+        let mut all_passed = true;
         {
             let mut rec = crate::locks::lock(&self.shared);
-            match &r.outcome {
-                Outcome::Passed { .. } => {
-                    rec.inflight = None;
-                    if rec.retry.as_deref() == Some(st.node.as_str()) {
-                        rec.retry = None;
+            for r in &results {
+                match &r.outcome {
+                    Outcome::Passed { .. } => {
+                        rec.end(&r.node);
+                        if rec.retry.as_deref() == Some(r.node.as_str()) {
+                            rec.retry = None;
+                        }
+                        self.stepped.insert(r.node.clone());
+                    }
+                    Outcome::Failed { step, why } => {
+                        all_passed = false;
+                        code = ExitCode::Failed;
+                        rec.end(&r.node);
+                        if failed.is_none() {
+                            failed = Some((r.node.clone(), step.clone(), why.clone()));
+                        }
+                    }
+                    Outcome::Stopped { .. } => {
+                        all_passed = false;
+                        if code == ExitCode::Ok {
+                            code = ExitCode::NotDecided;
+                        }
+                    }
+                    Outcome::Deferred { why } => {
+                        // Nothing was deleted: the node is planned again from what its
+                        // agent says.
+                        all_passed = false;
+                        rec.end(&r.node);
+                        any_deferred = Some((r.node.clone(), why.clone()));
                     }
                 }
-                Outcome::Failed { step, why } => {
-                    code = ExitCode::Failed;
-                    rec.inflight = None;
-                    rec.retry = None;
-                    rec.halt = Some(record::Halt {
-                        node: st.node.clone(),
-                        step: step.clone(),
-                        revision: target.0.clone(),
-                        reason: why.clone(),
-                        at: stamp(),
-                    });
-                }
-                Outcome::Stopped { .. } => code = ExitCode::NotDecided,
-                Outcome::Deferred { .. } => {}
+            }
+            if let Some((node, step, why)) = &failed {
+                rec.retry = None;
+                rec.halt = Some(record::Halt {
+                    node: node.clone(),
+                    step: step.clone(),
+                    revision: targets.get(node).cloned().unwrap_or(target.clone()),
+                    reason: why.clone(),
+                    at: stamp(),
+                    batch: if results.len() > 1 {
+                        results.iter().map(batch_line).collect()
+                    } else {
+                        vec![]
+                    },
+                });
             }
         }
-        if let Outcome::Failed { .. } = &r.outcome {
-            // The halt is on the lock before anything else happens (release may not get
-            // through; a later run must see it).
+        // A halt is on the lock before anything else happens (release may not get through;
+        // a later run must see it); the steps' ends too.
+        if code != ExitCode::NotDecided {
             persist(c, &self.shared, &self.held).await;
+        }
+        if failed.is_some() {
             let h = crate::locks::lock(&self.shared).halt.clone();
             if let Some(h) = h {
                 c.event(
@@ -446,29 +535,63 @@ impl<'a> Run<'a> {
                 )
                 .await;
             }
-        } else if !stop {
-            persist(c, &self.shared, &self.held).await;
         }
-        self.results.push(r);
-        stop.then_some((code, None))
+        let passed = results
+            .iter()
+            .filter(|r| matches!(r.outcome, Outcome::Passed { .. }))
+            .count();
+        if passed > 0 {
+            self.after_holders = results.iter().any(|r| !r.moves.is_empty());
+        }
+        if all_passed {
+            self.grown = Some(size);
+        }
+        let only_deferred = code == ExitCode::Ok && passed == 0;
+        for r in results {
+            if !matches!(r.outcome, Outcome::Deferred { .. }) {
+                self.results.push(r);
+            }
+        }
+        if let Some((node, why)) = any_deferred.filter(|_| only_deferred) {
+            say(json_out, format!("{node}: {why}; re-planning"));
+            self.deferred += 1;
+            if self.deferred > 20 {
+                return Some((
+                    ExitCode::NotDecided,
+                    Some(format!("node {node} could not be begun: {why}")),
+                ));
+            }
+            return None;
+        }
+        self.deferred = 0;
+        (code != ExitCode::Ok).then_some((code, None))
     }
 
     /// Ends the run: the summary told (an Event, the output), the end kept on the record,
     /// then the lock given up.
     async fn finish(self, code: ExitCode, ending: Option<String>) -> Result<ExitCode> {
         let (c, results) = (self.c, &self.results);
+        let rec_halt = crate::locks::lock(&self.shared).halt.clone();
         let summary = match code {
             ExitCode::Ok => format!(
                 "stepguard rollout finished: {} nodes stepped and verified",
                 self.stepped.len()
             ),
-            ExitCode::Failed => match (&ending, results.last()) {
+            ExitCode::Failed => match (&ending, &rec_halt) {
                 (Some(e), _) => format!(
                     "stepguard rollout halted: {e}; no further node is touched until a person decides"
                 ),
-                (None, last) => format!(
+                (None, Some(h)) if !h.batch.is_empty() => format!(
+                    "stepguard rollout halted: the step on {} failed; its batch: {}; no further node is touched until a person decides (`--retry`, `--skip`, `--abort`)",
+                    h.node,
+                    h.batch.join("; ")
+                ),
+                (None, h) => format!(
                     "stepguard rollout halted: the step on {} failed; no further node is touched until a person decides (`--retry`, `--skip`, `--abort`)",
-                    last.map(|r| r.node.as_str()).unwrap_or("?")
+                    h.as_ref()
+                        .map(|h| h.node.as_str())
+                        .or(results.last().map(|r| r.node.as_str()))
+                        .unwrap_or("?")
                 ),
             },
             ExitCode::NotDecided => format!(
@@ -503,5 +626,15 @@ impl<'a> Run<'a> {
             &rec,
         )?;
         Ok(code)
+    }
+}
+
+/// A node of a halted batch, for the halt's record.
+fn batch_line(r: &NodeResult) -> String {
+    match &r.outcome {
+        Outcome::Passed { .. } => format!("{}: passed", r.node),
+        Outcome::Failed { why, .. } => format!("{}: failed: {why}", r.node),
+        Outcome::Stopped { why } => format!("{}: stopped: {why}", r.node),
+        Outcome::Deferred { why } => format!("{}: not deleted: {why}", r.node),
     }
 }
