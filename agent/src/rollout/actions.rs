@@ -64,6 +64,8 @@ pub(super) struct Live<'a, 'b> {
     /// A newer revision the replacement carries (told once).
     carried: Option<String>,
     last_shown: String,
+    /// Replacement polls that found none (the node's presence is read every tenth).
+    empty_polls: usize,
 }
 
 impl<'a, 'b> Live<'a, 'b> {
@@ -95,6 +97,7 @@ impl<'a, 'b> Live<'a, 'b> {
             step_id,
             carried: None,
             last_shown: String::new(),
+            empty_polls: 0,
         }
     }
 
@@ -339,6 +342,14 @@ impl Actions for Live<'_, '_> {
                 self.line(&line);
             }
         }
+        if found.is_none() {
+            self.empty_polls += 1;
+            if self.empty_polls % 10 == 0 {
+                if let Some(why) = c.node_gone(&self.st.node).await {
+                    return Event::NodeGone(why);
+                }
+            }
+        }
         match &found {
             None => tokio::time::sleep(Duration::from_millis(500)).await,
             Some(h) if *h != self.target.0 && self.carried.is_none() => {
@@ -400,6 +411,10 @@ impl Actions for Live<'_, '_> {
                 Event::Verdict(Err(format!("agent answered {s}: {v}")))
             }
             Err(e) => {
+                // An agent that cannot be reached may have left with its node.
+                if let Some(why) = self.cx.c.node_gone(&self.st.node).await {
+                    return Event::NodeGone(why);
+                }
                 self.retry_after = Some(Duration::from_secs(1));
                 Event::Verdict(Err(format!("{e:#}")))
             }

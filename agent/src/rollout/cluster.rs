@@ -184,6 +184,17 @@ impl Cluster {
             .collect())
     }
 
+    /// Why the node is no longer in the cluster (its Node object is gone), or None: there, or
+    /// not known now (a failed read is not a node gone).
+    pub(super) async fn node_gone(&self, node: &str) -> Option<String> {
+        match Api::<Node>::all(self.client.clone()).get_opt(node).await {
+            Ok(None) => Some(format!(
+                "node {node} left the cluster during its step (its Node object was deleted): nothing is left to verify there"
+            )),
+            _ => None,
+        }
+    }
+
     /// Deletes the pod if it is still the one with `uid`. Ok(false): already gone.
     pub(super) async fn delete_pod(&self, name: &str, uid: &str) -> Result<bool, RolloutError> {
         let dp = DeleteParams {

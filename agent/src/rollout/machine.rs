@@ -50,6 +50,11 @@ pub enum Outcome {
     Deferred {
         why: String,
     },
+    /// The node left the cluster (its Node object was deleted) during the step: no verdict
+    /// can prove it and none is owed; the rollout goes on without it.
+    Gone {
+        why: String,
+    },
 }
 
 /// What the driver must do next.
@@ -89,6 +94,8 @@ pub enum Event {
     /// Time passes (timeouts).
     Tick,
     LockLost,
+    /// The node's Node object is gone (what was read).
+    NodeGone(String),
 }
 
 /// Phase timeouts (seconds).
@@ -128,6 +135,13 @@ pub fn advance(p: Phase, ev: Event, now: f64, t: Timeouts) -> Phase {
         };
     }
     match (p, ev) {
+        // A node that left the cluster after its delete: its replacement never comes and its
+        // agent is gone with it; nothing is owed.
+        (Phase::Replace { step, .. } | Phase::Verdict { step, .. }, Event::NodeGone(why)) => {
+            Phase::Done(Outcome::Gone {
+                why: format!("step {step}: {why}"),
+            })
+        }
         (Phase::Begin, Event::Begun(Ok(step))) => Phase::Delete { step },
         (Phase::Begin, Event::Busy(why)) => Phase::Done(Outcome::Deferred { why }),
         (Phase::Begin, Event::Begun(Err(e))) => failed(
@@ -526,6 +540,30 @@ mod tests {
             !acceptable_revision("rx", ("r2", 2), &numbers),
             "an unknown revision"
         );
+    }
+
+    /// A node deleted from the cluster after its pod was: neither a failure nor a pass, and
+    /// before the delete the event changes nothing (the delete's own checks decide).
+    #[test]
+    fn a_node_that_left_the_cluster_during_its_step_is_gone_not_failed() {
+        let gone = || Event::NodeGone("Node n1 was deleted".into());
+        let replacing = run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Ok(true)), 1.0),
+        ]);
+        let p = advance(replacing.clone(), gone(), 5.0, T);
+        assert_eq!(
+            p,
+            Phase::Done(Outcome::Gone {
+                why: "step s: Node n1 was deleted".into()
+            })
+        );
+        let verdict = advance(replacing, Event::Replaced(true), 2.0, T);
+        assert!(matches!(
+            advance(verdict, gone(), 3.0, T),
+            Phase::Done(Outcome::Gone { .. })
+        ));
+        assert_eq!(advance(Phase::Begin, gone(), 0.0, T), Phase::Begin);
     }
 }
 

@@ -157,6 +157,11 @@ pub(super) async fn step_node(
             "StepguardStepDeferred",
             format!("node {}: {why}; planned again", st.node),
         ),
+        Outcome::Gone { why } => (
+            true,
+            "StepguardNodeGone",
+            format!("node {}: {why}; the rollout goes on without it", st.node),
+        ),
     };
     c.event(cx.ds, warn, reason, &msg).await;
     say(
@@ -169,6 +174,7 @@ pub(super) async fn step_node(
                 Outcome::Failed { why, .. } => format!("FAILED: {why}"),
                 Outcome::Stopped { why } => format!("stopped: {why}"),
                 Outcome::Deferred { why } => format!("deferred: {why}"),
+                Outcome::Gone { why } => format!("gone: {why}"),
             },
             t0.elapsed().as_secs_f64()
         ),

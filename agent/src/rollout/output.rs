@@ -353,6 +353,7 @@ pub(super) fn print_end(
                 Outcome::Failed { why, .. } => ("FAILED", why.clone()),
                 Outcome::Stopped { why } => ("stopped", why.clone()),
                 Outcome::Deferred { why } => ("deferred", why.clone()),
+                Outcome::Gone { why } => ("gone", why.clone()),
             };
             println!(
                 "  {:<20} {:<22} {:<10} {:>7.0}s  {d}",
@@ -382,8 +383,9 @@ fn measured_lan_gaps(o: &Outcome) -> String {
             Some(i) => summary[i..].to_string(),
             None => "no witness (--witness URL measures it as LAN clients see it)".into(),
         },
-        Outcome::Failed { .. } | Outcome::Stopped { .. } | Outcome::Deferred { .. } => {
-            "no verdict".into()
-        }
+        Outcome::Failed { .. }
+        | Outcome::Stopped { .. }
+        | Outcome::Deferred { .. }
+        | Outcome::Gone { .. } => "no verdict".into(),
     }
 }

@@ -494,6 +494,10 @@ impl<'a> Run<'a> {
                             code = ExitCode::NotDecided;
                         }
                     }
+                    Outcome::Gone { .. } => {
+                        // No verdict is owed by a node that left; its end is recorded.
+                        rec.end(&r.node);
+                    }
                     Outcome::Deferred { why } => {
                         // Nothing was deleted: the node is planned again from what its
                         // agent says.
@@ -636,5 +640,6 @@ fn batch_line(r: &NodeResult) -> String {
         Outcome::Failed { why, .. } => format!("{}: failed: {why}", r.node),
         Outcome::Stopped { why } => format!("{}: stopped: {why}", r.node),
         Outcome::Deferred { why } => format!("{}: not deleted: {why}", r.node),
+        Outcome::Gone { why } => format!("{}: gone: {why}", r.node),
     }
 }

@@ -90,6 +90,9 @@ pub struct Hooks {
     pub fault_at: Arc<Mutex<Option<usize>>>,
     /// Makes the kubelet's moment hook, given the admin kubeconfig.
     pub moment: Option<MakeMoment>,
+    /// Only the first this many lab nodes are registered as Node objects at the start (the
+    /// others by [`Stepped::register`]); all of them when unset.
+    pub registered: Option<u8>,
 }
 
 impl Stepped {
@@ -134,7 +137,8 @@ impl Stepped {
         let node_addrs: Vec<(String, String)> = (0..nodes)
             .map(|i| (node_name(i), stepguard_lab::lan::node_addr(i).to_string()))
             .collect();
-        stepguard_lab::kube::create_nodes(&k, &node_addrs).expect("Nodes");
+        let registered = usize::from(hooks.registered.unwrap_or(nodes).min(nodes));
+        stepguard_lab::kube::create_nodes(&k, &node_addrs[..registered]).expect("Nodes");
         let restart = {
             let (lan, k, fault_at) = (
                 lan.clone(),
@@ -208,6 +212,28 @@ impl Stepped {
             run_dir,
             lan,
         }
+    }
+
+    /// Registers lab node `i` as a Node object (a node joining the cluster): the DaemonSets'
+    /// pods follow for it.
+    pub fn register(&self, i: u8) {
+        stepguard_lab::kube::create_nodes(
+            &self.k,
+            &[(node_name(i), stepguard_lab::lan::node_addr(i).to_string())],
+        )
+        .expect("register the Node");
+    }
+
+    /// The Node objects now.
+    pub fn registered(&self) -> usize {
+        self.k
+            .block(
+                self.k
+                    .all::<k8s_openapi::api::core::v1::Node>()
+                    .list(&Default::default()),
+            )
+            .map(|l| l.items.len())
+            .unwrap_or(0)
     }
 
     /// `stepguard rollout` with `args` as the stepper's ServiceAccount.

@@ -26,6 +26,15 @@ pub(crate) struct Env {
     pub(crate) bumps: Arc<Mutex<Vec<Bump>>>,
     /// How many template changes the test made (the bump annotation's value).
     pub(crate) bumped: Arc<Mutex<u32>>,
+    /// What a test does at a kubelet moment of the n-th deletion (taken once done).
+    pub(crate) at: Arc<Mutex<Vec<At>>>,
+}
+
+/// A test's action at a kubelet moment of the n-th cilium pod deletion.
+pub(crate) struct At {
+    pub(crate) deletion: usize,
+    pub(crate) at: Moment,
+    pub(crate) act: Box<dyn FnOnce(&Kube, &str) + Send>,
 }
 
 impl std::ops::Deref for Env {
@@ -40,14 +49,32 @@ pub(crate) fn env() -> Env {
 }
 
 pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
+    env_of(3, 3, revision_history_limit)
+}
+
+/// A world of `nodes` lab nodes, the first `registered` of them Nodes of the cluster.
+pub(crate) fn env_of(nodes: u8, registered: u8, revision_history_limit: Option<i32>) -> Env {
     let fault_at: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
     let bumps: Arc<Mutex<Vec<Bump>>> = Arc::default();
     let bumped: Arc<Mutex<u32>> = Arc::new(Mutex::new(0));
+    let at: Arc<Mutex<Vec<At>>> = Arc::default();
     let moment = {
-        let (bumps, bumped) = (bumps.clone(), bumped.clone());
+        let (bumps, bumped, at) = (bumps.clone(), bumped.clone(), at.clone());
         move |admin: &std::path::Path| -> stepguard_lab::kube::kubelet::MomentHook {
             let k = Kube::connect(admin).unwrap();
             Arc::new(move |m: Moment, node: &str, nth: usize| {
+                let due: Vec<At> = {
+                    let mut all = at.lock().unwrap();
+                    let (due, rest): (Vec<At>, Vec<At>) = all
+                        .drain(..)
+                        .partition(|a| a.deletion == nth && a.at == m);
+                    *all = rest;
+                    due
+                };
+                for a in due {
+                    eprintln!("the test acts at {m:?} of deletion {nth} ({node})");
+                    (a.act)(&k, node);
+                }
                 let due: Vec<Bump> = bumps
                     .lock()
                     .unwrap()
@@ -68,10 +95,11 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
         }
     };
     let w = Stepped::up_with(
-        3,
+        nodes,
         Hooks {
             fault_at: fault_at.clone(),
             moment: Some(Box::new(moment)),
+            registered: Some(registered),
         },
     );
     // Cilium as its chart renders it, with the lab's lease timings in cilium-config (the
@@ -98,6 +126,7 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
         fault_at,
         bumps,
         bumped,
+        at,
     };
     // Every node runs a Ready cilium pod of the first revision, and a stepguard agent pod;
     // then the template changes (unapproved), so the first rollout has work.
@@ -111,7 +140,11 @@ pub(crate) fn env_with(revision_history_limit: Option<i32>) -> Env {
     wait_until(
         "the controller's pods Ready on every node, the operator Ready",
         Duration::from_secs(60),
-        || all_on(&e, &first) && agents_running(&e) == 3 && operator_ready(&e) == 2,
+        || {
+            all_on(&e, &first)
+                && agents_running(&e) == usize::from(registered)
+                && operator_ready(&e) == 2
+        },
         || format!("{:?}", cilium_pods(&e)),
     );
     bump(&e, false);
@@ -324,10 +357,10 @@ pub(crate) fn counts(v: &[String]) -> BTreeMap<String, usize> {
     m
 }
 
-/// Every node runs one Ready cilium pod on `rev`, none being deleted.
+/// Every node of the cluster runs one Ready cilium pod on `rev`, none being deleted.
 pub(crate) fn all_on(e: &Env, rev: &str) -> bool {
     let pods = cilium_pods(e);
-    pods.len() == 3
+    pods.len() == e.registered()
         && pods
             .values()
             .all(|(_, r, ready, term)| r == rev && *ready && !*term)

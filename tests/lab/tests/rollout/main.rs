@@ -7,6 +7,7 @@
 //! as passed.
 #[path = "../common/mod.rs"]
 mod common;
+mod batches;
 mod env;
 mod halts;
 mod interrupted;
