@@ -344,7 +344,7 @@ impl Actions for Live<'_, '_> {
         }
         if found.is_none() {
             self.empty_polls += 1;
-            if self.empty_polls % 10 == 0 {
+            if self.empty_polls.is_multiple_of(10) {
                 if let Some(why) = c.node_gone(&self.st.node).await {
                     return Event::NodeGone(why);
                 }
@@ -436,8 +436,8 @@ impl Live<'_, '_> {
                 Duration::from_secs(60),
                 Some(&self.cx.held.lost),
                 || async {
-                    let ds = c.daemonset().await?;
-                    let numbers = c.revisions(&ds).await?;
+                    let ds = c.daemonset_now().await?;
+                    let numbers = c.revisions_fresh(&ds).await?;
                     Ok((ds, numbers))
                 },
             )

@@ -1,6 +1,7 @@
 //! Reading the cluster for the stepper: the DaemonSet, its revisions and pods, the nodes,
 //! the L2 leases, the operator, each node's agent; deleting a pod with a UID precondition;
 //! Events; retrying what the API server failed transiently. Nothing here decides.
+use super::mirror::Mirror;
 use super::*;
 
 /// Cluster access (kube) and the agents (HTTP).
@@ -13,6 +14,36 @@ pub struct Cluster {
     pub(super) identity: String,
     /// While this run holds the lock: its record, where every Event is also kept.
     pub(super) told: Mutex<Option<Arc<Mutex<Record>>>>,
+    /// The cluster as watches keep it, once a rollout or `--watch` started them; a one-shot
+    /// command (`--dry-run`, `--status`, a decision) lists instead.
+    pub(super) mirrors: Arc<std::sync::OnceLock<Mirrors>>,
+}
+
+/// What the stepper watches: the DaemonSet, its revisions and pods, the nodes, the agents,
+/// the L2-announcement Leases and the Services.
+pub(super) struct Mirrors {
+    pub(super) ds: Mirror<DaemonSet>,
+    pub(super) revisions: Mirror<ControllerRevision>,
+    pub(super) pods: Mirror<Pod>,
+    pub(super) nodes: Mirror<Node>,
+    pub(super) agents: Mirror<Pod>,
+    pub(super) leases: Mirror<Lease>,
+    pub(super) services: Mirror<k8s_openapi::api::core::v1::Service>,
+}
+
+impl Mirrors {
+    /// Lists and watches made so far, by what.
+    pub(super) fn requests(&self) -> Vec<(&'static str, (u64, u64))> {
+        vec![
+            ("daemonset", self.ds.requests()),
+            ("controllerrevisions", self.revisions.requests()),
+            ("cilium pods", self.pods.requests()),
+            ("nodes", self.nodes.requests()),
+            ("agent pods", self.agents.requests()),
+            ("leases", self.leases.requests()),
+            ("services", self.services.requests()),
+        ]
+    }
 }
 
 /// The stepper's lock identity: the host and PID for people, and a random part so two
@@ -112,7 +143,73 @@ impl Cluster {
             args,
             token,
             told: Mutex::new(None),
+            mirrors: Arc::new(std::sync::OnceLock::new()),
         })
+    }
+
+    /// Starts watching what the stepper reads (the DaemonSet read once for its selector),
+    /// and waits for every first list; reads go to the mirrors from then on.
+    pub(super) async fn watch_cluster(&self) -> Result<(), RolloutError> {
+        if self.mirrors.get().is_some() {
+            return Ok(());
+        }
+        let ds = Api::<DaemonSet>::namespaced(self.client.clone(), &self.ns)
+            .get(&self.ds)
+            .await
+            .api_with(|| format!("get DaemonSet {}/{}", self.ns, self.ds))?;
+        let sel = Self::selector(&ds);
+        let m = Mirrors {
+            ds: Mirror::start(
+                Api::namespaced(self.client.clone(), &self.ns),
+                None,
+                Some(format!("metadata.name={}", self.ds)),
+                "the DaemonSet",
+            ),
+            revisions: Mirror::start(
+                Api::namespaced(self.client.clone(), &self.ns),
+                Some(sel.clone()),
+                None,
+                "the ControllerRevisions",
+            ),
+            pods: Mirror::start(
+                Api::namespaced(self.client.clone(), &self.ns),
+                Some(sel),
+                None,
+                "the cilium pods",
+            ),
+            nodes: Mirror::start(Api::all(self.client.clone()), None, None, "the Nodes"),
+            agents: Mirror::start(
+                Api::namespaced(self.client.clone(), &self.args.agents_namespace),
+                Some(self.args.agents_selector.clone()),
+                None,
+                "the stepguard agents",
+            ),
+            leases: Mirror::start(
+                Api::namespaced(self.client.clone(), &self.ns),
+                None,
+                None,
+                "the L2-announcement Leases",
+            ),
+            services: Mirror::start(Api::all(self.client.clone()), None, None, "the Services"),
+        };
+        let within = Duration::from_secs(60);
+        for (what, ok) in [
+            ("the DaemonSet", m.ds.synced(within).await),
+            ("the ControllerRevisions", m.revisions.synced(within).await),
+            ("the cilium pods", m.pods.synced(within).await),
+            ("the Nodes", m.nodes.synced(within).await),
+            ("the stepguard agents", m.agents.synced(within).await),
+            ("the L2-announcement Leases", m.leases.synced(within).await),
+            ("the Services", m.services.synced(within).await),
+        ] {
+            if !ok {
+                return Err(
+                    anyhow::anyhow!("could not list {what} within {}s", within.as_secs()).into(),
+                );
+            }
+        }
+        let _ = self.mirrors.set(m);
+        Ok(())
     }
 
     pub(super) fn pods(&self) -> Api<Pod> {
@@ -120,10 +217,33 @@ impl Cluster {
     }
 
     pub(super) async fn daemonset(&self) -> Result<DaemonSet, RolloutError> {
+        if let Some(m) = self.mirrors.get() {
+            return m.ds.get(&self.ns, &self.ds)?.ok_or_else(|| {
+                anyhow::anyhow!("DaemonSet {}/{} not found", self.ns, self.ds).into()
+            });
+        }
+        self.daemonset_now().await
+    }
+
+    /// The DaemonSet read from the API server now (right before a delete).
+    pub(super) async fn daemonset_now(&self) -> Result<DaemonSet, RolloutError> {
         Api::<DaemonSet>::namespaced(self.client.clone(), &self.ns)
             .get(&self.ds)
             .await
             .api_with(|| format!("get DaemonSet {}/{}", self.ns, self.ds))
+    }
+
+    /// The cilium pods the selector matches.
+    pub(super) async fn cilium_pods(&self, sel: &str) -> Result<Vec<Pod>, RolloutError> {
+        if let Some(m) = self.mirrors.get() {
+            return m.pods.list();
+        }
+        Ok(self
+            .pods()
+            .list(&ListParams::default().labels(sel))
+            .await
+            .api("list the cilium pods")?
+            .items)
     }
 
     /// The DaemonSet's whole selector (matchLabels and matchExpressions) as a label selector
@@ -140,15 +260,44 @@ impl Cluster {
         &self,
         ds: &DaemonSet,
     ) -> Result<Vec<(String, ControllerRevision)>, RolloutError> {
-        let sel = Self::selector(ds);
-        let uid = ds.metadata.uid.clone().unwrap_or_default();
-        let revs = Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
-            .list(&ListParams::default().labels(&sel))
-            .await
-            .api("list ControllerRevisions")?;
-        Ok(revs
-            .items
+        let revs = match self.mirrors.get() {
+            Some(m) => m.revisions.list()?,
+            None => self.revisions_now(ds).await?,
+        };
+        Ok(Self::own_revisions(ds, revs))
+    }
+
+    /// The ControllerRevisions the DaemonSet's selector matches, from the API server now.
+    async fn revisions_now(&self, ds: &DaemonSet) -> Result<Vec<ControllerRevision>, RolloutError> {
+        Ok(
+            Api::<ControllerRevision>::namespaced(self.client.clone(), &self.ns)
+                .list(&ListParams::default().labels(&Self::selector(ds)))
+                .await
+                .api("list ControllerRevisions")?
+                .items,
+        )
+    }
+
+    /// The DaemonSet's revisions (hash → number) read from the API server now (right
+    /// before a delete).
+    pub(super) async fn revisions_fresh(
+        &self,
+        ds: &DaemonSet,
+    ) -> Result<BTreeMap<String, i64>, RolloutError> {
+        let revs = self.revisions_now(ds).await?;
+        Ok(Self::own_revisions(ds, revs)
             .into_iter()
+            .map(|(h, r)| (h, r.revision))
+            .collect())
+    }
+
+    /// Those of `revs` the DaemonSet owns, each with its hash.
+    fn own_revisions(
+        ds: &DaemonSet,
+        revs: Vec<ControllerRevision>,
+    ) -> Vec<(String, ControllerRevision)> {
+        let uid = ds.metadata.uid.clone().unwrap_or_default();
+        revs.into_iter()
             .filter(|r| {
                 r.metadata
                     .owner_references
@@ -168,7 +317,7 @@ impl Cluster {
                     });
                 (hash, r)
             })
-            .collect())
+            .collect()
     }
 
     /// The DaemonSet's revisions: hash → number.
@@ -187,7 +336,14 @@ impl Cluster {
     /// Why the node is no longer in the cluster (its Node object is gone), or None: there, or
     /// not known now (a failed read is not a node gone).
     pub(super) async fn node_gone(&self, node: &str) -> Option<String> {
-        match Api::<Node>::all(self.client.clone()).get_opt(node).await {
+        let read = match self.mirrors.get() {
+            Some(m) => m.nodes.get("", node).map_err(|_| ()),
+            None => Api::<Node>::all(self.client.clone())
+                .get_opt(node)
+                .await
+                .map_err(|_| ()),
+        };
+        match read {
             Ok(None) => Some(format!(
                 "node {node} left the cluster during its step (its Node object was deleted): nothing is left to verify there"
             )),
@@ -262,14 +418,9 @@ impl Cluster {
         node: &str,
         old_uid: &str,
     ) -> Result<Vec<Pod>, RolloutError> {
-        let pods = self
-            .pods()
-            .list(&ListParams::default().labels(sel))
-            .await
-            .api("list the cilium pods")?;
+        let pods = self.cilium_pods(sel).await?;
         let uid = ds.metadata.uid.clone().unwrap_or_default();
         Ok(pods
-            .items
             .into_iter()
             .filter(|p| {
                 owned(p, &uid)
@@ -288,12 +439,8 @@ impl Cluster {
         i: &InFlight,
     ) -> Result<(OldPod, Option<(String, String)>), RolloutError> {
         if i.pod.is_empty() {
-            let pods = self
-                .pods()
-                .list(&ListParams::default().labels(sel))
-                .await
-                .api("list the cilium pods")?;
-            let old = pods.items.iter().find(|p| {
+            let pods = self.cilium_pods(sel).await?;
+            let old = pods.iter().find(|p| {
                 target_node(p).as_deref() == Some(i.node.as_str())
                     && p.metadata.deletion_timestamp.is_none()
                     && pod_revision(p).as_deref() != Some(i.revision.as_str())

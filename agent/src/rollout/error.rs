@@ -13,6 +13,10 @@ pub enum RolloutError {
     /// record that cannot be read.
     #[error(transparent)]
     Other(#[from] anyhow::Error),
+    /// The stepper's watch of `what` is down and has not listed again: not read until it
+    /// is back.
+    #[error("{what}: the watch is down ({why}); waiting for it to list again")]
+    Stale { what: String, why: String },
 }
 
 impl RolloutError {
@@ -34,6 +38,7 @@ impl RolloutError {
                 _ => true,
             },
             RolloutError::Other(_) => false,
+            RolloutError::Stale { .. } => true,
         }
     }
 

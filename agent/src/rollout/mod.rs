@@ -18,6 +18,7 @@ mod decide;
 mod error;
 mod lock;
 pub mod machine;
+mod mirror;
 mod node;
 mod output;
 pub mod plan;
@@ -130,7 +131,21 @@ pub fn run(args: RolloutArgs) -> Result<crate::exit::ExitCode> {
                 }
                 TERMINATING.store(true, Ordering::SeqCst);
             });
+            // The cluster is watched from here on (a failure to list is waited out).
+            while let Err(e) = c.watch_cluster().await {
+                eprintln!("stepguard rollout --watch: cannot list the cluster to watch it (retrying): {e:#}");
+                tokio::time::sleep(c.args.watch_interval).await;
+                if TERMINATING.load(Ordering::SeqCst) {
+                    return Ok(crate::exit::ExitCode::Ok);
+                }
+            }
             return watch(&c).await;
+        }
+        if !args.dry_run {
+            patient("list the cluster to watch it", Duration::from_secs(60), None, || {
+                c.watch_cluster()
+            })
+            .await?;
         }
         rollout(&c, false).await
     })

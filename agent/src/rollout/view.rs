@@ -3,6 +3,9 @@
 //! node's agent and its selected devices, the L2-announcement leases.
 use super::*;
 
+/// How many agents the stepper asks at once when it reads the cluster.
+const AGENTS_AT_ONCE: usize = 32;
+
 impl Cluster {
     /// Everything the plan needs, read now.
     pub async fn view(&self) -> Result<(ClusterView, DaemonSet), RolloutError> {
@@ -15,11 +18,18 @@ impl Cluster {
             .map(|(h, n)| (h.clone(), *n));
         let image = agent_image(ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()));
         let ds_uid = ds.metadata.uid.clone().unwrap_or_default();
-        let nodes: Vec<NodeInfo> = Api::<Node>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-            .api("list Nodes")?
-            .items
+        let mirrors = self.mirrors.get();
+        let nodes = match mirrors {
+            Some(m) => m.nodes.list()?,
+            None => {
+                Api::<Node>::all(self.client.clone())
+                    .list(&ListParams::default())
+                    .await
+                    .api("list Nodes")?
+                    .items
+            }
+        };
+        let nodes: Vec<NodeInfo> = nodes
             .into_iter()
             .map(|n| {
                 let labels = n.metadata.labels.clone().unwrap_or_default();
@@ -37,12 +47,7 @@ impl Cluster {
                 }
             })
             .collect();
-        let listed = self
-            .pods()
-            .list(&ListParams::default().labels(&sel))
-            .await
-            .api("list the cilium pods")?
-            .items;
+        let listed = self.cilium_pods(&sel).await?;
         let mut foreign = Vec::new();
         let mut pods: Vec<CiliumPod> = Vec::new();
         for p in listed {
@@ -77,12 +82,18 @@ impl Cluster {
             });
         }
         let operator = self.operator().await;
-        let agent_pods = Api::<Pod>::namespaced(self.client.clone(), &self.args.agents_namespace)
-            .list(&ListParams::default().labels(&self.args.agents_selector))
-            .await
-            .api("list the stepguard agents")?;
+        let agent_pods = match mirrors {
+            Some(m) => m.agents.list()?,
+            None => {
+                Api::<Pod>::namespaced(self.client.clone(), &self.args.agents_namespace)
+                    .list(&ListParams::default().labels(&self.args.agents_selector))
+                    .await
+                    .api("list the stepguard agents")?
+                    .items
+            }
+        };
         let mut agents = BTreeMap::new();
-        for p in agent_pods.items {
+        for p in agent_pods {
             let (Some(node), Some(ip)) = (
                 p.spec.as_ref().and_then(|s| s.node_name.clone()),
                 p.status.as_ref().and_then(|s| s.pod_ip.clone()),
@@ -96,24 +107,39 @@ impl Cluster {
             };
             agents.insert(node, format!("http://{host}:{}", self.args.agent_port));
         }
-        let mut devices = BTreeMap::new();
-        for (node, url) in &agents {
-            devices.insert(node.clone(), self.devices_of(url).await);
-        }
-        let mut proofs = BTreeMap::new();
-        if let Some((rev, _)) = &revision {
-            for p in pods.iter().filter(|p| &p.revision == rev) {
-                let (Some(url), Some(at)) = (agents.get(&p.node), p.started_at) else {
-                    continue;
-                };
-                proofs.insert(p.node.clone(), self.proof_of(url, at).await);
+        // The agents are asked side by side (a fleet's worth, AGENTS_AT_ONCE at a time).
+        use futures_util::StreamExt;
+        let devices: BTreeMap<String, Result<Vec<String>, String>> =
+            futures_util::stream::iter(agents.iter())
+                .map(|(node, url)| async move { (node.clone(), self.devices_of(url).await) })
+                .buffer_unordered(AGENTS_AT_ONCE)
+                .collect()
+                .await;
+        let asked: Vec<(String, String, f64)> = match &revision {
+            Some((rev, _)) => pods
+                .iter()
+                .filter(|p| &p.revision == rev)
+                .filter_map(|p| Some((p.node.clone(), agents.get(&p.node)?.clone(), p.started_at?)))
+                .collect(),
+            None => vec![],
+        };
+        let proofs: BTreeMap<String, Result<plan::Proof, String>> =
+            futures_util::stream::iter(asked)
+                .map(|(node, url, at)| async move { (node, self.proof_of(&url, at).await) })
+                .buffer_unordered(AGENTS_AT_ONCE)
+                .collect()
+                .await;
+        let leases = match mirrors {
+            Some(m) => m.leases.list()?,
+            None => {
+                Api::<Lease>::namespaced(self.client.clone(), &self.ns)
+                    .list(&ListParams::default())
+                    .await
+                    .api("list the L2-announcement Leases")?
+                    .items
             }
-        }
-        let leases = Api::<Lease>::namespaced(self.client.clone(), &self.ns)
-            .list(&ListParams::default())
-            .await
-            .api("list the L2-announcement Leases")?
-            .items
+        };
+        let leases = leases
             .into_iter()
             .filter_map(|l| {
                 let name = l.metadata.name.clone()?;
@@ -176,11 +202,16 @@ impl Cluster {
         if leases.is_empty() {
             return;
         }
-        let services = match Api::<Service>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-        {
-            Ok(l) => l.items,
+        let listed = match self.mirrors.get() {
+            Some(m) => m.services.list().map_err(|e| e.to_string()),
+            None => Api::<Service>::all(self.client.clone())
+                .list(&ListParams::default())
+                .await
+                .map(|l| l.items)
+                .map_err(|e| e.to_string()),
+        };
+        let services = match listed {
+            Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot list Services: each expected blip assumes another node may take its VIP over");
                 return;

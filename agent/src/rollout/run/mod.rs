@@ -161,6 +161,7 @@ impl<'a> Run<'a> {
                 token: c.token.clone(),
                 identity: c.identity.clone(),
                 told: Mutex::new(None),
+                mirrors: c.mirrors.clone(),
             };
             tokio::spawn(async move {
                 let every = lock_times(&c2).retry;
@@ -614,6 +615,9 @@ impl<'a> Run<'a> {
             &summary,
         )
         .await;
+        if let Some(m) = c.mirrors.get() {
+            tracing::info!(requests = ?m.requests(), "the watches' lists and watches so far");
+        }
         // The rollout's end is on the record too; then the lock is given up.
         self.renewer.abort();
         *crate::locks::lock(&c.told) = None;

@@ -29,9 +29,18 @@ fn label_zones(e: &Env) {
 /// only: Cilium's L2 announcer lets only them announce it, so a holder's VIPs may move only to
 /// the other of the two.
 fn local_services(e: &Env) {
-    let vips: Vec<String> = e.lan.lock().unwrap().state.holders.keys().cloned().collect();
+    let vips: Vec<String> = e
+        .lan
+        .lock()
+        .unwrap()
+        .state
+        .holders
+        .keys()
+        .cloned()
+        .collect();
     let svc = e.k.ns::<k8s_openapi::api::core::v1::Service>("default");
-    let slices = e.k.ns::<k8s_openapi::api::discovery::v1::EndpointSlice>("default");
+    let slices =
+        e.k.ns::<k8s_openapi::api::discovery::v1::EndpointSlice>("default");
     for vip in vips {
         e.k.create(
             &svc,
@@ -117,7 +126,11 @@ fn batches_spread_over_zones_keep_vip_takers_apart_and_read_every_verdict() {
             .iter()
             .map(|n| zone(n.trim_start_matches("node-").parse().unwrap()))
             .collect();
-        assert_eq!(zones.len(), batch.len(), "one node per zone in a batch: {b:?}\n{out}");
+        assert_eq!(
+            zones.len(),
+            batch.len(),
+            "one node per zone in a batch: {b:?}\n{out}"
+        );
         assert!(
             !(batch.contains(&"node-0".to_string()) && batch.contains(&"node-1".to_string())),
             "a holder with the node its VIPs move to: {b:?}\n{out}"
@@ -150,7 +163,10 @@ fn batches_spread_over_zones_keep_vip_takers_apart_and_read_every_verdict() {
     assert!(all_on(&e, &rev), "{:?}", cilium_pods(&e));
     let (code, out) = rollout(&e, &["--dry-run"]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("0 of 4 nodes to step"), "every node proven: {out}");
+    assert!(
+        out.contains("0 of 4 nodes to step"),
+        "every node proven: {out}"
+    );
 }
 
 #[test]
@@ -168,7 +184,11 @@ fn a_failed_verdict_in_a_batch_halts_once_its_verdicts_are_in_naming_every_node(
     assert_eq!(d.len(), 3, "no delete after the failed batch: {d:?}\n{out}");
     assert!(!d.contains(&"node-1".to_string()), "{d:?}\n{out}");
     let failed = d[1].clone();
-    let other = if failed == "node-3" { "node-0" } else { "node-3" };
+    let other = if failed == "node-3" {
+        "node-0"
+    } else {
+        "node-3"
+    };
     assert!(d.contains(&other.to_string()), "{d:?}\n{out}");
     // The other node's verdict was read before the halt, and the halt names the batch.
     assert!(

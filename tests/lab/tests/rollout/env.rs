@@ -65,9 +65,8 @@ pub(crate) fn env_of(nodes: u8, registered: u8, revision_history_limit: Option<i
             Arc::new(move |m: Moment, node: &str, nth: usize| {
                 let due: Vec<At> = {
                     let mut all = at.lock().unwrap();
-                    let (due, rest): (Vec<At>, Vec<At>) = all
-                        .drain(..)
-                        .partition(|a| a.deletion == nth && a.at == m);
+                    let (due, rest): (Vec<At>, Vec<At>) =
+                        all.drain(..).partition(|a| a.deletion == nth && a.at == m);
                     *all = rest;
                     due
                 };

@@ -5,9 +5,9 @@
 //! lab nodes, and the stepper as a process in the LAN client namespace (`env.rs` builds it).
 //! Each test is one promise: the stepper never walks past a node whose verdict it did not read
 //! as passed.
+mod batches;
 #[path = "../common/mod.rs"]
 mod common;
-mod batches;
 mod env;
 mod halts;
 mod interrupted;
