@@ -211,6 +211,12 @@ impl Actions for Live<'_, '_> {
                 break;
             }
         }
+        // This node's begin is over (begun or not): the batch's record is written once all are.
+        let _ = cx
+            .begins_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some(v.saturating_sub(1))
+            });
         if let Ok((409, v)) = &r {
             if let Some(active) = v["active_id"].as_str().filter(|a| *a != self.step_id) {
                 // Another step is active on the node (an implicit step after a restart
@@ -248,17 +254,45 @@ impl Actions for Live<'_, '_> {
                 revision_number: self.target.1,
                 why: st.why.clone(),
             });
+            // The batch's steps are all begun (or refused) before the record is written: one
+            // write carries them all (bounded: a begin is a minute at most).
+            let t0 = Instant::now();
+            while cx.begins_left.load(Ordering::SeqCst) > 0
+                && t0.elapsed() < Duration::from_secs(180)
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             if persist(c, cx.shared, cx.held).await {
-                c.event(
-                    cx.ds,
-                    false,
-                    "StepguardStepBegun",
-                    &format!(
-                        "node {}: step {id} begun ({}); deleting pod {}",
-                        st.node, st.why, st.pod
-                    ),
-                )
-                .await;
+                if cx.batch == 1 {
+                    c.event(
+                        cx.ds,
+                        false,
+                        "StepguardStepBegun",
+                        &format!(
+                            "node {}: step {id} begun ({}); deleting pod {}",
+                            st.node, st.why, st.pod
+                        ),
+                    )
+                    .await;
+                } else if !cx.begun_told.swap(true, Ordering::SeqCst) {
+                    // A batch tells its begun steps in one Event (each node's outcome has its own).
+                    let begun = crate::locks::lock(cx.shared)
+                        .inflight
+                        .iter()
+                        .map(|i| format!("{} (step {}, pod {})", i.node, i.step, i.pod))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    c.event(
+                        cx.ds,
+                        false,
+                        "StepguardBatchBegun",
+                        &format!(
+                            "batch of {}: steps begun on {begun}; deleting their pods",
+                            cx.batch
+                        ),
+                    )
+                    .await;
+                }
             }
         }
         ev
@@ -435,11 +469,7 @@ impl Live<'_, '_> {
                 "read the DaemonSet before the delete",
                 Duration::from_secs(60),
                 Some(&self.cx.held.lost),
-                || async {
-                    let ds = c.daemonset_now().await?;
-                    let numbers = c.revisions_fresh(&ds).await?;
-                    Ok((ds, numbers))
-                },
+                || async { c.before_delete().await },
             )
             .await;
             let (ds, numbers) = match fresh {

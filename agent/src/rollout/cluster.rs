@@ -17,7 +17,16 @@ pub struct Cluster {
     /// The cluster as watches keep it, once a rollout or `--watch` started them; a one-shot
     /// command (`--dry-run`, `--status`, a decision) lists instead.
     pub(super) mirrors: Arc<std::sync::OnceLock<Mirrors>>,
+    /// The DaemonSet and its revisions as last read from the API server right before a
+    /// delete, and when: a batch's deletes share one read within [`FRESH_READ`].
+    pub(super) before_delete: tokio::sync::Mutex<Option<ReadBeforeDelete>>,
 }
+
+/// The DaemonSet and its revisions (hash → number) as read right before a delete, and when.
+type ReadBeforeDelete = (Instant, DaemonSet, BTreeMap<String, i64>);
+
+/// How recent the read right before a delete must be (a batch's deletes share it).
+const FRESH_READ: Duration = Duration::from_millis(1000);
 
 /// What the stepper watches: the DaemonSet, its revisions and pods, the nodes, the agents,
 /// the L2-announcement Leases and the Services.
@@ -144,7 +153,26 @@ impl Cluster {
             token,
             told: Mutex::new(None),
             mirrors: Arc::new(std::sync::OnceLock::new()),
+            before_delete: tokio::sync::Mutex::new(None),
         })
+    }
+
+    /// The DaemonSet and its revisions (hash → number) from the API server, read within the
+    /// last [`FRESH_READ`] (the steps of a batch deleting side by side share one read).
+    pub(super) async fn before_delete(
+        &self,
+    ) -> Result<(DaemonSet, BTreeMap<String, i64>), RolloutError> {
+        let mut last = self.before_delete.lock().await;
+        if let Some((at, ds, numbers)) = last.as_ref() {
+            if at.elapsed() < FRESH_READ {
+                return Ok((ds.clone(), numbers.clone()));
+            }
+        }
+        let at = Instant::now();
+        let ds = self.daemonset_now().await?;
+        let numbers = self.revisions_fresh(&ds).await?;
+        *last = Some((at, ds.clone(), numbers.clone()));
+        Ok((ds, numbers))
     }
 
     /// Starts watching what the stepper reads (the DaemonSet read once for its selector),

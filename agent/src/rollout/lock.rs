@@ -276,13 +276,22 @@ async fn renew_now(c: &Cluster, shared: &Mutex<Record>) -> Result<(), RenewError
 pub(super) struct Held {
     pub(super) lost: AtomicBool,
     last_ok: Mutex<Instant>,
+    /// One write of the record at a time (a batch's steps persist side by side), and what
+    /// the last one wrote: a step whose record is already on the lock, written within
+    /// [`FRESH`], writes nothing more.
+    writing: tokio::sync::Mutex<Option<(Record, Instant)>>,
 }
+
+/// A renewal this recent counts as "right now" for a write that changes nothing (a lease
+/// lasts seconds at least, and a takeover waits a whole one).
+const FRESH: Duration = Duration::from_millis(1000);
 
 impl Held {
     pub(super) fn new() -> Held {
         Held {
             lost: AtomicBool::new(false),
             last_ok: Mutex::new(Instant::now()),
+            writing: tokio::sync::Mutex::new(None),
         }
     }
     pub(super) fn is_lost(&self) -> bool {
@@ -332,8 +341,24 @@ pub(super) async fn renew_held(c: &Cluster, shared: &Mutex<Record>, held: &Held)
 /// written or the lock is lost. Also the check right before a pod is deleted: the lock was
 /// renewed just now, not only some renew period ago.
 pub(super) async fn persist(c: &Cluster, shared: &Mutex<Record>, held: &Held) -> bool {
+    let mut last = held.writing.lock().await;
+    let fresh = FRESH.min(lock_times(c).duration / 10);
     loop {
+        let now = crate::locks::lock(shared).clone();
+        if let Some((written, at)) = last.as_ref() {
+            // Another step of the batch wrote this very record just now (what was told since
+            // goes with the renewer's next write).
+            if written.without_history() == now.without_history()
+                && at.elapsed() < fresh
+                && !held.is_lost()
+            {
+                return true;
+            }
+        }
+        let started = Instant::now();
         if renew_held(c, shared, held).await {
+            // What the renewal wrote is the record as it was at its start or later.
+            *last = Some((now, started));
             return true;
         }
         if held.is_lost() {

@@ -15,6 +15,11 @@ pub(super) struct StepCx<'a> {
     /// Set by the first step of the batch that fails (its node and why): the batch's nodes
     /// not yet deleted are then not deleted.
     pub(super) halting: &'a Mutex<Option<String>>,
+    /// The batch's steps still to be begun (a resumed step begins nothing).
+    pub(super) begins_left: &'a std::sync::atomic::AtomicUsize,
+    /// The batch's size, and whether its begun steps were told (one Event for a batch).
+    pub(super) batch: usize,
+    pub(super) begun_told: &'a AtomicBool,
 }
 
 pub(super) async fn step_node(

@@ -249,6 +249,14 @@ impl Record {
             .collect()
     }
 
+    /// The record without what was told (the part a later run decides by).
+    pub fn without_history(&self) -> Record {
+        Record {
+            history: vec![],
+            ..self.clone()
+        }
+    }
+
     /// Records `i` as in flight (replacing an earlier step of its node).
     pub fn begin(&mut self, i: InFlight) {
         self.inflight.retain(|x| x.node != i.node);

@@ -162,6 +162,7 @@ impl<'a> Run<'a> {
                 identity: c.identity.clone(),
                 told: Mutex::new(None),
                 mirrors: c.mirrors.clone(),
+                before_delete: tokio::sync::Mutex::new(None),
             };
             tokio::spawn(async move {
                 let every = lock_times(&c2).retry;
@@ -445,6 +446,10 @@ impl<'a> Run<'a> {
             .map(|n| (n.st.node.clone(), n.target.0.clone()))
             .collect();
         let halting: Mutex<Option<String>> = Mutex::new(None);
+        let begun_told = AtomicBool::new(false);
+        let begins_left = std::sync::atomic::AtomicUsize::new(
+            steps.iter().filter(|n| n.resumed.is_none()).count(),
+        );
         let base = self.results.len();
         let cxs: Vec<StepCx> = (0..steps.len())
             .map(|i| StepCx {
@@ -456,6 +461,9 @@ impl<'a> Run<'a> {
                 n: base + i + 1,
                 json_out,
                 halting: &halting,
+                begins_left: &begins_left,
+                batch: steps.len(),
+                begun_told: &begun_told,
             })
             .collect();
         let results: Vec<NodeResult> =

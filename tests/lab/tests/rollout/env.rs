@@ -34,8 +34,11 @@ pub(crate) struct Env {
 pub(crate) struct At {
     pub(crate) deletion: usize,
     pub(crate) at: Moment,
-    pub(crate) act: Box<dyn FnOnce(&Kube, &str) + Send>,
+    pub(crate) act: Act,
 }
+
+/// What a test does then, with the admin client and the moment's node.
+pub(crate) type Act = Box<dyn FnOnce(&Kube, &str) + Send>;
 
 impl std::ops::Deref for Env {
     type Target = Stepped;

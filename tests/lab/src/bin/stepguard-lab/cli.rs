@@ -250,6 +250,32 @@ pub enum Cmd {
         #[arg(long, value_name = "FILE")]
         restart_while: Option<std::path::PathBuf>,
     },
+    /// One rollout of a simulated fleet measured two ways on a real control plane (the
+    /// DaemonSet controller's RollingUpdate, then `stepguard rollout --max-unavailable`):
+    /// wall time, API requests by verb and resource, the stepper's CPU and peak RSS, as one
+    /// JSON line (`cargo xtask bench --only fleet`). Needs STEPGUARD_KUBE_BIN.
+    Fleet {
+        #[arg(long, default_value_t = 100)]
+        nodes: usize,
+        #[arg(long, default_value = "10%")]
+        max_unavailable: String,
+        /// From a cilium pod bound to Running and Ready.
+        #[arg(long, default_value = "2s", value_parser = parse_secs)]
+        restart: std::time::Duration,
+        /// The settle each step's verdict waits after the restart.
+        #[arg(long, default_value = "5s", value_parser = parse_secs)]
+        settle: std::time::Duration,
+        #[arg(long, default_value_t = 0.0)]
+        fail_rate: f64,
+        /// The stepguard binary.
+        #[arg(long)]
+        stepguard: std::path::PathBuf,
+        /// The repository (its deploy/rollout/rbac.yaml is applied).
+        #[arg(long, default_value = ".")]
+        repo: std::path::PathBuf,
+        #[arg(long, default_value_t = 19969)]
+        agent_port: u16,
+    },
     /// Remove a lab and everything it created.
     Down {
         #[arg(long)]
@@ -325,4 +351,18 @@ fn parse_duration(s: &str) -> Result<Duration> {
         bail!("duration {s:?} out of range (0 to 1h)");
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// Whole or fractional seconds (`2s`, `0.5s`, `500ms`).
+fn parse_secs(s: &str) -> Result<std::time::Duration, String> {
+    let (num, scale) = if let Some(ms) = s.strip_suffix("ms") {
+        (ms, 1e-3)
+    } else {
+        (s.strip_suffix('s').unwrap_or(s), 1.0)
+    };
+    num.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(|v| std::time::Duration::from_secs_f64(v * scale))
+        .ok_or_else(|| format!("{s:?}: a duration such as 2s or 500ms"))
 }

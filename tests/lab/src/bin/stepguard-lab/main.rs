@@ -1,6 +1,7 @@
 //! `stepguard-lab` (also `cargo xtask lab`): bring up, inspect, restart, reconfigure and remove
 //! simulated Cilium nodes.
 mod cli;
+mod fleet;
 mod real;
 mod status;
 
@@ -34,6 +35,25 @@ fn real_main() -> Result<()> {
             !no_pods,
             restart_while.as_deref(),
         )?,
+        Cmd::Fleet {
+            nodes,
+            max_unavailable,
+            restart,
+            settle,
+            fail_rate,
+            stepguard,
+            repo,
+            agent_port,
+        } => fleet::fleet(fleet::FleetOpts {
+            nodes,
+            max_unavailable,
+            restart,
+            settle,
+            fail_rate,
+            stepguard,
+            repo,
+            agent_port,
+        })?,
         Cmd::AgentApi { socket, settings } => {
             stepguard_lab::sim::agentapi::serve_agent_api(&socket, &settings)?;
         }
