@@ -4,8 +4,12 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// A directory of its own for each caller (the tests run side by side in one process: a
+/// shared one removed by one test vanished under another's config file).
 fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("sg-startup-{}", std::process::id()));
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("sg-startup-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -28,6 +32,7 @@ fn agent(args: &[&str], yaml: Option<&str>) -> (Option<i32>, String) {
         .env_remove("STEPGUARD_CONFIG")
         .output()
         .unwrap();
+    let _ = std::fs::remove_dir_all(&d);
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stderr).trim().to_string(),
@@ -78,7 +83,11 @@ fn bad_startup_input_exits_2_with_one_line_naming_the_field() {
         None,
         "token file",
     );
-    let _ = std::fs::remove_dir_all(dir());
+    for f in [&file, &token] {
+        if let Some(d) = f.parent() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
 }
 
 /// A path that does not exist yet (Cilium not started on this node) is not a startup error:

@@ -99,9 +99,9 @@ enum Cmd {
         /// Smaller sizes, for a quick look.
         #[arg(long)]
         quick: bool,
-        /// Run only these parts (comma-separated: devmaps, daemon, witness, config); the report then
-        /// has only them.
-        #[arg(long, value_delimiter = ',', value_parser = ["devmaps", "daemon", "witness", "config"])]
+        /// Run only these parts (comma-separated: devmaps, daemon, witness, config, fleet); the
+        /// report then has only them.
+        #[arg(long, value_delimiter = ',', value_parser = ["devmaps", "daemon", "witness", "config", "fleet"])]
         only: Vec<String>,
         /// How many times each agent/reference pair is measured (the report gives each run and
         /// the median of their ratios).

@@ -4,6 +4,7 @@
 mod config;
 mod daemon;
 mod devmaps;
+mod fleet;
 mod ratios;
 mod witness;
 use crate::root;
@@ -11,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use config::*;
 use daemon::*;
 use devmaps::*;
+use fleet::*;
 use ratios::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -522,9 +524,14 @@ pub fn bench(quick: bool, only: &[String], runs: usize) -> Result<()> {
     } else {
         Value::Null
     };
+    let fleet = if want("fleet") {
+        fleet(quick)?
+    } else {
+        Value::Null
+    };
     let dir = root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    let all = json!({"devices_and_maps": devmaps, "daemon": daemon, "witness": witness, "config": config});
+    let all = json!({"devices_and_maps": devmaps, "daemon": daemon, "witness": witness, "config": config, "fleet": fleet});
     std::fs::write(dir.join("report.json"), serde_json::to_vec_pretty(&all)?)?;
     let mut text = String::new();
     if want("devmaps") {
@@ -540,6 +547,9 @@ pub fn bench(quick: bool, only: &[String], runs: usize) -> Result<()> {
     }
     if want("config") {
         text += &report_config(&config);
+    }
+    if want("fleet") {
+        text += &report_fleet(&fleet);
     }
     std::fs::write(dir.join("report.md"), &text)?;
     println!("\n{text}\nwritten to {}", dir.join("report.md").display());
