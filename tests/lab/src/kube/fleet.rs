@@ -14,6 +14,7 @@
 //! Each node `i` has the loopback address [`node_ip`]; its agent listens there on the
 //! fleet's port, and its pods are given that address (host network, as Cilium's and
 //! stepguard's are).
+use super::kubelet::is_cilium;
 use super::Kube;
 use anyhow::{Context, Result};
 use axum::extract::{Path as UrlPath, Query, State};
@@ -222,14 +223,6 @@ pub fn create_fleet_nodes(k: &Kube, nodes: usize) -> Result<()> {
         results.into_iter().collect::<Result<Vec<()>>>()
     })?;
     Ok(())
-}
-
-fn is_cilium(p: &Pod) -> bool {
-    p.metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get("k8s-app"))
-        .is_some_and(|v| v == "cilium")
 }
 
 /// The kubelet: every pod bound to a fleet node is reported Running and Ready (a cilium pod

@@ -104,7 +104,7 @@ fn is_cni_pod(p: &Pod) -> bool {
         .is_some_and(|v| v == "cni")
 }
 
-fn is_cilium(p: &Pod) -> bool {
+pub(crate) fn is_cilium(p: &Pod) -> bool {
     p.metadata
         .labels
         .as_ref()

@@ -44,9 +44,6 @@ fn local_services_on(e: &Env, on: impl Fn(&str) -> Vec<String>) {
         .iter()
         .map(|(v, h)| (v.clone(), node_name(*h)))
         .collect();
-    let svc = e.k.ns::<k8s_openapi::api::core::v1::Service>("default");
-    let slices =
-        e.k.ns::<k8s_openapi::api::discovery::v1::EndpointSlice>("default");
     for (vip, holder) in vips {
         let endpoints: Vec<Value> = on(&holder)
             .iter()
@@ -56,24 +53,7 @@ fn local_services_on(e: &Env, on: impl Fn(&str) -> Vec<String>) {
                        "conditions": {"ready": true}})
             })
             .collect();
-        e.k.create(
-            &svc,
-            json!({"apiVersion": "v1", "kind": "Service",
-                   "metadata": {"name": vip, "namespace": "default"},
-                   "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
-                            "ports": [{"port": 80, "protocol": "TCP"}]}}),
-        )
-        .expect("the VIP's Service");
-        e.k.create(
-            &slices,
-            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                   "metadata": {"name": format!("{vip}-1"), "namespace": "default",
-                                "labels": {"kubernetes.io/service-name": vip}},
-                   "addressType": "IPv4",
-                   "endpoints": endpoints,
-                   "ports": [{"port": 80, "protocol": "TCP"}]}),
-        )
-        .expect("the VIP's EndpointSlice");
+        local_service(e, &vip, endpoints);
     }
 }
 

@@ -497,3 +497,27 @@ pub(crate) fn each_node_once_every_verdict_read(
         || format!("{:?}", cilium_pods(e)),
     );
 }
+
+/// A VIP's LoadBalancer Service in `default` with `externalTrafficPolicy: Local` and an
+/// EndpointSlice of `endpoints` (JSON, each with its `nodeName` and `conditions`): Cilium's
+/// L2 announcer lets only nodes with a ready local backend announce it.
+pub(crate) fn local_service(e: &Env, vip: &str, endpoints: Vec<Value>) {
+    e.k.create(
+        &e.k.ns::<k8s_openapi::api::core::v1::Service>("default"),
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": vip, "namespace": "default"},
+               "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                        "ports": [{"port": 80, "protocol": "TCP"}]}}),
+    )
+    .expect("the VIP's Service");
+    e.k.create(
+        &e.k.ns::<k8s_openapi::api::discovery::v1::EndpointSlice>("default"),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": format!("{vip}-1"), "namespace": "default",
+                            "labels": {"kubernetes.io/service-name": vip}},
+               "addressType": "IPv4",
+               "endpoints": endpoints,
+               "ports": [{"port": 80, "protocol": "TCP"}]}),
+    )
+    .expect("the VIP's EndpointSlice");
+}

@@ -28,30 +28,15 @@ fn rollouts_plan_step_verify_and_replan_on_an_approved_revision() {
         let (v, h) = lan.state.holders.iter().next().expect("a VIP");
         (v.clone(), node_name(*h))
     };
-    let svc = e.k.ns::<k8s_openapi::api::core::v1::Service>("default");
-    e.k.create(
-        &svc,
-        json!({"apiVersion": "v1", "kind": "Service",
-               "metadata": {"name": vip, "namespace": "default"},
-               "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local",
-                        "ports": [{"port": 80, "protocol": "TCP"}]}}),
-    )
-    .unwrap();
-    let slices =
-        e.k.ns::<k8s_openapi::api::discovery::v1::EndpointSlice>("default");
-    e.k.create(
-        &slices,
-        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-               "metadata": {"name": format!("{vip}-1"), "namespace": "default",
-                            "labels": {"kubernetes.io/service-name": vip}},
-               "addressType": "IPv4",
-               "endpoints": [{"addresses": ["192.0.2.80"], "nodeName": holder,
-                              "conditions": {"ready": true}},
-                             {"addresses": ["192.0.2.81"], "nodeName": "node-elsewhere",
-                              "conditions": {"ready": false}}],
-               "ports": [{"port": 80, "protocol": "TCP"}]}),
-    )
-    .unwrap();
+    local_service(
+        &e,
+        &vip,
+        vec![
+            json!({"addresses": ["192.0.2.80"], "nodeName": holder, "conditions": {"ready": true}}),
+            json!({"addresses": ["192.0.2.81"], "nodeName": "node-elsewhere",
+                   "conditions": {"ready": false}}),
+        ],
+    );
     let (code, out) = rollout(&e, &["--dry-run"]);
     assert_eq!(code, 0, "{out}");
     assert!(
