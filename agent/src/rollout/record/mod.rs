@@ -1,8 +1,8 @@
 //! What a rollout leaves for every later run, on its lock Lease (pure): the steps in flight
-//! (one per node of the batch in flight), a halt after a failed step, and the decisions people took. A run never walks past a node whose
-//! verdict it did not read as passed: the interrupted step is finished first, and a halt stands
-//! until a person lifts it (`--retry NODE`, `--skip NODE`, `--abort`) or approves a new
-//! revision.
+//! (one per node of the batch in flight), a halt after a failed step, and the decisions people
+//! took. A run never walks past a node whose verdict it did not read as passed: the interrupted
+//! steps are finished first, and a halt stands until a person lifts it (`--retry NODE`,
+//! `--skip NODE`, `--abort`) or approves a new revision.
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

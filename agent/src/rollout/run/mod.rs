@@ -2,8 +2,8 @@
 //! run), `take_lock` (the lock, its renewer, the start told), then `next` and `step` batch by
 //! batch (one node at a time unless `--max-unavailable` allows more; the batch's nodes stepped
 //! side by side, each to its own verdict) until the plan is done or something stops it, and
-//! `finish` (the summary, the Events, the lock given up). What each node's step does is `node.rs`; what the plan allows,
-//! `plan/`; what the record holds, `record/`.
+//! `finish` (the summary, the Events, the lock given up). What each node's step does is
+//! `node.rs`; what the plan allows, `plan/`; what the record holds, `record/`.
 use super::*;
 use crate::exit::ExitCode;
 use gate::{gate, Gated, Start};
