@@ -446,16 +446,23 @@ impl Cluster {
         node: &str,
         old_uid: &str,
     ) -> Result<Vec<Pod>, RolloutError> {
-        let pods = self.cilium_pods(sel).await?;
         let uid = ds.metadata.uid.clone().unwrap_or_default();
-        Ok(pods
+        let wanted = |p: &Pod| {
+            owned(p, &uid)
+                && target_node(p).as_deref() == Some(node)
+                && p.metadata.uid.as_deref() != Some(old_uid)
+                && p.metadata.deletion_timestamp.is_none()
+        };
+        // From the mirror only the node's pods are copied (a batch follows its replacements
+        // twice a second each, among a fleet's pods).
+        if let Some(m) = self.mirrors.get() {
+            return m.pods.matching(wanted);
+        }
+        Ok(self
+            .cilium_pods(sel)
+            .await?
             .into_iter()
-            .filter(|p| {
-                owned(p, &uid)
-                    && target_node(p).as_deref() == Some(node)
-                    && p.metadata.uid.as_deref() != Some(old_uid)
-                    && p.metadata.deletion_timestamp.is_none()
-            })
+            .filter(wanted)
             .collect())
     }
 

@@ -35,6 +35,13 @@ struct Inner<K> {
     watches: AtomicU64,
 }
 
+/// What is kept of an object: all of it but its managed fields (who set which field: not read
+/// here, and most of a pod's bytes).
+fn kept<K: kube::Resource>(mut o: K) -> K {
+    o.meta_mut().managed_fields = None;
+    o
+}
+
 fn key<K: kube::Resource>(o: &K) -> String {
     format!(
         "{}/{}",
@@ -72,6 +79,17 @@ where
         self.check()?;
         Ok(crate::locks::lock(&self.inner.objects)
             .values()
+            .cloned()
+            .collect())
+    }
+
+    /// The objects `keep` accepts (only they are copied), or why the mirror cannot be trusted
+    /// now.
+    pub fn matching(&self, keep: impl Fn(&K) -> bool) -> Result<Vec<K>, RolloutError> {
+        self.check()?;
+        Ok(crate::locks::lock(&self.inner.objects)
+            .values()
+            .filter(|o| keep(o))
             .cloned()
             .collect())
     }
@@ -161,8 +179,11 @@ where
             }
         };
         let mut version = listed.metadata.resource_version.clone().unwrap_or_default();
-        *crate::locks::lock(&inner.objects) =
-            listed.items.into_iter().map(|o| (key(&o), o)).collect();
+        *crate::locks::lock(&inner.objects) = listed
+            .items
+            .into_iter()
+            .map(|o| (key(&o), kept(o)))
+            .collect();
         *crate::locks::lock(&inner.problem) = None;
         inner.live.store(true, Ordering::SeqCst);
         backoff = Duration::from_millis(200);
@@ -205,7 +226,7 @@ where
                                 if let Some(v) = &o.meta().resource_version {
                                     version = v.clone();
                                 }
-                                crate::locks::lock(&inner.objects).insert(key(&o), o);
+                                crate::locks::lock(&inner.objects).insert(key(&o), kept(o));
                             }
                             Ok(WatchEvent::Deleted(o)) => {
                                 if let Some(v) = &o.meta().resource_version {

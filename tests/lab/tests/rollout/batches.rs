@@ -233,6 +233,24 @@ fn a_node_leaving_mid_batch_is_let_go_and_one_joining_is_proven() {
             .expect("node-3 joins");
         }),
     });
+    // With no taker for their VIPs the two holders may share a batch, unless their VIPs are
+    // one group (two resolvers a client fails over between): then never.
+    let (code, dry) = rollout(
+        &e,
+        &[
+            "--dry-run",
+            "--max-unavailable",
+            "2",
+            "--vip-group",
+            "dns=default-dns-a,default-dns-b",
+        ],
+    );
+    assert_eq!(code, 0, "{dry}");
+    assert_eq!(
+        batches(&dry),
+        [vec!["node-2"], vec!["node-0"], vec!["node-1"]],
+        "{dry}"
+    );
     let rev = current_revision(&e.k).0;
     let from_ev = events(&e);
     let (code, out) = rollout(&e, &["--max-unavailable", "2"]);
