@@ -299,29 +299,8 @@ impl Actions for Live<'_, '_> {
     }
 
     async fn may_delete(&mut self) -> Result<(), Outcome> {
-        let halted = crate::locks::lock(self.cx.halting).clone();
-        if let Some(why) = halted {
-            // Another node of the batch failed: no further delete. The step begun on this
-            // node's agent is ended (DELETE) so it leaves no verdict behind; the node is
-            // planned again once a person decided.
-            let step = self.step_id.clone();
-            let ended = self
-                .agent
-                .call(
-                    "DELETE",
-                    &format!("/v1/steps/{step}"),
-                    None,
-                    Duration::from_secs(10),
-                )
-                .await;
-            let ended = match ended {
-                Ok((200 | 204 | 404, _)) => String::new(),
-                Ok((s, v)) => format!(" (ending step {step} on its agent: {s} {v})"),
-                Err(e) => format!(" (ending step {step} on its agent: {e:#})"),
-            };
-            return Err(Outcome::Deferred {
-                why: format!("{why}; pod {} kept{ended}", self.st.pod),
-            });
+        if let Some(o) = self.held_back().await {
+            return Err(o);
         }
         self.may_delete_now()
             .await
@@ -329,28 +308,12 @@ impl Actions for Live<'_, '_> {
     }
 
     async fn delete_pod(&mut self) -> Event {
-        let (c, cx) = (self.cx.c, self.cx);
-        let (pod, uid) = (&self.st.pod, &self.st.pod_uid);
-        // Right before the delete, the lock is renewed (it is ours now, not only as of the
-        // last renewal: a stepper paused since then may have lost it).
-        let r = patient(
-            "delete the cilium pod",
-            c.args.replace_timeout,
-            Some(&cx.held.lost),
-            || async {
-                if !persist(c, cx.shared, cx.held).await {
-                    return Err(
-                        anyhow::anyhow!("the rollout lock was lost before the delete").into(),
-                    );
-                }
-                c.delete_pod(pod, uid).await
-            },
-        )
-        .await;
-        match r {
-            Err(_) if cx.held.is_lost() => Event::LockLost,
-            r => Event::Deleted(r.map_err(|e| format!("{e:#}"))),
+        // Read again right before the delete: another node of the batch may have failed
+        // while this one read the DaemonSet.
+        if let Some(Outcome::Deferred { why }) = self.held_back().await {
+            return Event::NotDeleted(why);
         }
+        self.delete_now().await
     }
 
     async fn find_replacement(&mut self) -> Event {
@@ -380,7 +343,10 @@ impl Actions for Live<'_, '_> {
             self.empty_polls += 1;
             if self.empty_polls.is_multiple_of(10) {
                 if let Some(why) = c.node_gone(&self.st.node).await {
-                    return Event::NodeGone(why);
+                    return Event::NodeGone {
+                        why,
+                        replacement_seen: self.stages.seen(),
+                    };
                 }
             }
         }
@@ -447,11 +413,77 @@ impl Actions for Live<'_, '_> {
             Err(e) => {
                 // An agent that cannot be reached may have left with its node.
                 if let Some(why) = self.cx.c.node_gone(&self.st.node).await {
-                    return Event::NodeGone(why);
+                    return Event::NodeGone {
+                        why,
+                        replacement_seen: true,
+                    };
                 }
                 self.retry_after = Some(Duration::from_secs(1));
                 Event::Verdict(Err(format!("{e:#}")))
             }
+        }
+    }
+}
+
+impl Live<'_, '_> {
+    /// When another node of the batch failed: this node's pod is not deleted, and the step
+    /// begun on its agent is ended (DELETE) so it leaves no verdict behind; the node is
+    /// planned again once a person decided. None: go on.
+    async fn held_back(&mut self) -> Option<Outcome> {
+        let why = crate::locks::lock(self.cx.halting).clone()?;
+        let step = self.step_id.clone();
+        let ended = self
+            .agent
+            .call(
+                "DELETE",
+                &format!("/v1/steps/{step}"),
+                None,
+                Duration::from_secs(10),
+            )
+            .await;
+        let ended = match ended {
+            Ok((200 | 204 | 404, _)) => String::new(),
+            Ok((s, v)) => format!(" (ending step {step} on its agent: {s} {v})"),
+            Err(e) => format!(" (ending step {step} on its agent: {e:#})"),
+        };
+        Some(Outcome::Deferred {
+            why: format!("{why}; pod {} kept{ended}", self.st.pod),
+        })
+    }
+
+    /// Deletes the pod (UID precondition), the lock renewed right before.
+    async fn delete_now(&mut self) -> Event {
+        let (c, cx) = (self.cx.c, self.cx);
+        let (pod, uid) = (&self.st.pod, &self.st.pod_uid);
+        let halting = cx.halting;
+        // Right before the delete, the lock is renewed (it is ours now, not only as of the
+        // last renewal: a stepper paused since then may have lost it), and the batch is read
+        // again (a retried delete after another node failed is not made).
+        let r = patient(
+            "delete the cilium pod",
+            c.args.replace_timeout,
+            Some(&cx.held.lost),
+            || async {
+                if !persist(c, cx.shared, cx.held).await {
+                    return Err(
+                        anyhow::anyhow!("the rollout lock was lost before the delete").into(),
+                    );
+                }
+                if let Some(why) = crate::locks::lock(halting).clone() {
+                    return Err(anyhow::anyhow!("{why}").into());
+                }
+                c.delete_pod(pod, uid).await
+            },
+        )
+        .await;
+        match r {
+            Err(_) if cx.held.is_lost() => Event::LockLost,
+            // Not deleted, and another node of the batch failed meanwhile: held back.
+            Err(e) => match self.held_back().await {
+                Some(Outcome::Deferred { why }) => Event::NotDeleted(why),
+                _ => Event::Deleted(Err(format!("{e:#}"))),
+            },
+            Ok(d) => Event::Deleted(Ok(d)),
         }
     }
 }

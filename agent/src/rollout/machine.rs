@@ -94,8 +94,15 @@ pub enum Event {
     /// Time passes (timeouts).
     Tick,
     LockLost,
-    /// The node's Node object is gone (what was read).
-    NodeGone(String),
+    /// The node's Node object is gone (what was read), and whether a replacement pod had been
+    /// created for it before (one that never turned Ready may be why the node was removed:
+    /// an auto-repair of a node the new revision broke).
+    NodeGone {
+        why: String,
+        replacement_seen: bool,
+    },
+    /// The pod was not deleted after all (another node of the batch failed meanwhile): why.
+    NotDeleted(String),
 }
 
 /// Phase timeouts (seconds).
@@ -137,11 +144,25 @@ pub fn advance(p: Phase, ev: Event, now: f64, t: Timeouts) -> Phase {
     match (p, ev) {
         // A node that left the cluster after its delete: its replacement never comes and its
         // agent is gone with it; nothing is owed.
-        (Phase::Replace { step, .. } | Phase::Verdict { step, .. }, Event::NodeGone(why)) => {
-            Phase::Done(Outcome::Gone {
-                why: format!("step {step}: {why}"),
-            })
-        }
+        (
+            Phase::Replace { step, .. },
+            Event::NodeGone {
+                why,
+                replacement_seen: true,
+            },
+        ) => failed(
+            Some(&step),
+            format!(
+                "{why}, after its replacement cilium pod was created and before it turned Ready"
+            ),
+        ),
+        (
+            Phase::Replace { step, .. } | Phase::Verdict { step, .. },
+            Event::NodeGone { why, .. },
+        ) => Phase::Done(Outcome::Gone {
+            why: format!("step {step}: {why}"),
+        }),
+        (Phase::Delete { .. }, Event::NotDeleted(why)) => Phase::Done(Outcome::Deferred { why }),
         (Phase::Begin, Event::Begun(Ok(step))) => Phase::Delete { step },
         (Phase::Begin, Event::Busy(why)) => Phase::Done(Outcome::Deferred { why }),
         (Phase::Begin, Event::Begun(Err(e))) => failed(
@@ -546,7 +567,10 @@ mod tests {
     /// before the delete the event changes nothing (the delete's own checks decide).
     #[test]
     fn a_node_that_left_the_cluster_during_its_step_is_gone_not_failed() {
-        let gone = || Event::NodeGone("Node n1 was deleted".into());
+        let gone = || Event::NodeGone {
+            why: "Node n1 was deleted".into(),
+            replacement_seen: false,
+        };
         let replacing = run(&[
             (Event::Begun(Ok("s".into())), 0.0),
             (Event::Deleted(Ok(true)), 1.0),
@@ -564,6 +588,34 @@ mod tests {
             Phase::Done(Outcome::Gone { .. })
         ));
         assert_eq!(advance(Phase::Begin, gone(), 0.0, T), Phase::Begin);
+        // Its replacement was created and never turned Ready, then the node vanished (an
+        // auto-repair of a node the revision broke): a failure, never let go.
+        let replacing = run(&[
+            (Event::Begun(Ok("s".into())), 0.0),
+            (Event::Deleted(Ok(true)), 1.0),
+        ]);
+        let p = advance(
+            replacing,
+            Event::NodeGone {
+                why: "node n1 left the cluster".into(),
+                replacement_seen: true,
+            },
+            5.0,
+            T,
+        );
+        assert!(matches!(p, Phase::Done(Outcome::Failed { .. })), "{p:?}");
+        // A pod not deleted after all (the batch halted meanwhile): deferred, nothing touched.
+        assert_eq!(
+            advance(
+                Phase::Delete { step: "s".into() },
+                Event::NotDeleted("node n2 of the batch failed".into()),
+                1.0,
+                T
+            ),
+            Phase::Done(Outcome::Deferred {
+                why: "node n2 of the batch failed".into()
+            })
+        );
     }
 }
 

@@ -146,6 +146,8 @@ impl<K> Drop for Mirror<K> {
 enum Ended {
     /// Its time was up, or the connection closed: resume from the last version seen.
     Resume,
+    /// It broke or ended with an error: not read until resumed, after a pause.
+    Broken,
     /// The version is too old (410): list again.
     Relist,
 }
@@ -208,19 +210,17 @@ where
                     Ended::Resume
                 }
                 Ok(stream) => {
+                    // The watch resumed from the last version seen: live again (an outage's
+                    // missed changes come first on it, or a 410 that lists again).
+                    if !inner.live.load(Ordering::SeqCst) {
+                        *crate::locks::lock(&inner.problem) = None;
+                        inner.live.store(true, Ordering::SeqCst);
+                    }
                     let mut stream = std::pin::pin!(stream);
                     let mut ended = Ended::Resume;
-                    let mut first = true;
+                    let mut events = 0u64;
                     while let Some(ev) = stream.next().await {
-                        if first {
-                            // A watch that answers is live again (after a failed resume).
-                            first = false;
-                            if !inner.live.load(Ordering::SeqCst) {
-                                *crate::locks::lock(&inner.problem) = None;
-                                inner.live.store(true, Ordering::SeqCst);
-                            }
-                            backoff = Duration::from_millis(200);
-                        }
+                        events += 1;
                         match ev {
                             Ok(WatchEvent::Added(o)) | Ok(WatchEvent::Modified(o)) => {
                                 if let Some(v) = &o.meta().resource_version {
@@ -242,20 +242,37 @@ where
                                 break;
                             }
                             Ok(WatchEvent::Error(s)) => {
-                                tracing::warn!(what = %inner.what, error = %s.message, "the watch ended with an error; resuming");
+                                fail(&inner, format!("watch {}: {}", inner.what, s.message));
+                                ended = Ended::Broken;
                                 break;
                             }
                             Err(e) => {
-                                tracing::warn!(what = %inner.what, error = %e, "the watch broke; resuming");
+                                fail(&inner, format!("watch {}: {e}", inner.what));
+                                ended = Ended::Broken;
                                 break;
                             }
                         }
                     }
+                    if events > 0 && matches!(ended, Ended::Resume) {
+                        backoff = Duration::from_millis(200);
+                    }
                     ended
                 }
             };
+            if matches!(ended, Ended::Broken) {
+                // Not read until a watch is back; resumed after a pause that grows.
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(15));
+                continue;
+            }
             if matches!(ended, Ended::Relist) {
                 tracing::info!(what = %inner.what, "the watch's version is too old: listing again");
+                // What is kept is older than what the API server still has: not read until
+                // listed again.
+                fail(
+                    &inner,
+                    format!("{}: listing again (its version is too old)", inner.what),
+                );
                 break;
             }
         }

@@ -53,14 +53,29 @@ pub(super) async fn step_node(
     {
         Ok(a) => a,
         Err(e) => {
+            let why = format!("cannot reach the node's agent to verify the step: {e:#}");
+            // The batch's other steps neither wait for this begin nor delete after it.
+            let _ = cx
+                .begins_left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                    Some(v.saturating_sub(1))
+                });
+            halt_batch(
+                cx,
+                &st,
+                resumed.as_ref().map(|i| i.step.clone()),
+                &why,
+                &target.0,
+            )
+            .await;
             return result(
                 &st,
                 Outcome::Failed {
                     step: resumed.as_ref().map(|i| i.step.clone()),
-                    why: format!("cannot reach the node's agent to verify the step: {e:#}"),
+                    why,
                 },
                 &stages,
-            )
+            );
         }
     };
     let t = Timeouts {
@@ -120,6 +135,7 @@ pub(super) async fn step_node(
         }
         None => Phase::Begin,
     };
+    let target_rev = target.0.clone();
     let mut live = actions::Live::new(cx, view, st, target, agent, t0);
     let outcome = match actions::drive(&mut live, phase, t).await {
         // The driver stops on a signal as on a lost lock: say which it was.
@@ -130,13 +146,10 @@ pub(super) async fn step_node(
         }
         o => o,
     };
-    if let Outcome::Failed { why, .. } = &outcome {
-        let mut h = crate::locks::lock(cx.halting);
-        if h.is_none() {
-            *h = Some(format!("node {} of the batch failed: {why}", live.st.node));
-        }
-    }
     let (st, stages) = (live.st, live.stages);
+    if let Outcome::Failed { step, why } = &outcome {
+        halt_batch(cx, &st, step.clone(), why, &target_rev).await;
+    }
     let (warn, reason, msg) = match &outcome {
         Outcome::Passed { step, summary } => (
             false,
@@ -185,4 +198,43 @@ pub(super) async fn step_node(
         ),
     );
     result(&st, outcome, &stages)
+}
+
+/// A step of the batch failed: the batch's other nodes delete nothing more, and (in a batch)
+/// the halt is on the lock at once, before the other verdicts are in (the run completes it
+/// with every node of the batch; a stepper stopped meanwhile leaves it standing).
+async fn halt_batch(
+    cx: &StepCx<'_>,
+    st: &PlannedStep,
+    step: Option<String>,
+    why: &str,
+    revision: &str,
+) {
+    {
+        let mut h = crate::locks::lock(cx.halting);
+        if h.is_some() {
+            return;
+        }
+        *h = Some(format!("node {} of the batch failed: {why}", st.node));
+    }
+    if cx.batch > 1 {
+        {
+            let mut rec = crate::locks::lock(cx.shared);
+            rec.end(&st.node);
+            if rec.halt.is_none() {
+                rec.halt = Some(record::Halt {
+                    node: st.node.clone(),
+                    step,
+                    revision: revision.to_string(),
+                    reason: why.to_string(),
+                    at: stamp(),
+                    batch: vec![format!(
+                        "{}: failed: {why} (the batch's other verdicts awaited)",
+                        st.node
+                    )],
+                });
+            }
+        }
+        persist(cx.c, cx.shared, cx.held).await;
+    }
 }

@@ -104,6 +104,11 @@ pub fn stage(p: &Pod) -> Stage {
 pub struct Stages(Vec<(Stage, f64)>);
 
 impl Stages {
+    /// Whether a replacement pod was seen at all.
+    pub fn seen(&self) -> bool {
+        !self.0.is_empty()
+    }
+
     /// Records the stage seen now; true when it is a new one.
     pub fn enter(&mut self, s: &Stage, now: f64) -> bool {
         if self.0.last().is_some_and(|(l, _)| l == s) {

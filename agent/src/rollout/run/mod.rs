@@ -276,9 +276,16 @@ impl<'a> Run<'a> {
         };
         self.ds = ds_now;
         if !self.pending.is_empty() {
-            // The interrupted batch is finished first, all of it.
-            let steps: Vec<NextStep> = std::mem::take(&mut self.pending)
-                .into_iter()
+            // The interrupted batch is finished first, at most this run's batch size at a
+            // time (an interrupted step may still have its pod to delete).
+            let max = c
+                .args
+                .max_unavailable
+                .of(plan::scope::size(&view, &self.opts));
+            let n = max.min(self.pending.len());
+            let steps: Vec<NextStep> = self
+                .pending
+                .drain(..n)
                 .map(|i| NextStep {
                     st: resumed_step(&i),
                     target: (i.revision.clone(), i.revision_number),
@@ -504,7 +511,9 @@ impl<'a> Run<'a> {
                         }
                     }
                     Outcome::Gone { .. } => {
-                        // No verdict is owed by a node that left; its end is recorded.
+                        // No verdict is owed by a node that left; its end is recorded. No
+                        // verdict passed either: the batches do not grow on it.
+                        all_passed = false;
                         rec.end(&r.node);
                     }
                     Outcome::Deferred { why } => {
