@@ -28,6 +28,12 @@ pub const SOLO: [&str; 3] = ["steps", "kernel_drops", "budgets"];
 /// tests (a thousand pods' interfaces made and removed) hold for seconds at a time.
 const ONE_LANE: [&[&str]; 1] = [&["witness", "endpoints"]];
 
+/// Parts of targets run in parts (`SHARDS`) that join a `ONE_LANE` group (named by its first
+/// target): the rollout tests' halts and interrupted steps restart lab nodes under replace
+/// timeouts of a few seconds, and a restart that waits on the RTNL lock the endpoint tests
+/// hold missed them.
+const PART_IN_GROUP: [(&str, usize, &str); 1] = [("rollout", 1, "witness")];
+
 /// Targets run in two parts, each a unit of its own in the lanes: the tests whose names contain
 /// one of the prefixes, then every other one (`--skip` each prefix), so each test runs exactly
 /// once; with each part's running time on the reference machine. The rollout tests are the
@@ -168,11 +174,17 @@ pub fn plan<'a>(
         };
         match group {
             Some(g) => shared.entry(g).or_default().push(Unit::whole(t)),
-            None => groups.extend(
-                Unit::of(t, shard && n > 1)
-                    .into_iter()
-                    .map(|u| (u.secs, vec![u])),
-            ),
+            None => {
+                for u in Unit::of(t, shard && n > 1) {
+                    let joins = PART_IN_GROUP.iter().find(|(target, part, _)| {
+                        *target == name && u.part.is_some_and(|(p, _)| p == *part)
+                    });
+                    match joins {
+                        Some((_, _, g)) => shared.entry(g).or_default().push(u),
+                        None => groups.push((u.secs, vec![u])),
+                    }
+                }
+            }
         }
     }
     for (_, g) in shared {
@@ -380,6 +392,31 @@ mod tests {
             src: format!("tests/{name}.rs"),
             privileged: true,
         }
+    }
+
+    /// The rollout tests' first part runs in the lane of the witness and endpoint tests (the
+    /// RTNL lock's holder), after them; the second part in a lane of its own choosing.
+    #[test]
+    fn the_rollout_restarts_run_beside_the_rtnl_holder_not_against_it() {
+        let all: Vec<Target> = ["rollout", "witness", "endpoints", "matrix", "versions"]
+            .into_iter()
+            .map(t)
+            .collect();
+        let refs: Vec<&Target> = all.iter().collect();
+        let (lanes, _) = plan(&refs, 3, true);
+        let lane_of = |name: &str, part: Option<usize>| {
+            lanes
+                .iter()
+                .position(|l| {
+                    l.iter()
+                        .any(|u| u.target.name == name && u.part.map(|(p, _)| p) == part)
+                })
+                .unwrap_or_else(|| panic!("{name} {part:?} in no lane"))
+        };
+        let rtnl = lane_of("endpoints", None);
+        assert_eq!(lane_of("witness", None), rtnl);
+        assert_eq!(lane_of("rollout", Some(1)), rtnl);
+        let _ = lane_of("rollout", Some(2));
     }
 
     /// Every target lands in exactly one lane or the solo list; the longest targets spread
