@@ -323,18 +323,18 @@ fn the_rollout_rbac_is_least_privilege() {
     assert_eq!(
         rules("ClusterRole", None),
         [
-            ("nodes".to_string(), v(&["list"])),
-            ("services".to_string(), v(&["list"])),
+            ("nodes".to_string(), v(&["list", "watch"])),
+            ("services".to_string(), v(&["list", "watch"])),
             ("endpointslices".to_string(), v(&["list"]))
         ]
     );
     let ks = rules("Role", Some("kube-system"));
     assert!(
-        ks.contains(&("pods".into(), v(&["get", "list", "delete"]))),
+        ks.contains(&("pods".into(), v(&["get", "list", "watch", "delete"]))),
         "{ks:?}"
     );
     assert!(
-        ks.contains(&("leases".into(), v(&["list"]))),
+        ks.contains(&("leases".into(), v(&["list", "watch"]))),
         "kube-system Leases read only: {ks:?}"
     );
     assert!(ks.contains(&("events".into(), v(&["create"]))), "{ks:?}");
